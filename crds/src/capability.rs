@@ -1,0 +1,76 @@
+//! The `Capability` resource: an application function hooks may reach through `host_call`.
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::free_form;
+
+/// A Capability is an application function that hooks may call by its `metadata.name`.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "sluice.dev",
+    version = "v1alpha1",
+    kind = "Capability",
+    plural = "capabilities",
+    shortname = "cap",
+    namespaced,
+    printcolumn = r#"{"name":"Description","type":"string","jsonPath":".spec.description"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct CapabilitySpec {
+    /// What the capability does, for hook authors.
+    #[serde(default)]
+    pub description: String,
+    /// JSON Schema every host_call payload must satisfy before anything else runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "free_form")]
+    pub schema: Option<serde_json::Value>,
+    /// Capabilities called before execute with {capability, payload, caller}; each answers {allow, reason}.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gates: Vec<String>,
+    /// Capabilities called after execute with {capability, payload, result, consumed}.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dispatch: Vec<String>,
+    /// Where execute goes: exactly one of grpc, http or builtin.
+    pub endpoint: Endpoint,
+    /// Most milliseconds one call may take, gates and dispatch excluded.
+    #[serde(default = "default_timeout_ms")]
+    #[schemars(range(min = 1, max = 600000))]
+    pub timeout_ms: u32,
+}
+
+fn default_timeout_ms() -> u32 {
+    5000
+}
+
+/// Exactly one of the three fields is set.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Endpoint {
+    /// URL of a service implementing sluice.v1.CapabilityService/Execute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc: Option<String>,
+    /// URL that takes a JSON POST of {name, payload, caller} and answers {result, consumed}.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<String>,
+    /// A function built into the gateway.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub builtin: Option<Builtin>,
+}
+
+/// Functions built into the gateway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Builtin {
+    /// Answers with the payload it was given.
+    Echo,
+}
+
+impl Endpoint {
+    /// How many of grpc, http and builtin are set; a valid endpoint has exactly one.
+    pub fn kinds_set(&self) -> usize {
+        [self.grpc.is_some(), self.http.is_some(), self.builtin.is_some()].iter().filter(|b| **b).count()
+    }
+}

@@ -1,0 +1,332 @@
+//! The `HookChain` resource: an ordered list of Python hooks run at one trigger point of one target.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fmt;
+
+use crate::free_form;
+
+/// Where in the conversation a chain runs; fixes the shape of the payload its hooks see.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TriggerPoint {
+    /// The user's message before the agent sees it (text).
+    Input,
+    /// The agent's reply before the user sees it (text; streamed through `Gateway.Stream`).
+    Output,
+    /// Before every model call: `{model, messages, tools, max_tokens, usage_so_far, turn}`.
+    BeforeModel,
+    /// After every model call: `{message, usage}`.
+    AfterModel,
+    /// Before every tool call: `{name, arguments}`.
+    BeforeTool,
+    /// After every tool call: `{name, result, error}`.
+    AfterTool,
+}
+
+impl TriggerPoint {
+    pub const ALL: [TriggerPoint; 6] = [
+        Self::Input,
+        Self::Output,
+        Self::BeforeModel,
+        Self::AfterModel,
+        Self::BeforeTool,
+        Self::AfterTool,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Input => "input",
+            Self::Output => "output",
+            Self::BeforeModel => "before_model",
+            Self::AfterModel => "after_model",
+            Self::BeforeTool => "before_tool",
+            Self::AfterTool => "after_tool",
+        }
+    }
+
+    /// `input` and `output` carry text; the agent-loop points carry a structured value.
+    pub fn carries_text(self) -> bool {
+        matches!(self, Self::Input | Self::Output)
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|tp| tp.as_str() == s)
+    }
+}
+
+impl fmt::Display for TriggerPoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a hook does with the payload. A hook declares one and may return only it or `pass`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// Leave the payload as it is.
+    Pass,
+    /// Replace the payload with the hook's `outgoing`.
+    Modify,
+    /// Stop the walk and refuse; `message` is for the user.
+    Block,
+    /// Stop the walk; the agent is not called and `message` may answer instead.
+    Skip,
+    /// Leave the payload as it is and report `findings` to the audit.
+    Detect,
+}
+
+impl Action {
+    pub const ALL: [Action; 5] = [Self::Pass, Self::Modify, Self::Block, Self::Skip, Self::Detect];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pass => "pass",
+            Self::Modify => "modify",
+            Self::Block => "block",
+            Self::Skip => "skip",
+            Self::Detect => "detect",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.as_str() == s)
+    }
+
+    /// `block` and `skip` end the walk.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Block | Self::Skip)
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What happens when a hook raises, times out or returns something it may not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum FailurePolicy {
+    /// End the run as `block` with the reason stated.
+    #[default]
+    Closed,
+    /// Pass the payload on unchanged, as if the failing hook had returned `pass`.
+    Open,
+}
+
+/// Whether a sandbox may serve more than one trigger point.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Reuse {
+    /// One sandbox per trigger point, destroyed afterwards.
+    #[default]
+    None,
+    /// A sandbox may serve several trigger points of one session of one target.
+    Session,
+}
+
+/// A HookChain runs ordered Python hooks on every payload of one trigger point of one target.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "sluice.dev",
+    version = "v1alpha1",
+    kind = "HookChain",
+    plural = "hookchains",
+    shortname = "hc",
+    namespaced,
+    status = "HookChainStatus",
+    scale = r#"{"specReplicasPath":".spec.pool.warm","statusReplicasPath":".status.warm"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Warm","type":"integer","jsonPath":".status.warm"}"#,
+    printcolumn = r#"{"name":"Claimed","type":"integer","jsonPath":".status.claimed"}"#,
+    printcolumn = r#"{"name":"Trigger","type":"string","jsonPath":".spec.triggerPoint"}"#,
+    printcolumn = r#"{"name":"Target","type":"string","jsonPath":".spec.target"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct HookChainSpec {
+    /// The agent or application this chain serves; callers name it in every request.
+    pub target: String,
+    /// The trigger point the chain runs at: input, output, before_model, after_model, before_tool or after_tool.
+    pub trigger_point: TriggerPoint,
+    /// Closed (default) ends the run as block when a hook fails; Open passes the payload on unchanged.
+    #[serde(default)]
+    pub failure_policy: FailurePolicy,
+    /// Budget in milliseconds for one sandbox call (host_call time excluded); past it the sandbox is killed.
+    #[serde(default = "default_timeout_ms")]
+    #[schemars(range(min = 10, max = 60000))]
+    pub timeout_ms: u32,
+    /// How Gateway.Stream batches an agent reply through this chain.
+    #[serde(default)]
+    pub streaming: StreamingSpec,
+    /// Size and reuse of the warm sandbox pool.
+    #[serde(default)]
+    pub pool: PoolSpec,
+    /// Limits of every sandbox of this chain.
+    #[serde(default)]
+    pub resources: ResourceSpec,
+    /// The hooks, run in this order.
+    #[schemars(length(min = 1, max = 32))]
+    pub hooks: Vec<HookSpec>,
+}
+
+fn default_timeout_ms() -> u32 {
+    2000
+}
+
+/// How a streamed reply is batched: run the chain every `flushChars`, hold back the last `lookbackChars`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamingSpec {
+    /// Characters buffered before the chain runs on the stream path.
+    #[serde(default = "default_flush_chars")]
+    #[schemars(range(min = 1, max = 1048576))]
+    pub flush_chars: u32,
+    /// Characters of each result held back as the next batch's prefix, so a pattern split across chunks is seen whole.
+    #[serde(default = "default_lookback_chars")]
+    #[schemars(range(max = 65536))]
+    pub lookback_chars: u32,
+}
+
+impl Default for StreamingSpec {
+    fn default() -> Self {
+        Self { flush_chars: default_flush_chars(), lookback_chars: default_lookback_chars() }
+    }
+}
+
+fn default_flush_chars() -> u32 {
+    64
+}
+fn default_lookback_chars() -> u32 {
+    48
+}
+
+/// The warm pool of sandboxes kept ready for this chain.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolSpec {
+    /// Sandboxes kept started and waiting, so a trigger point never waits for a boot.
+    #[serde(default = "default_warm")]
+    #[schemars(range(max = 1000))]
+    pub warm: u32,
+    /// Upper bound on sandboxes of this chain, warm and claimed together.
+    #[serde(default = "default_max")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub max: u32,
+    /// None: one sandbox per trigger point. Session: reuse within one session of one target.
+    #[serde(default)]
+    pub reuse: Reuse,
+}
+
+impl Default for PoolSpec {
+    fn default() -> Self {
+        Self { warm: default_warm(), max: default_max(), reuse: Reuse::None }
+    }
+}
+
+fn default_warm() -> u32 {
+    2
+}
+fn default_max() -> u32 {
+    20
+}
+
+/// cgroup limits of each sandbox.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ResourceSpec {
+    /// CPU limit as a Kubernetes quantity (250m is a quarter of a core).
+    #[serde(default = "default_cpu")]
+    pub cpu: String,
+    /// Memory limit as a Kubernetes quantity (128Mi); the sandbox is killed past it.
+    #[serde(default = "default_memory")]
+    pub memory: String,
+    /// Most processes and threads the sandbox may hold.
+    #[serde(default = "default_pids")]
+    #[schemars(range(min = 8, max = 4096))]
+    pub pids: u32,
+}
+
+impl Default for ResourceSpec {
+    fn default() -> Self {
+        Self { cpu: default_cpu(), memory: default_memory(), pids: default_pids() }
+    }
+}
+
+fn default_cpu() -> String {
+    "250m".into()
+}
+fn default_memory() -> String {
+    "128Mi".into()
+}
+fn default_pids() -> u32 {
+    64
+}
+
+/// One hook: Python source defining `execute(context, settings)` and the one action it may take.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HookSpec {
+    /// Name of the hook, unique within the chain; it appears in results, errors and the audit.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// The action this hook may take besides pass: modify, block, skip or detect.
+    pub action: Action,
+    /// Free-form settings passed to execute as its second argument.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "free_form")]
+    pub settings: Option<serde_json::Value>,
+    /// Capabilities (by name) this hook may call through host_call.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub capabilities: Vec<String>,
+    /// Python source that defines execute(context, settings) and returns a dict with an action.
+    #[schemars(length(min = 1, max = 262144))]
+    pub code: String,
+}
+
+/// What the operator and gateway report about a chain.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HookChainStatus {
+    /// The generation of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Sandboxes started and waiting for a trigger point.
+    #[serde(default)]
+    pub warm: u32,
+    /// Sandboxes serving a trigger point now.
+    #[serde(default)]
+    pub claimed: u32,
+    /// SHA-256 of the chain's hooks (names, actions, settings, code), as recorded in the audit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code_hash: Option<String>,
+    /// Ready, CodeValid and PoolReady, with reasons a platform engineer can act on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+impl HookChainSpec {
+    /// A stable hash of everything that decides what the hooks do; recorded in status and audit.
+    pub fn code_hash(&self) -> String {
+        let mut h = Sha256::new();
+        for hook in &self.hooks {
+            // serde_json::to_vec cannot fail for these plain types.
+            let settings = hook.settings.as_ref().map(|s| s.to_string()).unwrap_or_default();
+            for part in [
+                hook.name.as_str(),
+                hook.action.as_str(),
+                settings.as_str(),
+                &hook.capabilities.join(","),
+                hook.code.as_str(),
+            ] {
+                h.update((part.len() as u64).to_le_bytes());
+                h.update(part.as_bytes());
+            }
+        }
+        format!("sha256:{}", &hex::encode(h.finalize())[..16])
+    }
+}

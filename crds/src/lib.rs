@@ -1,0 +1,31 @@
+//! Sluice's custom resources (`sluice.dev/v1alpha1`): the types, their semantic validation, and the
+//! loader that reads them from YAML files with file and line in every error.
+
+mod capability;
+mod hookchain;
+pub mod manifest;
+pub mod quantity;
+pub mod validate;
+
+pub use capability::{Builtin, Capability, CapabilitySpec, Endpoint};
+pub use hookchain::{
+    Action, FailurePolicy, HookChain, HookChainSpec, HookChainStatus, HookSpec, PoolSpec, ResourceSpec,
+    Reuse, StreamingSpec, TriggerPoint,
+};
+
+use schemars::Schema;
+
+/// Schema of a free-form JSON object (`settings`, `schema`): kept whole by the API server.
+fn free_form(_: &mut schemars::SchemaGenerator) -> Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": true
+    })
+}
+
+/// The CRD manifests as YAML, in the order `make crds` writes them.
+pub fn crd_yaml() -> Vec<(&'static str, String)> {
+    use kube::CustomResourceExt;
+    let render = |crd| serde_yaml::to_string(&crd).expect("a CRD always serializes to YAML");
+    vec![("hookchain.yaml", render(HookChain::crd())), ("capability.yaml", render(Capability::crd()))]
+}

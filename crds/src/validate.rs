@@ -1,0 +1,166 @@
+//! Semantic rules beyond what the CRD schema can say. The gateway, the operator and `sluice check`
+//! all apply these, so a chain is judged the same way everywhere.
+
+use crate::{CapabilitySpec, HookChainSpec, quantity};
+use std::collections::HashSet;
+
+/// One problem with a resource: the field it concerns and what is wrong, in words a person can act on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub field: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+fn problem(field: impl Into<String>, message: impl Into<String>) -> Problem {
+    Problem { field: field.into(), message: message.into() }
+}
+
+/// Hook names become label values and audit keys: DNS-label-like.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_' || b == b'.')
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+}
+
+/// Smallest memory a sandbox with Python in it can start with.
+pub const MIN_MEMORY_BYTES: u64 = 32 << 20;
+
+pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
+    let mut out = Vec::new();
+    if spec.target.trim().is_empty() {
+        out.push(problem("spec.target", "must name the agent or app this chain serves"));
+    }
+    if !(10..=60_000).contains(&spec.timeout_ms) {
+        out.push(problem("spec.timeoutMs", format!("{} is outside 10..60000", spec.timeout_ms)));
+    }
+    if spec.streaming.flush_chars == 0 {
+        out.push(problem("spec.streaming.flushChars", "must be at least 1"));
+    }
+    if spec.pool.max == 0 {
+        out.push(problem("spec.pool.max", "must be at least 1"));
+    }
+    match quantity::cpu_millis(&spec.resources.cpu) {
+        Ok(0) => out.push(problem("spec.resources.cpu", "must be more than 0")),
+        Ok(_) => {}
+        Err(e) => out.push(problem("spec.resources.cpu", e)),
+    }
+    match quantity::memory_bytes(&spec.resources.memory) {
+        Ok(b) if b < MIN_MEMORY_BYTES => out.push(problem(
+            "spec.resources.memory",
+            format!("{} is below the 32Mi a Python sandbox needs", spec.resources.memory),
+        )),
+        Ok(_) => {}
+        Err(e) => out.push(problem("spec.resources.memory", e)),
+    }
+    if spec.resources.pids < 8 {
+        out.push(problem("spec.resources.pids", "must be at least 8"));
+    }
+    if spec.hooks.is_empty() {
+        out.push(problem("spec.hooks", "a chain needs at least one hook"));
+    }
+    let mut seen = HashSet::new();
+    for (i, hook) in spec.hooks.iter().enumerate() {
+        let at = format!("spec.hooks[{i}]");
+        if !valid_name(&hook.name) {
+            out.push(problem(
+                format!("{at}.name"),
+                format!("{:?} must be 1-63 lowercase letters, digits, '-', '_' or '.'", hook.name),
+            ));
+        } else if !seen.insert(hook.name.as_str()) {
+            out.push(problem(format!("{at}.name"), format!("{:?} is used by an earlier hook", hook.name)));
+        }
+        if hook.action == crate::Action::Pass {
+            out.push(problem(
+                format!("{at}.action"),
+                "a hook declares what it may do besides pass: modify, block, skip or detect",
+            ));
+        }
+        if hook.code.trim().is_empty() {
+            out.push(problem(format!("{at}.code"), "is empty; it must define execute(context, settings)"));
+        }
+        if let Some(s) = &hook.settings {
+            if !s.is_object() {
+                out.push(problem(format!("{at}.settings"), "must be a mapping of names to values"));
+            }
+        }
+    }
+    out
+}
+
+pub fn capability(name: &str, spec: &CapabilitySpec) -> Vec<Problem> {
+    let mut out = Vec::new();
+    if name.is_empty() {
+        out.push(problem("metadata.name", "a capability needs the name hooks call it by"));
+    }
+    match spec.endpoint.kinds_set() {
+        1 => {}
+        0 => out.push(problem("spec.endpoint", "set one of grpc, http or builtin")),
+        _ => out.push(problem("spec.endpoint", "set only one of grpc, http or builtin")),
+    }
+    for (field, url) in [("spec.endpoint.grpc", &spec.endpoint.grpc), ("spec.endpoint.http", &spec.endpoint.http)] {
+        if let Some(url) = url {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                out.push(problem(field, format!("{url:?} must start with http:// or https://")));
+            }
+        }
+    }
+    if let Some(schema) = &spec.schema {
+        if !schema.is_object() {
+            out.push(problem("spec.schema", "must be a JSON Schema object"));
+        }
+    }
+    for (field, list) in [("spec.gates", &spec.gates), ("spec.dispatch", &spec.dispatch)] {
+        if list.iter().any(|g| g == name) {
+            out.push(problem(field, format!("{name:?} cannot be its own gate or dispatch step")));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Action, HookSpec, TriggerPoint};
+
+    fn chain() -> HookChainSpec {
+        serde_json::from_value(serde_json::json!({
+            "target": "bot", "triggerPoint": "input",
+            "hooks": [{"name": "a", "action": "modify", "code": "def execute(c, s): return {'action': 'pass'}"}]
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_good_chain_has_no_problems() {
+        assert_eq!(hookchain(&chain()), vec![]);
+        assert_eq!(chain().trigger_point, TriggerPoint::Input);
+    }
+
+    #[test]
+    fn duplicate_names_pass_action_and_bad_memory_are_reported() {
+        let mut c = chain();
+        c.hooks.push(HookSpec { action: Action::Pass, ..c.hooks[0].clone() });
+        c.resources.memory = "1Mi".into();
+        let problems: Vec<String> = hookchain(&c).iter().map(|p| p.to_string()).collect();
+        assert!(problems.iter().any(|p| p.starts_with("spec.hooks[1].name")), "{problems:?}");
+        assert!(problems.iter().any(|p| p.starts_with("spec.hooks[1].action")), "{problems:?}");
+        assert!(problems.iter().any(|p| p.starts_with("spec.resources.memory")), "{problems:?}");
+    }
+
+    #[test]
+    fn capability_endpoint_must_be_exactly_one() {
+        let mut spec: CapabilitySpec =
+            serde_json::from_value(serde_json::json!({"endpoint": {"builtin": "echo"}})).unwrap();
+        assert!(capability("x", &spec).is_empty());
+        spec.endpoint.http = Some("ftp://nope".into());
+        let p = capability("x", &spec);
+        assert_eq!(p.len(), 2, "{p:?}");
+    }
+}

@@ -1,0 +1,54 @@
+//! The committed CRD YAML must be exactly what the Rust types generate (`make crds` refreshes it), and
+//! must be a structural schema a real API server accepts.
+
+use std::path::Path;
+
+#[test]
+fn committed_crd_yaml_matches_the_types() {
+    for (name, generated) in sluice_crds::crd_yaml() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(name);
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(committed == generated, "{} is stale: run `make crds` and commit the result", path.display());
+    }
+}
+
+/// Walks a schema and returns the paths of nodes that a structural schema forbids or lacks.
+fn structural_violations(node: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+    let Some(obj) = node.as_object() else { return };
+    for banned in ["oneOf", "anyOf", "allOf", "$ref", "nullable"] {
+        if obj.contains_key(banned) && banned != "nullable" {
+            out.push(format!("{path}: {banned}"));
+        }
+    }
+    let preserves = obj.get("x-kubernetes-preserve-unknown-fields") == Some(&serde_json::Value::Bool(true));
+    let int_or_string = obj.get("x-kubernetes-int-or-string") == Some(&serde_json::Value::Bool(true));
+    if !obj.contains_key("type") && !preserves && !int_or_string {
+        out.push(format!("{path}: no type"));
+    }
+    if let Some(props) = obj.get("properties").and_then(|p| p.as_object()) {
+        for (k, v) in props {
+            if v.get("description").is_none() && !path.contains("conditions") && !path.starts_with(".metadata") {
+                out.push(format!("{path}.{k}: no description"));
+            }
+            structural_violations(v, &format!("{path}.{k}"), out);
+        }
+    }
+    if let Some(items) = obj.get("items") {
+        structural_violations(items, &format!("{path}[]"), out);
+    }
+}
+
+#[test]
+fn crds_are_structural_and_every_field_is_described() {
+    for (name, yaml) in sluice_crds::crd_yaml() {
+        let crd: serde_json::Value = serde_yaml::from_str(&yaml).unwrap();
+        let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        let mut out = Vec::new();
+        for part in ["spec", "status"] {
+            if let Some(s) = schema["properties"].get(part) {
+                structural_violations(s, &format!(".{part}"), &mut out);
+            }
+        }
+        assert!(out.is_empty(), "{name} is not structural or lacks descriptions: {out:#?}");
+    }
+}
