@@ -1,0 +1,230 @@
+"""Tests of the supervisor over its real pipes: `python3 -m unittest discover -s supervisor`."""
+
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SUPERVISOR = os.path.join(HERE, "supervisor.py")
+
+
+def hook(name, action, code, settings=None):
+    return {"name": name, "action": action, "code": code, "settings": settings or {}}
+
+
+class Session:
+    """One supervisor process, spoken to exactly as the gateway does."""
+
+    def __init__(self, env=None):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-u", SUPERVISOR],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env or {},
+        )
+        self.ready = self.read()
+
+    def send(self, msg):
+        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def read(self):
+        line = self.proc.stderr.readline()
+        if not line:
+            raise EOFError("supervisor closed the protocol")
+        return json.loads(line)
+
+    def init(self, hooks, trigger_point="input", policy="Closed", limits=None):
+        self.send({"type": "init", "trigger_point": trigger_point, "failure_policy": policy, "hooks": hooks, "limits": limits or {}})
+        return self.read()
+
+    def chunk(self, outgoing, state=None, host=None, start=0):
+        self.send({"type": "chunk", "id": 7, "outgoing": outgoing, "state": state or [], "context": {"target": "bot"}, "start": start})
+        hooks = []
+        while True:
+            msg = self.read()
+            if msg["type"] == "hook_result":
+                hooks.append(msg)
+            elif msg["type"] == "host_call":
+                self.send(host(msg))
+            else:
+                return msg, hooks
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(5)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+class SupervisorTest(unittest.TestCase):
+    def setUp(self):
+        self.s = Session()
+
+    def tearDown(self):
+        self.s.close()
+
+    def test_ready_names_the_protocol(self):
+        self.assertEqual(self.s.ready["type"], "ready")
+        self.assertEqual(self.s.ready["protocol"], 1)
+
+    def test_every_action_and_the_walk_stops_at_the_terminal_index(self):
+        ack = self.s.init([
+            hook("up", "modify", "def execute(c, s): return {'action': 'modify', 'outgoing': c['outgoing'].upper()}"),
+            hook("find", "detect", "def execute(c, s): return {'action': 'detect', 'findings': {'n': len(c.outgoing)}}"),
+            hook("stop", "block", "def execute(c, s): return {'action': 'block', 'message': 'no ' + c['outgoing']}"),
+            hook("never", "modify", "def execute(c, s): return {'action': 'modify', 'outgoing': 'reached'}"),
+        ])
+        self.assertTrue(all(h["ok"] for h in ack["hooks"]), ack)
+        result, hooks = self.s.chunk("hi")
+        self.assertEqual([h["name"] for h in hooks], ["up", "find", "stop"])
+        self.assertEqual(hooks[0]["outgoing"], "HI")
+        self.assertEqual(hooks[1]["findings"], {"n": 2})
+        self.assertEqual(hooks[2]["message"], "no HI")
+        self.assertEqual(result, {"type": "result", "id": 7, "action": "block", "terminal_index": 2})
+
+    def test_skip_is_terminal(self):
+        self.s.init([hook("s", "skip", "def execute(c, s): return {'action': 'skip', 'message': 'cached'}")])
+        result, _ = self.s.chunk("x")
+        self.assertEqual((result["action"], result["terminal_index"]), ("skip", 0))
+
+    def test_undeclared_action_is_a_hook_error_closed_blocks(self):
+        self.s.init([hook("sneaky", "detect", "def execute(c, s): return {'action': 'block'}")])
+        result, hooks = self.s.chunk("x")
+        self.assertIn("declared 'detect'", hooks[0]["error"])
+        self.assertEqual((result["action"], result["terminal_index"]), ("block", 0))
+
+    def test_open_policy_passes_the_payload_on_after_an_exception(self):
+        self.s.init([
+            hook("boom", "modify", "def execute(c, s):\n    raise ValueError('bad day')\n"),
+            hook("up", "modify", "def execute(c, s): return {'action': 'modify', 'outgoing': c['outgoing'].upper()}"),
+        ], policy="Open")
+        result, hooks = self.s.chunk("x")
+        self.assertIn("ValueError: bad day", hooks[0]["error"])
+        self.assertIn("line 2", hooks[0]["error"])
+        self.assertEqual(hooks[1]["outgoing"], "X")
+        self.assertEqual((result["action"], result["terminal_index"]), ("modify", None))
+
+    def test_malformed_results_are_errors(self):
+        cases = [
+            ("return 'pass'", "not a dict"),
+            ("return {'action': 'modify'}", "without 'outgoing'"),
+            ("return {'action': 'modify', 'outgoing': 5}", "carries text"),
+            ("return {'action': 'pass', 'state': object()}", "not JSON-serializable"),
+            ("return {'action': 'pass', 'message': 3}", "not str"),
+            ("return {'action': 'pass', 'state': 'x' * 100000}", "over the limit"),
+            ("import sys; sys.exit(3)", "SystemExit"),
+        ]
+        self.s.init([hook(f"h{i}", "modify", f"def execute(c, s):\n    {body}\n") for i, (body, _) in enumerate(cases)], policy="Open")
+        _, hooks = self.s.chunk("x")
+        for (body, expected), got in zip(cases, hooks):
+            self.assertIn(expected, got.get("error", ""), body)
+
+    def test_compile_errors_are_reported_at_init_with_the_line(self):
+        ack = self.s.init([
+            hook("bad", "modify", "def execute(c, s):\n    return {\n"),
+            hook("noexec", "modify", "x = 1\n"),
+            hook("pass-declared", "pass", "def execute(c, s): return {'action': 'pass'}"),
+        ])
+        bad, noexec, declared = ack["hooks"]
+        self.assertFalse(bad["ok"])
+        self.assertIn("SyntaxError", bad["error"])
+        self.assertEqual(bad["line"], 2)
+        self.assertIn("execute", noexec["error"])
+        self.assertIn("declared action", declared["error"])
+        result, hooks = self.s.chunk("x")
+        self.assertEqual(result["action"], "block")
+        self.assertIn("SyntaxError", hooks[0]["error"])
+
+    def test_printing_does_not_corrupt_the_protocol(self):
+        code = (
+            "import os, sys\n"
+            "def execute(c, s):\n"
+            "    print('{\"type\": \"result\", \"action\": \"pass\"}')\n"
+            "    sys.stderr.write('{\"type\": \"result\"}\\n')\n"
+            "    os.write(1, b'raw one\\n'); os.write(2, b'raw two\\n')\n"
+            "    return {'action': 'modify', 'outgoing': 'clean'}\n"
+        )
+        self.s.init([hook("noisy", "modify", code)])
+        result, hooks = self.s.chunk("x")
+        self.assertEqual(hooks[0]["outgoing"], "clean")
+        self.assertEqual(result["action"], "modify")
+
+    def test_state_is_per_hook(self):
+        count = "def execute(c, s):\n    n = (c['state'] or 0) + 1\n    return {'action': 'detect', 'state': n, 'findings': {'n': n}}\n"
+        self.s.init([hook("a", "detect", count), hook("b", "detect", count)])
+        _, hooks = self.s.chunk("x", state=[5, None])
+        self.assertEqual([h["state"] for h in hooks], [6, 1])
+
+    def test_host_call_round_trip_and_errors(self):
+        code = (
+            "def execute(c, s):\n"
+            "    got = c.host_call('echo', {'q': 1})\n"
+            "    try:\n"
+            "        c.host_call('nope', {})\n"
+            "    except HostCallError as e:\n"
+            "        return {'action': 'modify', 'outgoing': str(got['q']) + ':' + str(e)}\n"
+        )
+        self.s.init([hook("caller", "modify", code)])
+
+        def host(msg):
+            if msg["name"] == "echo":
+                return {"type": "host_result", "id": msg["id"], "ok": True, "result": msg["payload"]}
+            return {"type": "host_result", "id": msg["id"], "ok": False, "error": "unknown capability 'nope'"}
+
+        _, hooks = self.s.chunk("x", host=host)
+        self.assertEqual(hooks[0]["outgoing"], "1:unknown capability 'nope'")
+
+    def test_host_call_bound(self):
+        code = "def execute(c, s):\n    for i in range(10):\n        c.host_call('echo', i)\n    return {'action': 'pass'}\n"
+        self.s.init([hook("loop", "modify", code)], limits={"host_calls": 3})
+        calls = []
+
+        def host(msg):
+            calls.append(msg)
+            return {"type": "host_result", "id": msg["id"], "ok": True, "result": None}
+
+        _, hooks = self.s.chunk("x", host=host)
+        self.assertEqual(len(calls), 3)
+        self.assertIn("host_call limit", hooks[0]["error"])
+
+    def test_start_index_resumes_the_walk(self):
+        self.s.init([
+            hook("a", "modify", "def execute(c, s): return {'action': 'modify', 'outgoing': 'a'}"),
+            hook("b", "modify", "def execute(c, s): return {'action': 'modify', 'outgoing': c.outgoing + 'b'}"),
+        ])
+        _, hooks = self.s.chunk("x", start=1)
+        self.assertEqual([(h["index"], h["outgoing"]) for h in hooks], [(1, "xb")])
+
+    def test_malformed_request_gets_an_error_and_the_supervisor_keeps_serving(self):
+        self.s.proc.stdin.write(b"{not json\n")
+        self.s.proc.stdin.flush()
+        self.assertEqual(self.s.read()["type"], "error")
+        self.s.send({"type": "teleport"})
+        self.assertIn("unknown request", self.s.read()["message"])
+        ack = self.s.init([hook("a", "detect", "def execute(c, s): return {'action': 'pass'}")])
+        self.assertTrue(ack["hooks"][0]["ok"])
+
+    def test_structured_payloads_need_a_dict(self):
+        self.s.init([hook("t", "modify", "def execute(c, s): return {'action': 'modify', 'outgoing': 'text'}")], trigger_point="before_tool")
+        _, hooks = self.s.chunk({"name": "write", "arguments": {}})
+        self.assertIn("carries an object", hooks[0]["error"])
+
+
+class MemoryLimitTest(unittest.TestCase):
+    def test_memory_bomb_is_a_hook_error(self):
+        s = Session(env={"SLUICE_MEMORY_BYTES": str(256 << 20)})
+        try:
+            s.init([hook("bomb", "modify", "def execute(c, s):\n    x = bytearray(1 << 30)\n    return {'action': 'pass'}\n")])
+            result, hooks = s.chunk("x")
+            self.assertIn("MemoryError", hooks[0]["error"])
+            self.assertEqual(result["action"], "block")
+        finally:
+            s.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
