@@ -1,0 +1,65 @@
+//! Bounds on everything that crosses the gateway: requests from callers and results from sandboxes.
+
+use crate::wire::WireLimits;
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Largest gRPC message accepted (the whole encoded request).
+    pub request_bytes: usize,
+    /// Largest payload (text or JSON) accepted from a caller or returned by a hook.
+    pub payload_bytes: usize,
+    pub state_bytes: usize,
+    pub findings_bytes: usize,
+    pub message_chars: usize,
+    /// Deepest nesting of a JSON value returned by a hook.
+    pub depth: usize,
+    pub host_calls_per_run: u32,
+    /// Entries in a request's context map.
+    pub context_entries: usize,
+    /// How long a request waits for a sandbox before UNAVAILABLE.
+    pub claim_timeout: Duration,
+    /// How long a new sandbox may take to start Python and say ready.
+    pub boot_timeout: Duration,
+    /// Largest assembled reply of one stream.
+    pub stream_bytes: usize,
+    /// Longest a stream may stay silent before it is closed (and its sandbox handed back).
+    pub stream_idle: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            request_bytes: 4 << 20,
+            payload_bytes: 1 << 20,
+            state_bytes: 64 << 10,
+            findings_bytes: 64 << 10,
+            message_chars: 4096,
+            depth: 32,
+            host_calls_per_run: 16,
+            context_entries: 64,
+            claim_timeout: Duration::from_secs(5),
+            boot_timeout: Duration::from_secs(20),
+            stream_bytes: 4 << 20,
+            stream_idle: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Limits {
+    pub fn wire(&self) -> WireLimits {
+        WireLimits {
+            payload_bytes: self.payload_bytes,
+            state_bytes: self.state_bytes,
+            findings_bytes: self.findings_bytes,
+            message_chars: self.message_chars,
+            depth: self.depth,
+            host_calls: self.host_calls_per_run,
+        }
+    }
+
+    /// Longest protocol line a sandbox may send: the largest payload plus state, findings and framing.
+    pub fn max_line(&self) -> usize {
+        self.payload_bytes * 2 + self.state_bytes + self.findings_bytes + 64 * 1024
+    }
+}

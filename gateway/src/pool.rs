@@ -1,0 +1,346 @@
+//! Warm pools: per chain, `pool.warm` sandboxes already booted with their supervisor waiting for
+//! `init`, never more than `pool.max` in all (warm, booting, claimed and being torn down). A claim
+//! takes one for a single trigger point; a background task boots replacements.
+
+use crate::chain::Chain;
+use crate::limits::Limits;
+use crate::metrics::Metrics;
+use crate::sandbox::{SandboxBackend, SandboxSpec};
+use crate::supervisor::SupervisorConn;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error("no sandbox for chain {chain} within {waited_ms} ms ({detail})")]
+    Timeout { chain: String, waited_ms: u64, detail: String },
+}
+
+#[derive(Default)]
+struct Counts {
+    warm: VecDeque<SupervisorConn>,
+    booting: usize,
+    claimed: usize,
+    tearing_down: usize,
+    last_error: Option<String>,
+}
+
+impl Counts {
+    fn total(&self) -> usize {
+        self.warm.len() + self.booting + self.claimed + self.tearing_down
+    }
+}
+
+/// The pool of one chain (one namespace/name and one sandbox spec).
+pub struct Pool {
+    name: String,
+    spec: SandboxSpec,
+    warm_target: usize,
+    max: usize,
+    counts: Mutex<Counts>,
+    changed: Notify,
+    closed: AtomicBool,
+    shared: Arc<Shared>,
+}
+
+/// What every pool of a gateway shares.
+struct Shared {
+    backend: Arc<dyn SandboxBackend>,
+    limits: Limits,
+    metrics: Metrics,
+    /// Boots at once across all pools: booting is CPU-bound, and more than the cores only slows all.
+    boots: Semaphore,
+}
+
+impl Pool {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
+        // A poisoned lock only means a panic elsewhere; the counts themselves stay consistent.
+        self.counts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Warm and claimed counts, for status and metrics.
+    pub fn sizes(&self) -> (usize, usize) {
+        let c = self.lock();
+        (c.warm.len(), c.claimed)
+    }
+
+    /// Boots sandboxes until the warm target is met (counting those already booting).
+    fn backfill(self: &Arc<Self>) {
+        if self.closed.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut c = self.lock();
+        while c.warm.len() + c.booting < self.warm_target && c.total() < self.max {
+            c.booting += 1;
+            self.spawn_boot();
+        }
+    }
+
+    fn spawn_boot(self: &Arc<Self>) {
+        let pool = self.clone();
+        tokio::spawn(async move {
+            let result = pool.boot().await;
+            let leftover = {
+                let mut c = pool.lock();
+                c.booting -= 1;
+                match result {
+                    Ok(conn) if !pool.closed.load(Ordering::Relaxed) => {
+                        c.warm.push_back(conn);
+                        c.last_error = None;
+                        pool.shared.metrics.pool_warm.with_label_values(&[&pool.name]).set(c.warm.len() as i64);
+                        None
+                    }
+                    Ok(conn) => Some(Ok(conn)),
+                    Err(e) => {
+                        tracing::warn!(chain = %pool.name, error = %e, "sandbox failed to boot");
+                        pool.shared.metrics.sandbox_boot_failures.inc();
+                        c.last_error = Some(e.clone());
+                        Some(Err(e))
+                    }
+                }
+            };
+            match leftover {
+                None => pool.changed.notify_waiters(),
+                // The pool closed while this one booted.
+                Some(Ok(conn)) => conn.close().await,
+                Some(Err(_)) => {
+                    // Back off before the next try, so a broken runtime is not hammered.
+                    pool.changed.notify_waiters();
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    pool.backfill();
+                }
+            }
+        });
+    }
+
+    async fn boot(&self) -> Result<SupervisorConn, String> {
+        let _permit = self.shared.boots.acquire().await.map_err(|_| "gateway is shutting down".to_string())?;
+        let began = Instant::now();
+        let sandbox = self.shared.backend.start(&self.spec).await.map_err(|e| e.to_string())?;
+        let mut conn = SupervisorConn::new(sandbox, self.shared.limits.max_line());
+        match conn.wait_ready(self.shared.limits.boot_timeout).await {
+            Ok(()) => {
+                self.shared.metrics.sandbox_boot_seconds.observe(began.elapsed().as_secs_f64());
+                self.shared.metrics.sandboxes_started.inc();
+                Ok(conn)
+            }
+            Err(e) => {
+                conn.close().await;
+                Err(format!("supervisor did not start: {e}"))
+            }
+        }
+    }
+
+    /// Takes a warm sandbox for one trigger point, waiting up to `timeout` for one to boot.
+    pub async fn claim(self: &Arc<Self>, timeout: Duration) -> Result<Claimed, ClaimError> {
+        let deadline = Instant::now() + timeout;
+        let mut waited = false;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut c = self.lock();
+                if let Some(conn) = c.warm.pop_front() {
+                    c.claimed += 1;
+                    self.shared.metrics.pool_warm.with_label_values(&[&self.name]).set(c.warm.len() as i64);
+                    drop(c);
+                    let kind = if waited { "cold" } else { "warm" };
+                    self.shared.metrics.claims.with_label_values(&[kind]).inc();
+                    self.backfill();
+                    return Ok(Claimed { conn: Some(conn), pool: self.clone() });
+                }
+                // Nothing warm: make sure something is booting for us, within max.
+                if c.booting == 0 && c.total() < self.max {
+                    c.booting += 1;
+                    self.spawn_boot();
+                }
+            }
+            waited = true;
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                self.shared.metrics.claims.with_label_values(&["timeout"]).inc();
+                let c = self.lock();
+                let detail = match &c.last_error {
+                    Some(e) => format!("last boot failed: {e}"),
+                    None => format!("{} of {} sandboxes busy", c.total(), self.max),
+                };
+                return Err(ClaimError::Timeout { chain: self.name.clone(), waited_ms: timeout.as_millis() as u64, detail });
+            }
+        }
+    }
+
+    fn release(self: &Arc<Self>, conn: SupervisorConn) {
+        {
+            let mut c = self.lock();
+            c.claimed -= 1;
+            c.tearing_down += 1;
+        }
+        let pool = self.clone();
+        tokio::spawn(async move {
+            conn.close().await;
+            pool.lock().tearing_down -= 1;
+            pool.changed.notify_waiters();
+            pool.backfill();
+        });
+    }
+
+    /// Stops backfilling and destroys the warm sandboxes; claimed ones are destroyed on release.
+    async fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+        let warm: Vec<SupervisorConn> = self.lock().warm.drain(..).collect();
+        self.shared.metrics.pool_warm.with_label_values(&[&self.name]).set(0);
+        futures::future::join_all(warm.into_iter().map(|c| c.close())).await;
+        self.changed.notify_waiters();
+    }
+
+    /// True once nothing of this pool exists any more.
+    fn drained(&self) -> bool {
+        self.lock().total() == 0
+    }
+}
+
+/// A sandbox claimed for one trigger point. Dropping it (or calling `release`) destroys the sandbox.
+pub struct Claimed {
+    conn: Option<SupervisorConn>,
+    pool: Arc<Pool>,
+}
+
+impl Claimed {
+    pub fn conn(&mut self) -> &mut SupervisorConn {
+        self.conn.as_mut().expect("a Claimed holds its connection until dropped")
+    }
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            self.pool.release(conn);
+        }
+    }
+}
+
+/// Identity of a pool: the chain and the sandbox shape it boots.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct PoolKey {
+    chain: String,
+    spec: SandboxSpec,
+    warm: usize,
+    max: usize,
+}
+
+/// All pools of a gateway, kept in step with the registry's chains.
+pub struct Pools {
+    shared: Arc<Shared>,
+    pools: Mutex<HashMap<PoolKey, Arc<Pool>>>,
+    retired: Mutex<Vec<Arc<Pool>>>,
+}
+
+impl Pools {
+    pub fn new(backend: Arc<dyn SandboxBackend>, limits: Limits, metrics: Metrics, boot_concurrency: usize) -> Self {
+        let shared = Arc::new(Shared { backend, limits, metrics, boots: Semaphore::new(boot_concurrency.max(1)) });
+        Self { shared, pools: Mutex::default(), retired: Mutex::default() }
+    }
+
+    pub fn backend(&self) -> &Arc<dyn SandboxBackend> {
+        &self.shared.backend
+    }
+
+    fn key(chain: &Chain) -> PoolKey {
+        PoolKey {
+            chain: chain.qualified_name(),
+            spec: chain.sandbox.clone(),
+            warm: chain.spec.pool.warm as usize,
+            max: chain.spec.pool.max as usize,
+        }
+    }
+
+    /// The pool for a chain, created (and filled) on first use.
+    pub fn pool_for(&self, chain: &Chain) -> Arc<Pool> {
+        let key = Self::key(chain);
+        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools
+            .entry(key)
+            .or_insert_with(|| {
+                let pool = Arc::new(Pool {
+                    name: chain.qualified_name(),
+                    spec: chain.sandbox.clone(),
+                    warm_target: chain.spec.pool.warm as usize,
+                    max: chain.spec.pool.max.max(1) as usize,
+                    counts: Mutex::default(),
+                    changed: Notify::new(),
+                    closed: AtomicBool::new(false),
+                    shared: self.shared.clone(),
+                });
+                pool.backfill();
+                pool
+            })
+            .clone()
+    }
+
+    /// Makes the pools match `chains`: new chains get a filling pool, chains that are gone or whose
+    /// sandbox shape changed have their pool closed (runs in flight finish on their claimed sandbox).
+    pub async fn sync<'a>(&self, chains: impl IntoIterator<Item = &'a Arc<Chain>>) {
+        let wanted: HashMap<PoolKey, &Arc<Chain>> = chains.into_iter().map(|c| (Self::key(c), c)).collect();
+        let stale: Vec<Arc<Pool>> = {
+            let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+            let gone: Vec<PoolKey> = pools.keys().filter(|k| !wanted.contains_key(*k)).cloned().collect();
+            gone.into_iter().filter_map(|k| pools.remove(&k)).collect()
+        };
+        for chain in wanted.values() {
+            self.pool_for(chain);
+        }
+        for pool in &stale {
+            pool.close().await;
+        }
+        let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+        retired.extend(stale);
+        retired.retain(|p| !p.drained());
+    }
+
+    /// Waits until every pool has its warm target (or `timeout` passes). For readiness and tests.
+    pub async fn wait_warm(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let all_warm = {
+                let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+                pools.values().all(|p| p.lock().warm.len() >= p.warm_target.min(p.max))
+            };
+            if all_warm {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Closes every pool and waits (up to `timeout`) for all sandboxes, claimed ones included, to go.
+    pub async fn shutdown(&self, timeout: Duration) {
+        let all: Vec<Arc<Pool>> = {
+            let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+            pools.drain().map(|(_, p)| p).collect()
+        };
+        for p in &all {
+            p.close().await;
+        }
+        let deadline = Instant::now() + timeout;
+        let retired: Vec<Arc<Pool>> = self.retired.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
+        while Instant::now() < deadline && !all.iter().chain(&retired).all(|p| p.drained()) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// (warm, claimed) per chain, for status.
+    pub fn sizes(&self) -> Vec<(String, usize, usize)> {
+        let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools.values().map(|p| {
+            let (w, c) = p.sizes();
+            (p.name.clone(), w, c)
+        }).collect()
+    }
+}

@@ -1,0 +1,390 @@
+//! The `local` backend: one gVisor (runsc) container per sandbox on this machine.
+//!
+//! Each sandbox gets an OCI bundle whose root filesystem is an empty, read-only skeleton; the only
+//! things of the host in it are bind mounts (read-only) of the Python binary, its shared libraries,
+//! its standard library and the supervisor. No network, a size-limited tmpfs `/tmp`, cgroup limits from
+//! the chain's resources, no capabilities, uid 65534. All state lives under one directory per gateway
+//! (`state_dir`): the runsc root, the bundles and the supervisor, so leftovers of a crashed gateway
+//! are found and removed at the next start.
+
+use super::{Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError};
+use async_trait::async_trait;
+use serde_json::json;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::io::AsyncReadExt;
+use tokio::process::{Child, Command};
+use tokio::sync::Mutex;
+
+/// The supervisor is compiled into the gateway so a binary and its supervisor never disagree.
+pub const SUPERVISOR_PY: &str = include_str!("../../../supervisor/supervisor.py");
+
+const CGROUP_PARENT: &str = "sluice";
+/// The host-side pids cgroup also holds gVisor's own threads (sentry and gofer, Go runtimes of a few
+/// dozen threads each), so the chain's `pids` is granted on top of this allowance.
+const RUNTIME_THREADS: u64 = 256;
+const CGROUP_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "cpuacct"];
+
+#[derive(Clone, Debug)]
+pub struct LocalConfig {
+    /// Directory owned by this gateway: runsc root, bundles, rootfs skeleton, supervisor.
+    pub state_dir: PathBuf,
+    pub runsc: PathBuf,
+    /// Python interpreter whose binary, libraries and stdlib are mounted into each sandbox.
+    pub python: PathBuf,
+    /// gVisor platform: `ptrace` works everywhere; `systrap`/`kvm` where the runsc release and host allow.
+    pub platform: String,
+    /// Size of each sandbox's `/tmp`.
+    pub tmp_bytes: u64,
+}
+
+impl LocalConfig {
+    pub fn new(state_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            state_dir: state_dir.into(),
+            runsc: PathBuf::from("runsc"),
+            python: PathBuf::from("/usr/bin/python3"),
+            platform: "ptrace".into(),
+            tmp_bytes: 16 << 20,
+        }
+    }
+}
+
+pub struct LocalBackend {
+    cfg: LocalConfig,
+    runsc_root: PathBuf,
+    bundles: PathBuf,
+    rootfs: PathBuf,
+    python: PathBuf,
+    mounts: Vec<serde_json::Value>,
+    /// Container ids start with this, so leftovers of this state dir are recognisable.
+    prefix: String,
+    seq: AtomicU64,
+}
+
+fn runtime(msg: impl Into<String>) -> StartError {
+    StartError::Runtime(msg.into())
+}
+
+impl LocalBackend {
+    /// Prepares the state directory and the read-only root filesystem. Fails with a clear message
+    /// when runsc or Python is missing.
+    pub async fn new(cfg: LocalConfig) -> Result<Self, StartError> {
+        let state_dir = std::path::absolute(&cfg.state_dir)?;
+        let runsc_root = state_dir.join("runsc");
+        let bundles = state_dir.join("bundles");
+        let rootfs = state_dir.join("rootfs");
+        for d in [&state_dir, &runsc_root, &bundles, &rootfs] {
+            tokio::fs::create_dir_all(d).await?;
+        }
+        set_mode(&state_dir, 0o755)?;
+        let version = Command::new(&cfg.runsc).arg("--version").output().await.map_err(|e| {
+            runtime(format!("cannot run {:?} ({e}); install gVisor: apt-get install -y runsc", cfg.runsc))
+        })?;
+        if !version.status.success() {
+            return Err(runtime(format!("{:?} --version failed", cfg.runsc)));
+        }
+        let supervisor = state_dir.join("supervisor.py");
+        tokio::fs::write(&supervisor, SUPERVISOR_PY).await?;
+        set_mode(&supervisor, 0o644)?;
+        for d in ["tmp", "proc", "dev", "sluice", "etc"] {
+            tokio::fs::create_dir_all(rootfs.join(d)).await?;
+        }
+        set_mode(&rootfs, 0o755)?;
+        let python = tokio::fs::canonicalize(&cfg.python)
+            .await
+            .map_err(|e| runtime(format!("python {:?} not found: {e}", cfg.python)))?;
+        let host_paths = python_closure(&python).await?;
+        let mut mounts = vec![
+            json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+            json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+                   "options": ["nosuid", "nodev", "noexec", "mode=1777", format!("size={}", cfg.tmp_bytes)]}),
+            json!({"destination": "/sluice/supervisor.py", "type": "bind",
+                   "source": supervisor, "options": ["rbind", "ro"]}),
+        ];
+        for p in host_paths {
+            mounts.push(json!({"destination": p, "type": "bind", "source": p, "options": ["rbind", "ro"]}));
+        }
+        let tag = short_hash(state_dir.to_string_lossy().as_bytes());
+        let backend = Self {
+            cfg,
+            runsc_root,
+            bundles,
+            rootfs,
+            python,
+            mounts,
+            prefix: format!("sluice-{tag}-{}", std::process::id()),
+            seq: AtomicU64::new(0),
+        };
+        Ok(backend)
+    }
+
+    fn runsc(&self) -> Command {
+        let mut c = Command::new(&self.cfg.runsc);
+        c.arg("--root").arg(&self.runsc_root);
+        c
+    }
+
+    /// The prefix shared by every container of this state directory, whichever process made it.
+    fn dir_prefix(&self) -> &str {
+        // "sluice-<tag>-<pid>": the part before the pid.
+        &self.prefix[..self.prefix.rfind('-').unwrap_or(self.prefix.len())]
+    }
+
+    fn oci_spec(&self, id: &str, spec: &SandboxSpec) -> serde_json::Value {
+        let period: u64 = 100_000;
+        json!({
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": false,
+                "user": {"uid": 65534, "gid": 65534},
+                "args": [self.python, "-I", "-S", "-u", "/sluice/supervisor.py"],
+                "env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1",
+                        format!("SLUICE_MEMORY_BYTES={}", spec.memory_bytes)],
+                "cwd": "/tmp",
+                "capabilities": {"bounding": [], "effective": [], "permitted": [], "inheritable": [], "ambient": []},
+                "noNewPrivileges": true,
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 256, "soft": 256},
+                            {"type": "RLIMIT_CORE", "hard": 0, "soft": 0}]
+            },
+            "root": {"path": self.rootfs, "readonly": true},
+            "hostname": "sandbox",
+            "mounts": self.mounts,
+            "linux": {
+                "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
+                "cgroupsPath": format!("/{CGROUP_PARENT}/{id}"),
+                "resources": {
+                    "memory": {"limit": spec.memory_bytes},
+                    "pids": {"limit": spec.pids as u64 + RUNTIME_THREADS},
+                    "cpu": {"quota": (spec.cpu_millis * period / 1000).max(1000), "period": period}
+                }
+            }
+        })
+    }
+
+    async fn force_delete(runsc: &Path, root: &Path, id: &str) {
+        let out = Command::new(runsc)
+            .arg("--root")
+            .arg(root)
+            .args(["delete", "--force", id])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .status();
+        match tokio::time::timeout(RUNSC_COMMAND, out).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(sandbox = id, error = %e, "runsc delete failed"),
+            Err(_) => tracing::warn!(sandbox = id, "runsc delete hung; killed it"),
+        }
+    }
+}
+
+fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
+fn short_hash(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(&sha2::Sha256::digest(bytes)[..4])
+}
+
+/// The host paths a sandbox needs to run `python` with its stdlib: the binary, its standard library
+/// and every shared library the binary and the stdlib's extension modules load.
+async fn python_closure(python: &Path) -> Result<BTreeSet<String>, StartError> {
+    let out = Command::new(python)
+        .args(["-I", "-S", "-c", "import sysconfig,sys;p=sysconfig.get_paths();print(p['stdlib']);print(p['platstdlib']);print(sys.prefix)"])
+        .output()
+        .await
+        .map_err(|e| runtime(format!("cannot run {python:?}: {e}")))?;
+    if !out.status.success() {
+        return Err(runtime(format!("{python:?} could not report its stdlib")));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut lines = text.lines();
+    let stdlib = lines.next().unwrap_or_default().to_string();
+    let platstdlib = lines.next().unwrap_or_default().to_string();
+    let mut paths: BTreeSet<String> = [python.to_string_lossy().to_string(), stdlib.clone(), platstdlib].into();
+    // Shared libraries of the binary and of every extension module in lib-dynload.
+    let mut objects = vec![python.to_path_buf()];
+    if let Ok(mut rd) = tokio::fs::read_dir(Path::new(&stdlib).join("lib-dynload")).await {
+        while let Ok(Some(e)) = rd.next_entry().await {
+            objects.push(e.path());
+        }
+    }
+    let ldd = Command::new("ldd").args(&objects).output().await.map_err(|e| runtime(format!("cannot run ldd: {e}")))?;
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        // "\tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)" or "\t/lib64/ld-linux-x86-64.so.2 (0x...)"
+        let target = line.split("=>").nth(1).unwrap_or(line).trim();
+        if let Some(path) = target.split_whitespace().next().filter(|p| p.starts_with('/')) {
+            paths.insert(path.to_string());
+        }
+    }
+    paths.retain(|p| !p.is_empty() && Path::new(p).exists());
+    // A directory already mounted covers the files inside it.
+    let dirs: Vec<String> = paths.iter().filter(|p| Path::new(p).is_dir()).cloned().collect();
+    paths.retain(|p| !dirs.iter().any(|d| p != d && p.starts_with(&format!("{d}/"))));
+    Ok(paths)
+}
+
+#[async_trait]
+impl SandboxBackend for LocalBackend {
+    async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
+        let id = format!("{}-{}", self.prefix, self.seq.fetch_add(1, Ordering::Relaxed));
+        let bundle = self.bundles.join(&id);
+        tokio::fs::create_dir_all(&bundle).await?;
+        let config = serde_json::to_vec(&self.oci_spec(&id, spec)).map_err(|e| runtime(e.to_string()))?;
+        tokio::fs::write(bundle.join("config.json"), config).await?;
+        let spawned = self
+            .runsc()
+            .args(["--platform", &self.cfg.platform, "--network", "none", "run", "--bundle"])
+            .arg(&bundle)
+            .arg(&id)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = tokio::fs::remove_dir_all(&bundle).await;
+                return Err(runtime(format!("cannot start {:?}: {e}", self.cfg.runsc)));
+            }
+        };
+        let (Some(stdin), Some(mut stdout), Some(stderr)) = (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
+            return Err(runtime("runsc started without pipes"));
+        };
+        let stdout_bytes = Arc::new(AtomicU64::new(0));
+        let counter = stdout_bytes.clone();
+        // Hooks' prints land here: read and dropped, so a chatty hook can neither block nor bloat us.
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 16 << 10];
+            while let Ok(n) = stdout.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+                counter.fetch_add(n as u64, Ordering::Relaxed);
+            }
+        });
+        let handle = LocalHandle {
+            id: id.clone(),
+            runsc: self.cfg.runsc.clone(),
+            root: self.runsc_root.clone(),
+            bundle,
+            child: Mutex::new(Some(child)),
+            destroyed: AtomicBool::new(false),
+            stdout_bytes,
+        };
+        Ok(Sandbox { id, stdin: Box::pin(stdin), protocol: Box::pin(stderr), handle: Box::new(handle) })
+    }
+
+    async fn clean_leftovers(&self) -> usize {
+        let leftovers: Vec<String> = self.live().await;
+        for id in &leftovers {
+            tracing::info!(sandbox = %id, "removing sandbox left by an earlier gateway");
+            Self::force_delete(&self.cfg.runsc, &self.runsc_root, id).await;
+        }
+        // Bundles and cgroups whose container is gone.
+        if let Ok(mut rd) = tokio::fs::read_dir(&self.bundles).await {
+            while let Ok(Some(e)) = rd.next_entry().await {
+                let _ = tokio::fs::remove_dir_all(e.path()).await;
+            }
+        }
+        for ctl in CGROUP_CONTROLLERS {
+            let parent = Path::new("/sys/fs/cgroup").join(ctl).join(CGROUP_PARENT);
+            if let Ok(mut rd) = tokio::fs::read_dir(&parent).await {
+                while let Ok(Some(e)) = rd.next_entry().await {
+                    if e.file_name().to_string_lossy().starts_with(self.dir_prefix()) {
+                        let _ = tokio::fs::remove_dir(e.path()).await;
+                    }
+                }
+            }
+        }
+        leftovers.len()
+    }
+
+    async fn live(&self) -> Vec<String> {
+        let list = self.runsc().arg("list").stdin(Stdio::null()).kill_on_drop(true).output();
+        let Ok(Ok(out)) = tokio::time::timeout(RUNSC_COMMAND, list).await else {
+            return Vec::new();
+        };
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|id| id.starts_with(self.dir_prefix()))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+impl LocalBackend {
+    /// The Python interpreter the sandboxes run.
+    pub fn python(&self) -> &Path {
+        &self.python
+    }
+}
+
+struct LocalHandle {
+    id: String,
+    runsc: PathBuf,
+    root: PathBuf,
+    bundle: PathBuf,
+    child: Mutex<Option<Child>>,
+    destroyed: AtomicBool,
+    stdout_bytes: Arc<AtomicU64>,
+}
+
+/// Longest a runsc management command (delete, list) may take before it is killed.
+const RUNSC_COMMAND: Duration = Duration::from_secs(10);
+
+/// How long a sandbox whose stdin was closed gets to exit on its own before it is force-deleted.
+const GRACE: Duration = Duration::from_secs(2);
+
+#[async_trait]
+impl SandboxHandle for LocalHandle {
+    async fn destroy(&self, force: bool) {
+        if self.destroyed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Some(mut c) = self.child.lock().await.take() {
+            // A healthy supervisor whose stdin was closed exits by itself and `runsc run` cleans up
+            // after it, which is cheaper than a `runsc delete`; anything else is killed.
+            let exited = !force && tokio::time::timeout(GRACE, c.wait()).await.is_ok();
+            if !exited {
+                LocalBackend::force_delete(&self.runsc, &self.root, &self.id).await;
+                if tokio::time::timeout(GRACE, c.wait()).await.is_err() {
+                    let _ = c.kill().await;
+                }
+            }
+        }
+        if self.state_file_exists().await {
+            LocalBackend::force_delete(&self.runsc, &self.root, &self.id).await;
+        }
+        let _ = tokio::fs::remove_dir_all(&self.bundle).await;
+    }
+
+    fn stdout_bytes(&self) -> u64 {
+        self.stdout_bytes.load(Ordering::Relaxed)
+    }
+}
+
+impl LocalHandle {
+    async fn state_file_exists(&self) -> bool {
+        let Ok(mut rd) = tokio::fs::read_dir(&self.root).await else { return false };
+        while let Ok(Some(e)) = rd.next_entry().await {
+            if e.file_name().to_string_lossy().contains(&self.id) {
+                return true;
+            }
+        }
+        false
+    }
+}

@@ -1,0 +1,72 @@
+//! The sandbox seam: a backend starts a sandbox running the supervisor and hands back its protocol
+//! pipes and a handle that destroys it. `local` runs runsc on this machine; the `kube` backend claims
+//! a warm pod and reaches it over the exec API. Everything above this trait is the same for both.
+
+pub mod local;
+
+use async_trait::async_trait;
+use std::pin::Pin;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// Limits of one sandbox, from the chain's `spec.resources`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SandboxSpec {
+    pub cpu_millis: u64,
+    pub memory_bytes: u64,
+    pub pids: u32,
+}
+
+impl SandboxSpec {
+    pub fn from_resources(r: &sluice_crds::ResourceSpec) -> Result<Self, String> {
+        Ok(Self {
+            cpu_millis: sluice_crds::quantity::cpu_millis(&r.cpu)?,
+            memory_bytes: sluice_crds::quantity::memory_bytes(&r.memory)?,
+            pids: r.pids,
+        })
+    }
+}
+
+pub type Writer = Pin<Box<dyn AsyncWrite + Send>>;
+pub type Reader = Pin<Box<dyn AsyncRead + Send>>;
+
+/// A started sandbox whose supervisor reads requests from `stdin` and writes the protocol to
+/// `protocol` (its stderr). Its stdout is already being drained and discarded by the backend.
+pub struct Sandbox {
+    pub id: String,
+    pub stdin: Writer,
+    pub protocol: Reader,
+    pub handle: Box<dyn SandboxHandle>,
+}
+
+impl std::fmt::Debug for Sandbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sandbox").field("id", &self.id).finish()
+    }
+}
+
+#[async_trait]
+pub trait SandboxHandle: Send + Sync {
+    /// Ends the sandbox and removes everything it left (processes, cgroups, files). Idempotent.
+    /// Without `force` the sandbox (whose stdin the caller closed) gets a moment to exit by itself.
+    async fn destroy(&self, force: bool);
+    /// Bytes the sandbox wrote to stdout (hooks' prints), for the audit and metrics.
+    fn stdout_bytes(&self) -> u64;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("sandbox runtime failed: {0}")]
+    Runtime(String),
+    #[error("io error starting the sandbox: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+#[async_trait]
+pub trait SandboxBackend: Send + Sync + 'static {
+    /// Starts one sandbox with the supervisor running in it. The caller waits for `ready`.
+    async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError>;
+    /// Removes sandboxes left behind by an earlier process of this backend (after a crash).
+    async fn clean_leftovers(&self) -> usize;
+    /// Sandboxes of this backend that exist right now (for leak checks and metrics).
+    async fn live(&self) -> Vec<String>;
+}

@@ -1,0 +1,190 @@
+//! The supervisor's wire protocol (supervisor/PROTOCOL.md) as Rust types, and a bounded line reader.
+//! Everything read here came out of a sandbox: it is parsed strictly and never trusted beyond its
+//! shape; `outcome.rs` decides what it means.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::Value;
+use tokio::io::{AsyncBufRead, AsyncBufReadExt};
+
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Messages the gateway sends on the supervisor's stdin.
+#[derive(Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToSupervisor<'a> {
+    Init {
+        trigger_point: &'a str,
+        failure_policy: &'a str,
+        hooks: Vec<InitHook<'a>>,
+        limits: &'a WireLimits,
+    },
+    Chunk {
+        id: u64,
+        start: usize,
+        outgoing: &'a Value,
+        state: &'a [Value],
+        context: &'a Value,
+    },
+    HostResult {
+        id: u64,
+        ok: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        result: Option<Value>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
+    Shutdown,
+}
+
+#[derive(Debug, Serialize)]
+pub struct InitHook<'a> {
+    pub name: &'a str,
+    pub action: &'a str,
+    pub settings: &'a Value,
+    pub code: &'a str,
+}
+
+/// Bounds the supervisor applies to what hooks return (the gateway re-applies them).
+#[derive(Clone, Debug, Serialize)]
+pub struct WireLimits {
+    pub payload_bytes: usize,
+    pub state_bytes: usize,
+    pub findings_bytes: usize,
+    pub message_chars: usize,
+    pub depth: usize,
+    pub host_calls: u32,
+}
+
+/// Messages the supervisor writes on its protocol descriptor (the sandbox's stderr).
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum FromSupervisor {
+    Ready {
+        protocol: u32,
+    },
+    Ack {
+        hooks: Vec<AckHook>,
+    },
+    HookResult(HookResult),
+    HostCall {
+        id: u64,
+        hook: usize,
+        name: String,
+        #[serde(default)]
+        payload: Value,
+    },
+    Result {
+        id: u64,
+        action: String,
+        terminal_index: Option<usize>,
+    },
+    Error {
+        message: String,
+    },
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct AckHook {
+    pub name: String,
+    pub ok: bool,
+    #[serde(default)]
+    pub error: Option<String>,
+    #[serde(default)]
+    pub line: Option<u32>,
+}
+
+/// One hook's result as the supervisor reports it. `state` is `Some` only when the hook returned a
+/// `state` key (`Some(Value::Null)` clears the slot).
+#[derive(Clone, Debug, Deserialize)]
+pub struct HookResult {
+    pub id: u64,
+    pub index: usize,
+    pub name: String,
+    pub action: String,
+    #[serde(default, deserialize_with = "present")]
+    pub outgoing: Option<Value>,
+    #[serde(default)]
+    pub message: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    pub findings: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    pub state: Option<Value>,
+    #[serde(default)]
+    pub error: Option<String>,
+    #[serde(default)]
+    pub latency_us: u64,
+}
+
+/// A key that is present is `Some`, even when its value is `null`.
+fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("the sandbox closed its protocol stream")]
+    Eof,
+    #[error("a protocol line was longer than {0} bytes")]
+    TooLong(usize),
+    #[error("reading the protocol stream failed: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("malformed protocol message ({error}): {snippet}")]
+    Malformed { error: String, snippet: String },
+}
+
+/// Reads one newline-terminated JSON message, refusing lines over `max` bytes without buffering them.
+pub async fn read_message<R: AsyncBufRead + Unpin>(
+    reader: &mut R,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> Result<FromSupervisor, ReadError> {
+    buf.clear();
+    loop {
+        let available = reader.fill_buf().await?;
+        if available.is_empty() {
+            return Err(ReadError::Eof);
+        }
+        let (take, done) = match available.iter().position(|b| *b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (available.len(), false),
+        };
+        if buf.len() + take > max + 1 {
+            return Err(ReadError::TooLong(max));
+        }
+        buf.extend_from_slice(&available[..take]);
+        reader.consume(take);
+        if done {
+            break;
+        }
+    }
+    serde_json::from_slice(buf).map_err(|e| ReadError::Malformed {
+        error: e.to_string(),
+        snippet: String::from_utf8_lossy(&buf[..buf.len().min(200)]).trim_end().to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn reads_messages_and_bounds_lines() {
+        let data = b"{\"type\":\"ready\",\"protocol\":1}\n{\"type\":\"hook_result\",\"id\":1,\"index\":0,\"name\":\"a\",\"action\":\"pass\",\"state\":null}\nnot json\n".to_vec();
+        let mut r = tokio::io::BufReader::new(&data[..]);
+        let mut buf = Vec::new();
+        assert!(matches!(read_message(&mut r, &mut buf, 1024).await, Ok(FromSupervisor::Ready { protocol: 1 })));
+        match read_message(&mut r, &mut buf, 1024).await {
+            Ok(FromSupervisor::HookResult(h)) => {
+                assert_eq!(h.state, Some(Value::Null));
+                assert_eq!(h.outgoing, None);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(read_message(&mut r, &mut buf, 1024).await, Err(ReadError::Malformed { .. })));
+        assert!(matches!(read_message(&mut r, &mut buf, 1024).await, Err(ReadError::Eof)));
+
+        let long = vec![b'x'; 5000];
+        let mut r = tokio::io::BufReader::new(&long[..]);
+        assert!(matches!(read_message(&mut r, &mut buf, 1024).await, Err(ReadError::TooLong(1024))));
+    }
+}
