@@ -1,1 +1,174 @@
-//! Helpers shared by the end-to-end suites.
+//! Helpers shared by the end-to-end suites: a real gateway in local mode (real runsc sandboxes) on a
+//! loopback port, a gRPC client, and the leak check every test ends with.
+
+use serde_json::Value;
+use sluice_gateway::audit::Audit;
+use sluice_gateway::gateway::{LocalOptions, RunningGateway, start_local};
+use sluice_gateway::proto::{self, gateway_client::GatewayClient};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tonic::transport::Channel;
+
+pub use sluice_gateway::convert::{from_proto, to_proto};
+
+/// A chain file with one hook per `(name, action, code)`, serving `target` at `trigger_point`.
+pub fn chain_yaml(name: &str, target: &str, trigger_point: &str, extra_spec: &str, hooks: &[(&str, &str, &str)]) -> String {
+    let mut y = format!(
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  target: {target}\n  triggerPoint: {trigger_point}\n"
+    );
+    if !extra_spec.contains("pool:") {
+        y.push_str("  pool: {warm: 1, max: 8}\n");
+    }
+    for line in extra_spec.lines().filter(|l| !l.trim().is_empty()) {
+        y.push_str(&format!("  {line}\n"));
+    }
+    y.push_str("  hooks:\n");
+    for (hook, action, code) in hooks {
+        y.push_str(&format!("    - name: {hook}\n      action: {action}\n      code: |\n"));
+        for line in code.lines() {
+            y.push_str(&format!("        {line}\n"));
+        }
+    }
+    y
+}
+
+pub struct Harness {
+    pub gateway: Option<RunningGateway>,
+    pub client: GatewayClient<Channel>,
+    pub dir: tempfile::TempDir,
+    pub state: tempfile::TempDir,
+    pub audit_path: PathBuf,
+}
+
+impl Harness {
+    /// Starts a gateway serving `files` (name → YAML) and waits until its pools are warm.
+    pub async fn start(files: &[(&str, &str)]) -> Self {
+        Self::start_with(files, |_| {}).await
+    }
+
+    pub async fn start_with(files: &[(&str, &str)], tweak: impl FnOnce(&mut LocalOptions)) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        for (name, text) in files {
+            std::fs::write(dir.path().join(name), text).expect("write chain file");
+        }
+        let state = tempfile::Builder::new().prefix("sluice-e2e").tempdir_in("/tmp").expect("state dir");
+        let audit_path = state.path().join("audit.jsonl");
+        let mut opts = LocalOptions::new(dir.path(), state.path().join("sandboxes"));
+        opts.audit = Audit::to_file(&audit_path).expect("audit file");
+        opts.limits.boot_timeout = Duration::from_secs(60);
+        opts.limits.claim_timeout = Duration::from_secs(60);
+        tweak(&mut opts);
+        let gateway = start_local(opts).await.expect("gateway starts");
+        assert!(gateway.engine.pools.wait_warm(Duration::from_secs(90)).await, "pools never became warm");
+        let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await.expect("connect");
+        Self { gateway: Some(gateway), client, dir, state, audit_path }
+    }
+
+    pub fn gateway(&self) -> &RunningGateway {
+        self.gateway.as_ref().expect("gateway running")
+    }
+
+    pub async fn run_text(&self, target: &str, trigger_point: &str, text: &str) -> Result<proto::RunResponse, tonic::Status> {
+        self.run(target, trigger_point, proto::run_request::Payload::Text(text.into()), Default::default()).await
+    }
+
+    pub async fn run_value(&self, target: &str, trigger_point: &str, value: Value) -> Result<proto::RunResponse, tonic::Status> {
+        self.run(target, trigger_point, proto::run_request::Payload::Value(to_proto(&value)), Default::default()).await
+    }
+
+    pub async fn run(
+        &self,
+        target: &str,
+        trigger_point: &str,
+        payload: proto::run_request::Payload,
+        context: std::collections::HashMap<String, String>,
+    ) -> Result<proto::RunResponse, tonic::Status> {
+        let req = proto::RunRequest {
+            namespace: "default".into(),
+            target: target.into(),
+            trigger_point: trigger_point.into(),
+            payload: Some(payload),
+            context,
+            session_id: "s-1".into(),
+        };
+        self.client.clone().run(req).await.map(|r| r.into_inner())
+    }
+
+    /// Every audit line written so far.
+    pub fn audit(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.audit_path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("audit lines are JSON"))
+            .collect()
+    }
+
+    pub fn write_file(&self, name: &str, text: &str) {
+        let tmp = self.dir.path().join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, text).expect("write");
+        std::fs::rename(&tmp, self.dir.path().join(name)).expect("rename");
+    }
+
+    /// Shuts the gateway down and asserts that nothing of its sandboxes is left: no runsc
+    /// containers, no processes, no bundles, no cgroups.
+    pub async fn stop_and_check_leaks(mut self) {
+        let gateway = self.gateway.take().expect("gateway running");
+        let backend = gateway.backend().clone();
+        gateway.shutdown().await;
+        let live = backend.live().await;
+        if !live.is_empty() {
+            let root = self.state.path().join("sandboxes/runsc");
+            let list = std::process::Command::new("runsc").arg("--root").arg(&root).arg("list").output().unwrap();
+            panic!("runsc containers left: {live:?}\n{}", String::from_utf8_lossy(&list.stdout));
+        }
+        let sandboxes = self.state.path().join("sandboxes");
+        assert_no_leaks(&sandboxes);
+        for event in self.audit() {
+            let Some(id) = event["sandbox"].as_str() else { continue };
+            for ctl in ["memory", "pids", "cpu"] {
+                let cg = Path::new("/sys/fs/cgroup").join(ctl).join("sluice").join(id);
+                assert!(!cg.exists(), "cgroup left: {}", cg.display());
+            }
+        }
+    }
+}
+
+/// No process mentions the state dir, no bundle is left in it, no cgroup of it exists.
+pub fn assert_no_leaks(state_dir: &Path) {
+    let needle = state_dir.to_string_lossy().to_string();
+    // Processes may take a moment to be reaped after their sandbox is deleted.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let procs = processes_mentioning(&needle);
+        if procs.is_empty() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "processes left: {procs:#?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let bundles: Vec<_> = std::fs::read_dir(state_dir.join("bundles")).map(|r| r.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    assert!(bundles.is_empty(), "bundles left: {bundles:?}");
+}
+
+fn processes_mentioning(needle: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let cmd = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmd.contains(needle) {
+            out.push(format!("{}: {cmd}", entry.file_name().to_string_lossy()));
+        }
+    }
+    out
+}
+
+pub fn action(r: &proto::RunResponse) -> proto::Action {
+    proto::Action::try_from(r.action).expect("known action")
+}
+
+pub fn text(r: &proto::RunResponse) -> &str {
+    match &r.payload {
+        Some(proto::run_response::Payload::Text(t)) => t,
+        _ => panic!("expected a text payload, got {:?}", r.payload),
+    }
+}

@@ -94,7 +94,10 @@ impl Pool {
                         pool.shared.metrics.pool_warm.with_label_values(&[&pool.name]).set(c.warm.len() as i64);
                         None
                     }
-                    Ok(conn) => Some(Ok(conn)),
+                    Ok(conn) => {
+                        c.tearing_down += 1;
+                        Some(Ok(conn))
+                    }
                     Err(e) => {
                         tracing::warn!(chain = %pool.name, error = %e, "sandbox failed to boot");
                         pool.shared.metrics.sandbox_boot_failures.inc();
@@ -106,7 +109,10 @@ impl Pool {
             match leftover {
                 None => pool.changed.notify_waiters(),
                 // The pool closed while this one booted.
-                Some(Ok(conn)) => conn.close().await,
+                Some(Ok(conn)) => {
+                    conn.close().await;
+                    pool.lock().tearing_down -= 1;
+                }
                 Some(Err(_)) => {
                     // Back off before the next try, so a broken runtime is not hammered.
                     pool.changed.notify_waiters();
