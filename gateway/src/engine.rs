@@ -275,8 +275,7 @@ impl<'e> ChainSession<'e> {
         let pool = self.engine.pools.pool_for(&self.chain);
         let mut claimed = pool.claim(self.engine.limits.claim_timeout).await.map_err(|e| ClaimOrInit::Claim(e.to_string()))?;
         self.sandbox_id = claimed.conn().id.clone();
-        let budget = Duration::from_millis(self.chain.spec.timeout_ms as u64);
-        let init = claimed.conn().init(&self.chain, &self.engine.limits.wire(), budget).await;
+        let init = claimed.conn().init(&self.chain, &self.engine.limits.wire()).await;
         self.claimed = Some(claimed);
         match init {
             Ok(_) => Ok(()),

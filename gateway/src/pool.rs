@@ -14,6 +14,9 @@ use std::time::Duration;
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 
+/// How long after a claim the replacement boot starts.
+const BACKFILL_DELAY: Duration = Duration::from_millis(25);
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
     #[error("no sandbox for chain {chain} within {waited_ms} ms ({detail})")]
@@ -157,7 +160,13 @@ impl Pool {
                     drop(c);
                     let kind = if waited { "cold" } else { "warm" };
                     self.shared.metrics.claims.with_label_values(&[kind]).inc();
-                    self.backfill();
+                    // Booting a replacement is CPU-heavy; starting it a moment later keeps it off the
+                    // claimed run's critical path.
+                    let pool = self.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(BACKFILL_DELAY).await;
+                        pool.backfill();
+                    });
                     return Ok(Claimed { conn: Some(conn), pool: self.clone() });
                 }
                 // Nothing warm: make sure something is booting for us, within max.

@@ -55,6 +55,8 @@ pub struct SupervisorConn {
     max_line: usize,
     next_id: u64,
     broken: bool,
+    /// Hooks of an `init` whose `ack` has not been read yet.
+    ack_pending: Option<usize>,
 }
 
 impl std::fmt::Debug for SupervisorConn {
@@ -82,6 +84,7 @@ impl SupervisorConn {
             max_line,
             next_id: 0,
             broken: false,
+            ack_pending: None,
         }
     }
 
@@ -141,13 +144,9 @@ impl SupervisorConn {
         }
     }
 
-    /// Sends the chain's hooks and returns the supervisor's per-hook load report.
-    pub async fn init(
-        &mut self,
-        chain: &crate::chain::Chain,
-        limits: &WireLimits,
-        budget: Duration,
-    ) -> Result<Vec<AckHook>, SandboxFailure> {
+    /// Sends the chain's hooks. The supervisor's per-hook load report (`ack`) is read by the first
+    /// walk, so init and the first chunk travel together: one wake-up of the sandbox, not two.
+    pub async fn init(&mut self, chain: &crate::chain::Chain, limits: &WireLimits) -> Result<(), SandboxFailure> {
         let hooks = chain
             .spec
             .hooks
@@ -161,11 +160,18 @@ impl SupervisorConn {
         };
         self.send(&ToSupervisor::Init { trigger_point: chain.spec.trigger_point.as_str(), failure_policy: policy, hooks, limits })
             .await?;
+        self.ack_pending = Some(chain.spec.hooks.len());
+        Ok(())
+    }
+
+    /// Reads the `ack` of the last `init`, if it has not been read yet.
+    pub async fn ack(&mut self, budget: Duration) -> Result<Option<Vec<AckHook>>, SandboxFailure> {
+        let Some(expected) = self.ack_pending.take() else { return Ok(None) };
         match self.recv(budget).await? {
-            FromSupervisor::Ack { hooks } if hooks.len() == chain.spec.hooks.len() => Ok(hooks),
+            FromSupervisor::Ack { hooks } if hooks.len() == expected => Ok(Some(hooks)),
             other => {
                 self.broken = true;
-                Err(SandboxFailure::Protocol(format!("expected an ack for {} hooks, got {other:?}", chain.spec.hooks.len())))
+                Err(SandboxFailure::Protocol(format!("expected an ack for {expected} hooks, got {other:?}")))
             }
         }
     }
@@ -189,6 +195,15 @@ impl SupervisorConn {
             return report;
         }
         let mut remaining = budget;
+        let began = Instant::now();
+        if let Err(f) = self.ack(budget).await {
+            report.failure = Some(match f {
+                SandboxFailure::Timeout(_) => SandboxFailure::Timeout(budget.as_millis() as u64),
+                other => other,
+            });
+            return report;
+        }
+        remaining = remaining.saturating_sub(began.elapsed());
         loop {
             let began = Instant::now();
             let msg = match self.recv(remaining).await {

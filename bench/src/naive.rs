@@ -1,0 +1,146 @@
+//! Baselines measured in the same run: the hooks in one Python process (the floor), a fresh
+//! `runsc run` per call (the naive design), and how many fresh sandboxes this machine boots per second.
+
+use crate::HOOKS;
+use serde_json::{Value, json};
+use sluice_gateway::chain::Chain;
+use sluice_gateway::limits::Limits;
+use sluice_gateway::sandbox::local::{LocalBackend, LocalConfig};
+use sluice_gateway::sandbox::{SandboxBackend, SandboxSpec};
+use sluice_gateway::supervisor::{NoHostCalls, SupervisorConn};
+use std::time::{Duration, Instant};
+
+pub async fn in_process_floor(text: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
+    let script = format!(
+        r#"
+import json, time
+hooks = {hooks}
+fns = []
+for name, code in hooks:
+    ns = {{}}
+    exec(compile(code, name, 'exec'), ns)
+    fns.append(ns['execute'])
+text = {text}
+out = []
+for _ in range({n}):
+    t0 = time.perf_counter_ns()
+    payload = text
+    for f in fns:
+        r = f({{'outgoing': payload, 'state': None}}, {{}})
+        if r['action'] == 'modify':
+            payload = r['outgoing']
+    out.append(time.perf_counter_ns() - t0)
+print(json.dumps(out))
+"#,
+        hooks = serde_json::to_string(&HOOKS.iter().map(|(n, c)| vec![n.to_string(), c.to_string()]).collect::<Vec<_>>())?,
+        text = serde_json::to_string(text)?,
+    );
+    let out = tokio::process::Command::new("python3").args(["-c", &script]).output().await?;
+    anyhow::ensure!(out.status.success(), "python floor failed: {}", String::from_utf8_lossy(&out.stderr));
+    let ns: Vec<u64> = serde_json::from_slice(&out.stdout)?;
+    Ok(ns.into_iter().map(Duration::from_nanos).collect())
+}
+
+fn bench_chain() -> anyhow::Result<Chain> {
+    let yaml = crate::chain_yaml("naive", "naive", "input", "{warm: 0, max: 1}", "");
+    let hc: sluice_crds::HookChain = serde_yaml_from(&yaml)?;
+    Chain::from_resource(&hc).map_err(anyhow::Error::msg)
+}
+
+fn serde_yaml_from(y: &str) -> anyhow::Result<sluice_crds::HookChain> {
+    let parsed = sluice_crds::manifest::parse(std::path::Path::new("bench.yaml"), y);
+    match parsed.into_iter().next() {
+        Some(Ok(located)) => match located.value {
+            sluice_crds::manifest::Object::HookChain(hc) => Ok(*hc),
+            _ => anyhow::bail!("not a chain"),
+        },
+        Some(Err(e)) => anyhow::bail!("{e}"),
+        None => anyhow::bail!("empty"),
+    }
+}
+
+async fn backend() -> anyhow::Result<(LocalBackend, tempfile::TempDir)> {
+    let state = tempfile::Builder::new().prefix("sluice-naive").tempdir_in("/tmp")?;
+    let b = LocalBackend::new(LocalConfig::new(state.path())).await?;
+    Ok((b, state))
+}
+
+/// One complete call the naive way: boot a sandbox, load the chain, run it. Teardown not counted.
+async fn one_fresh_call(b: &LocalBackend, chain: &Chain, text: &str) -> anyhow::Result<(Duration, SupervisorConn)> {
+    let limits = Limits::default();
+    let began = Instant::now();
+    let sandbox = b.start(&chain.sandbox).await?;
+    let mut conn = SupervisorConn::new(sandbox, limits.max_line());
+    conn.wait_ready(Duration::from_secs(30)).await?;
+    conn.init(chain, &limits.wire()).await?;
+    let state = vec![Value::Null; 3];
+    let report = conn.walk(0, &json!(text), &state, &json!({}), Duration::from_secs(10), &NoHostCalls).await;
+    anyhow::ensure!(report.hooks.len() == 3, "naive call failed: {:?}", report.failure);
+    Ok((began.elapsed(), conn))
+}
+
+pub async fn fresh_runsc_per_call(text: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
+    let (b, _state) = backend().await?;
+    let chain = bench_chain()?;
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let (d, conn) = one_fresh_call(&b, &chain, text).await?;
+        out.push(d);
+        conn.close().await;
+    }
+    Ok(out)
+}
+
+/// Fresh sandboxes booted to ready (and torn down) per second, as many at once as there are cores.
+pub async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
+    let (b, _state) = backend().await?;
+    let spec = SandboxSpec { cpu_millis: 1000, memory_bytes: 256 << 20, pids: 64 };
+    let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    let began = Instant::now();
+    let b = &b;
+    let spec = &spec;
+    let counts = futures::future::join_all((0..workers).map(|_| async move {
+        let mut n = 0u64;
+        while began.elapsed() < window {
+            let sandbox = b.start(spec).await?;
+            let mut conn = SupervisorConn::new(sandbox, 1 << 20);
+            conn.wait_ready(Duration::from_secs(30)).await?;
+            conn.close().await;
+            n += 1;
+        }
+        anyhow::Ok(n)
+    }))
+    .await;
+    let total: u64 = counts.into_iter().collect::<anyhow::Result<Vec<u64>>>()?.into_iter().sum();
+    Ok(total as f64 / began.elapsed().as_secs_f64())
+}
+
+/// Where the time of one warm call goes (printed by `sluice-bench breakdown`).
+pub async fn breakdown(text: &str) -> anyhow::Result<()> {
+    let (b, _state) = backend().await?;
+    let chain = bench_chain()?;
+    let limits = Limits::default();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let sandbox = b.start(&chain.sandbox).await?;
+        let mut conn = SupervisorConn::new(sandbox, limits.max_line());
+        conn.wait_ready(Duration::from_secs(30)).await?;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let t1 = Instant::now();
+        conn.init(&chain, &limits.wire()).await?;
+        conn.ack(Duration::from_secs(10)).await?;
+        let t2 = Instant::now();
+        let state = vec![Value::Null; 3];
+        conn.walk(0, &json!(text), &state, &json!({}), Duration::from_secs(10), &NoHostCalls).await;
+        let t3 = Instant::now();
+        conn.walk(0, &json!(text), &state, &json!({}), Duration::from_secs(10), &NoHostCalls).await;
+        let t4 = Instant::now();
+        conn.init(&chain, &limits.wire()).await?;
+        conn.ack(Duration::from_secs(10)).await?;
+        let t5 = Instant::now();
+        conn.close().await;
+        let t6 = Instant::now();
+        println!("boot {:?} init {:?} walk1 {:?} walk2 {:?} init2 {:?} close {:?}", t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5);
+    }
+    Ok(())
+}
