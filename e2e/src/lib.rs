@@ -172,3 +172,87 @@ pub fn text(r: &proto::RunResponse) -> &str {
         _ => panic!("expected a text payload, got {:?}", r.payload),
     }
 }
+
+/// What a stream gave back.
+#[derive(Debug, Default)]
+pub struct StreamResult {
+    pub commits: Vec<String>,
+    pub blocked: Option<proto::StreamBlocked>,
+    /// Index into `commits` at which `blocked` arrived (commits before it).
+    pub blocked_after: Option<usize>,
+    pub final_: Option<proto::RunResponse>,
+    pub status: Option<tonic::Status>,
+}
+
+impl StreamResult {
+    pub fn committed(&self) -> String {
+        self.commits.concat()
+    }
+}
+
+impl Harness {
+    /// Streams `chunks` through `target` at `trigger_point` and collects every answer.
+    pub async fn stream(&self, target: &str, trigger_point: &str, chunks: &[String]) -> StreamResult {
+        let mut msgs = vec![proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Open(proto::StreamOpen {
+                namespace: "default".into(),
+                target: target.into(),
+                trigger_point: trigger_point.into(),
+                context: Default::default(),
+                session_id: "s-1".into(),
+            })),
+        }];
+        msgs.extend(chunks.iter().map(|c| proto::StreamRequest { msg: Some(proto::stream_request::Msg::Chunk(c.clone())) }));
+        msgs.push(proto::StreamRequest { msg: Some(proto::stream_request::Msg::Finish(proto::StreamFinish {})) });
+        let mut out = StreamResult::default();
+        let mut responses = match self.client.clone().stream(futures::stream::iter(msgs)).await {
+            Ok(r) => r.into_inner(),
+            Err(s) => {
+                out.status = Some(s);
+                return out;
+            }
+        };
+        loop {
+            match responses.message().await {
+                Ok(Some(m)) => match m.msg {
+                    Some(proto::stream_response::Msg::Commit(c)) => {
+                        assert!(out.blocked.is_none(), "a commit arrived after blocked");
+                        out.commits.push(c)
+                    }
+                    Some(proto::stream_response::Msg::Blocked(b)) => {
+                        out.blocked_after = Some(out.commits.len());
+                        out.blocked = Some(b)
+                    }
+                    Some(proto::stream_response::Msg::Final(f)) => {
+                        assert!(out.final_.is_none(), "two finals");
+                        out.final_ = Some(f)
+                    }
+                    None => {}
+                },
+                Ok(None) => break,
+                Err(s) => {
+                    out.status = Some(s);
+                    break;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Splits `text` at the given character positions (sorted, deduplicated, in range).
+pub fn chunk_at(text: &str, cuts: &[usize]) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (chars.len() + 1)).collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    let mut out = Vec::new();
+    let mut last = 0;
+    for c in cuts.into_iter().chain([chars.len()]) {
+        if c > last {
+            out.push(chars[last..c].iter().collect());
+            last = c;
+        }
+    }
+    out
+}
