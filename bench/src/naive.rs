@@ -144,3 +144,28 @@ pub async fn breakdown(text: &str) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The stream benchmark's hook run on one batch in one Python process: the floor of a flush.
+pub async fn stream_flush_floor(batch: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
+    let script = format!(
+        r#"
+import json, time, re
+P = re.compile(r'\b\d{{2,4}}-\d{{3,4}}-\d{{4}}\b')
+def execute(context, settings):
+    t = P.sub('[phone]', context['outgoing'])
+    return {{'action': 'modify', 'outgoing': t}} if t != context['outgoing'] else {{'action': 'pass'}}
+batch = {batch}
+out = []
+for _ in range({n}):
+    t0 = time.perf_counter_ns()
+    execute({{'outgoing': batch, 'state': None}}, {{}})
+    out.append(time.perf_counter_ns() - t0)
+print(json.dumps(out))
+"#,
+        batch = serde_json::to_string(batch)?,
+    );
+    let out = tokio::process::Command::new("python3").args(["-c", &script]).output().await?;
+    anyhow::ensure!(out.status.success(), "python floor failed: {}", String::from_utf8_lossy(&out.stderr));
+    let ns: Vec<u64> = serde_json::from_slice(&out.stdout)?;
+    Ok(ns.into_iter().map(Duration::from_nanos).collect())
+}

@@ -21,6 +21,9 @@ use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tonic::Status;
 
+/// Most bytes gathered into one flush when the client is ahead of the chain.
+const COALESCE_BYTES: usize = 64 * 1024;
+
 pub type Responses = Pin<Box<dyn futures::Stream<Item = Result<proto::StreamResponse, Status>> + Send>>;
 
 /// Splits `text` so that the second part holds its last `keep` characters (never splitting one).
@@ -55,6 +58,11 @@ impl Window {
         self.pending.push_str(chunk);
         self.pending_chars += chunk.chars().count();
         self.pending_chars >= self.flush_chars
+    }
+
+    /// Bytes received and not yet run.
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
     }
 
     /// The batch to run now (held-back tail + new text), or None when nothing new arrived.
@@ -247,25 +255,41 @@ async fn stream_path(
             Ok(None) => return End::Failed(Status::cancelled("the client closed the stream without finish")),
             Err(s) => return End::Failed(s),
         };
-        let last = match msg {
-            In::Chunk(text) => {
-                stats.chunks += 1;
-                stats.raw_chars += text.chars().count() as u64;
-                if raw.len() + text.len() > engine.limits.stream_bytes {
-                    return End::Failed(Status::resource_exhausted(format!(
-                        "the reply is over the limit of {} bytes",
-                        engine.limits.stream_bytes
-                    )));
+        let mut last = false;
+        let mut ready = false;
+        let mut pending = Some(msg);
+        // Take what the client has already sent, up to a bound: when chunks arrive faster than the
+        // chain runs, one flush covers them all (batches are never smaller than flushChars).
+        while let Some(msg) = pending.take() {
+            match msg {
+                In::Chunk(text) => {
+                    stats.chunks += 1;
+                    stats.raw_chars += text.chars().count() as u64;
+                    if raw.len() + text.len() > engine.limits.stream_bytes {
+                        return End::Failed(Status::resource_exhausted(format!(
+                            "the reply is over the limit of {} bytes",
+                            engine.limits.stream_bytes
+                        )));
+                    }
+                    raw.push_str(&text);
+                    ready |= window.push(&text);
                 }
-                raw.push_str(&text);
-                if !window.push(&text) {
-                    continue;
-                }
-                false
+                In::Finish(_) => last = true,
+                In::Open(_) => return End::Failed(Status::invalid_argument("open may be sent only once")),
             }
-            In::Finish(_) => true,
-            In::Open(_) => return End::Failed(Status::invalid_argument("open may be sent only once")),
-        };
+            if last || !ready || window.pending_len() >= COALESCE_BYTES {
+                break;
+            }
+            match futures::FutureExt::now_or_never(inbound.next()) {
+                Some(Some(Ok(proto::StreamRequest { msg: Some(m) }))) => pending = Some(m),
+                Some(Some(Err(s))) => return End::Failed(Status::cancelled(format!("the client stream failed: {}", s.message()))),
+                // Nothing waiting (or the stream ended: the next read reports it).
+                _ => {}
+            }
+        }
+        if !ready && !last {
+            continue;
+        }
         let commit = match window.take_batch() {
             Some(batch) => {
                 stats.flushes += 1;
