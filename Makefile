@@ -15,7 +15,10 @@ deps:
 build: deps
 	$(CARGO) build --release --workspace --bins
 
+# The example services (fake LLM on :7001, credit ledger on :7002) run beside the gateway and stop with it.
 run: build
+	./target/release/sluice-example-services & services=$$!; \
+	trap "kill $$services 2>/dev/null" EXIT INT TERM; \
 	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR)
 
 test: deps test-python test-rust

@@ -15,9 +15,18 @@ use report::{Row, Table, percentile};
 
 /// The 3-hook chain of the Run benchmark: idempotent regex redactors, as a real input chain.
 pub const HOOKS: [(&str, &str); 3] = [
-    ("redact-phone", "import re\nP = re.compile(r'\\b\\d{3}-\\d{4}-\\d{4}\\b')\ndef execute(context, settings):\n    t = P.sub('[phone]', context['outgoing'])\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n"),
-    ("redact-email", "import re\nE = re.compile(r'[\\w.+-]+@[\\w-]+\\.[\\w.]+')\ndef execute(context, settings):\n    t = E.sub('[email]', context['outgoing'])\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n"),
-    ("block-injection", "def execute(context, settings):\n    if 'ignore previous instructions' in context['outgoing'].lower():\n        return {'action': 'block', 'message': 'no'}\n    return {'action': 'pass'}\n"),
+    (
+        "redact-phone",
+        "import re\nP = re.compile(r'\\b\\d{3}-\\d{4}-\\d{4}\\b')\ndef execute(context, settings):\n    t = P.sub('[phone]', context['outgoing'])\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n",
+    ),
+    (
+        "redact-email",
+        "import re\nE = re.compile(r'[\\w.+-]+@[\\w-]+\\.[\\w.]+')\ndef execute(context, settings):\n    t = E.sub('[email]', context['outgoing'])\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n",
+    ),
+    (
+        "block-injection",
+        "def execute(context, settings):\n    if 'ignore previous instructions' in context['outgoing'].lower():\n        return {'action': 'block', 'message': 'no'}\n    return {'action': 'pass'}\n",
+    ),
 ];
 
 pub fn chain_yaml(name: &str, target: &str, tp: &str, pool: &str, extra: &str) -> String {
@@ -26,7 +35,9 @@ pub fn chain_yaml(name: &str, target: &str, tp: &str, pool: &str, extra: &str) -
     );
     for (i, (hname, code)) in HOOKS.iter().enumerate() {
         let action = if i == 2 { "block" } else { "modify" };
-        y.push_str(&format!("    - name: {hname}\n      action: {action}\n      code: |\n"));
+        y.push_str(&format!(
+            "    - name: {hname}\n      action: {action}\n      code: |\n"
+        ));
         for l in code.lines() {
             y.push_str(&format!("        {l}\n"));
         }
@@ -53,13 +64,24 @@ impl Bench {
         for (name, text) in files {
             std::fs::write(dir.path().join(name), text)?;
         }
-        let state = tempfile::Builder::new().prefix("sluice-bench").tempdir_in("/tmp")?;
+        let state = tempfile::Builder::new()
+            .prefix("sluice-bench")
+            .tempdir_in("/tmp")?;
         let mut opts = LocalOptions::new(dir.path(), state.path());
         opts.limits.claim_timeout = Duration::from_secs(60);
         let gateway = start_local(opts).await?;
-        gateway.engine.pools.wait_warm(Duration::from_secs(120)).await;
+        gateway
+            .engine
+            .pools
+            .wait_warm(Duration::from_secs(120))
+            .await;
         let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
-        Ok(Self { gateway, client, _dir: dir, _state: state })
+        Ok(Self {
+            gateway,
+            client,
+            _dir: dir,
+            _state: state,
+        })
     }
 
     pub async fn run(&self, target: &str, text: &str) -> anyhow::Result<proto::RunResponse> {
@@ -76,38 +98,73 @@ impl Bench {
 
 /// Run latency with a warm sandbox waiting, beside the in-process floor and a fresh runsc per call.
 async fn run_latency(table: &mut Table) -> anyhow::Result<()> {
-    let bench = Bench::start(&[("c.yaml", chain_yaml("bench", "bench", "input", "{warm: 2, max: 8}", ""))]).await?;
+    let bench = Bench::start(&[(
+        "c.yaml",
+        chain_yaml("bench", "bench", "input", "{warm: 2, max: 8}", ""),
+    )])
+    .await?;
     let text = text_1k();
     // Warm-up: first runs pay for lazy connections.
     for _ in 0..3 {
         bench.run("bench", &text).await?;
-        bench.gateway.engine.pools.wait_warm(Duration::from_secs(30)).await;
+        bench
+            .gateway
+            .engine
+            .pools
+            .wait_warm(Duration::from_secs(30))
+            .await;
     }
     let mut samples = Vec::new();
     for _ in 0..60 {
         // Paced below the backfill rate: every request finds a warm sandbox.
-        bench.gateway.engine.pools.wait_warm(Duration::from_secs(30)).await;
+        bench
+            .gateway
+            .engine
+            .pools
+            .wait_warm(Duration::from_secs(30))
+            .await;
         let began = Instant::now();
         let r = bench.run("bench", &text).await?;
         samples.push(began.elapsed());
-        anyhow::ensure!(r.hooks.len() == 3, "a benchmark run did not run the chain: {r:?}");
+        anyhow::ensure!(
+            r.hooks.len() == 3,
+            "a benchmark run did not run the chain: {r:?}"
+        );
     }
     bench.gateway.shutdown().await;
     let floor = naive::in_process_floor(&text, 2000).await?;
     let fresh = naive::fresh_runsc_per_call(&text, 15).await?;
     let p50 = percentile(&samples, 50.0);
-    table.push(Row::latency("Run via gRPC, warm sandbox (3 hooks, 1 KiB)", &samples).target("p50 ≤ 3 ms"));
-    table.push(Row::latency("  baseline: same hooks in one Python process", &floor));
-    table.push(Row::latency("  baseline: fresh `runsc run` per call", &fresh));
+    table.push(
+        Row::latency("Run via gRPC, warm sandbox (3 hooks, 1 KiB)", &samples).target("p50 ≤ 3 ms"),
+    );
+    table.push(Row::latency(
+        "  baseline: same hooks in one Python process",
+        &floor,
+    ));
+    table.push(Row::latency(
+        "  baseline: fresh `runsc run` per call",
+        &fresh,
+    ));
     let speedup = percentile(&fresh, 50.0).as_secs_f64() / p50.as_secs_f64();
-    table.push(Row::value("  speed-up over fresh runsc per call (p50)", format!("{speedup:.0}×")).target("≥ 20×"));
+    table.push(
+        Row::value(
+            "  speed-up over fresh runsc per call (p50)",
+            format!("{speedup:.0}×"),
+        )
+        .target("≥ 20×"),
+    );
     Ok(())
 }
 
 /// Sustained runs/s with 8 concurrent clients, beside the boot ceiling of fresh sandboxes per second.
 async fn throughput(table: &mut Table) -> anyhow::Result<()> {
     let ceiling = naive::boot_ceiling(Duration::from_secs(10)).await?;
-    let bench = Bench::start(&[("c.yaml", chain_yaml("bench", "bench", "input", "{warm: 4, max: 16}", ""))]).await?;
+    let bench = Bench::start(&[(
+        "c.yaml",
+        chain_yaml("bench", "bench", "input", "{warm: 4, max: 16}", ""),
+    )])
+    .await?;
     let text = text_1k();
     let window = Duration::from_secs(15);
     let began = Instant::now();
@@ -132,9 +189,21 @@ async fn throughput(table: &mut Table) -> anyhow::Result<()> {
     let done: u64 = results.iter().map(|r| r.0).sum();
     let errors: u64 = results.iter().map(|r| r.1).sum();
     let rate = done as f64 / elapsed;
-    table.push(Row::value("Sustained Run/s, 8 clients, fresh sandbox each", format!("{rate:.1}/s ({errors} errors)")).target("≥ 80 % of ceiling"));
-    table.push(Row::value("  baseline: fresh sandboxes booted/s (ceiling)", format!("{ceiling:.1}/s")));
-    table.push(Row::value("  ratio", format!("{:.0} %", 100.0 * rate / ceiling)));
+    table.push(
+        Row::value(
+            "Sustained Run/s, 8 clients, fresh sandbox each",
+            format!("{rate:.1}/s ({errors} errors)"),
+        )
+        .target("≥ 80 % of ceiling"),
+    );
+    table.push(Row::value(
+        "  baseline: fresh sandboxes booted/s (ceiling)",
+        format!("{ceiling:.1}/s"),
+    ));
+    table.push(Row::value(
+        "  ratio",
+        format!("{:.0} %", 100.0 * rate / ceiling),
+    ));
     Ok(())
 }
 
@@ -143,7 +212,12 @@ async fn main() -> anyhow::Result<()> {
     let wanted: Vec<String> = std::env::args().skip(1).collect();
     let on = |s: &str| wanted.is_empty() || wanted.iter().any(|w| w == s);
     let mut table = Table::default();
-    println!("sluice bench on {} cores; every baseline is measured in this run\n", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    println!(
+        "sluice bench on {} cores; every baseline is measured in this run\n",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    );
     if wanted.iter().any(|w| w == "breakdown") {
         return naive::breakdown(&text_1k()).await;
     }

@@ -32,11 +32,23 @@ for _ in range({n}):
     out.append(time.perf_counter_ns() - t0)
 print(json.dumps(out))
 "#,
-        hooks = serde_json::to_string(&HOOKS.iter().map(|(n, c)| vec![n.to_string(), c.to_string()]).collect::<Vec<_>>())?,
+        hooks = serde_json::to_string(
+            &HOOKS
+                .iter()
+                .map(|(n, c)| vec![n.to_string(), c.to_string()])
+                .collect::<Vec<_>>()
+        )?,
         text = serde_json::to_string(text)?,
     );
-    let out = tokio::process::Command::new("python3").args(["-c", &script]).output().await?;
-    anyhow::ensure!(out.status.success(), "python floor failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .await?;
+    anyhow::ensure!(
+        out.status.success(),
+        "python floor failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let ns: Vec<u64> = serde_json::from_slice(&out.stdout)?;
     Ok(ns.into_iter().map(Duration::from_nanos).collect())
 }
@@ -60,13 +72,19 @@ fn serde_yaml_from(y: &str) -> anyhow::Result<sluice_crds::HookChain> {
 }
 
 async fn backend() -> anyhow::Result<(LocalBackend, tempfile::TempDir)> {
-    let state = tempfile::Builder::new().prefix("sluice-naive").tempdir_in("/tmp")?;
+    let state = tempfile::Builder::new()
+        .prefix("sluice-naive")
+        .tempdir_in("/tmp")?;
     let b = LocalBackend::new(LocalConfig::new(state.path())).await?;
     Ok((b, state))
 }
 
 /// One complete call the naive way: boot a sandbox, load the chain, run it. Teardown not counted.
-async fn one_fresh_call(b: &LocalBackend, chain: &Chain, text: &str) -> anyhow::Result<(Duration, SupervisorConn)> {
+async fn one_fresh_call(
+    b: &LocalBackend,
+    chain: &Chain,
+    text: &str,
+) -> anyhow::Result<(Duration, SupervisorConn)> {
     let limits = Limits::default();
     let began = Instant::now();
     let sandbox = b.start(&chain.sandbox).await?;
@@ -74,8 +92,21 @@ async fn one_fresh_call(b: &LocalBackend, chain: &Chain, text: &str) -> anyhow::
     conn.wait_ready(Duration::from_secs(30)).await?;
     conn.init(chain, &limits.wire()).await?;
     let state = vec![Value::Null; 3];
-    let report = conn.walk(0, &json!(text), &state, &json!({}), Duration::from_secs(10), &NoHostCalls).await;
-    anyhow::ensure!(report.hooks.len() == 3, "naive call failed: {:?}", report.failure);
+    let report = conn
+        .walk(
+            0,
+            &json!(text),
+            &state,
+            &json!({}),
+            Duration::from_secs(10),
+            &NoHostCalls,
+        )
+        .await;
+    anyhow::ensure!(
+        report.hooks.len() == 3,
+        "naive call failed: {:?}",
+        report.failure
+    );
     Ok((began.elapsed(), conn))
 }
 
@@ -94,8 +125,14 @@ pub async fn fresh_runsc_per_call(text: &str, n: usize) -> anyhow::Result<Vec<Du
 /// Fresh sandboxes booted to ready (and torn down) per second, as many at once as there are cores.
 pub async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
     let (b, _state) = backend().await?;
-    let spec = SandboxSpec { cpu_millis: 1000, memory_bytes: 256 << 20, pids: 64 };
-    let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    let spec = SandboxSpec {
+        cpu_millis: 1000,
+        memory_bytes: 256 << 20,
+        pids: 64,
+    };
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2);
     let began = Instant::now();
     let b = &b;
     let spec = &spec;
@@ -111,7 +148,11 @@ pub async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
         anyhow::Ok(n)
     }))
     .await;
-    let total: u64 = counts.into_iter().collect::<anyhow::Result<Vec<u64>>>()?.into_iter().sum();
+    let total: u64 = counts
+        .into_iter()
+        .collect::<anyhow::Result<Vec<u64>>>()?
+        .into_iter()
+        .sum();
     Ok(total as f64 / began.elapsed().as_secs_f64())
 }
 
@@ -131,16 +172,40 @@ pub async fn breakdown(text: &str) -> anyhow::Result<()> {
         conn.ack(Duration::from_secs(10)).await?;
         let t2 = Instant::now();
         let state = vec![Value::Null; 3];
-        conn.walk(0, &json!(text), &state, &json!({}), Duration::from_secs(10), &NoHostCalls).await;
+        conn.walk(
+            0,
+            &json!(text),
+            &state,
+            &json!({}),
+            Duration::from_secs(10),
+            &NoHostCalls,
+        )
+        .await;
         let t3 = Instant::now();
-        conn.walk(0, &json!(text), &state, &json!({}), Duration::from_secs(10), &NoHostCalls).await;
+        conn.walk(
+            0,
+            &json!(text),
+            &state,
+            &json!({}),
+            Duration::from_secs(10),
+            &NoHostCalls,
+        )
+        .await;
         let t4 = Instant::now();
         conn.init(&chain, &limits.wire()).await?;
         conn.ack(Duration::from_secs(10)).await?;
         let t5 = Instant::now();
         conn.close().await;
         let t6 = Instant::now();
-        println!("boot {:?} init {:?} walk1 {:?} walk2 {:?} init2 {:?} close {:?}", t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5);
+        println!(
+            "boot {:?} init {:?} walk1 {:?} walk2 {:?} init2 {:?} close {:?}",
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+            t4 - t3,
+            t5 - t4,
+            t6 - t5
+        );
     }
     Ok(())
 }
@@ -164,8 +229,15 @@ print(json.dumps(out))
 "#,
         batch = serde_json::to_string(batch)?,
     );
-    let out = tokio::process::Command::new("python3").args(["-c", &script]).output().await?;
-    anyhow::ensure!(out.status.success(), "python floor failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .await?;
+    anyhow::ensure!(
+        out.status.success(),
+        "python floor failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let ns: Vec<u64> = serde_json::from_slice(&out.stdout)?;
     Ok(ns.into_iter().map(Duration::from_nanos).collect())
 }

@@ -14,7 +14,13 @@ pub fn percentile(samples: &[Duration], p: f64) -> Duration {
 
 fn fmt(d: Duration) -> String {
     let us = d.as_secs_f64() * 1e6;
-    if us < 1000.0 { format!("{us:.0} µs") } else if us < 1e6 { format!("{:.2} ms", us / 1000.0) } else { format!("{:.2} s", us / 1e6) }
+    if us < 1000.0 {
+        format!("{us:.0} µs")
+    } else if us < 1e6 {
+        format!("{:.2} ms", us / 1000.0)
+    } else {
+        format!("{:.2} s", us / 1e6)
+    }
 }
 
 pub struct Row {
@@ -25,12 +31,25 @@ pub struct Row {
 
 impl Row {
     pub fn latency(what: &str, samples: &[Duration]) -> Self {
-        let value = format!("p50 {} · p99 {} (n={})", fmt(percentile(samples, 50.0)), fmt(percentile(samples, 99.0)), samples.len());
-        Self { what: what.into(), value, target: String::new() }
+        let value = format!(
+            "p50 {} · p99 {} (n={})",
+            fmt(percentile(samples, 50.0)),
+            fmt(percentile(samples, 99.0)),
+            samples.len()
+        );
+        Self {
+            what: what.into(),
+            value,
+            target: String::new(),
+        }
     }
 
     pub fn value(what: &str, value: String) -> Self {
-        Self { what: what.into(), value, target: String::new() }
+        Self {
+            what: what.into(),
+            value,
+            target: String::new(),
+        }
     }
 
     pub fn target(mut self, t: &str) -> Self {
@@ -49,8 +68,18 @@ impl Table {
     }
 
     pub fn print(&self) {
-        let w0 = self.0.iter().map(|r| r.what.chars().count()).max().unwrap_or(0);
-        let w1 = self.0.iter().map(|r| r.value.chars().count()).max().unwrap_or(0);
+        let w0 = self
+            .0
+            .iter()
+            .map(|r| r.what.chars().count())
+            .max()
+            .unwrap_or(0);
+        let w1 = self
+            .0
+            .iter()
+            .map(|r| r.value.chars().count())
+            .max()
+            .unwrap_or(0);
         println!();
         println!("| {:w0$} | {:w1$} | target |", "measure", "result");
         println!("|{}|{}|--------|", "-".repeat(w0 + 2), "-".repeat(w1 + 2));

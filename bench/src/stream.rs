@@ -30,16 +30,21 @@ fn open() -> proto::StreamRequest {
 }
 
 fn chunk(s: String) -> proto::StreamRequest {
-    proto::StreamRequest { msg: Some(In::Chunk(s)) }
+    proto::StreamRequest {
+        msg: Some(In::Chunk(s)),
+    }
 }
 
 fn finish() -> proto::StreamRequest {
-    proto::StreamRequest { msg: Some(In::Finish(proto::StreamFinish {})) }
+    proto::StreamRequest {
+        msg: Some(In::Finish(proto::StreamFinish {})),
+    }
 }
 
 /// A reply of `n` characters: chat text with a phone number every few lines.
 fn reply(n: usize) -> String {
-    let base = "The order ships Monday; for changes call 010-1234-5678 and quote your order number. ";
+    let base =
+        "The order ships Monday; for changes call 010-1234-5678 and quote your order number. ";
     base.repeat(n / base.len() + 1)[..n].to_string()
 }
 
@@ -50,7 +55,12 @@ async fn blast(bench: &Bench, text: &str, size: usize) -> anyhow::Result<(f64, u
     msgs.extend(chars.chunks(size).map(|c| chunk(c.iter().collect())));
     msgs.push(finish());
     let began = Instant::now();
-    let mut out = bench.client.clone().stream(futures::stream::iter(msgs)).await?.into_inner();
+    let mut out = bench
+        .client
+        .clone()
+        .stream(futures::stream::iter(msgs))
+        .await?
+        .into_inner();
     let mut committed = 0;
     let mut got_final = false;
     while let Some(m) = out.message().await? {
@@ -61,7 +71,10 @@ async fn blast(bench: &Bench, text: &str, size: usize) -> anyhow::Result<(f64, u
         }
     }
     anyhow::ensure!(got_final, "stream ended without a final");
-    Ok((chars.len() as f64 / began.elapsed().as_secs_f64(), committed))
+    Ok((
+        chars.len() as f64 / began.elapsed().as_secs_f64(),
+        committed,
+    ))
 }
 
 pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
@@ -71,49 +84,114 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
     let mut first = Vec::new();
     let mut flushes = Vec::new();
     for _ in 0..20 {
-        bench.gateway.engine.pools.wait_warm(Duration::from_secs(30)).await;
+        bench
+            .gateway
+            .engine
+            .pools
+            .wait_warm(Duration::from_secs(30))
+            .await;
         let (tx, rx) = mpsc::channel(4);
         let began = Instant::now();
         tx.send(open()).await?;
         tx.send(chunk(reply(64))).await?;
-        let mut out = bench.client.clone().stream(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
-        anyhow::ensure!(matches!(out.message().await?.and_then(|m| m.msg), Some(Out::Commit(_))), "no first commit");
+        let mut out = bench
+            .client
+            .clone()
+            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        anyhow::ensure!(
+            matches!(
+                out.message().await?.and_then(|m| m.msg),
+                Some(Out::Commit(_))
+            ),
+            "no first commit"
+        );
         first.push(began.elapsed());
         for _ in 0..10 {
             let t = Instant::now();
             tx.send(chunk(reply(64))).await?;
-            anyhow::ensure!(matches!(out.message().await?.and_then(|m| m.msg), Some(Out::Commit(_))), "no commit");
+            anyhow::ensure!(
+                matches!(
+                    out.message().await?.and_then(|m| m.msg),
+                    Some(Out::Commit(_))
+                ),
+                "no commit"
+            );
             flushes.push(t.elapsed());
         }
         tx.send(finish()).await?;
         while out.message().await?.is_some() {}
     }
     let floor = crate::naive::stream_flush_floor(&reply(64 + 48), 2000).await?;
-    table.push(Row::latency("Stream: time to first commit (open + 64 chars)", &first));
-    table.push(Row::latency("Stream: per-flush round trip (64 chars, 1 hook)", &flushes));
-    table.push(Row::latency("  baseline: the hook on the same batch in one Python process", &floor));
+    table.push(Row::latency(
+        "Stream: time to first commit (open + 64 chars)",
+        &first,
+    ));
+    table.push(Row::latency(
+        "Stream: per-flush round trip (64 chars, 1 hook)",
+        &flushes,
+    ));
+    table.push(Row::latency(
+        "  baseline: the hook on the same batch in one Python process",
+        &floor,
+    ));
     let added = percentile(&flushes, 50.0).saturating_sub(percentile(&floor, 50.0));
-    table.push(Row::value("  added by the gateway per flush (p50)", format!("{:.2} ms", added.as_secs_f64() * 1e3)).target("≤ 1 ms"));
+    table.push(
+        Row::value(
+            "  added by the gateway per flush (p50)",
+            format!("{:.2} ms", added.as_secs_f64() * 1e3),
+        )
+        .target("≤ 1 ms"),
+    );
 
     let paced = 64.0 / percentile(&flushes, 50.0).as_secs_f64();
-    table.push(Row::value("Stream: chars/s, 1 stream, one flush at a time (client awaits each commit)", format!("{paced:.0}")).target("≥ 100,000"));
+    table.push(
+        Row::value(
+            "Stream: chars/s, 1 stream, one flush at a time (client awaits each commit)",
+            format!("{paced:.0}"),
+        )
+        .target("≥ 100,000"),
+    );
 
     // Throughput of one stream and of 50 at once.
-    bench.gateway.engine.pools.wait_warm(Duration::from_secs(30)).await;
+    bench
+        .gateway
+        .engine
+        .pools
+        .wait_warm(Duration::from_secs(30))
+        .await;
     let (rate, _) = blast(&bench, &reply(200_000), 16).await?;
-    table.push(Row::value("Stream: chars/s, 1 stream, client ahead (200k chars, 16-char chunks, coalesced)", format!("{rate:.0}")).target("≥ 100,000"));
-    bench.gateway.engine.pools.wait_warm(Duration::from_secs(60)).await;
+    table.push(
+        Row::value(
+            "Stream: chars/s, 1 stream, client ahead (200k chars, 16-char chunks, coalesced)",
+            format!("{rate:.0}"),
+        )
+        .target("≥ 100,000"),
+    );
+    bench
+        .gateway
+        .engine
+        .pools
+        .wait_warm(Duration::from_secs(60))
+        .await;
     let began = Instant::now();
     let text = reply(20_000);
     let runs = futures::future::join_all((0..50).map(|_| blast(&bench, &text, 16))).await;
     let elapsed = began.elapsed().as_secs_f64();
-    let rates: Vec<f64> = runs.into_iter().map(|r| r.map(|x| x.0)).collect::<anyhow::Result<_>>()?;
+    let rates: Vec<f64> = runs
+        .into_iter()
+        .map(|r| r.map(|x| x.0))
+        .collect::<anyhow::Result<_>>()?;
     let mean = rates.iter().sum::<f64>() / rates.len() as f64;
     table.push(Row::value(
         "Stream: chars/s per stream, 50 concurrent (20k chars each)",
         format!("{mean:.0} (aggregate {:.0})", 50.0 * 20_000.0 / elapsed),
     ));
-    table.push(Row::value("  visible hold-back", "lookbackChars = 48 chars (NeMo Guardrails: 200 tokens)".into()));
+    table.push(Row::value(
+        "  visible hold-back",
+        "lookbackChars = 48 chars (NeMo Guardrails: 200 tokens)".into(),
+    ));
     bench.gateway.shutdown().await;
     Ok(())
 }
@@ -123,15 +201,26 @@ pub async fn host_call(table: &mut Table) -> anyhow::Result<()> {
     let chain = "apiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: echo, namespace: default}\nspec: {endpoint: {builtin: echo}}\n---\napiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: hc, namespace: default}\nspec:\n  target: caller\n  triggerPoint: input\n  timeoutMs: 10000\n  pool: {warm: 1, max: 4}\n  resources: {cpu: '1', memory: 256Mi}\n  hooks:\n    - name: caller\n      action: detect\n      capabilities: [echo]\n      code: |\n        import time\n        def execute(context, settings):\n            out = []\n            for i in range(200):\n                t = time.perf_counter()\n                context.host_call('echo', {'i': i})\n                out.append(time.perf_counter() - t)\n            return {'action': 'detect', 'findings': {'s': out}}\n".to_string();
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("c.yaml"), chain)?;
-    let state = tempfile::Builder::new().prefix("sluice-bench").tempdir_in("/tmp")?;
+    let state = tempfile::Builder::new()
+        .prefix("sluice-bench")
+        .tempdir_in("/tmp")?;
     let mut opts = sluice_gateway::gateway::LocalOptions::new(dir.path(), state.path());
     opts.limits.host_calls_per_run = 1000;
     let gateway = sluice_gateway::gateway::start_local(opts).await?;
-    gateway.engine.pools.wait_warm(Duration::from_secs(60)).await;
-    let mut client = proto::gateway_client::GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
+    gateway
+        .engine
+        .pools
+        .wait_warm(Duration::from_secs(60))
+        .await;
+    let mut client =
+        proto::gateway_client::GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
     let mut samples = Vec::new();
     for _ in 0..3 {
-        gateway.engine.pools.wait_warm(Duration::from_secs(60)).await;
+        gateway
+            .engine
+            .pools
+            .wait_warm(Duration::from_secs(60))
+            .await;
         let req = proto::RunRequest {
             namespace: "default".into(),
             target: "caller".into(),
@@ -140,11 +229,26 @@ pub async fn host_call(table: &mut Table) -> anyhow::Result<()> {
             ..Default::default()
         };
         let r = client.run(req).await?.into_inner();
-        let findings = r.hooks.first().and_then(|h| h.findings.clone()).map(|f| sluice_gateway::convert::from_proto(&f));
-        let list = findings.as_ref().and_then(|f| f["s"].as_array().cloned()).ok_or_else(|| anyhow::anyhow!("no samples: {r:?}"))?;
-        samples.extend(list.iter().skip(5).filter_map(|v| v.as_f64()).map(Duration::from_secs_f64));
+        let findings = r
+            .hooks
+            .first()
+            .and_then(|h| h.findings.clone())
+            .map(|f| sluice_gateway::convert::from_proto(&f));
+        let list = findings
+            .as_ref()
+            .and_then(|f| f["s"].as_array().cloned())
+            .ok_or_else(|| anyhow::anyhow!("no samples: {r:?}"))?;
+        samples.extend(
+            list.iter()
+                .skip(5)
+                .filter_map(|v| v.as_f64())
+                .map(Duration::from_secs_f64),
+        );
     }
     gateway.shutdown().await;
-    table.push(Row::latency("host_call round trip in a hook (builtin echo)", &samples).target("p50 ≤ 0.5 ms"));
+    table.push(
+        Row::latency("host_call round trip in a hook (builtin echo)", &samples)
+            .target("p50 ≤ 0.5 ms"),
+    );
     Ok(())
 }

@@ -71,6 +71,13 @@ pub enum Builtin {
 impl Endpoint {
     /// How many of grpc, http and builtin are set; a valid endpoint has exactly one.
     pub fn kinds_set(&self) -> usize {
-        [self.grpc.is_some(), self.http.is_some(), self.builtin.is_some()].iter().filter(|b| **b).count()
+        [
+            self.grpc.is_some(),
+            self.http.is_some(),
+            self.builtin.is_some(),
+        ]
+        .iter()
+        .filter(|b| **b)
+        .count()
     }
 }

@@ -10,7 +10,9 @@ use std::fmt;
 use crate::free_form;
 
 /// Where in the conversation a chain runs; fixes the shape of the payload its hooks see.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum TriggerPoint {
     /// The user's message before the agent sees it (text).
@@ -81,7 +83,13 @@ pub enum Action {
 }
 
 impl Action {
-    pub const ALL: [Action; 5] = [Self::Pass, Self::Modify, Self::Block, Self::Skip, Self::Detect];
+    pub const ALL: [Action; 5] = [
+        Self::Pass,
+        Self::Modify,
+        Self::Block,
+        Self::Skip,
+        Self::Detect,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -194,7 +202,10 @@ pub struct StreamingSpec {
 
 impl Default for StreamingSpec {
     fn default() -> Self {
-        Self { flush_chars: default_flush_chars(), lookback_chars: default_lookback_chars() }
+        Self {
+            flush_chars: default_flush_chars(),
+            lookback_chars: default_lookback_chars(),
+        }
     }
 }
 
@@ -224,7 +235,11 @@ pub struct PoolSpec {
 
 impl Default for PoolSpec {
     fn default() -> Self {
-        Self { warm: default_warm(), max: default_max(), reuse: Reuse::None }
+        Self {
+            warm: default_warm(),
+            max: default_max(),
+            reuse: Reuse::None,
+        }
     }
 }
 
@@ -253,7 +268,11 @@ pub struct ResourceSpec {
 
 impl Default for ResourceSpec {
     fn default() -> Self {
-        Self { cpu: default_cpu(), memory: default_memory(), pids: default_pids() }
+        Self {
+            cpu: default_cpu(),
+            memory: default_memory(),
+            pids: default_pids(),
+        }
     }
 }
 
@@ -315,7 +334,11 @@ impl HookChainSpec {
         let mut h = Sha256::new();
         for hook in &self.hooks {
             // serde_json::to_vec cannot fail for these plain types.
-            let settings = hook.settings.as_ref().map(|s| s.to_string()).unwrap_or_default();
+            let settings = hook
+                .settings
+                .as_ref()
+                .map(|s| s.to_string())
+                .unwrap_or_default();
             for part in [
                 hook.name.as_str(),
                 hook.action.as_str(),

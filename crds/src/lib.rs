@@ -9,8 +9,8 @@ pub mod validate;
 
 pub use capability::{Builtin, Capability, CapabilitySpec, Endpoint};
 pub use hookchain::{
-    Action, FailurePolicy, HookChain, HookChainSpec, HookChainStatus, HookSpec, PoolSpec, ResourceSpec,
-    Reuse, StreamingSpec, TriggerPoint,
+    Action, FailurePolicy, HookChain, HookChainSpec, HookChainStatus, HookSpec, PoolSpec,
+    ResourceSpec, Reuse, StreamingSpec, TriggerPoint,
 };
 
 use schemars::Schema;
@@ -27,5 +27,8 @@ fn free_form(_: &mut schemars::SchemaGenerator) -> Schema {
 pub fn crd_yaml() -> Vec<(&'static str, String)> {
     use kube::CustomResourceExt;
     let render = |crd| serde_yaml::to_string(&crd).expect("a CRD always serializes to YAML");
-    vec![("hookchain.yaml", render(HookChain::crd())), ("capability.yaml", render(Capability::crd()))]
+    vec![
+        ("hookchain.yaml", render(HookChain::crd())),
+        ("capability.yaml", render(Capability::crd())),
+    ]
 }

@@ -68,8 +68,17 @@ fn documents(text: &str) -> Vec<(usize, String)> {
 pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>> {
     let mut out = Vec::new();
     for (start, doc) in documents(text) {
-        let err = |line: usize, message: String| LoadError { file: file.to_path_buf(), line, message };
-        let line_of = |e: &serde_yaml::Error| start + e.location().map(|l| l.line().saturating_sub(1)).unwrap_or(0);
+        let err = |line: usize, message: String| LoadError {
+            file: file.to_path_buf(),
+            line,
+            message,
+        };
+        let line_of = |e: &serde_yaml::Error| {
+            start
+                + e.location()
+                    .map(|l| l.line().saturating_sub(1))
+                    .unwrap_or(0)
+        };
         let head: serde_yaml::Value = match serde_yaml::from_str(&doc) {
             Ok(v) => v,
             Err(e) => {
@@ -77,20 +86,36 @@ pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>>
                 continue;
             }
         };
-        let api_version = head.get("apiVersion").and_then(|v| v.as_str()).unwrap_or_default();
-        let kind = head.get("kind").and_then(|v| v.as_str()).unwrap_or_default();
+        let api_version = head
+            .get("apiVersion")
+            .and_then(|v| v.as_str())
+            .unwrap_or_default();
+        let kind = head
+            .get("kind")
+            .and_then(|v| v.as_str())
+            .unwrap_or_default();
         if !api_version.starts_with("sluice.dev/") {
             continue;
         }
         if api_version != API_VERSION {
-            out.push(Err(err(start, format!("apiVersion {api_version:?} is not served; use {API_VERSION}"))));
+            out.push(Err(err(
+                start,
+                format!("apiVersion {api_version:?} is not served; use {API_VERSION}"),
+            )));
             continue;
         }
         let object = match kind {
-            "HookChain" => serde_yaml::from_str::<HookChain>(&doc).map(|c| Object::HookChain(Box::new(c))),
-            "Capability" => serde_yaml::from_str::<Capability>(&doc).map(|c| Object::Capability(Box::new(c))),
+            "HookChain" => {
+                serde_yaml::from_str::<HookChain>(&doc).map(|c| Object::HookChain(Box::new(c)))
+            }
+            "Capability" => {
+                serde_yaml::from_str::<Capability>(&doc).map(|c| Object::Capability(Box::new(c)))
+            }
             other => {
-                out.push(Err(err(start, format!("kind {other:?} is not a sluice.dev kind (HookChain, Capability)"))));
+                out.push(Err(err(
+                    start,
+                    format!("kind {other:?} is not a sluice.dev kind (HookChain, Capability)"),
+                )));
                 continue;
             }
         };
@@ -114,18 +139,31 @@ pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>>
         };
         if !problems.is_empty() {
             let list: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
-            out.push(Err(err(start, format!("{kind} {name:?}: {}", list.join("; ")))));
+            out.push(Err(err(
+                start,
+                format!("{kind} {name:?}: {}", list.join("; ")),
+            )));
             continue;
         }
-        let leading = doc.lines().take_while(|l| l.trim().is_empty() || l.trim_start().starts_with('#')).count();
-        out.push(Ok(Located { file: file.to_path_buf(), line: start + leading, value: object }));
+        let leading = doc
+            .lines()
+            .take_while(|l| l.trim().is_empty() || l.trim_start().starts_with('#'))
+            .count();
+        out.push(Ok(Located {
+            file: file.to_path_buf(),
+            line: start + leading,
+            value: object,
+        }));
     }
     out
 }
 
 /// Namespace of an object read from a file: its own, or `default` as kubectl would use.
 pub fn namespace_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
-    meta.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".to_string())
+    meta.namespace
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "default".to_string())
 }
 
 #[cfg(test)]
@@ -156,7 +194,14 @@ spec:
     fn multi_document_files_load_each_document_and_skip_other_kinds() {
         let got = parse(Path::new("x.yaml"), TWO);
         assert_eq!(got.len(), 2);
-        assert!(matches!(&got[0], Ok(Located { line: 2, value: Object::Capability(_), .. })));
+        assert!(matches!(
+            &got[0],
+            Ok(Located {
+                line: 2,
+                value: Object::Capability(_),
+                ..
+            })
+        ));
         let err = got[1].as_ref().unwrap_err();
         // The bad value sits on line 17 of the file.
         assert_eq!(err.line, 17, "{err}");
@@ -165,7 +210,10 @@ spec:
 
     #[test]
     fn syntax_errors_carry_the_file_line() {
-        let got = parse(Path::new("bad.yaml"), "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: [\n");
+        let got = parse(
+            Path::new("bad.yaml"),
+            "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: [\n",
+        );
         let err = got[0].as_ref().unwrap_err();
         assert!(err.message.starts_with("invalid YAML"), "{err}");
         assert!(err.line >= 3, "{err}");
@@ -175,6 +223,9 @@ spec:
     fn semantic_problems_name_the_object_and_field() {
         let text = "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: c}\nspec:\n  target: ''\n  triggerPoint: input\n  hooks: [{name: a, action: block, code: 'x'}]\n";
         let err = parse(Path::new("c.yaml"), text).remove(0).unwrap_err();
-        assert!(err.message.contains("\"c\"") && err.message.contains("spec.target"), "{err}");
+        assert!(
+            err.message.contains("\"c\"") && err.message.contains("spec.target"),
+            "{err}"
+        );
     }
 }

@@ -4,9 +4,13 @@
 pub fn cpu_millis(q: &str) -> Result<u64, String> {
     let q = q.trim();
     if let Some(m) = q.strip_suffix('m') {
-        return m.parse::<u64>().map_err(|_| format!("cpu quantity {q:?} is not a number of millicores"));
+        return m
+            .parse::<u64>()
+            .map_err(|_| format!("cpu quantity {q:?} is not a number of millicores"));
     }
-    let cores: f64 = q.parse().map_err(|_| format!("cpu quantity {q:?} is not like 250m or 0.5"))?;
+    let cores: f64 = q
+        .parse()
+        .map_err(|_| format!("cpu quantity {q:?} is not like 250m or 0.5"))?;
     if !(cores.is_finite() && cores > 0.0) {
         return Err(format!("cpu quantity {q:?} must be positive"));
     }
@@ -30,8 +34,11 @@ pub fn memory_bytes(q: &str) -> Result<u64, String> {
         .iter()
         .find_map(|(suffix, mult)| q.strip_suffix(suffix).map(|d| (d, *mult)))
         .unwrap_or((q, 1));
-    let n: u64 = digits.parse().map_err(|_| format!("memory quantity {q:?} is not like 128Mi or 1Gi"))?;
-    n.checked_mul(unit).ok_or_else(|| format!("memory quantity {q:?} is too large"))
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("memory quantity {q:?} is not like 128Mi or 1Gi"))?;
+    n.checked_mul(unit)
+        .ok_or_else(|| format!("memory quantity {q:?} is too large"))
 }
 
 #[cfg(test)]

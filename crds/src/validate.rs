@@ -18,14 +18,19 @@ impl std::fmt::Display for Problem {
 }
 
 fn problem(field: impl Into<String>, message: impl Into<String>) -> Problem {
-    Problem { field: field.into(), message: message.into() }
+    Problem {
+        field: field.into(),
+        message: message.into(),
+    }
 }
 
 /// Hook names become label values and audit keys: DNS-label-like.
 fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 63
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_' || b == b'.')
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_' || b == b'.'
+        })
         && name.as_bytes()[0].is_ascii_alphanumeric()
 }
 
@@ -35,10 +40,16 @@ pub const MIN_MEMORY_BYTES: u64 = 32 << 20;
 pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
     let mut out = Vec::new();
     if spec.target.trim().is_empty() {
-        out.push(problem("spec.target", "must name the agent or app this chain serves"));
+        out.push(problem(
+            "spec.target",
+            "must name the agent or app this chain serves",
+        ));
     }
     if !(10..=60_000).contains(&spec.timeout_ms) {
-        out.push(problem("spec.timeoutMs", format!("{} is outside 10..60000", spec.timeout_ms)));
+        out.push(problem(
+            "spec.timeoutMs",
+            format!("{} is outside 10..60000", spec.timeout_ms),
+        ));
     }
     if spec.streaming.flush_chars == 0 {
         out.push(problem("spec.streaming.flushChars", "must be at least 1"));
@@ -54,7 +65,10 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
     match quantity::memory_bytes(&spec.resources.memory) {
         Ok(b) if b < MIN_MEMORY_BYTES => out.push(problem(
             "spec.resources.memory",
-            format!("{} is below the 32Mi a Python sandbox needs", spec.resources.memory),
+            format!(
+                "{} is below the 32Mi a Python sandbox needs",
+                spec.resources.memory
+            ),
         )),
         Ok(_) => {}
         Err(e) => out.push(problem("spec.resources.memory", e)),
@@ -71,10 +85,16 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
         if !valid_name(&hook.name) {
             out.push(problem(
                 format!("{at}.name"),
-                format!("{:?} must be 1-63 lowercase letters, digits, '-', '_' or '.'", hook.name),
+                format!(
+                    "{:?} must be 1-63 lowercase letters, digits, '-', '_' or '.'",
+                    hook.name
+                ),
             ));
         } else if !seen.insert(hook.name.as_str()) {
-            out.push(problem(format!("{at}.name"), format!("{:?} is used by an earlier hook", hook.name)));
+            out.push(problem(
+                format!("{at}.name"),
+                format!("{:?} is used by an earlier hook", hook.name),
+            ));
         }
         if hook.action == crate::Action::Pass {
             out.push(problem(
@@ -83,12 +103,18 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
             ));
         }
         if hook.code.trim().is_empty() {
-            out.push(problem(format!("{at}.code"), "is empty; it must define execute(context, settings)"));
+            out.push(problem(
+                format!("{at}.code"),
+                "is empty; it must define execute(context, settings)",
+            ));
         }
-        if let Some(s) = &hook.settings {
-            if !s.is_object() {
-                out.push(problem(format!("{at}.settings"), "must be a mapping of names to values"));
-            }
+        if let Some(s) = &hook.settings
+            && !s.is_object()
+        {
+            out.push(problem(
+                format!("{at}.settings"),
+                "must be a mapping of names to values",
+            ));
         }
     }
     out
@@ -97,28 +123,46 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
 pub fn capability(name: &str, spec: &CapabilitySpec) -> Vec<Problem> {
     let mut out = Vec::new();
     if name.is_empty() {
-        out.push(problem("metadata.name", "a capability needs the name hooks call it by"));
+        out.push(problem(
+            "metadata.name",
+            "a capability needs the name hooks call it by",
+        ));
     }
     match spec.endpoint.kinds_set() {
         1 => {}
         0 => out.push(problem("spec.endpoint", "set one of grpc, http or builtin")),
-        _ => out.push(problem("spec.endpoint", "set only one of grpc, http or builtin")),
+        _ => out.push(problem(
+            "spec.endpoint",
+            "set only one of grpc, http or builtin",
+        )),
     }
-    for (field, url) in [("spec.endpoint.grpc", &spec.endpoint.grpc), ("spec.endpoint.http", &spec.endpoint.http)] {
-        if let Some(url) = url {
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
-                out.push(problem(field, format!("{url:?} must start with http:// or https://")));
-            }
+    for (field, url) in [
+        ("spec.endpoint.grpc", &spec.endpoint.grpc),
+        ("spec.endpoint.http", &spec.endpoint.http),
+    ] {
+        if let Some(url) = url
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            out.push(problem(
+                field,
+                format!("{url:?} must start with http:// or https://"),
+            ));
         }
     }
-    if let Some(schema) = &spec.schema {
-        if !schema.is_object() {
-            out.push(problem("spec.schema", "must be a JSON Schema object"));
-        }
+    if let Some(schema) = &spec.schema
+        && !schema.is_object()
+    {
+        out.push(problem("spec.schema", "must be a JSON Schema object"));
     }
-    for (field, list) in [("spec.gates", &spec.gates), ("spec.dispatch", &spec.dispatch)] {
+    for (field, list) in [
+        ("spec.gates", &spec.gates),
+        ("spec.dispatch", &spec.dispatch),
+    ] {
         if list.iter().any(|g| g == name) {
-            out.push(problem(field, format!("{name:?} cannot be its own gate or dispatch step")));
+            out.push(problem(
+                field,
+                format!("{name:?} cannot be its own gate or dispatch step"),
+            ));
         }
     }
     out
@@ -146,12 +190,28 @@ mod tests {
     #[test]
     fn duplicate_names_pass_action_and_bad_memory_are_reported() {
         let mut c = chain();
-        c.hooks.push(HookSpec { action: Action::Pass, ..c.hooks[0].clone() });
+        c.hooks.push(HookSpec {
+            action: Action::Pass,
+            ..c.hooks[0].clone()
+        });
         c.resources.memory = "1Mi".into();
         let problems: Vec<String> = hookchain(&c).iter().map(|p| p.to_string()).collect();
-        assert!(problems.iter().any(|p| p.starts_with("spec.hooks[1].name")), "{problems:?}");
-        assert!(problems.iter().any(|p| p.starts_with("spec.hooks[1].action")), "{problems:?}");
-        assert!(problems.iter().any(|p| p.starts_with("spec.resources.memory")), "{problems:?}");
+        assert!(
+            problems.iter().any(|p| p.starts_with("spec.hooks[1].name")),
+            "{problems:?}"
+        );
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with("spec.hooks[1].action")),
+            "{problems:?}"
+        );
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.starts_with("spec.resources.memory")),
+            "{problems:?}"
+        );
     }
 
     #[test]

@@ -8,7 +8,11 @@ fn committed_crd_yaml_matches_the_types() {
     for (name, generated) in sluice_crds::crd_yaml() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(name);
         let committed = std::fs::read_to_string(&path).unwrap_or_default();
-        assert!(committed == generated, "{} is stale: run `make crds` and commit the result", path.display());
+        assert!(
+            committed == generated,
+            "{} is stale: run `make crds` and commit the result",
+            path.display()
+        );
     }
 }
 
@@ -20,14 +24,19 @@ fn structural_violations(node: &serde_json::Value, path: &str, out: &mut Vec<Str
             out.push(format!("{path}: {banned}"));
         }
     }
-    let preserves = obj.get("x-kubernetes-preserve-unknown-fields") == Some(&serde_json::Value::Bool(true));
-    let int_or_string = obj.get("x-kubernetes-int-or-string") == Some(&serde_json::Value::Bool(true));
+    let preserves =
+        obj.get("x-kubernetes-preserve-unknown-fields") == Some(&serde_json::Value::Bool(true));
+    let int_or_string =
+        obj.get("x-kubernetes-int-or-string") == Some(&serde_json::Value::Bool(true));
     if !obj.contains_key("type") && !preserves && !int_or_string {
         out.push(format!("{path}: no type"));
     }
     if let Some(props) = obj.get("properties").and_then(|p| p.as_object()) {
         for (k, v) in props {
-            if v.get("description").is_none() && !path.contains("conditions") && !path.starts_with(".metadata") {
+            if v.get("description").is_none()
+                && !path.contains("conditions")
+                && !path.starts_with(".metadata")
+            {
                 out.push(format!("{path}.{k}: no description"));
             }
             structural_violations(v, &format!("{path}.{k}"), out);
@@ -49,6 +58,9 @@ fn crds_are_structural_and_every_field_is_described() {
                 structural_violations(s, &format!(".{part}"), &mut out);
             }
         }
-        assert!(out.is_empty(), "{name} is not structural or lacks descriptions: {out:#?}");
+        assert!(
+            out.is_empty(),
+            "{name} is not structural or lacks descriptions: {out:#?}"
+        );
     }
 }

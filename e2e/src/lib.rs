@@ -12,7 +12,13 @@ use tonic::transport::Channel;
 pub use sluice_gateway::convert::{from_proto, to_proto};
 
 /// A chain file with one hook per `(name, action, code)`, serving `target` at `trigger_point`.
-pub fn chain_yaml(name: &str, target: &str, trigger_point: &str, extra_spec: &str, hooks: &[(&str, &str, &str)]) -> String {
+pub fn chain_yaml(
+    name: &str,
+    target: &str,
+    trigger_point: &str,
+    extra_spec: &str,
+    hooks: &[(&str, &str, &str)],
+) -> String {
     let mut y = format!(
         "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  target: {target}\n  triggerPoint: {trigger_point}\n"
     );
@@ -24,7 +30,9 @@ pub fn chain_yaml(name: &str, target: &str, trigger_point: &str, extra_spec: &st
     }
     y.push_str("  hooks:\n");
     for (hook, action, code) in hooks {
-        y.push_str(&format!("    - name: {hook}\n      action: {action}\n      code: |\n"));
+        y.push_str(&format!(
+            "    - name: {hook}\n      action: {action}\n      code: |\n"
+        ));
         for line in code.lines() {
             y.push_str(&format!("        {line}\n"));
         }
@@ -51,7 +59,10 @@ impl Harness {
         for (name, text) in files {
             std::fs::write(dir.path().join(name), text).expect("write chain file");
         }
-        let state = tempfile::Builder::new().prefix("sluice-e2e").tempdir_in("/tmp").expect("state dir");
+        let state = tempfile::Builder::new()
+            .prefix("sluice-e2e")
+            .tempdir_in("/tmp")
+            .expect("state dir");
         let audit_path = state.path().join("audit.jsonl");
         let mut opts = LocalOptions::new(dir.path(), state.path().join("sandboxes"));
         opts.audit = Audit::to_file(&audit_path).expect("audit file");
@@ -59,21 +70,58 @@ impl Harness {
         opts.limits.claim_timeout = Duration::from_secs(60);
         tweak(&mut opts);
         let gateway = start_local(opts).await.expect("gateway starts");
-        assert!(gateway.engine.pools.wait_warm(Duration::from_secs(90)).await, "pools never became warm");
-        let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await.expect("connect");
-        Self { gateway: Some(gateway), client, dir, state, audit_path }
+        assert!(
+            gateway
+                .engine
+                .pools
+                .wait_warm(Duration::from_secs(90))
+                .await,
+            "pools never became warm"
+        );
+        let client = GatewayClient::connect(format!("http://{}", gateway.addr))
+            .await
+            .expect("connect");
+        Self {
+            gateway: Some(gateway),
+            client,
+            dir,
+            state,
+            audit_path,
+        }
     }
 
     pub fn gateway(&self) -> &RunningGateway {
         self.gateway.as_ref().expect("gateway running")
     }
 
-    pub async fn run_text(&self, target: &str, trigger_point: &str, text: &str) -> Result<proto::RunResponse, tonic::Status> {
-        self.run(target, trigger_point, proto::run_request::Payload::Text(text.into()), Default::default()).await
+    pub async fn run_text(
+        &self,
+        target: &str,
+        trigger_point: &str,
+        text: &str,
+    ) -> Result<proto::RunResponse, tonic::Status> {
+        self.run(
+            target,
+            trigger_point,
+            proto::run_request::Payload::Text(text.into()),
+            Default::default(),
+        )
+        .await
     }
 
-    pub async fn run_value(&self, target: &str, trigger_point: &str, value: Value) -> Result<proto::RunResponse, tonic::Status> {
-        self.run(target, trigger_point, proto::run_request::Payload::Value(to_proto(&value)), Default::default()).await
+    pub async fn run_value(
+        &self,
+        target: &str,
+        trigger_point: &str,
+        value: Value,
+    ) -> Result<proto::RunResponse, tonic::Status> {
+        self.run(
+            target,
+            trigger_point,
+            proto::run_request::Payload::Value(to_proto(&value)),
+            Default::default(),
+        )
+        .await
     }
 
     pub async fn run(
@@ -118,15 +166,28 @@ impl Harness {
         let live = backend.live().await;
         if !live.is_empty() {
             let root = self.state.path().join("sandboxes/runsc");
-            let list = std::process::Command::new("runsc").arg("--root").arg(&root).arg("list").output().unwrap();
-            panic!("runsc containers left: {live:?}\n{}", String::from_utf8_lossy(&list.stdout));
+            let list = std::process::Command::new("runsc")
+                .arg("--root")
+                .arg(&root)
+                .arg("list")
+                .output()
+                .unwrap();
+            panic!(
+                "runsc containers left: {live:?}\n{}",
+                String::from_utf8_lossy(&list.stdout)
+            );
         }
         let sandboxes = self.state.path().join("sandboxes");
         assert_no_leaks(&sandboxes);
         for event in self.audit() {
-            let Some(id) = event["sandbox"].as_str() else { continue };
+            let Some(id) = event["sandbox"].as_str() else {
+                continue;
+            };
             for ctl in ["memory", "pids", "cpu"] {
-                let cg = Path::new("/sys/fs/cgroup").join(ctl).join("sluice").join(id);
+                let cg = Path::new("/sys/fs/cgroup")
+                    .join(ctl)
+                    .join("sluice")
+                    .join(id);
                 assert!(!cg.exists(), "cgroup left: {}", cg.display());
             }
         }
@@ -143,17 +204,24 @@ pub fn assert_no_leaks(state_dir: &Path) {
         if procs.is_empty() {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "processes left: {procs:#?}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "processes left: {procs:#?}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let bundles: Vec<_> = std::fs::read_dir(state_dir.join("bundles")).map(|r| r.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    let bundles: Vec<_> = std::fs::read_dir(state_dir.join("bundles"))
+        .map(|r| r.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
     assert!(bundles.is_empty(), "bundles left: {bundles:?}");
 }
 
 fn processes_mentioning(needle: &str) -> Vec<String> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
         let cmd = String::from_utf8_lossy(&cmdline).replace('\0', " ");
         if cmd.contains(needle) {
             out.push(format!("{}: {cmd}", entry.file_name().to_string_lossy()));
@@ -192,7 +260,12 @@ impl StreamResult {
 
 impl Harness {
     /// Streams `chunks` through `target` at `trigger_point` and collects every answer.
-    pub async fn stream(&self, target: &str, trigger_point: &str, chunks: &[String]) -> StreamResult {
+    pub async fn stream(
+        &self,
+        target: &str,
+        trigger_point: &str,
+        chunks: &[String],
+    ) -> StreamResult {
         let mut msgs = vec![proto::StreamRequest {
             msg: Some(proto::stream_request::Msg::Open(proto::StreamOpen {
                 namespace: "default".into(),
@@ -202,10 +275,19 @@ impl Harness {
                 session_id: "s-1".into(),
             })),
         }];
-        msgs.extend(chunks.iter().map(|c| proto::StreamRequest { msg: Some(proto::stream_request::Msg::Chunk(c.clone())) }));
-        msgs.push(proto::StreamRequest { msg: Some(proto::stream_request::Msg::Finish(proto::StreamFinish {})) });
+        msgs.extend(chunks.iter().map(|c| proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Chunk(c.clone())),
+        }));
+        msgs.push(proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Finish(proto::StreamFinish {})),
+        });
         let mut out = StreamResult::default();
-        let mut responses = match self.client.clone().stream(futures::stream::iter(msgs)).await {
+        let mut responses = match self
+            .client
+            .clone()
+            .stream(futures::stream::iter(msgs))
+            .await
+        {
             Ok(r) => r.into_inner(),
             Err(s) => {
                 out.status = Some(s);

@@ -16,13 +16,24 @@ def execute(context, settings):
 "#;
 
 fn redact_chain() -> String {
-    chain_yaml("redact", "t-redact", "output", "streaming: {flushChars: 7, lookbackChars: 8}\npool: {warm: 2, max: 12}", &[("redact", "modify", REDACT)])
+    chain_yaml(
+        "redact",
+        "t-redact",
+        "output",
+        "streaming: {flushChars: 7, lookbackChars: 8}\npool: {warm: 2, max: 12}",
+        &[("redact", "modify", REDACT)],
+    )
 }
 
 fn python_pattern_matches(s: &str) -> bool {
     // The hook's pattern, checked on the trusted side: three digits, '-', four digits, or the words.
     let chars: Vec<char> = s.chars().collect();
-    let digits = |w: &[char]| w.len() == 8 && w[..3].iter().all(|c| c.is_ascii_digit()) && w[3] == '-' && w[4..].iter().all(|c| c.is_ascii_digit());
+    let digits = |w: &[char]| {
+        w.len() == 8
+            && w[..3].iter().all(|c| c.is_ascii_digit())
+            && w[3] == '-'
+            && w[4..].iter().all(|c| c.is_ascii_digit())
+    };
     chars.windows(8).any(digits) || s.contains("Ωμέγα") || s.contains("a\r\nb")
 }
 
@@ -40,14 +51,30 @@ fn text_strategy() -> impl Strategy<Value = String> {
 
 #[test]
 fn streams_match_the_final_path_over_random_chunkings() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     let chain = redact_chain();
     let h = rt.block_on(Harness::start(&[("redact.yaml", &chain)]));
-    let mut runner = TestRunner::new(Config { cases: 24, failure_persistence: None, ..Config::default() });
-    let strategy = (text_strategy(), prop::collection::vec(0usize..200, 0..30), any::<bool>());
+    let mut runner = TestRunner::new(Config {
+        cases: 24,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let strategy = (
+        text_strategy(),
+        prop::collection::vec(0usize..200, 0..30),
+        any::<bool>(),
+    );
     runner
         .run(&strategy, |(raw, cuts, one_char)| {
-            let chunks = if one_char { raw.chars().map(String::from).collect() } else { chunk_at(&raw, &cuts) };
+            let chunks = if one_char {
+                raw.chars().map(String::from).collect()
+            } else {
+                chunk_at(&raw, &cuts)
+            };
             let (streamed, whole) = rt.block_on(async {
                 let s = h.stream("t-redact", "output", &chunks).await;
                 let w = h.run_text("t-redact", "output", &raw).await.unwrap();
@@ -59,7 +86,11 @@ fn streams_match_the_final_path_over_random_chunkings() {
             prop_assert_eq!(text(final_), text(&whole));
             // 2. nothing committed shows a match the final path removes.
             let shown = streamed.committed();
-            prop_assert!(!python_pattern_matches(&shown), "a match was committed: {:?}", shown);
+            prop_assert!(
+                !python_pattern_matches(&shown),
+                "a match was committed: {:?}",
+                shown
+            );
             // 3. for this idempotent redactor, the commits are exactly the final text.
             prop_assert_eq!(shown, text(final_));
             Ok(())
@@ -79,17 +110,38 @@ const LATCH: &str = r##"def execute(context, settings):
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn state_set_early_still_acts_later_and_streams_do_not_share_it() {
-    let chain = chain_yaml("latch", "t-latch", "output", "streaming: {flushChars: 8, lookbackChars: 4}\npool: {warm: 2, max: 8}", &[("latch", "modify", LATCH)]);
+    let chain = chain_yaml(
+        "latch",
+        "t-latch",
+        "output",
+        "streaming: {flushChars: 8, lookbackChars: 4}\npool: {warm: 2, max: 8}",
+        &[("latch", "modify", LATCH)],
+    );
     let h = Harness::start(&[("latch.yaml", &chain)]).await;
     let filler = "abc def ghi ".repeat(20);
-    let with_marker: Vec<String> = chunk_at(&format!("#mask-on {filler} secret words"), &(1..40).map(|i| i * 7).collect::<Vec<_>>());
-    let without: Vec<String> = chunk_at(&format!("plain {filler} secret words"), &(1..40).map(|i| i * 7).collect::<Vec<_>>());
-    let (a, b) = tokio::join!(h.stream("t-latch", "output", &with_marker), h.stream("t-latch", "output", &without));
+    let with_marker: Vec<String> = chunk_at(
+        &format!("#mask-on {filler} secret words"),
+        &(1..40).map(|i| i * 7).collect::<Vec<_>>(),
+    );
+    let without: Vec<String> = chunk_at(
+        &format!("plain {filler} secret words"),
+        &(1..40).map(|i| i * 7).collect::<Vec<_>>(),
+    );
+    let (a, b) = tokio::join!(
+        h.stream("t-latch", "output", &with_marker),
+        h.stream("t-latch", "output", &without)
+    );
     let shown_a = a.committed();
-    assert!(!shown_a.contains("secret"), "state set far before (beyond the lookback) did not act: {shown_a:?}");
+    assert!(
+        !shown_a.contains("secret"),
+        "state set far before (beyond the lookback) did not act: {shown_a:?}"
+    );
     assert!(shown_a.ends_with("****** *****"), "{shown_a:?}");
     let shown_b = b.committed();
-    assert!(shown_b.contains("secret words"), "the other stream saw this stream's state: {shown_b:?}");
+    assert!(
+        shown_b.contains("secret words"),
+        "the other stream saw this stream's state: {shown_b:?}"
+    );
     assert_eq!(text(a.final_.as_ref().unwrap()), shown_a);
     h.stop_and_check_leaks().await;
 }
@@ -97,15 +149,77 @@ async fn state_set_early_still_acts_later_and_streams_do_not_share_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_mid_stream_stops_commits_and_the_final_is_block() {
     let blocker = "def execute(context, settings):\n    if 'forbidden' in context['outgoing']:\n        return {'action': 'block', 'message': 'reply withheld'}\n    return {'action': 'pass'}\n";
-    let chain = chain_yaml("blk", "t-blk", "output", "streaming: {flushChars: 10, lookbackChars: 10}", &[("guard", "block", blocker)]);
+    let chain = chain_yaml(
+        "blk",
+        "t-blk",
+        "output",
+        "streaming: {flushChars: 10, lookbackChars: 10}",
+        &[("guard", "block", blocker)],
+    );
     let h = Harness::start(&[("blk.yaml", &chain)]).await;
-    let raw = format!("{} forbidden {}", "fine text ".repeat(6), "more text ".repeat(6));
-    let chunks = chunk_at(&raw, &(1..30).map(|i| i * 3).collect::<Vec<_>>());
-    let s = h.stream("t-blk", "output", &chunks).await;
+    // Interactive: the safe part first, and only once some of it is committed, the rest.
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let open = proto::StreamOpen {
+        namespace: "default".into(),
+        target: "t-blk".into(),
+        trigger_point: "output".into(),
+        ..Default::default()
+    };
+    tx.send(proto::StreamRequest {
+        msg: Some(proto::stream_request::Msg::Open(open)),
+    })
+    .await
+    .unwrap();
+    let mut responses = h
+        .client
+        .clone()
+        .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let send = |t: &str| proto::StreamRequest {
+        msg: Some(proto::stream_request::Msg::Chunk(t.to_string())),
+    };
+    for piece in chunk_at(&"fine text ".repeat(6), &[5, 17, 29, 41]) {
+        tx.send(send(&piece)).await.unwrap();
+    }
+    let mut s = sluice_e2e::StreamResult::default();
+    match responses.message().await.unwrap().and_then(|m| m.msg) {
+        Some(proto::stream_response::Msg::Commit(c)) => s.commits.push(c),
+        other => panic!("expected a commit of the safe text, got {other:?}"),
+    }
+    for piece in chunk_at(
+        &format!(" forbidden {}", "more text ".repeat(6)),
+        &[4, 9, 15, 30],
+    ) {
+        tx.send(send(&piece)).await.unwrap();
+    }
+    tx.send(proto::StreamRequest {
+        msg: Some(proto::stream_request::Msg::Finish(proto::StreamFinish {})),
+    })
+    .await
+    .unwrap();
+    while let Some(m) = responses.message().await.unwrap() {
+        match m.msg {
+            Some(proto::stream_response::Msg::Commit(c)) => {
+                assert!(s.blocked.is_none(), "a commit after blocked");
+                s.commits.push(c)
+            }
+            Some(proto::stream_response::Msg::Blocked(b)) => s.blocked = Some(b),
+            Some(proto::stream_response::Msg::Final(f)) => s.final_ = Some(f),
+            None => {}
+        }
+    }
     let blocked = s.blocked.as_ref().expect("blocked");
-    assert_eq!((blocked.message.as_str(), blocked.hook.as_str()), ("reply withheld", "guard"));
-    assert!(s.blocked_after.unwrap() > 0, "some safe text was committed before the block");
-    assert!(!s.committed().contains("forbidden") && !s.committed().contains("more"), "{:?}", s.commits);
+    assert_eq!(
+        (blocked.message.as_str(), blocked.hook.as_str()),
+        ("reply withheld", "guard")
+    );
+    assert!(
+        !s.committed().contains("forbidden") && !s.committed().contains("more"),
+        "{:?}",
+        s.commits
+    );
     let f = s.final_.as_ref().unwrap();
     assert_eq!(action(f), Action::Block);
     let audit = h.audit();
@@ -116,12 +230,21 @@ async fn a_block_mid_stream_stops_commits_and_the_final_is_block() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thirty_two_concurrent_streams_are_all_correct() {
-    let chain = chain_yaml("many", "t-many", "output", "streaming: {flushChars: 16, lookbackChars: 8}\npool: {warm: 4, max: 40}", &[("redact", "modify", REDACT)]);
+    let chain = chain_yaml(
+        "many",
+        "t-many",
+        "output",
+        "streaming: {flushChars: 16, lookbackChars: 8}\npool: {warm: 4, max: 40}",
+        &[("redact", "modify", REDACT)],
+    );
     let h = Harness::start(&[("many.yaml", &chain)]).await;
     let streams = (0..32).map(|i| {
         let h = &h;
         async move {
-            let raw = format!("stream {i}: call 010-{:04} now, then {i} again and again", 1000 + i);
+            let raw = format!(
+                "stream {i}: call 010-{:04} now, then {i} again and again",
+                1000 + i
+            );
             let chunks = chunk_at(&raw, &[3, 9, 14, 20, 27, 33]);
             (i, h.stream("t-many", "output", &chunks).await)
         }
@@ -151,26 +274,51 @@ async fn cancelled_and_oversized_streams_end_cleanly() {
         })),
     };
     tx.send(open).await.unwrap();
-    tx.send(proto::StreamRequest { msg: Some(proto::stream_request::Msg::Chunk("hello 010-1234 and more text".into())) }).await.unwrap();
-    let mut responses = h.client.clone().stream(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    tx.send(proto::StreamRequest {
+        msg: Some(proto::stream_request::Msg::Chunk(
+            "hello 010-1234 and more text".into(),
+        )),
+    })
+    .await
+    .unwrap();
+    let mut responses = h
+        .client
+        .clone()
+        .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
     let first = responses.message().await.unwrap();
-    assert!(matches!(first.and_then(|m| m.msg), Some(proto::stream_response::Msg::Commit(_))));
+    assert!(matches!(
+        first.and_then(|m| m.msg),
+        Some(proto::stream_response::Msg::Commit(_))
+    ));
     drop(responses);
     drop(tx);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while h.audit().is_empty() {
-        assert!(std::time::Instant::now() < deadline, "a cancelled stream was never audited");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a cancelled stream was never audited"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let event = &h.audit()[0];
-    assert!(event["error"].as_str().unwrap().contains("without finish"), "{event}");
+    assert!(
+        event["error"].as_str().unwrap().contains("without finish"),
+        "{event}"
+    );
 
     // A reply over the configured maximum ends with a clear status.
     let big: Vec<String> = (0..10).map(|_| "x".repeat(1000)).collect();
     let s = h.stream("t-redact", "output", &big).await;
     let status = s.status.expect("an error status");
     assert_eq!(status.code(), tonic::Code::ResourceExhausted);
-    assert!(status.message().contains("4096 bytes"), "{}", status.message());
+    assert!(
+        status.message().contains("4096 bytes"),
+        "{}",
+        status.message()
+    );
 
     // A stream that does not start with open, and one at a structured trigger point.
     let s = h.stream("nobody", "output", &[]).await;
@@ -182,7 +330,11 @@ async fn cancelled_and_oversized_streams_end_cleanly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_stream_redactor_masks_a_key_split_across_many_chunks() {
-    let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/stream-redactor.yaml")).unwrap();
+    let example = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/stream-redactor.yaml"
+    ))
+    .unwrap();
     let example = example.replace("pool: {warm: 2, max: 20}", "pool: {warm: 1, max: 4}");
     let h = Harness::start(&[("ex.yaml", &example)]).await;
     let key_line = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7VJTUt9Us8cKj";
@@ -193,9 +345,21 @@ async fn the_example_stream_redactor_masks_a_key_split_across_many_chunks() {
     let chunks = chunk_at(&raw, &(1..200).map(|i| i * 5).collect::<Vec<_>>());
     let s = h.stream("support-bot", "output", &chunks).await;
     let shown = s.committed();
-    assert!(!shown.contains("MIIEvQ") && !shown.contains("j\n") , "key material was shown: {shown}");
-    assert!(!shown.contains("010-555-0100") && !shown.contains("ops@example.com"), "{shown}");
-    assert!(shown.contains("[phone]") && shown.contains("[email]") && shown.contains("[key]") && shown.ends_with("That is all."), "{shown}");
+    assert!(
+        !shown.contains("MIIEvQ") && !shown.contains("j\n"),
+        "key material was shown: {shown}"
+    );
+    assert!(
+        !shown.contains("010-555-0100") && !shown.contains("ops@example.com"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("[phone]")
+            && shown.contains("[email]")
+            && shown.contains("[key]")
+            && shown.ends_with("That is all."),
+        "{shown}"
+    );
     let final_text = text(s.final_.as_ref().unwrap());
     assert!(!final_text.contains("MIIEvQ"), "{final_text}");
     h.stop_and_check_leaks().await;

@@ -75,7 +75,9 @@ pub struct Audit {
 
 impl Audit {
     pub fn new(sink: Box<dyn Write + Send>) -> Self {
-        Self { sink: Arc::new(Mutex::new(sink)) }
+        Self {
+            sink: Arc::new(Mutex::new(sink)),
+        }
     }
 
     pub fn to_stdout() -> Self {
@@ -87,7 +89,10 @@ impl Audit {
     }
 
     pub fn to_file(path: &std::path::Path) -> std::io::Result<Self> {
-        let f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
         Ok(Self::new(Box::new(f)))
     }
 
@@ -109,7 +114,9 @@ impl Audit {
 
 /// RFC 3339 UTC timestamp with milliseconds, without a date crate.
 pub fn now_rfc3339() -> String {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
     let secs = now.as_secs() as i64;
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // Civil-from-days (Howard Hinnant's algorithm).
@@ -137,6 +144,9 @@ mod tests {
     fn timestamps_are_rfc3339() {
         let ts = super::now_rfc3339();
         assert_eq!(ts.len(), 24, "{ts}");
-        assert!(ts.starts_with("20") && ts.ends_with('Z') && &ts[10..11] == "T", "{ts}");
+        assert!(
+            ts.starts_with("20") && ts.ends_with('Z') && &ts[10..11] == "T",
+            "{ts}"
+        );
     }
 }

@@ -27,19 +27,43 @@ pub struct ChainKey {
 impl Chain {
     pub fn from_resource(hc: &HookChain) -> Result<Self, String> {
         let namespace = sluice_crds::manifest::namespace_of(&hc.metadata);
-        let name = hc.metadata.name.clone().ok_or("HookChain has no metadata.name")?;
+        let name = hc
+            .metadata
+            .name
+            .clone()
+            .ok_or("HookChain has no metadata.name")?;
         let problems = sluice_crds::validate::hookchain(&hc.spec);
         if !problems.is_empty() {
             let list: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
             return Err(list.join("; "));
         }
         let sandbox = SandboxSpec::from_resources(&hc.spec.resources)?;
-        let settings = hc.spec.hooks.iter().map(|h| h.settings.clone().unwrap_or_else(|| Value::Object(Default::default()))).collect();
-        Ok(Self { namespace, name, code_hash: hc.spec.code_hash(), spec: hc.spec.clone(), sandbox, settings })
+        let settings = hc
+            .spec
+            .hooks
+            .iter()
+            .map(|h| {
+                h.settings
+                    .clone()
+                    .unwrap_or_else(|| Value::Object(Default::default()))
+            })
+            .collect();
+        Ok(Self {
+            namespace,
+            name,
+            code_hash: hc.spec.code_hash(),
+            spec: hc.spec.clone(),
+            sandbox,
+            settings,
+        })
     }
 
     pub fn key(&self) -> ChainKey {
-        ChainKey { namespace: self.namespace.clone(), target: self.spec.target.clone(), trigger_point: self.spec.trigger_point }
+        ChainKey {
+            namespace: self.namespace.clone(),
+            target: self.spec.target.clone(),
+            trigger_point: self.spec.trigger_point,
+        }
     }
 
     /// "namespace/name", as chains are named in logs, metrics and the audit.

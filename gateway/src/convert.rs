@@ -9,7 +9,9 @@ pub fn to_proto(v: &Value) -> prost_types::Value {
         Value::Bool(b) => Kind::BoolValue(*b),
         Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
         Value::String(s) => Kind::StringValue(s.clone()),
-        Value::Array(a) => Kind::ListValue(prost_types::ListValue { values: a.iter().map(to_proto).collect() }),
+        Value::Array(a) => Kind::ListValue(prost_types::ListValue {
+            values: a.iter().map(to_proto).collect(),
+        }),
         Value::Object(o) => Kind::StructValue(prost_types::Struct {
             fields: o.iter().map(|(k, v)| (k.clone(), to_proto(v))).collect(),
         }),
@@ -26,12 +28,19 @@ pub fn from_proto(v: &prost_types::Value) -> Value {
             if n.fract() == 0.0 && n.abs() < 9.007_199_254_740_992e15 {
                 Value::from(*n as i64)
             } else {
-                serde_json::Number::from_f64(*n).map(Value::Number).unwrap_or(Value::Null)
+                serde_json::Number::from_f64(*n)
+                    .map(Value::Number)
+                    .unwrap_or(Value::Null)
             }
         }
         Some(Kind::StringValue(s)) => Value::String(s.clone()),
         Some(Kind::ListValue(l)) => Value::Array(l.values.iter().map(from_proto).collect()),
-        Some(Kind::StructValue(s)) => Value::Object(s.fields.iter().map(|(k, v)| (k.clone(), from_proto(v))).collect()),
+        Some(Kind::StructValue(s)) => Value::Object(
+            s.fields
+                .iter()
+                .map(|(k, v)| (k.clone(), from_proto(v)))
+                .collect(),
+        ),
     }
 }
 

@@ -71,7 +71,14 @@ fn invalid(msg: impl Into<String>) -> EngineError {
 impl Engine {
     pub fn new(pools: Pools, audit: Audit, metrics: Metrics, limits: Limits) -> Self {
         let runner = Runner::new(metrics.clone(), limits.clone());
-        Self { registry: ArcSwap::from_pointee(Registry::default()), pools, audit, metrics, limits, runner }
+        Self {
+            registry: ArcSwap::from_pointee(Registry::default()),
+            pools,
+            audit,
+            metrics,
+            limits,
+            runner,
+        }
     }
 
     pub fn registry(&self) -> Arc<Registry> {
@@ -86,7 +93,14 @@ impl Engine {
     }
 
     /// Checks what a caller sent: names, trigger point, context size.
-    pub fn target(&self, namespace: &str, target: &str, trigger_point: &str, context: BTreeMap<String, String>, session_id: String) -> Result<Target, EngineError> {
+    pub fn target(
+        &self,
+        namespace: &str,
+        target: &str,
+        trigger_point: &str,
+        context: BTreeMap<String, String>,
+        session_id: String,
+    ) -> Result<Target, EngineError> {
         if namespace.is_empty() || namespace.len() > 253 {
             return Err(invalid("namespace must be 1-253 characters"));
         }
@@ -95,35 +109,66 @@ impl Engine {
         }
         let Some(tp) = TriggerPoint::parse(trigger_point) else {
             let all: Vec<&str> = TriggerPoint::ALL.iter().map(|t| t.as_str()).collect();
-            return Err(invalid(format!("trigger_point {trigger_point:?} is not one of {}", all.join(", "))));
+            return Err(invalid(format!(
+                "trigger_point {trigger_point:?} is not one of {}",
+                all.join(", ")
+            )));
         };
         if context.len() > self.limits.context_entries {
-            return Err(invalid(format!("context has {} entries, over the limit of {}", context.len(), self.limits.context_entries)));
+            return Err(invalid(format!(
+                "context has {} entries, over the limit of {}",
+                context.len(),
+                self.limits.context_entries
+            )));
         }
         let context_bytes: usize = context.iter().map(|(k, v)| k.len() + v.len()).sum();
         if context_bytes > 64 * 1024 {
-            return Err(invalid(format!("context is {context_bytes} bytes, over the limit of 65536")));
+            return Err(invalid(format!(
+                "context is {context_bytes} bytes, over the limit of 65536"
+            )));
         }
         if session_id.len() > 256 {
             return Err(invalid("session_id is over 256 characters"));
         }
-        Ok(Target { key: ChainKey { namespace: namespace.into(), target: target.into(), trigger_point: tp }, context, session_id })
+        Ok(Target {
+            key: ChainKey {
+                namespace: namespace.into(),
+                target: target.into(),
+                trigger_point: tp,
+            },
+            context,
+            session_id,
+        })
     }
 
     /// Checks a payload against its trigger point: text for input/output, an object otherwise.
-    pub fn check_payload(&self, tp: TriggerPoint, payload: &Option<Value>) -> Result<Value, EngineError> {
+    pub fn check_payload(
+        &self,
+        tp: TriggerPoint,
+        payload: &Option<Value>,
+    ) -> Result<Value, EngineError> {
         let Some(p) = payload else {
-            return Err(invalid(format!("{tp} needs a payload ({})", if tp.carries_text() { "text" } else { "value" })));
+            return Err(invalid(format!(
+                "{tp} needs a payload ({})",
+                if tp.carries_text() { "text" } else { "value" }
+            )));
         };
         if tp.carries_text() && !p.is_string() {
-            return Err(invalid(format!("{tp} carries text: send the payload as text")));
+            return Err(invalid(format!(
+                "{tp} carries text: send the payload as text"
+            )));
         }
         if !tp.carries_text() && !p.is_object() {
-            return Err(invalid(format!("{tp} carries a structured payload: send an object as value")));
+            return Err(invalid(format!(
+                "{tp} carries a structured payload: send an object as value"
+            )));
         }
         let size = serde_json::to_vec(p).map(|b| b.len()).unwrap_or(usize::MAX);
         if size > self.limits.payload_bytes {
-            return Err(invalid(format!("payload is {size} bytes, over the limit of {}", self.limits.payload_bytes)));
+            return Err(invalid(format!(
+                "payload is {size} bytes, over the limit of {}",
+                self.limits.payload_bytes
+            )));
         }
         Ok(p.clone())
     }
@@ -163,7 +208,13 @@ impl Engine {
                 stream: None,
             };
             let prepared = (|| {
-                let target = self.target(&input.namespace, &input.target, &input.trigger_point, input.context.clone(), input.session_id.clone())?;
+                let target = self.target(
+                    &input.namespace,
+                    &input.target,
+                    &input.trigger_point,
+                    input.context.clone(),
+                    input.session_id.clone(),
+                )?;
                 let payload = self.check_payload(target.key.trigger_point, &input.payload)?;
                 let chain = self.resolve(&target.key)?;
                 Ok::<_, EngineError>((target, payload, chain))
@@ -174,7 +225,8 @@ impl Engine {
             };
             audit.chain = Some(chain.qualified_name());
             audit.code_hash = Some(chain.code_hash.clone());
-            let mut session = match ChainSession::open(self, chain.clone(), &target, &run_id).await {
+            let mut session = match ChainSession::open(self, chain.clone(), &target, &run_id).await
+            {
                 Ok(s) => s,
                 Err(e) => return Err(self.refuse(&mut audit, e, began)),
             };
@@ -184,7 +236,10 @@ impl Engine {
             audit.host_calls = session.host_calls();
             drop(session);
             self.finish(&mut audit, &chain, &walk, began, "run");
-            Ok(RunResult { run_id: run_id.clone(), walk })
+            Ok(RunResult {
+                run_id: run_id.clone(),
+                walk,
+            })
         }
         .instrument(span)
         .await
@@ -207,7 +262,14 @@ impl Engine {
     }
 
     /// Fills the audit event from a finished walk, writes it, and counts it.
-    pub fn finish(&self, audit: &mut AuditEvent, chain: &Chain, walk: &Walk, began: Instant, mode: &'static str) {
+    pub fn finish(
+        &self,
+        audit: &mut AuditEvent,
+        chain: &Chain,
+        walk: &Walk,
+        began: Instant,
+        mode: &'static str,
+    ) {
         audit.hooks = walk
             .hooks
             .iter()
@@ -221,15 +283,24 @@ impl Engine {
             .collect();
         let errors = walk.hooks.iter().filter(|h| h.error.is_some()).count();
         if errors > 0 {
-            self.metrics.hook_errors.with_label_values(&[&chain.qualified_name()]).inc_by(errors as u64);
+            self.metrics
+                .hook_errors
+                .with_label_values(&[&chain.qualified_name()])
+                .inc_by(errors as u64);
         }
         audit.action = walk.action.as_str();
         audit.terminal_index = walk.terminal_index;
         audit.latency_us = began.elapsed().as_micros() as u64;
         self.audit.write(audit);
         let tp = chain.spec.trigger_point.as_str();
-        self.metrics.runs.with_label_values(&[tp, mode, walk.action.as_str()]).inc();
-        self.metrics.run_seconds.with_label_values(&[tp]).observe(began.elapsed().as_secs_f64());
+        self.metrics
+            .runs
+            .with_label_values(&[tp, mode, walk.action.as_str()])
+            .inc();
+        self.metrics
+            .run_seconds
+            .with_label_values(&[tp])
+            .observe(began.elapsed().as_secs_f64());
     }
 }
 
@@ -247,7 +318,12 @@ pub struct ChainSession<'e> {
 
 impl<'e> ChainSession<'e> {
     /// Claims a sandbox and loads the chain into it. No sandbox in time → UNAVAILABLE.
-    pub async fn open(engine: &'e Engine, chain: Arc<Chain>, target: &Target, run_id: &str) -> Result<Self, EngineError> {
+    pub async fn open(
+        engine: &'e Engine,
+        chain: Arc<Chain>,
+        target: &Target,
+        run_id: &str,
+    ) -> Result<Self, EngineError> {
         let caller = Caller::new(&target.key, &target.session_id, &target.context, run_id);
         let context = json!({
             "namespace": target.key.namespace,
@@ -259,7 +335,15 @@ impl<'e> ChainSession<'e> {
         });
         let registry = engine.registry();
         let host = Arc::new(engine.runner.for_run(registry, chain.clone(), caller));
-        let mut session = Self { engine, chain, claimed: None, context, host, sandbox_id: String::new(), pending: None };
+        let mut session = Self {
+            engine,
+            chain,
+            claimed: None,
+            context,
+            host,
+            sandbox_id: String::new(),
+            pending: None,
+        };
         match session.claim().await {
             Ok(()) => Ok(session),
             Err(ClaimOrInit::Claim(e)) => Err(EngineError::Unavailable(e)),
@@ -273,9 +357,15 @@ impl<'e> ChainSession<'e> {
 
     async fn claim(&mut self) -> Result<(), ClaimOrInit> {
         let pool = self.engine.pools.pool_for(&self.chain);
-        let mut claimed = pool.claim(self.engine.limits.claim_timeout).await.map_err(|e| ClaimOrInit::Claim(e.to_string()))?;
+        let mut claimed = pool
+            .claim(self.engine.limits.claim_timeout)
+            .await
+            .map_err(|e| ClaimOrInit::Claim(e.to_string()))?;
         self.sandbox_id = claimed.conn().id.clone();
-        let init = claimed.conn().init(&self.chain, &self.engine.limits.wire()).await;
+        let init = claimed
+            .conn()
+            .init(&self.chain, &self.engine.limits.wire())
+            .await;
         self.claimed = Some(claimed);
         match init {
             Ok(_) => Ok(()),
@@ -298,9 +388,11 @@ impl<'e> ChainSession<'e> {
                 let failure = match self.pending.take() {
                     Some(f) => Some(f),
                     None => match self.claim().await {
-                    Ok(()) => None,
-                    Err(ClaimOrInit::Claim(e)) => Some(SandboxFailure::Died(format!("no replacement sandbox: {e}"))),
-                    Err(ClaimOrInit::Init(f)) => Some(f),
+                        Ok(()) => None,
+                        Err(ClaimOrInit::Claim(e)) => {
+                            Some(SandboxFailure::Died(format!("no replacement sandbox: {e}")))
+                        }
+                        Err(ClaimOrInit::Init(f)) => Some(f),
                     },
                 };
                 if let Some(f) = failure {
@@ -314,10 +406,28 @@ impl<'e> ChainSession<'e> {
                     }
                 }
             }
-            let Some(claimed) = self.claimed.as_mut() else { return walk };
+            let Some(claimed) = self.claimed.as_mut() else {
+                return walk;
+            };
             let conn = claimed.conn();
-            let report = conn.walk(start, &walk.payload, state.as_slice(), &self.context, budget, host.as_ref()).await;
-            outcome::fold(&self.chain, start, &report, &mut walk, state, &self.engine.limits);
+            let report = conn
+                .walk(
+                    start,
+                    &walk.payload,
+                    state.as_slice(),
+                    &self.context,
+                    budget,
+                    host.as_ref(),
+                )
+                .await;
+            outcome::fold(
+                &self.chain,
+                start,
+                &report,
+                &mut walk,
+                state,
+                &self.engine.limits,
+            );
             if !conn.healthy() || report.failure.is_some() {
                 // Dropping the claim destroys the sandbox (killed at once when broken).
                 self.claimed = None;

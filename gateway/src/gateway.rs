@@ -41,7 +41,9 @@ impl LocalOptions {
             sandbox: LocalConfig::new(state_dir),
             audit: Audit::discard(),
             limits: Limits::default(),
-            boot_concurrency: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
+            boot_concurrency: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2),
         }
     }
 }
@@ -82,28 +84,50 @@ impl RunningGateway {
 
 /// Starts a gateway serving the chains under `opts.dir` from local runsc sandboxes.
 pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
-    let backend = LocalBackend::new(opts.sandbox.clone()).await.context("preparing the runsc sandbox backend")?;
+    let backend = LocalBackend::new(opts.sandbox.clone())
+        .await
+        .context("preparing the runsc sandbox backend")?;
     let removed = backend.clean_leftovers().await;
     if removed > 0 {
-        tracing::warn!(removed, "removed sandboxes left behind by an earlier gateway");
+        tracing::warn!(
+            removed,
+            "removed sandboxes left behind by an earlier gateway"
+        );
     }
     let metrics = Metrics::new();
-    let pools = Pools::new(Arc::new(backend), opts.limits.clone(), metrics.clone(), opts.boot_concurrency);
-    let engine = Arc::new(Engine::new(pools, opts.audit, metrics.clone(), opts.limits.clone()));
-    let registry = local_dir::load(&opts.dir).with_context(|| format!("reading {}", opts.dir.display()))?;
+    let pools = Pools::new(
+        Arc::new(backend),
+        opts.limits.clone(),
+        metrics.clone(),
+        opts.boot_concurrency,
+    );
+    let engine = Arc::new(Engine::new(
+        pools,
+        opts.audit,
+        metrics.clone(),
+        opts.limits.clone(),
+    ));
+    let registry =
+        local_dir::load(&opts.dir).with_context(|| format!("reading {}", opts.dir.display()))?;
     report(&registry);
     engine.set_registry(registry).await;
 
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_not_serving::<GatewayServer<GatewayService>>().await;
+    health
+        .set_not_serving::<GatewayServer<GatewayService>>()
+        .await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("building the reflection service")?;
-    let service = GatewayServer::new(GatewayService { engine: engine.clone() })
-        .max_decoding_message_size(opts.limits.request_bytes)
-        .max_encoding_message_size(opts.limits.request_bytes * 2);
-    let listener = tokio::net::TcpListener::bind(opts.listen).await.with_context(|| format!("binding {}", opts.listen))?;
+    let service = GatewayServer::new(GatewayService {
+        engine: engine.clone(),
+    })
+    .max_decoding_message_size(opts.limits.request_bytes)
+    .max_encoding_message_size(opts.limits.request_bytes * 2);
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .with_context(|| format!("binding {}", opts.listen))?;
     let addr = listener.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(
@@ -111,9 +135,12 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
             .add_service(health_service)
             .add_service(reflection)
             .add_service(service)
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
-                let _ = rx.await;
-            }),
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                async {
+                    let _ = rx.await;
+                },
+            ),
     );
     let mut tasks = vec![tokio::spawn(watch(engine.clone(), opts.dir.clone()))];
     // Ready once the registry is loaded and the warm pools are filled.
@@ -136,16 +163,40 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         }));
     }
     tracing::info!(%addr, dir = %opts.dir.display(), "sluice gateway listening (local mode)");
-    Ok(RunningGateway { addr, engine, health, shutdown: Some(tx), server, tasks })
+    Ok(RunningGateway {
+        addr,
+        engine,
+        health,
+        shutdown: Some(tx),
+        server,
+        tasks,
+    })
 }
 
 fn report(registry: &crate::registry::Registry) {
     for e in &registry.errors {
         tracing::error!("{e}");
     }
-    let mut chains: Vec<String> = registry.chains.values().map(|c| format!("{} ({} at {})", c.qualified_name(), c.spec.target, c.spec.trigger_point)).collect();
+    let mut chains: Vec<String> = registry
+        .chains
+        .values()
+        .map(|c| {
+            format!(
+                "{} ({} at {})",
+                c.qualified_name(),
+                c.spec.target,
+                c.spec.trigger_point
+            )
+        })
+        .collect();
     chains.sort();
-    tracing::info!(chains = chains.len(), capabilities = registry.capabilities.len(), errors = registry.errors.len(), "registry loaded: {}", chains.join(", "));
+    tracing::info!(
+        chains = chains.len(),
+        capabilities = registry.capabilities.len(),
+        errors = registry.errors.len(),
+        "registry loaded: {}",
+        chains.join(", ")
+    );
 }
 
 /// Re-reads the directory whenever its YAML files change and swaps the registry.
@@ -163,7 +214,9 @@ async fn watch(engine: Arc<Engine>, dir: PathBuf) {
                 report(&registry);
                 engine.set_registry(registry).await;
             }
-            Err(e) => tracing::error!(dir = %dir.display(), error = %e, "cannot read the chain directory; keeping the last registry"),
+            Err(e) => {
+                tracing::error!(dir = %dir.display(), error = %e, "cannot read the chain directory; keeping the last registry")
+            }
         }
     }
 }

@@ -16,7 +16,10 @@ fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
         }
         if entry.file_type()?.is_dir() {
             yaml_files(&path, out)?;
-        } else if matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")) {
+        } else if matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("yaml" | "yml")
+        ) {
             out.push(path);
         }
     }
@@ -35,12 +38,20 @@ pub fn load(dir: &Path) -> std::io::Result<Registry> {
             Ok(bytes) => match String::from_utf8(bytes) {
                 Ok(t) => t,
                 Err(_) => {
-                    errors.push(LoadError { file, line: 1, message: "not UTF-8 text".into() });
+                    errors.push(LoadError {
+                        file,
+                        line: 1,
+                        message: "not UTF-8 text".into(),
+                    });
                     continue;
                 }
             },
             Err(e) => {
-                errors.push(LoadError { file, line: 1, message: format!("cannot read: {e}") });
+                errors.push(LoadError {
+                    file,
+                    line: 1,
+                    message: format!("cannot read: {e}"),
+                });
                 continue;
             }
         };

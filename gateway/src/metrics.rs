@@ -1,7 +1,10 @@
 //! Prometheus metrics of the gateway (`sluice_gateway_<what>_<unit>`) and the HTTP endpoint that
 //! serves them.
 
-use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry,
+};
 use std::net::SocketAddr;
 
 #[derive(Clone)]
@@ -28,44 +31,81 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
-        let buckets = vec![0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
+        let buckets = vec![
+            0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+        ];
         let runs = IntCounterVec::new(
-            Opts::new("sluice_gateway_runs_total", "Trigger points run, by trigger point, mode and top action"),
+            Opts::new(
+                "sluice_gateway_runs_total",
+                "Trigger points run, by trigger point, mode and top action",
+            ),
             &["trigger_point", "mode", "action"],
         )
         .expect("valid metric");
         let run_seconds = HistogramVec::new(
-            HistogramOpts::new("sluice_gateway_run_duration_seconds", "Time from request to answer of one run").buckets(buckets.clone()),
+            HistogramOpts::new(
+                "sluice_gateway_run_duration_seconds",
+                "Time from request to answer of one run",
+            )
+            .buckets(buckets.clone()),
             &["trigger_point"],
         )
         .expect("valid metric");
         let hook_errors = IntCounterVec::new(
-            Opts::new("sluice_gateway_hook_errors_total", "Hook errors (exceptions, timeouts, bad results), by chain"),
+            Opts::new(
+                "sluice_gateway_hook_errors_total",
+                "Hook errors (exceptions, timeouts, bad results), by chain",
+            ),
             &["chain"],
         )
         .expect("valid metric");
-        let sandboxes_started =
-            IntCounter::new("sluice_gateway_sandboxes_started_total", "Sandboxes booted to ready").expect("valid metric");
-        let sandbox_boot_failures =
-            IntCounter::new("sluice_gateway_sandbox_boot_failures_total", "Sandboxes that failed to boot").expect("valid metric");
+        let sandboxes_started = IntCounter::new(
+            "sluice_gateway_sandboxes_started_total",
+            "Sandboxes booted to ready",
+        )
+        .expect("valid metric");
+        let sandbox_boot_failures = IntCounter::new(
+            "sluice_gateway_sandbox_boot_failures_total",
+            "Sandboxes that failed to boot",
+        )
+        .expect("valid metric");
         let sandbox_boot_seconds = Histogram::with_opts(
-            HistogramOpts::new("sluice_gateway_sandbox_boot_seconds", "Time from start to supervisor ready").buckets(buckets),
+            HistogramOpts::new(
+                "sluice_gateway_sandbox_boot_seconds",
+                "Time from start to supervisor ready",
+            )
+            .buckets(buckets),
         )
         .expect("valid metric");
         let claims = IntCounterVec::new(
-            Opts::new("sluice_gateway_claims_total", "Sandbox claims: warm (one was waiting), cold (waited for a boot), timeout"),
+            Opts::new(
+                "sluice_gateway_claims_total",
+                "Sandbox claims: warm (one was waiting), cold (waited for a boot), timeout",
+            ),
             &["result"],
         )
         .expect("valid metric");
-        let pool_warm =
-            IntGaugeVec::new(Opts::new("sluice_gateway_pool_warm_sandboxes", "Warm sandboxes per chain"), &["chain"]).expect("valid metric");
+        let pool_warm = IntGaugeVec::new(
+            Opts::new(
+                "sluice_gateway_pool_warm_sandboxes",
+                "Warm sandboxes per chain",
+            ),
+            &["chain"],
+        )
+        .expect("valid metric");
         let host_calls = IntCounterVec::new(
-            Opts::new("sluice_gateway_host_calls_total", "host_calls by capability and result"),
+            Opts::new(
+                "sluice_gateway_host_calls_total",
+                "host_calls by capability and result",
+            ),
             &["capability", "result"],
         )
         .expect("valid metric");
         let rejected = IntCounterVec::new(
-            Opts::new("sluice_gateway_rejected_requests_total", "Requests refused before running, by gRPC code"),
+            Opts::new(
+                "sluice_gateway_rejected_requests_total",
+                "Requests refused before running, by gRPC code",
+            ),
             &["code"],
         )
         .expect("valid metric");
@@ -120,7 +160,8 @@ impl Metrics {
                         let resp = if req.uri().path() == "/metrics" {
                             Response::new(Full::new(Bytes::from(metrics.render())))
                         } else {
-                            let mut r = Response::new(Full::new(Bytes::from_static(b"not found\n")));
+                            let mut r =
+                                Response::new(Full::new(Bytes::from_static(b"not found\n")));
                             *r.status_mut() = hyper::StatusCode::NOT_FOUND;
                             r
                         };
@@ -128,7 +169,9 @@ impl Metrics {
                     }
                 });
                 let io = hyper_util::rt::TokioIo::new(stream);
-                let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, svc).await;
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, svc)
+                    .await;
             });
         }
     }

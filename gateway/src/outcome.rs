@@ -38,7 +38,14 @@ pub struct Walk {
 
 impl Walk {
     pub fn new(payload: Value) -> Self {
-        Self { payload, action: Action::Pass, message: String::new(), hooks: Vec::new(), terminal_index: None, resume_at: None }
+        Self {
+            payload,
+            action: Action::Pass,
+            message: String::new(),
+            hooks: Vec::new(),
+            terminal_index: None,
+            resume_at: None,
+        }
     }
 
     fn end(&mut self, index: usize, action: Action, message: String) {
@@ -107,17 +114,29 @@ fn depth(v: &Value) -> usize {
 
 fn bounded(v: &Value, what: &str, max_bytes: usize, limits: &Limits) -> Result<(), String> {
     if depth(v) > limits.depth {
-        return Err(format!("{what} is nested deeper than {} levels", limits.depth));
+        return Err(format!(
+            "{what} is nested deeper than {} levels",
+            limits.depth
+        ));
     }
     let size = json_size(v);
     if size > max_bytes {
-        return Err(format!("{what} is {size} bytes, over the limit of {max_bytes}"));
+        return Err(format!(
+            "{what} is {size} bytes, over the limit of {max_bytes}"
+        ));
     }
     Ok(())
 }
 
 /// Folds one walk report (hooks from `start`) into `walk`, updating `state`.
-pub fn fold(chain: &Chain, start: usize, report: &WalkReport, walk: &mut Walk, state: &mut StateVector, limits: &Limits) {
+pub fn fold(
+    chain: &Chain,
+    start: usize,
+    report: &WalkReport,
+    walk: &mut Walk,
+    state: &mut StateVector,
+    limits: &Limits,
+) {
     let hooks = &chain.spec.hooks;
     let text = chain.spec.trigger_point.carries_text();
     let mut expected = start;
@@ -126,7 +145,13 @@ pub fn fold(chain: &Chain, start: usize, report: &WalkReport, walk: &mut Walk, s
             return walk.untrusted(r.index, "results continued after the walk ended".into());
         }
         if r.index != expected || r.index >= hooks.len() || r.name != hooks[r.index].name {
-            return walk.untrusted(expected, format!("result for hook #{} {:?} where #{expected} was due", r.index, r.name));
+            return walk.untrusted(
+                expected,
+                format!(
+                    "result for hook #{} {:?} where #{expected} was due",
+                    r.index, r.name
+                ),
+            );
         }
         let hook = &hooks[r.index];
         expected += 1;
@@ -138,13 +163,22 @@ pub fn fold(chain: &Chain, start: usize, report: &WalkReport, walk: &mut Walk, s
             return walk.untrusted(r.index, format!("unknown action {:?}", r.action));
         };
         if action != Action::Pass && action != hook.action {
-            return walk.untrusted(r.index, format!("hook {:?} returned {action} but declared {}", hook.name, hook.action));
+            return walk.untrusted(
+                r.index,
+                format!(
+                    "hook {:?} returned {action} but declared {}",
+                    hook.name, hook.action
+                ),
+            );
         }
         let checked = (|| {
             if action == Action::Modify {
                 let out = r.outgoing.as_ref().ok_or("modify without outgoing")?;
                 if text != out.is_string() || (!text && !out.is_object()) {
-                    return Err(format!("outgoing has the wrong type for {}", chain.spec.trigger_point));
+                    return Err(format!(
+                        "outgoing has the wrong type for {}",
+                        chain.spec.trigger_point
+                    ));
                 }
                 bounded(out, "outgoing", limits.payload_bytes, limits)?;
             }
@@ -155,7 +189,9 @@ pub fn fold(chain: &Chain, start: usize, report: &WalkReport, walk: &mut Walk, s
                 bounded(s, "state", limits.state_bytes, limits)?;
             }
             match &r.message {
-                Some(m) if m.chars().count() > limits.message_chars => Err(format!("message over {} characters", limits.message_chars)),
+                Some(m) if m.chars().count() > limits.message_chars => {
+                    Err(format!("message over {} characters", limits.message_chars))
+                }
                 _ => Ok(()),
             }
         })();
@@ -200,21 +236,33 @@ pub fn fold(chain: &Chain, start: usize, report: &WalkReport, walk: &mut Walk, s
         Some((action, terminal)) => {
             let derived = (walk.action.as_str(), walk.terminal_index);
             if (action.as_str(), *terminal) != derived {
-                walk.untrusted(expected.min(hooks.len().saturating_sub(1)), format!(
-                    "summary says {action} at {terminal:?}, results say {} at {:?}",
-                    derived.0, derived.1
-                ));
+                walk.untrusted(
+                    expected.min(hooks.len().saturating_sub(1)),
+                    format!(
+                        "summary says {action} at {terminal:?}, results say {} at {:?}",
+                        derived.0, derived.1
+                    ),
+                );
             } else if !walk.is_terminal() && expected < hooks.len() {
-                walk.untrusted(expected, format!("the walk stopped at hook #{expected} without a terminal action"));
+                walk.untrusted(
+                    expected,
+                    format!("the walk stopped at hook #{expected} without a terminal action"),
+                );
             }
         }
-        None => walk.untrusted(expected.min(hooks.len().saturating_sub(1)), "no result summary".into()),
+        None => walk.untrusted(
+            expected.min(hooks.len().saturating_sub(1)),
+            "no result summary".into(),
+        ),
     }
 }
 
 /// Convenience for failures before any hook ran (init timeout, sandbox death at init).
 pub fn failure_before_walk(chain: &Chain, failure: &SandboxFailure, walk: &mut Walk, start: usize) {
-    let report = WalkReport { failure: Some(failure.clone()), ..Default::default() };
+    let report = WalkReport {
+        failure: Some(failure.clone()),
+        ..Default::default()
+    };
     let mut unused = StateVector::fresh(chain.spec.hooks.len());
     fold(chain, start, &report, walk, &mut unused, &Limits::default());
 }
@@ -240,11 +288,16 @@ mod tests {
     }
 
     fn result(index: usize, name: &str, action: &str) -> HookResult {
-        serde_json::from_value(json!({"id": 1, "index": index, "name": name, "action": action})).unwrap()
+        serde_json::from_value(json!({"id": 1, "index": index, "name": name, "action": action}))
+            .unwrap()
     }
 
     fn report(hooks: Vec<HookResult>, summary: (&str, Option<usize>)) -> WalkReport {
-        WalkReport { hooks, summary: Some((summary.0.into(), summary.1)), ..Default::default() }
+        WalkReport {
+            hooks,
+            summary: Some((summary.0.into(), summary.1)),
+            ..Default::default()
+        }
     }
 
     fn run(c: &Chain, r: &WalkReport) -> (Walk, StateVector) {
@@ -262,7 +315,10 @@ mod tests {
         a.state = Some(json!({"n": 1}));
         let mut b = result(1, "b", "detect");
         b.findings = Some(json!(["x"]));
-        let (w, s) = run(&c, &report(vec![a, b, result(2, "c", "pass")], ("modify", None)));
+        let (w, s) = run(
+            &c,
+            &report(vec![a, b, result(2, "c", "pass")], ("modify", None)),
+        );
         assert_eq!(w.payload, json!("HI"));
         assert_eq!(w.action, Action::Modify);
         assert_eq!(s.as_slice(), &[json!({"n": 1}), Value::Null, Value::Null]);
@@ -272,7 +328,10 @@ mod tests {
     #[test]
     fn an_undeclared_action_is_refused_even_under_open() {
         let c = chain("Open");
-        let (w, _) = run(&c, &report(vec![result(0, "a", "block")], ("block", Some(0))));
+        let (w, _) = run(
+            &c,
+            &report(vec![result(0, "a", "block")], ("block", Some(0))),
+        );
         assert_eq!((w.action, w.terminal_index), (Action::Block, Some(0)));
         assert!(w.message.contains("invalid result"), "{}", w.message);
     }
@@ -280,7 +339,11 @@ mod tests {
     #[test]
     fn a_summary_that_disagrees_is_refused() {
         let c = chain("Closed");
-        let rs = vec![result(0, "a", "pass"), result(1, "b", "pass"), result(2, "c", "pass")];
+        let rs = vec![
+            result(0, "a", "pass"),
+            result(1, "b", "pass"),
+            result(2, "c", "pass"),
+        ];
         let (w, _) = run(&c, &report(rs, ("modify", None)));
         assert_eq!(w.action, Action::Block);
     }
@@ -288,12 +351,23 @@ mod tests {
     #[test]
     fn a_timeout_blocks_under_closed_and_resumes_under_open() {
         let failure = SandboxFailure::Timeout(2000);
-        let r = WalkReport { hooks: vec![result(0, "a", "pass")], failure: Some(failure), ..Default::default() };
+        let r = WalkReport {
+            hooks: vec![result(0, "a", "pass")],
+            failure: Some(failure),
+            ..Default::default()
+        };
         let (w, _) = run(&chain("Closed"), &r);
         assert_eq!((w.action, w.terminal_index), (Action::Block, Some(1)));
-        assert!(w.message.contains("\"b\"") && w.message.contains("timed out"), "{}", w.message);
+        assert!(
+            w.message.contains("\"b\"") && w.message.contains("timed out"),
+            "{}",
+            w.message
+        );
         let (w, _) = run(&chain("Open"), &r);
-        assert_eq!((w.action, w.terminal_index, w.resume_at), (Action::Pass, None, Some(2)));
+        assert_eq!(
+            (w.action, w.terminal_index, w.resume_at),
+            (Action::Pass, None, Some(2))
+        );
         assert_eq!(w.hooks[1].error.as_deref(), Some("timed out after 2000 ms"));
     }
 

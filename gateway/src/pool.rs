@@ -20,7 +20,11 @@ const BACKFILL_DELAY: Duration = Duration::from_millis(25);
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
     #[error("no sandbox for chain {chain} within {waited_ms} ms ({detail})")]
-    Timeout { chain: String, waited_ms: u64, detail: String },
+    Timeout {
+        chain: String,
+        waited_ms: u64,
+        detail: String,
+    },
 }
 
 #[derive(Default)]
@@ -94,7 +98,11 @@ impl Pool {
                     Ok(conn) if !pool.closed.load(Ordering::Relaxed) => {
                         c.warm.push_back(conn);
                         c.last_error = None;
-                        pool.shared.metrics.pool_warm.with_label_values(&[&pool.name]).set(c.warm.len() as i64);
+                        pool.shared
+                            .metrics
+                            .pool_warm
+                            .with_label_values(&[&pool.name])
+                            .set(c.warm.len() as i64);
                         None
                     }
                     Ok(conn) => {
@@ -127,13 +135,26 @@ impl Pool {
     }
 
     async fn boot(&self) -> Result<SupervisorConn, String> {
-        let _permit = self.shared.boots.acquire().await.map_err(|_| "gateway is shutting down".to_string())?;
+        let _permit = self
+            .shared
+            .boots
+            .acquire()
+            .await
+            .map_err(|_| "gateway is shutting down".to_string())?;
         let began = Instant::now();
-        let sandbox = self.shared.backend.start(&self.spec).await.map_err(|e| e.to_string())?;
+        let sandbox = self
+            .shared
+            .backend
+            .start(&self.spec)
+            .await
+            .map_err(|e| e.to_string())?;
         let mut conn = SupervisorConn::new(sandbox, self.shared.limits.max_line());
         match conn.wait_ready(self.shared.limits.boot_timeout).await {
             Ok(()) => {
-                self.shared.metrics.sandbox_boot_seconds.observe(began.elapsed().as_secs_f64());
+                self.shared
+                    .metrics
+                    .sandbox_boot_seconds
+                    .observe(began.elapsed().as_secs_f64());
                 self.shared.metrics.sandboxes_started.inc();
                 Ok(conn)
             }
@@ -156,7 +177,11 @@ impl Pool {
                 let mut c = self.lock();
                 if let Some(conn) = c.warm.pop_front() {
                     c.claimed += 1;
-                    self.shared.metrics.pool_warm.with_label_values(&[&self.name]).set(c.warm.len() as i64);
+                    self.shared
+                        .metrics
+                        .pool_warm
+                        .with_label_values(&[&self.name])
+                        .set(c.warm.len() as i64);
                     drop(c);
                     let kind = if waited { "cold" } else { "warm" };
                     self.shared.metrics.claims.with_label_values(&[kind]).inc();
@@ -167,7 +192,10 @@ impl Pool {
                         tokio::time::sleep(BACKFILL_DELAY).await;
                         pool.backfill();
                     });
-                    return Ok(Claimed { conn: Some(conn), pool: self.clone() });
+                    return Ok(Claimed {
+                        conn: Some(conn),
+                        pool: self.clone(),
+                    });
                 }
                 // Nothing warm: make sure something is booting for us, within max.
                 if c.booting == 0 && c.total() < self.max {
@@ -177,13 +205,21 @@ impl Pool {
             }
             waited = true;
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                self.shared.metrics.claims.with_label_values(&["timeout"]).inc();
+                self.shared
+                    .metrics
+                    .claims
+                    .with_label_values(&["timeout"])
+                    .inc();
                 let c = self.lock();
                 let detail = match &c.last_error {
                     Some(e) => format!("last boot failed: {e}"),
                     None => format!("{} of {} sandboxes busy", c.total(), self.max),
                 };
-                return Err(ClaimError::Timeout { chain: self.name.clone(), waited_ms: timeout.as_millis() as u64, detail });
+                return Err(ClaimError::Timeout {
+                    chain: self.name.clone(),
+                    waited_ms: timeout.as_millis() as u64,
+                    detail,
+                });
             }
         }
     }
@@ -207,7 +243,11 @@ impl Pool {
     async fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         let warm: Vec<SupervisorConn> = self.lock().warm.drain(..).collect();
-        self.shared.metrics.pool_warm.with_label_values(&[&self.name]).set(0);
+        self.shared
+            .metrics
+            .pool_warm
+            .with_label_values(&[&self.name])
+            .set(0);
         futures::future::join_all(warm.into_iter().map(|c| c.close())).await;
         self.changed.notify_waiters();
     }
@@ -226,7 +266,9 @@ pub struct Claimed {
 
 impl Claimed {
     pub fn conn(&mut self) -> &mut SupervisorConn {
-        self.conn.as_mut().expect("a Claimed holds its connection until dropped")
+        self.conn
+            .as_mut()
+            .expect("a Claimed holds its connection until dropped")
     }
 }
 
@@ -255,9 +297,23 @@ pub struct Pools {
 }
 
 impl Pools {
-    pub fn new(backend: Arc<dyn SandboxBackend>, limits: Limits, metrics: Metrics, boot_concurrency: usize) -> Self {
-        let shared = Arc::new(Shared { backend, limits, metrics, boots: Semaphore::new(boot_concurrency.max(1)) });
-        Self { shared, pools: Mutex::default(), retired: Mutex::default() }
+    pub fn new(
+        backend: Arc<dyn SandboxBackend>,
+        limits: Limits,
+        metrics: Metrics,
+        boot_concurrency: usize,
+    ) -> Self {
+        let shared = Arc::new(Shared {
+            backend,
+            limits,
+            metrics,
+            boots: Semaphore::new(boot_concurrency.max(1)),
+        });
+        Self {
+            shared,
+            pools: Mutex::default(),
+            retired: Mutex::default(),
+        }
     }
 
     pub fn backend(&self) -> &Arc<dyn SandboxBackend> {
@@ -299,10 +355,15 @@ impl Pools {
     /// Makes the pools match `chains`: new chains get a filling pool, chains that are gone or whose
     /// sandbox shape changed have their pool closed (runs in flight finish on their claimed sandbox).
     pub async fn sync<'a>(&self, chains: impl IntoIterator<Item = &'a Arc<Chain>>) {
-        let wanted: HashMap<PoolKey, &Arc<Chain>> = chains.into_iter().map(|c| (Self::key(c), c)).collect();
+        let wanted: HashMap<PoolKey, &Arc<Chain>> =
+            chains.into_iter().map(|c| (Self::key(c), c)).collect();
         let stale: Vec<Arc<Pool>> = {
             let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-            let gone: Vec<PoolKey> = pools.keys().filter(|k| !wanted.contains_key(*k)).cloned().collect();
+            let gone: Vec<PoolKey> = pools
+                .keys()
+                .filter(|k| !wanted.contains_key(*k))
+                .cloned()
+                .collect();
             gone.into_iter().filter_map(|k| pools.remove(&k)).collect()
         };
         for chain in wanted.values() {
@@ -322,7 +383,9 @@ impl Pools {
         loop {
             let all_warm = {
                 let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-                pools.values().all(|p| p.lock().warm.len() >= p.warm_target.min(p.max))
+                pools
+                    .values()
+                    .all(|p| p.lock().warm.len() >= p.warm_target.min(p.max))
             };
             if all_warm {
                 return true;
@@ -344,7 +407,12 @@ impl Pools {
             p.close().await;
         }
         let deadline = Instant::now() + timeout;
-        let retired: Vec<Arc<Pool>> = self.retired.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
+        let retired: Vec<Arc<Pool>> = self
+            .retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
         while Instant::now() < deadline && !all.iter().chain(&retired).all(|p| p.drained()) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -353,9 +421,12 @@ impl Pools {
     /// (warm, claimed) per chain, for status.
     pub fn sizes(&self) -> Vec<(String, usize, usize)> {
         let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-        pools.values().map(|p| {
-            let (w, c) = p.sizes();
-            (p.name.clone(), w, c)
-        }).collect()
+        pools
+            .values()
+            .map(|p| {
+                let (w, c) = p.sizes();
+                (p.name.clone(), w, c)
+            })
+            .collect()
     }
 }

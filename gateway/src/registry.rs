@@ -31,7 +31,11 @@ impl Registry {
         let mut chains: BTreeMap<ChainKey, (Arc<Chain>, String)> = BTreeMap::new();
         let mut capabilities = HashMap::new();
         for o in objects {
-            let at = |message: String| LoadError { file: o.file.clone(), line: o.line, message };
+            let at = |message: String| LoadError {
+                file: o.file.clone(),
+                line: o.line,
+                message,
+            };
             match o.value {
                 Object::HookChain(hc) => match Chain::from_resource(&hc) {
                     Ok(chain) => {
@@ -50,11 +54,22 @@ impl Registry {
                 },
                 Object::Capability(cap) => {
                     let entry = capability_entry(&cap);
+                    if let Some(schema) = &entry.spec.schema
+                        && let Err(e) = crate::endpoint::check_schema(schema)
+                    {
+                        errors.push(at(format!("Capability {:?}: spec.schema: {e}", entry.name)));
+                        continue;
+                    }
                     let key = (entry.namespace.clone(), entry.name.clone());
-                    if capabilities.contains_key(&key) {
-                        errors.push(at(format!("Capability {:?} is defined twice in {}; only the first is served", key.1, key.0)));
-                    } else {
-                        capabilities.insert(key, Arc::new(entry));
+                    match capabilities.entry(key) {
+                        std::collections::hash_map::Entry::Occupied(o) => errors.push(at(format!(
+                            "Capability {:?} is defined twice in {}; only the first is served",
+                            o.key().1,
+                            o.key().0
+                        ))),
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert(Arc::new(entry));
+                        }
                     }
                 }
             }
@@ -76,7 +91,32 @@ impl Registry {
                 message: format!("Capability {:?} in {}: gate or dispatch step {step:?} does not exist; not served", key.1, key.0),
             });
         }
-        Self { chains: chains.into_iter().map(|(k, (c, _))| (k, c)).collect(), capabilities, errors }
+        // A hook may list a capability that is applied later; it is served, and reported meanwhile.
+        for (chain, here) in chains.values() {
+            for hook in &chain.spec.hooks {
+                for name in &hook.capabilities {
+                    if !capabilities.contains_key(&(chain.namespace.clone(), name.clone())) {
+                        let (file, line) = here
+                            .rsplit_once(':')
+                            .map(|(f, l)| (f.into(), l.parse().unwrap_or(0)))
+                            .unwrap_or_default();
+                        errors.push(LoadError {
+                            file,
+                            line,
+                            message: format!(
+                                "HookChain {:?}: hook {:?} lists capability {name:?}, which does not exist in {}; its host_calls will fail until it does",
+                                chain.name, hook.name, chain.namespace
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        Self {
+            chains: chains.into_iter().map(|(k, (c, _))| (k, c)).collect(),
+            capabilities,
+            errors,
+        }
     }
 
     pub fn chain(&self, key: &ChainKey) -> Option<&Arc<Chain>> {
@@ -84,7 +124,8 @@ impl Registry {
     }
 
     pub fn capability(&self, namespace: &str, name: &str) -> Option<&Arc<CapabilityEntry>> {
-        self.capabilities.get(&(namespace.to_string(), name.to_string()))
+        self.capabilities
+            .get(&(namespace.to_string(), name.to_string()))
     }
 }
 

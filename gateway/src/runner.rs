@@ -21,7 +21,12 @@ use std::time::{Duration, Instant};
 pub struct Caller(pub BTreeMap<String, String>);
 
 impl Caller {
-    pub fn new(key: &ChainKey, session_id: &str, context: &BTreeMap<String, String>, run_id: &str) -> Self {
+    pub fn new(
+        key: &ChainKey,
+        session_id: &str,
+        context: &BTreeMap<String, String>,
+        run_id: &str,
+    ) -> Self {
         // The application's context first, so the session's own fields always win over it.
         let mut m = context.clone();
         m.insert("namespace".into(), key.namespace.clone());
@@ -47,7 +52,11 @@ pub enum CallError {
     #[error("payload for {name:?} does not match its schema: {reason}")]
     Schema { name: String, reason: String },
     #[error("{name:?} denied by gate {gate:?}: {reason}")]
-    Denied { name: String, gate: String, reason: String },
+    Denied {
+        name: String,
+        gate: String,
+        reason: String,
+    },
     #[error("{name:?} failed: {reason}")]
     Failed { name: String, reason: String },
     #[error("{name:?} did not answer within {ms} ms")]
@@ -63,11 +72,20 @@ pub struct Runner {
 
 impl Runner {
     pub fn new(metrics: Metrics, limits: Limits) -> Self {
-        Self { metrics, limits, transport: crate::endpoint::Transport::default() }
+        Self {
+            metrics,
+            limits,
+            transport: crate::endpoint::Transport::default(),
+        }
     }
 
     /// The host_call handler of one run.
-    pub fn for_run(&self, registry: Arc<Registry>, chain: Arc<Chain>, caller: Caller) -> RunHostCalls {
+    pub fn for_run(
+        &self,
+        registry: Arc<Registry>,
+        chain: Arc<Chain>,
+        caller: Caller,
+    ) -> RunHostCalls {
         RunHostCalls {
             registry,
             chain,
@@ -102,70 +120,136 @@ impl RunHostCalls {
     }
 
     /// Calls one capability's endpoint within its timeout. Used for gates, execute and dispatch.
-    async fn execute(&self, cap: &CapabilityEntry, payload: Value) -> Result<(Value, Option<Value>), CallError> {
+    async fn execute(
+        &self,
+        cap: &CapabilityEntry,
+        payload: Value,
+    ) -> Result<(Value, Option<Value>), CallError> {
         let ms = cap.spec.timeout_ms as u64;
-        let call = self.transport.execute(&cap.name, &cap.spec.endpoint, payload, &self.caller);
+        let call = self
+            .transport
+            .execute(&cap.name, &cap.spec.endpoint, payload, &self.caller);
         match tokio::time::timeout(Duration::from_millis(ms), call).await {
             Ok(Ok((result, consumed))) => {
-                let size = serde_json::to_vec(&result).map(|b| b.len()).unwrap_or(usize::MAX);
+                let size = serde_json::to_vec(&result)
+                    .map(|b| b.len())
+                    .unwrap_or(usize::MAX);
                 if size > self.max_result_bytes {
-                    return Err(CallError::Failed { name: cap.name.clone(), reason: format!("result is {size} bytes, over the limit") });
+                    return Err(CallError::Failed {
+                        name: cap.name.clone(),
+                        reason: format!("result is {size} bytes, over the limit"),
+                    });
                 }
                 Ok((result, consumed))
             }
-            Ok(Err(reason)) => Err(CallError::Failed { name: cap.name.clone(), reason }),
-            Err(_) => Err(CallError::Timeout { name: cap.name.clone(), ms }),
+            Ok(Err(reason)) => Err(CallError::Failed {
+                name: cap.name.clone(),
+                reason,
+            }),
+            Err(_) => Err(CallError::Timeout {
+                name: cap.name.clone(),
+                ms,
+            }),
         }
     }
 
-    async fn run(&self, hook: usize, name: &str, payload: Value, record: &mut AuditHostCall) -> Result<Value, CallError> {
+    async fn run(
+        &self,
+        hook: usize,
+        name: &str,
+        payload: Value,
+        record: &mut AuditHostCall,
+    ) -> Result<Value, CallError> {
         // resolve
         let cap = self.capability(name)?.clone();
         let hook_spec = &self.chain.spec.hooks[hook];
         if !hook_spec.capabilities.iter().any(|c| c == name) {
-            return Err(CallError::NotAllowed { hook: hook_spec.name.clone(), name: name.into() });
+            return Err(CallError::NotAllowed {
+                hook: hook_spec.name.clone(),
+                name: name.into(),
+            });
         }
         // schema
         if let Some(schema) = &cap.spec.schema {
-            crate::endpoint::validate(schema, &payload).map_err(|reason| CallError::Schema { name: name.into(), reason })?;
+            crate::endpoint::validate(schema, &payload).map_err(|reason| CallError::Schema {
+                name: name.into(),
+                reason,
+            })?;
         }
         // gates, each a capability answering {allow, reason}
         for gate in &cap.spec.gates {
             let gate_cap = self.capability(gate)?.clone();
-            let ask = json!({"capability": name, "payload": payload, "caller": self.caller.to_json()});
-            let (answer, _) = self.execute(&gate_cap, ask).await.map_err(|e| CallError::Denied {
-                name: name.into(),
+            let ask =
+                json!({"capability": name, "payload": payload, "caller": self.caller.to_json()});
+            let (answer, _) =
+                self.execute(&gate_cap, ask)
+                    .await
+                    .map_err(|e| CallError::Denied {
+                        name: name.into(),
+                        gate: gate.clone(),
+                        reason: format!("gate failed: {e}"),
+                    })?;
+            let allow = answer
+                .get("allow")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let reason = answer
+                .get("reason")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+            record.gates.push(AuditGate {
                 gate: gate.clone(),
-                reason: format!("gate failed: {e}"),
-            })?;
-            let allow = answer.get("allow").and_then(Value::as_bool).unwrap_or(false);
-            let reason = answer.get("reason").and_then(Value::as_str).unwrap_or_default().to_string();
-            record.gates.push(AuditGate { gate: gate.clone(), allow, reason: reason.clone() });
+                allow,
+                reason: reason.clone(),
+            });
             if !allow {
-                let reason = if reason.is_empty() { "no reason given".into() } else { reason };
-                return Err(CallError::Denied { name: name.into(), gate: gate.clone(), reason });
+                let reason = if reason.is_empty() {
+                    "no reason given".into()
+                } else {
+                    reason
+                };
+                return Err(CallError::Denied {
+                    name: name.into(),
+                    gate: gate.clone(),
+                    reason,
+                });
             }
         }
         // execute
-        let (result, consumed) = self.execute(&cap, payload.clone()).await?;
+        let (result, consumed) = match self.execute(&cap, payload.clone()).await {
+            Ok(done) => done,
+            Err(e) => {
+                // Dispatch steps still hear of it (result and consumed null, the error stated), so a
+                // gate's reservation can be released.
+                let body = json!({"capability": name, "payload": payload, "result": null, "consumed": null, "error": e.to_string(), "caller": self.caller.to_json()});
+                self.dispatch(&cap, body, record).await;
+                return Err(e);
+            }
+        };
         record.consumed = consumed.clone();
-        // dispatch: after execute, told what was used. A failing dispatch step is recorded, and the
-        // hook still gets its result: the work was done and must not be repeated.
+        // dispatch: after execute, told what was used.
+        let body = json!({"capability": name, "payload": payload, "result": result, "consumed": consumed, "caller": self.caller.to_json()});
+        self.dispatch(&cap, body, record).await;
+        Ok(result)
+    }
+
+    /// Runs the capability's dispatch steps in order. A failing step is recorded and logged; the hook
+    /// still gets its result, since the work was done and must not be repeated.
+    async fn dispatch(&self, cap: &CapabilityEntry, body: Value, record: &mut AuditHostCall) {
         for step in &cap.spec.dispatch {
             let step_cap = match self.capability(step) {
                 Ok(c) => c.clone(),
                 Err(e) => {
-                    tracing::error!(capability = name, step = %step, error = %e, "dispatch step missing");
+                    tracing::error!(capability = %cap.name, step = %step, error = %e, "dispatch step missing");
                     continue;
                 }
             };
-            let body = json!({"capability": name, "payload": payload, "result": result, "consumed": consumed, "caller": self.caller.to_json()});
-            if let Err(e) = self.execute(&step_cap, body).await {
-                tracing::error!(capability = name, step = %step, error = %e, "dispatch step failed");
+            if let Err(e) = self.execute(&step_cap, body.clone()).await {
+                tracing::error!(capability = %cap.name, step = %step, error = %e, "dispatch step failed");
                 record.error = Some(format!("dispatch {step:?} failed: {e}"));
             }
         }
-        Ok(result)
     }
 }
 
@@ -195,12 +279,26 @@ impl HostCalls for RunHostCalls {
             Err(_) => "failed",
         };
         // Unknown names are not used as label values, so a hook cannot blow up the metric's cardinality.
-        let label = if self.registry.capability(&self.chain.namespace, name).is_some() { name } else { "<unknown>" };
-        self.metrics.host_calls.with_label_values(&[label, outcome]).inc();
+        let label = if self
+            .registry
+            .capability(&self.chain.namespace, name)
+            .is_some()
+        {
+            name
+        } else {
+            "<unknown>"
+        };
+        self.metrics
+            .host_calls
+            .with_label_values(&[label, outcome])
+            .inc();
         if let Err(e) = &result {
             record.error.get_or_insert_with(|| e.to_string());
         }
-        self.audit.lock().unwrap_or_else(|p| p.into_inner()).push(record);
+        self.audit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(record);
         result.map_err(|e| e.to_string())
     }
 }

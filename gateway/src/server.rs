@@ -74,7 +74,10 @@ type StreamOut = Pin<Box<dyn futures::Stream<Item = Result<proto::StreamResponse
 
 #[tonic::async_trait]
 impl Gateway for GatewayService {
-    async fn run(&self, request: Request<proto::RunRequest>) -> Result<Response<proto::RunResponse>, Status> {
+    async fn run(
+        &self,
+        request: Request<proto::RunRequest>,
+    ) -> Result<Response<proto::RunResponse>, Status> {
         let r = request.into_inner();
         let input = RunInput {
             namespace: r.namespace,

@@ -46,6 +46,10 @@ mod tests {
         assert_eq!(s.get(1), Some(&json!({"seen": 1})));
         let next = s.clone();
         s.set(1, json!({"seen": 2}));
-        assert_eq!(next.get(1), Some(&json!({"seen": 1})), "a copy is a snapshot");
+        assert_eq!(
+            next.get(1),
+            Some(&json!({"seen": 1})),
+            "a copy is a snapshot"
+        );
     }
 }

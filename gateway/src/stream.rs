@@ -24,7 +24,8 @@ use tonic::Status;
 /// Most bytes gathered into one flush when the client is ahead of the chain.
 const COALESCE_BYTES: usize = 64 * 1024;
 
-pub type Responses = Pin<Box<dyn futures::Stream<Item = Result<proto::StreamResponse, Status>> + Send>>;
+pub type Responses =
+    Pin<Box<dyn futures::Stream<Item = Result<proto::StreamResponse, Status>> + Send>>;
 
 /// Splits `text` so that the second part holds its last `keep` characters (never splitting one).
 pub fn split_tail(text: &str, keep: usize) -> (&str, &str) {
@@ -32,7 +33,11 @@ pub fn split_tail(text: &str, keep: usize) -> (&str, &str) {
     if chars <= keep {
         return ("", text);
     }
-    let at = text.char_indices().nth(chars - keep).map(|(i, _)| i).unwrap_or(text.len());
+    let at = text
+        .char_indices()
+        .nth(chars - keep)
+        .map(|(i, _)| i)
+        .unwrap_or(text.len());
     text.split_at(at)
 }
 
@@ -50,7 +55,11 @@ pub struct Window {
 
 impl Window {
     pub fn new(flush_chars: usize, lookback_chars: usize) -> Self {
-        Self { flush_chars: flush_chars.max(1), lookback_chars, ..Default::default() }
+        Self {
+            flush_chars: flush_chars.max(1),
+            lookback_chars,
+            ..Default::default()
+        }
     }
 
     /// Adds received text; true when enough is buffered to run the chain.
@@ -111,7 +120,10 @@ enum End {
     Failed(Status),
 }
 
-pub async fn serve(engine: Arc<Engine>, inbound: tonic::Streaming<proto::StreamRequest>) -> Result<Responses, Status> {
+pub async fn serve(
+    engine: Arc<Engine>,
+    inbound: tonic::Streaming<proto::StreamRequest>,
+) -> Result<Responses, Status> {
     let (tx, rx) = mpsc::channel(8);
     tokio::spawn(async move {
         drive(engine, inbound, tx).await;
@@ -123,17 +135,25 @@ type Tx = mpsc::Sender<Result<proto::StreamResponse, Status>>;
 
 async fn send(tx: &Tx, msg: Out) -> Result<(), Status> {
     // A full channel waits: a slow reader slows us down instead of growing a buffer.
-    tx.send(Ok(proto::StreamResponse { msg: Some(msg) })).await.map_err(|_| Status::cancelled("the client went away"))
+    tx.send(Ok(proto::StreamResponse { msg: Some(msg) }))
+        .await
+        .map_err(|_| Status::cancelled("the client went away"))
 }
 
-async fn next(engine: &Engine, inbound: &mut tonic::Streaming<proto::StreamRequest>) -> Result<Option<In>, Status> {
+async fn next(
+    engine: &Engine,
+    inbound: &mut tonic::Streaming<proto::StreamRequest>,
+) -> Result<Option<In>, Status> {
     match tokio::time::timeout(engine.limits.stream_idle, inbound.next()).await {
         Err(_) => Err(Status::deadline_exceeded(format!(
             "no stream message for {} s; the stream is closed",
             engine.limits.stream_idle.as_secs()
         ))),
         Ok(None) => Ok(None),
-        Ok(Some(Err(s))) => Err(Status::cancelled(format!("the client stream failed: {}", s.message()))),
+        Ok(Some(Err(s))) => Err(Status::cancelled(format!(
+            "the client stream failed: {}",
+            s.message()
+        ))),
         Ok(Some(Ok(r))) => Ok(r.msg),
     }
 }
@@ -164,7 +184,9 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
         Ok(Some(In::Open(o))) => o,
         Ok(_) => {
             let e = EngineError::InvalidArgument("a stream starts with open".into());
-            let _ = tx.send(Err(engine.refuse(&mut audit, e, began).into())).await;
+            let _ = tx
+                .send(Err(engine.refuse(&mut audit, e, began).into()))
+                .await;
             return;
         }
         Err(s) => {
@@ -178,9 +200,18 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
     audit.trigger_point = open.trigger_point.clone();
     audit.session_id = (!open.session_id.is_empty()).then(|| open.session_id.clone());
     let prepared = (|| {
-        let target = engine.target(&open.namespace, &open.target, &open.trigger_point, open.context.into_iter().collect(), open.session_id)?;
+        let target = engine.target(
+            &open.namespace,
+            &open.target,
+            &open.trigger_point,
+            open.context.into_iter().collect(),
+            open.session_id,
+        )?;
         if !target.key.trigger_point.carries_text() {
-            return Err(EngineError::InvalidArgument(format!("{} carries a structured payload; stream text at input or output", target.key.trigger_point)));
+            return Err(EngineError::InvalidArgument(format!(
+                "{} carries a structured payload; stream text at input or output",
+                target.key.trigger_point
+            )));
         }
         let chain = engine.resolve(&target.key)?;
         Ok((target, chain))
@@ -188,7 +219,9 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
     let (target, chain) = match prepared {
         Ok(p) => p,
         Err(e) => {
-            let _ = tx.send(Err(engine.refuse(&mut audit, e, began).into())).await;
+            let _ = tx
+                .send(Err(engine.refuse(&mut audit, e, began).into()))
+                .await;
             return;
         }
     };
@@ -199,14 +232,24 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
     let mut session = match ChainSession::open(&engine, chain.clone(), &target, &run_id).await {
         Ok(s) => s,
         Err(e) => {
-            let _ = tx.send(Err(engine.refuse(&mut audit, e, began).into())).await;
+            let _ = tx
+                .send(Err(engine.refuse(&mut audit, e, began).into()))
+                .await;
             return;
         }
     };
     audit.sandbox = Some(session.sandbox_id.clone());
     let mut stats = Stats::default();
     let mut raw = String::new();
-    let end = stream_path(&engine, &mut session, &mut inbound, &tx, &mut raw, &mut stats).await;
+    let end = stream_path(
+        &engine,
+        &mut session,
+        &mut inbound,
+        &tx,
+        &mut raw,
+        &mut stats,
+    )
+    .await;
     let final_walk = match end {
         End::Finished => {
             let mut fresh = StateVector::fresh(chain.spec.hooks.len());
@@ -220,7 +263,11 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
             audit.stream = Some(stream_json(&stats, false));
             audit.latency_us = began.elapsed().as_micros() as u64;
             engine.audit.write(&audit);
-            engine.metrics.runs.with_label_values(&[chain.spec.trigger_point.as_str(), "stream", "none"]).inc();
+            engine
+                .metrics
+                .runs
+                .with_label_values(&[chain.spec.trigger_point.as_str(), "stream", "none"])
+                .inc();
             let _ = tx.send(Err(status)).await;
             return;
         }
@@ -252,7 +299,11 @@ async fn stream_path(
     loop {
         let msg = match next(engine, inbound).await {
             Ok(Some(m)) => m,
-            Ok(None) => return End::Failed(Status::cancelled("the client closed the stream without finish")),
+            Ok(None) => {
+                return End::Failed(Status::cancelled(
+                    "the client closed the stream without finish",
+                ));
+            }
             Err(s) => return End::Failed(s),
         };
         let mut last = false;
@@ -275,14 +326,21 @@ async fn stream_path(
                     ready |= window.push(&text);
                 }
                 In::Finish(_) => last = true,
-                In::Open(_) => return End::Failed(Status::invalid_argument("open may be sent only once")),
+                In::Open(_) => {
+                    return End::Failed(Status::invalid_argument("open may be sent only once"));
+                }
             }
             if last || !ready || window.pending_len() >= COALESCE_BYTES {
                 break;
             }
             match futures::FutureExt::now_or_never(inbound.next()) {
                 Some(Some(Ok(proto::StreamRequest { msg: Some(m) }))) => pending = Some(m),
-                Some(Some(Err(s))) => return End::Failed(Status::cancelled(format!("the client stream failed: {}", s.message()))),
+                Some(Some(Err(s))) => {
+                    return End::Failed(Status::cancelled(format!(
+                        "the client stream failed: {}",
+                        s.message()
+                    )));
+                }
                 // Nothing waiting (or the stream ended: the next read reports it).
                 _ => {}
             }
@@ -295,8 +353,15 @@ async fn stream_path(
                 stats.flushes += 1;
                 let walk = session.walk(Value::String(batch), &mut state).await;
                 if walk.is_terminal() {
-                    let hook = walk.terminal_index.and_then(|i| session.chain.spec.hooks.get(i)).map(|h| h.name.clone()).unwrap_or_default();
-                    let blocked = proto::StreamBlocked { message: walk.message.clone(), hook };
+                    let hook = walk
+                        .terminal_index
+                        .and_then(|i| session.chain.spec.hooks.get(i))
+                        .map(|h| h.name.clone())
+                        .unwrap_or_default();
+                    let blocked = proto::StreamBlocked {
+                        message: walk.message.clone(),
+                        hook,
+                    };
                     if let Err(s) = send(tx, Out::Blocked(blocked)).await {
                         return End::Failed(s);
                     }
@@ -341,7 +406,11 @@ mod tests {
         assert_eq!(batch, "abcd");
         assert_eq!(w.settle(&batch, false), "ab");
         w.push("e");
-        assert_eq!(w.take_batch().unwrap(), "cde", "the held-back tail prefixes the next batch");
+        assert_eq!(
+            w.take_batch().unwrap(),
+            "cde",
+            "the held-back tail prefixes the next batch"
+        );
         assert_eq!(w.settle("cde", true), "cde");
         assert_eq!(w.take_batch(), None);
         assert_eq!(w.release_tail(), "");

@@ -61,13 +61,18 @@ pub struct SupervisorConn {
 
 impl std::fmt::Debug for SupervisorConn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SupervisorConn").field("id", &self.id).field("broken", &self.broken).finish()
+        f.debug_struct("SupervisorConn")
+            .field("id", &self.id)
+            .field("broken", &self.broken)
+            .finish()
     }
 }
 
 fn died(e: ReadError) -> SandboxFailure {
     match e {
-        ReadError::Eof => SandboxFailure::Died("killed, out of memory, or its supervisor exited".into()),
+        ReadError::Eof => {
+            SandboxFailure::Died("killed, out of memory, or its supervisor exited".into())
+        }
         ReadError::Io(e) => SandboxFailure::Died(e.to_string()),
         other => SandboxFailure::Protocol(other.to_string()),
     }
@@ -98,7 +103,8 @@ impl SupervisorConn {
     }
 
     async fn send(&mut self, msg: &ToSupervisor<'_>) -> Result<(), SandboxFailure> {
-        let mut line = serde_json::to_vec(msg).map_err(|e| SandboxFailure::Protocol(e.to_string()))?;
+        let mut line =
+            serde_json::to_vec(msg).map_err(|e| SandboxFailure::Protocol(e.to_string()))?;
         line.push(b'\n');
         let Some(stdin) = self.stdin.as_mut() else {
             return Err(SandboxFailure::Died("stdin already closed".into()));
@@ -135,43 +141,66 @@ impl SupervisorConn {
             FromSupervisor::Ready { protocol } if protocol == wire::PROTOCOL_VERSION => Ok(()),
             FromSupervisor::Ready { protocol } => {
                 self.broken = true;
-                Err(SandboxFailure::Protocol(format!("supervisor speaks protocol {protocol}, not {}", wire::PROTOCOL_VERSION)))
+                Err(SandboxFailure::Protocol(format!(
+                    "supervisor speaks protocol {protocol}, not {}",
+                    wire::PROTOCOL_VERSION
+                )))
             }
             other => {
                 self.broken = true;
-                Err(SandboxFailure::Protocol(format!("expected ready, got {other:?}")))
+                Err(SandboxFailure::Protocol(format!(
+                    "expected ready, got {other:?}"
+                )))
             }
         }
     }
 
     /// Sends the chain's hooks. The supervisor's per-hook load report (`ack`) is read by the first
     /// walk, so init and the first chunk travel together: one wake-up of the sandbox, not two.
-    pub async fn init(&mut self, chain: &crate::chain::Chain, limits: &WireLimits) -> Result<(), SandboxFailure> {
+    pub async fn init(
+        &mut self,
+        chain: &crate::chain::Chain,
+        limits: &WireLimits,
+    ) -> Result<(), SandboxFailure> {
         let hooks = chain
             .spec
             .hooks
             .iter()
             .zip(&chain.settings)
-            .map(|(h, settings)| wire::InitHook { name: &h.name, action: h.action.as_str(), settings, code: &h.code })
+            .map(|(h, settings)| wire::InitHook {
+                name: &h.name,
+                action: h.action.as_str(),
+                settings,
+                code: &h.code,
+            })
             .collect();
         let policy = match chain.spec.failure_policy {
             sluice_crds::FailurePolicy::Closed => "Closed",
             sluice_crds::FailurePolicy::Open => "Open",
         };
-        self.send(&ToSupervisor::Init { trigger_point: chain.spec.trigger_point.as_str(), failure_policy: policy, hooks, limits })
-            .await?;
+        self.send(&ToSupervisor::Init {
+            trigger_point: chain.spec.trigger_point.as_str(),
+            failure_policy: policy,
+            hooks,
+            limits,
+        })
+        .await?;
         self.ack_pending = Some(chain.spec.hooks.len());
         Ok(())
     }
 
     /// Reads the `ack` of the last `init`, if it has not been read yet.
     pub async fn ack(&mut self, budget: Duration) -> Result<Option<Vec<AckHook>>, SandboxFailure> {
-        let Some(expected) = self.ack_pending.take() else { return Ok(None) };
+        let Some(expected) = self.ack_pending.take() else {
+            return Ok(None);
+        };
         match self.recv(budget).await? {
             FromSupervisor::Ack { hooks } if hooks.len() == expected => Ok(Some(hooks)),
             other => {
                 self.broken = true;
-                Err(SandboxFailure::Protocol(format!("expected an ack for {expected} hooks, got {other:?}")))
+                Err(SandboxFailure::Protocol(format!(
+                    "expected an ack for {expected} hooks, got {other:?}"
+                )))
             }
         }
     }
@@ -190,7 +219,16 @@ impl SupervisorConn {
         self.next_id += 1;
         let id = self.next_id;
         let mut report = WalkReport::default();
-        if let Err(f) = self.send(&ToSupervisor::Chunk { id, start, outgoing, state, context }).await {
+        if let Err(f) = self
+            .send(&ToSupervisor::Chunk {
+                id,
+                start,
+                outgoing,
+                state,
+                context,
+            })
+            .await
+        {
             report.failure = Some(f);
             return report;
         }
@@ -220,7 +258,12 @@ impl SupervisorConn {
             remaining = remaining.saturating_sub(began.elapsed());
             match msg {
                 FromSupervisor::HookResult(h) if h.id == id => report.hooks.push(h),
-                FromSupervisor::HostCall { id: call, hook, name, payload } => {
+                FromSupervisor::HostCall {
+                    id: call,
+                    hook,
+                    name,
+                    payload,
+                } => {
                     let waited = Instant::now();
                     let answer = host.call(hook, &name, payload).await;
                     report.host_call_time += waited.elapsed();
@@ -228,23 +271,39 @@ impl SupervisorConn {
                         Ok(v) => (true, Some(v), None),
                         Err(e) => (false, None, Some(e)),
                     };
-                    if let Err(f) = self.send(&ToSupervisor::HostResult { id: call, ok, result, error }).await {
+                    if let Err(f) = self
+                        .send(&ToSupervisor::HostResult {
+                            id: call,
+                            ok,
+                            result,
+                            error,
+                        })
+                        .await
+                    {
                         report.failure = Some(f);
                         return report;
                     }
                 }
-                FromSupervisor::Result { id: rid, action, terminal_index } if rid == id => {
+                FromSupervisor::Result {
+                    id: rid,
+                    action,
+                    terminal_index,
+                } if rid == id => {
                     report.summary = Some((action, terminal_index));
                     return report;
                 }
                 FromSupervisor::Error { message } => {
                     self.broken = true;
-                    report.failure = Some(SandboxFailure::Protocol(format!("supervisor error: {message}")));
+                    report.failure = Some(SandboxFailure::Protocol(format!(
+                        "supervisor error: {message}"
+                    )));
                     return report;
                 }
                 other => {
                     self.broken = true;
-                    report.failure = Some(SandboxFailure::Protocol(format!("unexpected message {other:?}")));
+                    report.failure = Some(SandboxFailure::Protocol(format!(
+                        "unexpected message {other:?}"
+                    )));
                     return report;
                 }
             }

@@ -159,7 +159,9 @@ pub async fn read_message<R: AsyncBufRead + Unpin>(
     }
     serde_json::from_slice(buf).map_err(|e| ReadError::Malformed {
         error: e.to_string(),
-        snippet: String::from_utf8_lossy(&buf[..buf.len().min(200)]).trim_end().to_string(),
+        snippet: String::from_utf8_lossy(&buf[..buf.len().min(200)])
+            .trim_end()
+            .to_string(),
     })
 }
 
@@ -172,7 +174,10 @@ mod tests {
         let data = b"{\"type\":\"ready\",\"protocol\":1}\n{\"type\":\"hook_result\",\"id\":1,\"index\":0,\"name\":\"a\",\"action\":\"pass\",\"state\":null}\nnot json\n".to_vec();
         let mut r = tokio::io::BufReader::new(&data[..]);
         let mut buf = Vec::new();
-        assert!(matches!(read_message(&mut r, &mut buf, 1024).await, Ok(FromSupervisor::Ready { protocol: 1 })));
+        assert!(matches!(
+            read_message(&mut r, &mut buf, 1024).await,
+            Ok(FromSupervisor::Ready { protocol: 1 })
+        ));
         match read_message(&mut r, &mut buf, 1024).await {
             Ok(FromSupervisor::HookResult(h)) => {
                 assert_eq!(h.state, Some(Value::Null));
@@ -180,11 +185,20 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(read_message(&mut r, &mut buf, 1024).await, Err(ReadError::Malformed { .. })));
-        assert!(matches!(read_message(&mut r, &mut buf, 1024).await, Err(ReadError::Eof)));
+        assert!(matches!(
+            read_message(&mut r, &mut buf, 1024).await,
+            Err(ReadError::Malformed { .. })
+        ));
+        assert!(matches!(
+            read_message(&mut r, &mut buf, 1024).await,
+            Err(ReadError::Eof)
+        ));
 
         let long = vec![b'x'; 5000];
         let mut r = tokio::io::BufReader::new(&long[..]);
-        assert!(matches!(read_message(&mut r, &mut buf, 1024).await, Err(ReadError::TooLong(1024))));
+        assert!(matches!(
+            read_message(&mut r, &mut buf, 1024).await,
+            Err(ReadError::TooLong(1024))
+        ));
     }
 }

@@ -46,7 +46,11 @@ struct Gateway {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn start(dir: &Path, state: &Path) -> Gateway {
@@ -73,7 +77,11 @@ fn start(dir: &Path, state: &Path) -> Gateway {
             let _ = tx.send(line);
         }
     });
-    Gateway { child, addr: format!("http://127.0.0.1:{port}"), stderr_lines: rx }
+    Gateway {
+        child,
+        addr: format!("http://127.0.0.1:{port}"),
+        stderr_lines: rx,
+    }
 }
 
 impl Gateway {
@@ -101,7 +109,11 @@ impl Gateway {
     }
 }
 
-async fn run(client: &mut GatewayClient<tonic::transport::Channel>, target: &str, text: &str) -> Result<proto::RunResponse, tonic::Status> {
+async fn run(
+    client: &mut GatewayClient<tonic::transport::Channel>,
+    target: &str,
+    text: &str,
+) -> Result<proto::RunResponse, tonic::Status> {
     let req = proto::RunRequest {
         namespace: "default".into(),
         target: target.into(),
@@ -120,14 +132,26 @@ fn text(r: &proto::RunResponse) -> String {
 }
 
 fn runsc_list(state: &Path) -> String {
-    let out = Command::new("runsc").arg("--root").arg(state.join("runsc")).arg("list").output().unwrap();
-    String::from_utf8_lossy(&out.stdout).lines().skip(1).collect::<Vec<_>>().join("\n")
+    let out = Command::new("runsc")
+        .arg("--root")
+        .arg(state.join("runsc"))
+        .arg("list")
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_files_are_reported_watched_changes_swap_and_in_flight_runs_keep_their_chain() {
     let dir = tempfile::tempdir().unwrap();
-    let state = tempfile::Builder::new().prefix("sluice-lm").tempdir_in("/tmp").unwrap();
+    let state = tempfile::Builder::new()
+        .prefix("sluice-lm")
+        .tempdir_in("/tmp")
+        .unwrap();
     std::fs::write(dir.path().join("good.yaml"), GOOD).unwrap();
     std::fs::write(dir.path().join("bad.yaml"), BAD).unwrap();
     let mut gw = start(dir.path(), state.path());
@@ -145,7 +169,11 @@ async fn bad_files_are_reported_watched_changes_swap_and_in_flight_runs_keep_the
     std::fs::write(&tmp, GOOD.replace("tag: v1", "tag: v2")).unwrap();
     std::fs::rename(&tmp, dir.path().join("good.yaml")).unwrap();
     let r = in_flight.await.unwrap().unwrap();
-    assert_eq!(text(&r), "v1", "a run finishes on the chain it started with");
+    assert_eq!(
+        text(&r),
+        "v1",
+        "a run finishes on the chain it started with"
+    );
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let r = run(&mut client, "bot", "hi").await.unwrap();
@@ -167,14 +195,25 @@ async fn bad_files_are_reported_watched_changes_swap_and_in_flight_runs_keep_the
     unsafe { libc::kill(gw.child.id() as i32, libc::SIGTERM) };
     let status = gw.child.wait().unwrap();
     assert!(status.success(), "{status:?}");
-    assert_eq!(runsc_list(state.path()), "", "sandboxes left after a clean shutdown");
+    assert_eq!(
+        runsc_list(state.path()),
+        "",
+        "sandboxes left after a clean shutdown"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandboxes_of_a_killed_gateway_are_removed_at_the_next_start() {
     let dir = tempfile::tempdir().unwrap();
-    let state = tempfile::Builder::new().prefix("sluice-crash").tempdir_in("/tmp").unwrap();
-    std::fs::write(dir.path().join("good.yaml"), GOOD.replace("warm: 1", "warm: 3")).unwrap();
+    let state = tempfile::Builder::new()
+        .prefix("sluice-crash")
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::write(
+        dir.path().join("good.yaml"),
+        GOOD.replace("warm: 1", "warm: 3"),
+    )
+    .unwrap();
     let mut gw = start(dir.path(), state.path());
     let mut client = gw.client().await;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -187,21 +226,33 @@ async fn sandboxes_of_a_killed_gateway_are_removed_at_the_next_start() {
     gw.child.wait().unwrap();
     // What a killed gateway leaves: its bundles always, and containers unless they wound down by
     // themselves when their stdin closed.
-    let old: Vec<String> = std::fs::read_dir(state.path().join("bundles")).unwrap().flatten().map(|e| e.file_name().to_string_lossy().to_string()).collect();
+    let old: Vec<String> = std::fs::read_dir(state.path().join("bundles"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
     assert!(!old.is_empty(), "a SIGKILLed gateway leaves its bundles");
 
     let mut gw = start(dir.path(), state.path());
     gw.wait_for_log("listening", Duration::from_secs(60));
     let list = runsc_list(state.path());
     for id in &old {
-        assert!(!list.contains(id.as_str()), "leftover {id} still listed:\n{list}");
-        assert!(!state.path().join("bundles").join(id).exists(), "leftover bundle {id}");
+        assert!(
+            !list.contains(id.as_str()),
+            "leftover {id} still listed:\n{list}"
+        );
+        assert!(
+            !state.path().join("bundles").join(id).exists(),
+            "leftover bundle {id}"
+        );
     }
     let mut client = gw.client().await;
     assert_eq!(text(&run(&mut client, "bot", "hi").await.unwrap()), "v1");
     unsafe { libc::kill(gw.child.id() as i32, libc::SIGTERM) };
     assert!(gw.child.wait().unwrap().success());
     assert_eq!(runsc_list(state.path()), "");
-    let bundles = std::fs::read_dir(state.path().join("bundles")).unwrap().count();
+    let bundles = std::fs::read_dir(state.path().join("bundles"))
+        .unwrap()
+        .count();
     assert_eq!(bundles, 0, "bundles left");
 }

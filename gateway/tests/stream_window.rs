@@ -25,10 +25,10 @@ fn stream(chunks: &[String], flush: usize) -> Vec<String> {
     let n = chunks.len();
     for (i, chunk) in chunks.iter().map(Some).chain([None]).enumerate() {
         let last = i == n;
-        if let Some(c) = chunk {
-            if !window.push(c) {
-                continue;
-            }
+        if let Some(c) = chunk
+            && !window.push(c)
+        {
+            continue;
         }
         let commit = match window.take_batch() {
             Some(batch) => window.settle(&redact(&batch), last),

@@ -7,7 +7,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "sluice-gateway", version, about = "Sluice gRPC gateway: runs HookChains in gVisor sandboxes")]
+#[command(
+    name = "sluice-gateway",
+    version,
+    about = "Sluice gRPC gateway: runs HookChains in gVisor sandboxes"
+)]
 struct Args {
     /// Serve the HookChain and Capability YAML under this directory with local runsc sandboxes.
     #[arg(long, value_name = "DIR")]
@@ -41,9 +45,16 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if args.log_format == "json" { logs.json().init() } else { logs.init() }
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if args.log_format == "json" {
+        logs.json().init()
+    } else {
+        logs.init()
+    }
 
     let mut opts = LocalOptions::new(&args.local, &args.state_dir);
     opts.listen = args.listen;
@@ -51,7 +62,11 @@ async fn main() -> anyhow::Result<()> {
     opts.sandbox.runsc = args.runsc;
     opts.sandbox.python = args.python;
     opts.sandbox.platform = args.platform;
-    opts.audit = if args.audit == "-" { Audit::to_stdout() } else { Audit::to_file(args.audit.as_ref())? };
+    opts.audit = if args.audit == "-" {
+        Audit::to_stdout()
+    } else {
+        Audit::to_file(args.audit.as_ref())?
+    };
     let gateway = start_local(opts).await?;
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

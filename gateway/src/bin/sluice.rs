@@ -9,7 +9,11 @@ use sluice_gateway::proto::{self, gateway_client::GatewayClient};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "sluice", version, about = "Write, check, test and call Sluice hooks")]
+#[command(
+    name = "sluice",
+    version,
+    about = "Write, check, test and call Sluice hooks"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -50,7 +54,11 @@ struct CallArgs {
 }
 
 fn response_json(r: &proto::RunResponse) -> Value {
-    let action = |a: i32| proto::Action::try_from(a).map(|a| a.as_str_name().to_lowercase()).unwrap_or_default();
+    let action = |a: i32| {
+        proto::Action::try_from(a)
+            .map(|a| a.as_str_name().to_lowercase())
+            .unwrap_or_default()
+    };
     let payload = match &r.payload {
         Some(proto::run_response::Payload::Text(t)) => json!({"text": t}),
         Some(proto::run_response::Payload::Value(v)) => json!({"value": from_proto(v)}),
@@ -77,9 +85,15 @@ async fn call(a: CallArgs) -> Result<Value, String> {
     let context = a
         .context
         .iter()
-        .map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or(format!("--context {kv:?} is not KEY=VALUE")))
+        .map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or(format!("--context {kv:?} is not KEY=VALUE"))
+        })
         .collect::<Result<_, _>>()?;
-    let mut client = GatewayClient::connect(a.addr.clone()).await.map_err(|e| format!("cannot reach the gateway at {}: {e}", a.addr))?;
+    let mut client = GatewayClient::connect(a.addr.clone())
+        .await
+        .map_err(|e| format!("cannot reach the gateway at {}: {e}", a.addr))?;
     if let Some(size) = a.stream {
         let text = a.text.ok_or("--stream needs --text")?;
         let chars: Vec<char> = text.chars().collect();
@@ -93,15 +107,29 @@ async fn call(a: CallArgs) -> Result<Value, String> {
             })),
         }];
         for piece in chars.chunks(size.max(1)) {
-            msgs.push(proto::StreamRequest { msg: Some(proto::stream_request::Msg::Chunk(piece.iter().collect())) });
+            msgs.push(proto::StreamRequest {
+                msg: Some(proto::stream_request::Msg::Chunk(piece.iter().collect())),
+            });
         }
-        msgs.push(proto::StreamRequest { msg: Some(proto::stream_request::Msg::Finish(proto::StreamFinish {})) });
-        let mut out = client.stream(futures::stream::iter(msgs)).await.map_err(|s| s.message().to_string())?.into_inner();
+        msgs.push(proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Finish(proto::StreamFinish {})),
+        });
+        let mut out = client
+            .stream(futures::stream::iter(msgs))
+            .await
+            .map_err(|s| s.message().to_string())?
+            .into_inner();
         let (mut commits, mut blocked, mut final_) = (vec![], Value::Null, Value::Null);
-        while let Some(msg) = out.message().await.map_err(|s| format!("{:?}: {}", s.code(), s.message()))? {
+        while let Some(msg) = out
+            .message()
+            .await
+            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+        {
             match msg.msg {
                 Some(proto::stream_response::Msg::Commit(c)) => commits.push(c),
-                Some(proto::stream_response::Msg::Blocked(b)) => blocked = json!({"message": b.message, "hook": b.hook}),
+                Some(proto::stream_response::Msg::Blocked(b)) => {
+                    blocked = json!({"message": b.message, "hook": b.hook})
+                }
                 Some(proto::stream_response::Msg::Final(f)) => final_ = response_json(&f),
                 None => {}
             }
@@ -111,7 +139,8 @@ async fn call(a: CallArgs) -> Result<Value, String> {
     let payload = match (a.text, a.value) {
         (Some(t), _) => Some(proto::run_request::Payload::Text(t)),
         (None, Some(v)) => {
-            let v: Value = serde_json::from_str(&v).map_err(|e| format!("--value is not JSON: {e}"))?;
+            let v: Value =
+                serde_json::from_str(&v).map_err(|e| format!("--value is not JSON: {e}"))?;
             Some(proto::run_request::Payload::Value(to_proto(&v)))
         }
         (None, None) => return Err("give --text or --value".into()),
@@ -124,7 +153,11 @@ async fn call(a: CallArgs) -> Result<Value, String> {
         context,
         session_id: a.session_id,
     };
-    let resp = client.run(req).await.map_err(|s| format!("{:?}: {}", s.code(), s.message()))?.into_inner();
+    let resp = client
+        .run(req)
+        .await
+        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+        .into_inner();
     Ok(response_json(&resp))
 }
 

@@ -82,9 +82,16 @@ impl LocalBackend {
             tokio::fs::create_dir_all(d).await?;
         }
         set_mode(&state_dir, 0o755)?;
-        let version = Command::new(&cfg.runsc).arg("--version").output().await.map_err(|e| {
-            runtime(format!("cannot run {:?} ({e}); install gVisor: apt-get install -y runsc", cfg.runsc))
-        })?;
+        let version = Command::new(&cfg.runsc)
+            .arg("--version")
+            .output()
+            .await
+            .map_err(|e| {
+                runtime(format!(
+                    "cannot run {:?} ({e}); install gVisor: apt-get install -y runsc",
+                    cfg.runsc
+                ))
+            })?;
         if !version.status.success() {
             return Err(runtime(format!("{:?} --version failed", cfg.runsc)));
         }
@@ -107,7 +114,9 @@ impl LocalBackend {
                    "source": supervisor, "options": ["rbind", "ro"]}),
         ];
         for p in host_paths {
-            mounts.push(json!({"destination": p, "type": "bind", "source": p, "options": ["rbind", "ro"]}));
+            mounts.push(
+                json!({"destination": p, "type": "bind", "source": p, "options": ["rbind", "ro"]}),
+            );
         }
         let tag = short_hash(state_dir.to_string_lossy().as_bytes());
         let backend = Self {
@@ -209,7 +218,12 @@ async fn python_closure(python: &Path) -> Result<BTreeSet<String>, StartError> {
     let mut lines = text.lines();
     let stdlib = lines.next().unwrap_or_default().to_string();
     let platstdlib = lines.next().unwrap_or_default().to_string();
-    let mut paths: BTreeSet<String> = [python.to_string_lossy().to_string(), stdlib.clone(), platstdlib].into();
+    let mut paths: BTreeSet<String> = [
+        python.to_string_lossy().to_string(),
+        stdlib.clone(),
+        platstdlib,
+    ]
+    .into();
     // Shared libraries of the binary and of every extension module in lib-dynload.
     let mut objects = vec![python.to_path_buf()];
     if let Ok(mut rd) = tokio::fs::read_dir(Path::new(&stdlib).join("lib-dynload")).await {
@@ -217,32 +231,60 @@ async fn python_closure(python: &Path) -> Result<BTreeSet<String>, StartError> {
             objects.push(e.path());
         }
     }
-    let ldd = Command::new("ldd").args(&objects).output().await.map_err(|e| runtime(format!("cannot run ldd: {e}")))?;
+    let ldd = Command::new("ldd")
+        .args(&objects)
+        .output()
+        .await
+        .map_err(|e| runtime(format!("cannot run ldd: {e}")))?;
     for line in String::from_utf8_lossy(&ldd.stdout).lines() {
         // "\tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)" or "\t/lib64/ld-linux-x86-64.so.2 (0x...)"
         let target = line.split("=>").nth(1).unwrap_or(line).trim();
-        if let Some(path) = target.split_whitespace().next().filter(|p| p.starts_with('/')) {
+        if let Some(path) = target
+            .split_whitespace()
+            .next()
+            .filter(|p| p.starts_with('/'))
+        {
             paths.insert(path.to_string());
         }
     }
     paths.retain(|p| !p.is_empty() && Path::new(p).exists());
     // A directory already mounted covers the files inside it.
-    let dirs: Vec<String> = paths.iter().filter(|p| Path::new(p).is_dir()).cloned().collect();
-    paths.retain(|p| !dirs.iter().any(|d| p != d && p.starts_with(&format!("{d}/"))));
+    let dirs: Vec<String> = paths
+        .iter()
+        .filter(|p| Path::new(p).is_dir())
+        .cloned()
+        .collect();
+    paths.retain(|p| {
+        !dirs
+            .iter()
+            .any(|d| p != d && p.starts_with(&format!("{d}/")))
+    });
     Ok(paths)
 }
 
 #[async_trait]
 impl SandboxBackend for LocalBackend {
     async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
-        let id = format!("{}-{}", self.prefix, self.seq.fetch_add(1, Ordering::Relaxed));
+        let id = format!(
+            "{}-{}",
+            self.prefix,
+            self.seq.fetch_add(1, Ordering::Relaxed)
+        );
         let bundle = self.bundles.join(&id);
         tokio::fs::create_dir_all(&bundle).await?;
-        let config = serde_json::to_vec(&self.oci_spec(&id, spec)).map_err(|e| runtime(e.to_string()))?;
+        let config =
+            serde_json::to_vec(&self.oci_spec(&id, spec)).map_err(|e| runtime(e.to_string()))?;
         tokio::fs::write(bundle.join("config.json"), config).await?;
         let spawned = self
             .runsc()
-            .args(["--platform", &self.cfg.platform, "--network", "none", "run", "--bundle"])
+            .args([
+                "--platform",
+                &self.cfg.platform,
+                "--network",
+                "none",
+                "run",
+                "--bundle",
+            ])
             .arg(&bundle)
             .arg(&id)
             .stdin(Stdio::piped())
@@ -258,7 +300,8 @@ impl SandboxBackend for LocalBackend {
                 return Err(runtime(format!("cannot start {:?}: {e}", self.cfg.runsc)));
             }
         };
-        let (Some(stdin), Some(mut stdout), Some(stderr)) = (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        let (Some(stdin), Some(mut stdout), Some(stderr)) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take())
         else {
             return Err(runtime("runsc started without pipes"));
         };
@@ -283,7 +326,12 @@ impl SandboxBackend for LocalBackend {
             destroyed: AtomicBool::new(false),
             stdout_bytes,
         };
-        Ok(Sandbox { id, stdin: Box::pin(stdin), protocol: Box::pin(stderr), handle: Box::new(handle) })
+        Ok(Sandbox {
+            id,
+            stdin: Box::pin(stdin),
+            protocol: Box::pin(stderr),
+            handle: Box::new(handle),
+        })
     }
 
     async fn clean_leftovers(&self) -> usize {
@@ -302,7 +350,10 @@ impl SandboxBackend for LocalBackend {
             let parent = Path::new("/sys/fs/cgroup").join(ctl).join(CGROUP_PARENT);
             if let Ok(mut rd) = tokio::fs::read_dir(&parent).await {
                 while let Ok(Some(e)) = rd.next_entry().await {
-                    if e.file_name().to_string_lossy().starts_with(self.dir_prefix()) {
+                    if e.file_name()
+                        .to_string_lossy()
+                        .starts_with(self.dir_prefix())
+                    {
                         let _ = tokio::fs::remove_dir(e.path()).await;
                     }
                 }
@@ -312,7 +363,12 @@ impl SandboxBackend for LocalBackend {
     }
 
     async fn live(&self) -> Vec<String> {
-        let list = self.runsc().arg("list").stdin(Stdio::null()).kill_on_drop(true).output();
+        let list = self
+            .runsc()
+            .arg("list")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output();
         let Ok(Ok(out)) = tokio::time::timeout(RUNSC_COMMAND, list).await else {
             return Vec::new();
         };
@@ -379,7 +435,9 @@ impl SandboxHandle for LocalHandle {
 
 impl LocalHandle {
     async fn state_file_exists(&self) -> bool {
-        let Ok(mut rd) = tokio::fs::read_dir(&self.root).await else { return false };
+        let Ok(mut rd) = tokio::fs::read_dir(&self.root).await else {
+            return false;
+        };
         while let Ok(Some(e)) = rd.next_entry().await {
             if e.file_name().to_string_lossy().contains(&self.id) {
                 return true;

@@ -1,0 +1,401 @@
+//! host_call and the capability runner against real services on loopback: the example fake LLM over
+//! gRPC and the credit ledger over HTTP, driven by hooks in real sandboxes.
+
+use serde_json::{Value, json};
+use sluice_e2e::{Harness, action, text};
+use sluice_example_services::Services;
+use sluice_gateway::proto::{self, Action};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+fn capabilities(llm: &str, credit: &str, llm_timeout_ms: u32) -> String {
+    format!(
+        r#"apiVersion: sluice.dev/v1alpha1
+kind: Capability
+metadata: {{name: llm.run, namespace: default}}
+spec:
+  schema: {{type: object, required: [prompt], additionalProperties: false, properties: {{prompt: {{type: string}}}}}}
+  gates: [credit.check]
+  dispatch: [credit.consume]
+  endpoint: {{grpc: "{llm}"}}
+  timeoutMs: {llm_timeout_ms}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: Capability
+metadata: {{name: credit.check, namespace: default}}
+spec: {{endpoint: {{http: "{credit}/execute"}}, timeoutMs: 2000}}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: Capability
+metadata: {{name: credit.consume, namespace: default}}
+spec: {{endpoint: {{http: "{credit}/execute"}}, timeoutMs: 2000}}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: Capability
+metadata: {{name: echo, namespace: default}}
+spec: {{endpoint: {{builtin: echo}}}}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: Capability
+metadata: {{name: secret.tool, namespace: default}}
+spec: {{endpoint: {{builtin: echo}}}}
+"#
+    )
+}
+
+/// A hook that performs the host_call described by the input text (JSON) and reports what happened.
+const CALLER: &str = r#"import json
+def execute(context, settings):
+    req = json.loads(context["outgoing"])
+    if "spoof" in req:
+        context["caller"]["user_id"] = req["spoof"]
+        context["session_id"] = "forged"
+    results = []
+    for _ in range(req.get("times", 1)):
+        try:
+            results.append({"ok": context.host_call(req["name"], req["payload"])})
+        except HostCallError as e:
+            results.append({"error": str(e)})
+    return {"action": "modify", "outgoing": json.dumps(results)}
+"#;
+
+fn chain() -> String {
+    let mut y = String::from(
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: caller, namespace: default}\nspec:\n  target: t-cap\n  triggerPoint: input\n  timeoutMs: 3000\n  pool: {warm: 3, max: 16}\n  hooks:\n    - name: caller\n      action: modify\n      capabilities: [llm.run, echo, missing.one]\n      code: |\n",
+    );
+    for l in CALLER.lines() {
+        y.push_str(&format!("        {l}\n"));
+    }
+    y
+}
+
+struct Setup {
+    h: Harness,
+    services: Services,
+}
+
+async fn setup(llm_timeout_ms: u32) -> Setup {
+    let services = Services::start(
+        "127.0.0.1:0".parse().unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let caps = capabilities(
+        &format!("http://{}", services.llm_addr),
+        &format!("http://{}", services.credit_addr),
+        llm_timeout_ms,
+    );
+    let h = Harness::start_with(&[("caps.yaml", &caps), ("chain.yaml", &chain())], |o| {
+        o.limits.host_calls_per_run = 5
+    })
+    .await;
+    Setup { h, services }
+}
+
+async fn call(h: &Harness, user: &str, req: Value) -> Vec<Value> {
+    let ctx: HashMap<String, String> = [("user_id".to_string(), user.to_string())].into();
+    let r = h
+        .run(
+            "t-cap",
+            "input",
+            proto::run_request::Payload::Text(req.to_string()),
+            ctx,
+        )
+        .await
+        .unwrap();
+    assert_eq!(action(&r), Action::Modify, "{r:?}");
+    serde_json::from_str(text(&r)).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runner_resolves_validates_gates_executes_and_dispatches_in_order() {
+    let s = setup(5000).await;
+    s.services.credit.set_balance("ann", 10);
+
+    // Served: gate (reserve) → execute → dispatch (settle), in that order, with the trusted caller.
+    let out = call(
+        &s.h,
+        "ann",
+        json!({"name": "llm.run", "payload": {"prompt": "Summarise: The cat sat. Then it left."}}),
+    )
+    .await;
+    assert_eq!(out[0]["ok"]["text"], "Summary: The cat sat.");
+    let calls = s.services.calls();
+    let order: Vec<&str> = calls.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(order, ["credit.check", "llm.run", "credit.consume"]);
+    assert_eq!(calls[1].caller["user_id"], "ann");
+    assert_eq!(calls[1].caller["target"], "t-cap");
+    assert_eq!(
+        s.services.credit.balance("ann"),
+        (9, 0),
+        "one credit consumed, nothing left reserved"
+    );
+
+    // Schema violation: nothing downstream is called.
+    let before = s.services.calls().len();
+    let out = call(
+        &s.h,
+        "ann",
+        json!({"name": "llm.run", "payload": {"prompt": 5}}),
+    )
+    .await;
+    assert!(
+        out[0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("does not match its schema"),
+        "{out:?}"
+    );
+    let out = call(
+        &s.h,
+        "ann",
+        json!({"name": "llm.run", "payload": {"prompt": "x", "extra": true}}),
+    )
+    .await;
+    assert!(
+        out[0]["error"].as_str().unwrap().contains("schema"),
+        "{out:?}"
+    );
+    // Not listed by the hook, and not existing at all.
+    let out = call(&s.h, "ann", json!({"name": "secret.tool", "payload": {}})).await;
+    assert!(
+        out[0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("may not call \"secret.tool\""),
+        "{out:?}"
+    );
+    let out = call(&s.h, "ann", json!({"name": "missing.one", "payload": {}})).await;
+    assert!(
+        out[0]["error"].as_str().unwrap().contains("does not exist"),
+        "{out:?}"
+    );
+    assert_eq!(
+        s.services.calls().len(),
+        before,
+        "refused calls reached a service"
+    );
+
+    // Denial by the gate stops execute.
+    s.services.credit.set_balance("bob", 0);
+    let out = call(
+        &s.h,
+        "bob",
+        json!({"name": "llm.run", "payload": {"prompt": "hello"}}),
+    )
+    .await;
+    let err = out[0]["error"].as_str().unwrap();
+    assert!(
+        err.contains("denied by gate \"credit.check\"") && err.contains("below the cost"),
+        "{err}"
+    );
+    let after: Vec<String> = s.services.calls()[before..]
+        .iter()
+        .map(|c| c.name.clone())
+        .collect();
+    assert_eq!(after, ["credit.check"], "execute ran after a denial");
+
+    // The builtin echo, and the audit of every host_call.
+    let out = call(
+        &s.h,
+        "ann",
+        json!({"name": "echo", "payload": {"x": [1, 2]}}),
+    )
+    .await;
+    assert_eq!(out[0]["ok"], json!({"x": [1, 2]}));
+    let audit = s.h.audit();
+    let first = &audit[0]["host_calls"][0];
+    assert_eq!(first["capability"], "llm.run");
+    assert_eq!(first["gates"][0]["allow"], true);
+    assert_eq!(first["consumed"]["credits"], 1);
+    s.h.stop_and_check_leaks().await;
+    s.services.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caller_identity_cannot_be_spoofed_by_the_payload() {
+    let s = setup(5000).await;
+    s.services.credit.set_balance("ann", 5);
+    s.services.credit.set_balance("admin", 1000);
+    // The hook tries to pass itself off as admin inside the payload: the schema refuses the extra
+    // field, and nothing the hook sends ever reaches `caller`.
+    let out = call(
+        &s.h,
+        "ann",
+        json!({"name": "llm.run", "payload": {"prompt": "hi", "caller": {"user_id": "admin"}}}),
+    )
+    .await;
+    assert!(
+        out[0]["error"].as_str().unwrap().contains("schema"),
+        "{out:?}"
+    );
+    // The hook rewrites its own view of the caller before calling: the runner's caller comes from
+    // the request on the trusted side.
+    let out = call(
+        &s.h,
+        "ann",
+        json!({"name": "llm.run", "payload": {"prompt": "Summarise: Hi."}, "spoof": "admin"}),
+    )
+    .await;
+    assert!(out[0]["ok"].is_object(), "{out:?}");
+    for c in s.services.calls() {
+        assert_eq!(
+            c.caller["user_id"], "ann",
+            "a service saw a spoofed caller: {c:?}"
+        );
+    }
+    assert_eq!(s.services.credit.balance("admin"), (1000, 0));
+    s.h.stop_and_check_leaks().await;
+    s.services.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_that_is_down_fails_within_the_capability_timeout() {
+    // An LLM endpoint that accepts connections and never answers, and one where nothing listens.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let services = Services::start(
+        "127.0.0.1:0".parse().unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    services.credit.set_balance("ann", 10);
+    let caps = capabilities(&format!("http://{}", silent.local_addr().unwrap()), &format!("http://{}", services.credit_addr), 400)
+        .replace("metadata: {name: echo, namespace: default}\nspec: {endpoint: {builtin: echo}}", &format!("metadata: {{name: echo, namespace: default}}\nspec: {{endpoint: {{http: \"http://127.0.0.1:{dead_port}/x\"}}, timeoutMs: 400}}"));
+    let h = Harness::start(&[("caps.yaml", &caps), ("chain.yaml", &chain())]).await;
+    let began = Instant::now();
+    let out = call(
+        &h,
+        "ann",
+        json!({"name": "llm.run", "payload": {"prompt": "hi"}}),
+    )
+    .await;
+    let err = out[0]["error"].as_str().unwrap();
+    assert!(err.contains("did not answer within 400 ms"), "{err}");
+    assert!(
+        began.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        began.elapsed()
+    );
+    assert_eq!(
+        services.credit.balance("ann"),
+        (10, 0),
+        "the reservation was released when execute failed"
+    );
+    let out = call(&h, "ann", json!({"name": "echo", "payload": {}})).await;
+    assert!(
+        out[0]["error"].as_str().unwrap().contains("cannot reach"),
+        "{out:?}"
+    );
+    h.stop_and_check_leaks().await;
+    services.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_calls_per_run_are_bounded() {
+    let s = setup(5000).await;
+    let out = call(
+        &s.h,
+        "ann",
+        json!({"name": "echo", "payload": 1, "times": 8}),
+    )
+    .await;
+    assert_eq!(out.iter().filter(|r| r.get("ok").is_some()).count(), 5);
+    assert!(
+        out[5]["error"]
+            .as_str()
+            .unwrap()
+            .contains("host_call limit reached"),
+        "{out:?}"
+    );
+    s.h.stop_and_check_leaks().await;
+    s.services.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_concurrent_runs_against_credit_for_three_serve_exactly_three() {
+    let s = setup(5000).await;
+    s.services.credit.set_balance("ann", 3);
+    let runs = (0..10).map(|_| {
+        call(
+            &s.h,
+            "ann",
+            json!({"name": "llm.run", "payload": {"prompt": "Summarise: Short."}}),
+        )
+    });
+    let results = futures::future::join_all(runs).await;
+    let served = results.iter().filter(|r| r[0].get("ok").is_some()).count();
+    assert_eq!(served, 3, "{results:?}");
+    assert_eq!(
+        s.services.credit.balance("ann"),
+        (0, 0),
+        "balance never negative, nothing left reserved"
+    );
+    let executes = s
+        .services
+        .calls()
+        .iter()
+        .filter(|c| c.name == "llm.run")
+        .count();
+    assert_eq!(executes, 3, "the LLM was called only for the served runs");
+    s.h.stop_and_check_leaks().await;
+    s.services.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_summariser_example_runs_against_the_example_services() {
+    let services = Services::start(
+        "127.0.0.1:0".parse().unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    services.credit.set_balance("user-1", 20);
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
+    let caps = std::fs::read_to_string(format!("{root}/capabilities.yaml"))
+        .unwrap()
+        .replace(
+            "http://127.0.0.1:7001",
+            &format!("http://{}", services.llm_addr),
+        )
+        .replace(
+            "http://127.0.0.1:7002",
+            &format!("http://{}", services.credit_addr),
+        );
+    let chain = std::fs::read_to_string(format!("{root}/summarize-long-replies.yaml")).unwrap();
+    let h = Harness::start(&[("caps.yaml", &caps), ("chain.yaml", &chain)]).await;
+    let long = format!(
+        "The deployment finished without errors. {}",
+        "Details follow. ".repeat(40)
+    );
+    let ctx: HashMap<String, String> = [("user_id".to_string(), "user-1".to_string())].into();
+    let r = h
+        .run(
+            "research-bot",
+            "output",
+            proto::run_request::Payload::Text(long),
+            ctx.clone(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(text(&r), "Summary: The deployment finished without errors.");
+    let r = h
+        .run(
+            "research-bot",
+            "output",
+            proto::run_request::Payload::Text("short".into()),
+            ctx,
+        )
+        .await
+        .unwrap();
+    assert_eq!((action(&r), text(&r)), (Action::Pass, "short"));
+    assert!(services.credit.balance("user-1").0 < 20);
+    h.stop_and_check_leaks().await;
+    services.stop();
+}

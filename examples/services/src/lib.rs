@@ -1,0 +1,282 @@
+//! Example application services behind the example Capabilities (`examples/capabilities.yaml`):
+//!
+//! - a **fake LLM** over gRPC (`sluice.v1.CapabilityService/Execute`, capability `llm.run`): answers
+//!   deterministically, a "summary" made of the prompt's first sentence, and reports what it used;
+//! - a **credit ledger** over HTTP (the JSON POST of the design) serving two capabilities: the gate
+//!   `credit.check`, which *reserves* the call's cost so concurrent runs can never overspend, and the
+//!   dispatch step `credit.consume`, which settles the reservation with what was really used (or
+//!   releases it when execute failed).
+//!
+//! Both record every call they receive, so tests can assert the order of gate, execute and dispatch.
+
+use serde_json::{Value, json};
+use sluice_gateway::convert::{from_proto, to_proto};
+use sluice_gateway::proto::{self, capability_service_server::CapabilityService};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+/// One call a service received.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Call {
+    pub service: &'static str,
+    pub name: String,
+    pub payload: Value,
+    pub caller: HashMap<String, String>,
+}
+
+pub type Log = Arc<Mutex<Vec<Call>>>;
+
+fn record(log: &Log, call: Call) {
+    log.lock().unwrap_or_else(|p| p.into_inner()).push(call);
+}
+
+/// Credits one `llm.run` call costs: a base plus one per 100 characters of prompt.
+pub fn llm_cost(payload: &Value) -> i64 {
+    let chars = payload
+        .get("prompt")
+        .and_then(Value::as_str)
+        .map(|p| p.chars().count())
+        .unwrap_or(0);
+    1 + chars as i64 / 100
+}
+
+// ---------------------------------------------------------------- fake LLM (gRPC)
+
+pub struct FakeLlm {
+    pub log: Log,
+}
+
+#[tonic::async_trait]
+impl CapabilityService for FakeLlm {
+    async fn execute(
+        &self,
+        request: tonic::Request<proto::ExecuteRequest>,
+    ) -> Result<tonic::Response<proto::ExecuteResponse>, tonic::Status> {
+        let r = request.into_inner();
+        let payload = r.payload.as_ref().map(from_proto).unwrap_or(Value::Null);
+        record(
+            &self.log,
+            Call {
+                service: "llm",
+                name: r.name.clone(),
+                payload: payload.clone(),
+                caller: r.caller.clone(),
+            },
+        );
+        let prompt = payload
+            .get("prompt")
+            .and_then(Value::as_str)
+            .ok_or_else(|| tonic::Status::invalid_argument("prompt is required"))?;
+        let text = prompt
+            .split_once(": ")
+            .map(|(_, rest)| rest)
+            .unwrap_or(prompt);
+        let first = text
+            .split_inclusive(['.', '!', '?'])
+            .next()
+            .unwrap_or(text)
+            .trim();
+        let summary = format!("Summary: {first}");
+        let tokens = prompt.split_whitespace().count() + summary.split_whitespace().count();
+        Ok(tonic::Response::new(proto::ExecuteResponse {
+            result: Some(to_proto(&json!({"text": summary}))),
+            consumed: Some(to_proto(
+                &json!({"tokens": tokens, "credits": llm_cost(&payload)}),
+            )),
+        }))
+    }
+}
+
+// ---------------------------------------------------------------- credit ledger (HTTP)
+
+#[derive(Debug, Default)]
+struct Account {
+    balance: i64,
+    reserved: i64,
+    /// Reservations by run id, in the order they were made.
+    holds: HashMap<String, Vec<i64>>,
+}
+
+#[derive(Clone, Default)]
+pub struct Credit {
+    accounts: Arc<Mutex<HashMap<String, Account>>>,
+    pub log: Log,
+}
+
+impl Credit {
+    pub fn set_balance(&self, user: &str, balance: i64) {
+        self.accounts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(user.to_string())
+            .or_default()
+            .balance = balance;
+    }
+
+    pub fn balance(&self, user: &str) -> (i64, i64) {
+        let a = self.accounts.lock().unwrap_or_else(|p| p.into_inner());
+        a.get(user)
+            .map(|a| (a.balance, a.reserved))
+            .unwrap_or((0, 0))
+    }
+
+    /// Handles one capability call: `credit.check` (gate) or `credit.consume` (dispatch).
+    pub fn handle(&self, body: &Value) -> Result<Value, String> {
+        let name = body.get("name").and_then(Value::as_str).unwrap_or_default();
+        let payload = body.get("payload").cloned().unwrap_or(Value::Null);
+        let caller: HashMap<String, String> = body
+            .get("caller")
+            .and_then(Value::as_object)
+            .map(|o| {
+                o.iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        record(
+            &self.log,
+            Call {
+                service: "credit",
+                name: name.to_string(),
+                payload: payload.clone(),
+                caller: caller.clone(),
+            },
+        );
+        let user = caller.get("user_id").cloned().unwrap_or_default();
+        let run = caller.get("run_id").cloned().unwrap_or_default();
+        let inner = payload.get("payload").cloned().unwrap_or(Value::Null);
+        let mut accounts = self.accounts.lock().unwrap_or_else(|p| p.into_inner());
+        match name {
+            "credit.check" => {
+                if user.is_empty() {
+                    return Ok(
+                        json!({"result": {"allow": false, "reason": "no user_id in the caller context"}}),
+                    );
+                }
+                let cost = llm_cost(&inner);
+                let account = accounts.entry(user.clone()).or_default();
+                let available = account.balance - account.reserved;
+                if available < cost {
+                    return Ok(
+                        json!({"result": {"allow": false, "reason": format!("balance {available} is below the cost {cost}")}}),
+                    );
+                }
+                account.reserved += cost;
+                account.holds.entry(run).or_default().push(cost);
+                Ok(json!({"result": {"allow": true, "reason": format!("reserved {cost}")}}))
+            }
+            "credit.consume" => {
+                let account = accounts.entry(user).or_default();
+                let hold = account
+                    .holds
+                    .get_mut(&run)
+                    .and_then(|h| (!h.is_empty()).then(|| h.remove(0)))
+                    .unwrap_or(0);
+                account.reserved -= hold;
+                // Execute failed: nothing was used, the reservation is released.
+                let used = payload
+                    .get("consumed")
+                    .and_then(|c| c.get("credits"))
+                    .and_then(Value::as_i64)
+                    .unwrap_or(0);
+                account.balance -= used;
+                Ok(json!({"result": {"settled": used, "balance": account.balance}}))
+            }
+            other => Err(format!("unknown capability {other:?}")),
+        }
+    }
+}
+
+async fn serve_credit(credit: Credit, listener: tokio::net::TcpListener) {
+    use http_body_util::{BodyExt, Full};
+    use hyper::{Response, StatusCode, body::Bytes, service::service_fn};
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let credit = credit.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let credit = credit.clone();
+                async move {
+                    let body = match http_body_util::Limited::new(req.into_body(), 1 << 20)
+                        .collect()
+                        .await
+                    {
+                        Ok(b) => b.to_bytes(),
+                        Err(_) => Bytes::new(),
+                    };
+                    let (status, answer) = match serde_json::from_slice::<Value>(&body) {
+                        Ok(v) => match credit.handle(&v) {
+                            Ok(a) => (StatusCode::OK, a),
+                            Err(e) => (StatusCode::BAD_REQUEST, json!({"error": e})),
+                        },
+                        Err(e) => (StatusCode::BAD_REQUEST, json!({"error": e.to_string()})),
+                    };
+                    let mut resp = Response::new(Full::new(Bytes::from(answer.to_string())));
+                    *resp.status_mut() = status;
+                    Ok::<_, std::convert::Infallible>(resp)
+                }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+/// Both services, started on the given addresses (port 0 picks a free one).
+pub struct Services {
+    pub llm_addr: SocketAddr,
+    pub credit_addr: SocketAddr,
+    pub credit: Credit,
+    /// Calls to both services, in the order they arrived.
+    pub log: Log,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Services {
+    pub async fn start(llm: SocketAddr, credit_addr: SocketAddr) -> anyhow::Result<Self> {
+        let llm_listener = tokio::net::TcpListener::bind(llm).await?;
+        let credit_listener = tokio::net::TcpListener::bind(credit_addr).await?;
+        let (llm_addr, credit_addr) = (llm_listener.local_addr()?, credit_listener.local_addr()?);
+        let log = Log::default();
+        let credit = Credit {
+            log: log.clone(),
+            ..Credit::default()
+        };
+        let llm_service = proto::capability_service_server::CapabilityServiceServer::new(FakeLlm {
+            log: log.clone(),
+        });
+        let grpc = tokio::spawn(async move {
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(llm_listener);
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(llm_service)
+                .serve_with_incoming(incoming)
+                .await
+            {
+                tracing::error!(error = %e, "fake LLM stopped");
+            }
+        });
+        let http = tokio::spawn(serve_credit(credit.clone(), credit_listener));
+        Ok(Self {
+            llm_addr,
+            credit_addr,
+            credit,
+            log,
+            tasks: vec![grpc, http],
+        })
+    }
+
+    /// Every call either service received, in arrival order.
+    pub fn calls(&self) -> Vec<Call> {
+        self.log.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn stop(self) {
+        for t in self.tasks {
+            t.abort();
+        }
+    }
+}
