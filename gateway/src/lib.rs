@@ -5,6 +5,7 @@
 //! come from) → `server` (gRPC).
 
 pub mod audit;
+pub mod authoring;
 pub mod chain;
 pub mod convert;
 pub mod endpoint;

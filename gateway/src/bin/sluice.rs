@@ -1,10 +1,13 @@
 //! `sluice`: the command line for people who write and call hooks.
 //!
+//! - `sluice check FILE...`: validates HookChain and Capability YAML without a cluster.
+//! - `sluice test FILE...`: runs declarative test cases against chains in local gVisor sandboxes.
+//! - `sluice run FILE... --text ...`: one run (or `--stream`) in local sandboxes, printed as JSON.
 //! - `sluice call`: calls a running gateway (Run, or Stream with `--stream`) and prints the answer as JSON.
 
 use clap::{Parser, Subcommand};
 use serde_json::{Value, json};
-use sluice_gateway::convert::{from_proto, to_proto};
+use sluice_gateway::convert::to_proto;
 use sluice_gateway::proto::{self, gateway_client::GatewayClient};
 use std::process::ExitCode;
 
@@ -21,8 +24,43 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Check HookChain and Capability files (schema, hook code, capabilities) without a cluster.
+    Check {
+        /// Files or directories of YAML.
+        #[arg(required = true)]
+        files: Vec<std::path::PathBuf>,
+    },
+    /// Run declarative test cases (YAML) against their chains in local gVisor sandboxes.
+    Test {
+        #[arg(required = true)]
+        files: Vec<std::path::PathBuf>,
+    },
+    /// Run the chains in FILE(s) once in local gVisor sandboxes and print the result as JSON.
+    Run(RunArgs),
     /// Call a running gateway and print its answer as JSON.
     Call(CallArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// HookChain (and Capability) files.
+    #[arg(required = true)]
+    files: Vec<std::path::PathBuf>,
+    /// The target; defaults to the only one in the files.
+    #[arg(long)]
+    target: Option<String>,
+    /// Defaults to the only trigger point of the target.
+    #[arg(long)]
+    trigger_point: Option<String>,
+    #[arg(long, conflicts_with = "value")]
+    text: Option<String>,
+    #[arg(long)]
+    value: Option<String>,
+    #[arg(long = "context", value_name = "KEY=VALUE")]
+    context: Vec<String>,
+    /// Stream the text in chunks of this many characters.
+    #[arg(long, value_name = "CHARS")]
+    stream: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -53,33 +91,7 @@ struct CallArgs {
     stream: Option<usize>,
 }
 
-fn response_json(r: &proto::RunResponse) -> Value {
-    let action = |a: i32| {
-        proto::Action::try_from(a)
-            .map(|a| a.as_str_name().to_lowercase())
-            .unwrap_or_default()
-    };
-    let payload = match &r.payload {
-        Some(proto::run_response::Payload::Text(t)) => json!({"text": t}),
-        Some(proto::run_response::Payload::Value(v)) => json!({"value": from_proto(v)}),
-        None => Value::Null,
-    };
-    json!({
-        "run_id": r.run_id,
-        "action": action(r.action),
-        "payload": payload,
-        "message": r.message,
-        "terminal_index": r.terminal_index,
-        "hooks": r.hooks.iter().map(|h| json!({
-            "name": h.name,
-            "action": action(h.action),
-            "message": h.message,
-            "findings": h.findings.as_ref().map(from_proto),
-            "error": h.error,
-            "latency_us": h.latency_us,
-        })).collect::<Vec<_>>(),
-    })
-}
+use sluice_gateway::authoring::hooktest::response_json;
 
 async fn call(a: CallArgs) -> Result<Value, String> {
     let context = a
@@ -166,6 +178,9 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Call(a) => call(a).await,
+        Command::Check { files } => return check(&files),
+        Command::Test { files } => return test(&files).await,
+        Command::Run(a) => run(a).await,
     };
     match result {
         Ok(v) => {
@@ -177,4 +192,134 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn parse_context(pairs: &[String]) -> Result<std::collections::BTreeMap<String, String>, String> {
+    pairs
+        .iter()
+        .map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or(format!("--context {kv:?} is not KEY=VALUE"))
+        })
+        .collect()
+}
+
+fn check(files: &[std::path::PathBuf]) -> ExitCode {
+    let files = sluice_gateway::authoring::check::expand(files, false);
+    let report = sluice_gateway::authoring::check::check(&files);
+    for f in &report.findings {
+        println!("{f}");
+    }
+    if report.findings.is_empty() {
+        println!(
+            "ok: {} HookChain(s) and {} Capability(ies) in {} file(s)",
+            report.chains,
+            report.capabilities,
+            files.len()
+        );
+        ExitCode::SUCCESS
+    } else {
+        println!("{} problem(s) found", report.findings.len());
+        ExitCode::FAILURE
+    }
+}
+
+async fn test(files: &[std::path::PathBuf]) -> ExitCode {
+    quiet_logs();
+    let (mut passed, mut failed) = (0, 0);
+    for f in sluice_gateway::authoring::check::expand(files, true) {
+        match sluice_gateway::authoring::hooktest::run_file(&f).await {
+            Ok((p, n)) => {
+                passed += p;
+                failed += n;
+            }
+            Err(e) => {
+                println!("{}: {e:#}", f.display());
+                failed += 1;
+            }
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// Logs only warnings and errors, on stderr, unless RUST_LOG says otherwise.
+fn quiet_logs() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+async fn run(a: RunArgs) -> Result<Value, String> {
+    use sluice_gateway::authoring::hooktest::{Case, Expect, Local};
+    quiet_logs();
+    let mut chains = Vec::new();
+    for f in &a.files {
+        let text = std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
+        for o in sluice_crds::manifest::parse(f, &text) {
+            match o.map_err(|e| e.to_string())?.value {
+                sluice_crds::manifest::Object::HookChain(hc) => chains.push((
+                    hc.spec.target.clone(),
+                    hc.spec.trigger_point.as_str().to_string(),
+                    sluice_crds::manifest::namespace_of(&hc.metadata),
+                )),
+                sluice_crds::manifest::Object::Capability(_) => {}
+            }
+        }
+    }
+    let pick = chains
+        .iter()
+        .filter(|(t, tp, _)| {
+            a.target.as_ref().is_none_or(|x| x == t)
+                && a.trigger_point.as_ref().is_none_or(|x| x == tp)
+        })
+        .collect::<Vec<_>>();
+    let (target, tp, ns) = match pick.as_slice() {
+        [one] => (*one).clone(),
+        [] => return Err("no HookChain in the files matches --target/--trigger-point".into()),
+        _ => return Err("several chains match: name one with --target and --trigger-point".into()),
+    };
+    let value = a
+        .value
+        .as_deref()
+        .map(serde_json::from_str::<Value>)
+        .transpose()
+        .map_err(|e| format!("--value is not JSON: {e}"))?;
+    let case = Case {
+        name: "run".into(),
+        target,
+        trigger_point: tp,
+        namespace: ns,
+        text: a.text.clone(),
+        value,
+        chunks: None,
+        context: parse_context(&a.context)?,
+        expect: Expect::default(),
+    };
+    let local = Local::start(&a.files, &Default::default())
+        .await
+        .map_err(|e| format!("{e:#}"))?;
+    let result = match a.stream {
+        Some(n) => {
+            let chars: Vec<char> = a
+                .text
+                .clone()
+                .ok_or("--stream needs --text")?
+                .chars()
+                .collect();
+            let chunks: Vec<String> = chars.chunks(n.max(1)).map(|c| c.iter().collect()).collect();
+            local.stream(&case, &chunks).await
+        }
+        None => local.run(&case).await,
+    };
+    local.stop().await;
+    result
 }
