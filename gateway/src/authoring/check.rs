@@ -190,17 +190,17 @@ pub fn check(files: &[PathBuf]) -> Report {
         match &o.value {
             Object::Capability(c) => {
                 report.capabilities += 1;
-                if let Some(schema) = &c.spec.schema {
-                    if let Err(e) = crate::endpoint::check_schema(schema) {
-                        report.findings.push(Finding {
-                            file: o.file.clone(),
-                            line: o.line,
-                            message: format!(
-                                "Capability {:?}: spec.schema: {e}",
-                                c.metadata.name.clone().unwrap_or_default()
-                            ),
-                        });
-                    }
+                if let Some(schema) = &c.spec.schema
+                    && let Err(e) = crate::endpoint::check_schema(schema)
+                {
+                    report.findings.push(Finding {
+                        file: o.file.clone(),
+                        line: o.line,
+                        message: format!(
+                            "Capability {:?}: spec.schema: {e}",
+                            c.metadata.name.clone().unwrap_or_default()
+                        ),
+                    });
                 }
                 let ns = manifest::namespace_of(&c.metadata);
                 for step in c.spec.gates.iter().chain(&c.spec.dispatch) {
