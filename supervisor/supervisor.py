@@ -5,12 +5,21 @@ arrive on the process's original stdin, every answer leaves on its original stde
 runs, the supervisor moves both protocol descriptors out of the way and points fds 0, 1 and 2 at
 /dev/null and the (drained, discarded) stdout, so nothing a hook prints can break framing.
 
+Each hook runs in a worker process of its own, forked before any hook code exists (so a worker holds
+nothing of another hook), holding only a private pipe to the supervisor: never the protocol
+descriptors. Globals, imported and monkeypatched modules, threads and memory of one hook are out of
+reach of every other. After each hook call the supervisor kills the processes the hook left behind,
+retires a worker that left threads running, and empties /tmp, so nothing of one hook is there when the
+next one runs.
+
 The supervisor walks the chain itself and applies the same checks the gateway re-applies on the
 trusted side: declared action or pass, types, size and depth bounds.
 """
 
 import json
 import os
+import select
+import signal
 import sys
 import time
 import traceback
@@ -122,38 +131,21 @@ def trimmed_traceback(exc, filename):
     return text if len(text) <= TRACEBACK_CHARS else text[: TRACEBACK_CHARS - 3] + "..."
 
 
+
 class Hook:
+    """A hook as the supervisor knows it: its spec and the worker process that runs it."""
+
     def __init__(self, index, spec):
         self.index = index
+        self.spec = spec
         self.name = str(spec.get("name", f"hook-{index}"))
         self.action = spec.get("action")
-        self.settings_json = json.dumps(spec.get("settings") or {})
-        self.filename = f"<hook {self.name}>"
+        self.worker = None
         self.execute = None
         self.error = None
         self.line = None
         if self.action not in ACTIONS or self.action == "pass":
             self.error = f"declared action {self.action!r} is not one of modify, block, skip, detect"
-            return
-        try:
-            code = compile(spec.get("code", ""), self.filename, "exec")
-        except SyntaxError as e:
-            self.line = e.lineno
-            self.error = f"SyntaxError: {e.msg} (line {e.lineno})"
-            return
-        namespace = {"__name__": f"hook_{self.name}", "HostCallError": HostCallError}
-        try:
-            exec(code, namespace)
-        except BaseException as e:  # a hook's module code may raise anything, SystemExit included
-            self.error = trimmed_traceback(e, self.filename)
-            frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == self.filename]
-            self.line = frames[-1].lineno if frames else None
-            return
-        execute = namespace.get("execute")
-        if not callable(execute):
-            self.error = "the code does not define a function execute(context, settings)"
-            return
-        self.execute = execute
 
     def ack(self):
         out = {"name": self.name, "ok": self.error is None}
@@ -164,20 +156,243 @@ class Hook:
         return out
 
 
+# ---------------------------------------------------------------------------------------- worker
+
+
+def worker_main(rfd, wfd, memory_bytes):
+    """Runs in a forked worker: loads one hook and answers calls over its private pipe. Anything
+    here may be tampered with by the hook itself; the supervisor trusts none of what comes back."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: other hooks cannot ptrace or read our memory
+    except Exception:
+        pass
+    if memory_bytes:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    reader = os.fdopen(rfd, "rb", buffering=1 << 16)
+    writer = os.fdopen(wfd, "wb", buffering=1 << 16)
+    # A forked process pays for every page it touches first (copy-on-write faults are slow inside
+    # gVisor): touch them now, before the sandbox is ready, not during a hook's first call.
+    warm_up()
+    import gc
+
+    gc.collect()
+
+    def send(msg):
+        writer.write(json.dumps(msg, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8", "surrogatepass") + b"\n")
+        writer.flush()
+
+    execute = None
+    filename = "<hook>"
+    send({"op": "ready"})
+    while True:
+        line = reader.readline()
+        if not line:
+            os._exit(0)
+        msg = json.loads(line)
+        op = msg.get("op")
+        if op == "load":
+            filename = f"<hook {msg['name']}>"
+            execute, error, lineno = load_hook(msg["name"], msg.get("code", ""), filename)
+            send({"op": "loaded", "error": error, "line": lineno})
+        elif op == "call":
+
+            def host_call(name, payload=None):
+                try:
+                    send({"op": "host_call", "name": name, "payload": payload})
+                except (TypeError, ValueError) as e:
+                    raise HostCallError(f"host_call payload is not JSON-serializable: {e}") from None
+                reply = json.loads(reader.readline() or b"{}")
+                if reply.get("ok"):
+                    return reply.get("result")
+                raise HostCallError(str(reply.get("error") or "host_call failed"))
+
+            ctx = Context(msg.get("context") or {})
+            ctx["outgoing"] = msg.get("outgoing")
+            ctx["state"] = msg.get("state")
+            ctx["hook"] = msg.get("hook")
+            ctx["host_call"] = host_call
+            try:
+                ret = execute(ctx, msg.get("settings") or {})
+                try:
+                    send({"op": "return", "value": ret})
+                except (TypeError, ValueError, RecursionError) as e:
+                    send({"op": "return", "error": f"execute returned something that is not JSON-serializable: {e}"})
+            except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError: hook errors too
+                send({"op": "return", "error": trimmed_traceback(e, filename)})
+
+
+def load_hook(name, code, filename):
+    """Compiles and runs a hook's module code into a fresh namespace: (execute, error, line)."""
+    try:
+        compiled = compile(code, filename, "exec")
+    except SyntaxError as e:
+        return None, f"SyntaxError: {e.msg} (line {e.lineno})", e.lineno
+    namespace = {"__name__": f"hook_{name}", "HostCallError": HostCallError}
+    try:
+        exec(compiled, namespace)
+    except BaseException as e:  # a hook's module code may raise anything, SystemExit included
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == filename]
+        return None, trimmed_traceback(e, filename), (frames[-1].lineno if frames else None)
+    execute = namespace.get("execute")
+    if not callable(execute):
+        return None, "the code does not define a function execute(context, settings)", None
+    return execute, None, None
+
+
+class Worker:
+    """The supervisor's handle on one worker process."""
+
+    def __init__(self, memory_bytes):
+        p2c_r, p2c_w = os.pipe()
+        c2p_r, c2p_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(p2c_w)
+                os.close(c2p_r)
+                # Only the private pipe and fds 0-2 survive: never the protocol descriptors.
+                for fd in [int(f) for f in os.listdir("/proc/self/fd")]:
+                    if fd > 2 and fd not in (p2c_r, c2p_w):
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                sys.stdout = sys.stderr = os.fdopen(1, "w", buffering=1, errors="replace", closefd=False)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                worker_main(p2c_r, c2p_w, memory_bytes)
+            finally:
+                os._exit(1)
+        os.close(p2c_r)
+        os.close(c2p_w)
+        self.pid = pid
+        self.writer = os.fdopen(p2c_w, "wb", buffering=1 << 16)
+        self.reader = os.fdopen(c2p_r, "rb", buffering=1 << 16)
+        self.dead = False
+        self.started = False
+
+    def wait_started(self):
+        """Waits for the worker's warm-up to finish."""
+        if not self.started:
+            self.started = True
+            reply = self.receive(1024)
+            if not reply or reply.get("op") != "ready":
+                self.kill()
+
+    def send(self, msg):
+        try:
+            self.writer.write(json.dumps(msg, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8", "surrogatepass") + b"\n")
+            self.writer.flush()
+            return True
+        except (OSError, ValueError):
+            self.dead = True
+            return False
+
+    def receive(self, limit):
+        """The worker's next message, or None when it died or sent something malformed or too long."""
+        try:
+            line = self.reader.readline(limit + 1)
+        except (OSError, ValueError):
+            line = b""
+        if not line or not line.endswith(b"\n"):
+            self.kill()
+            return None if not line else {"op": "too_long"}
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            self.kill()
+            return {"op": "malformed"}
+        return msg if isinstance(msg, dict) else {"op": "malformed"}
+
+    def threads(self):
+        try:
+            return len(os.listdir(f"/proc/{self.pid}/task"))
+        except OSError:
+            return 1
+
+    def kill(self):
+        if not self.dead:
+            self.dead = True
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for f in (self.writer, self.reader):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+# ------------------------------------------------------------------------------------ supervisor
+
+
 class Supervisor:
-    def __init__(self, channel):
+    def __init__(self, channel, prefork=0, memory_bytes=0):
         self.channel = channel
         self.hooks = []
         self.trigger_point = None
         self.failure_policy = "Closed"
         self.limits = dict(DEFAULT_LIMITS)
         self.next_host_call = 0
+        self.memory_bytes = memory_bytes
+        self.sandboxed = os.getpid() == 1 and os.environ.get("SLUICE_SANDBOX") == "1"
+        # Workers forked before any hook code exists: the claim path never pays for a fork.
+        self.spare = [Worker(memory_bytes) for _ in range(prefork)]
+        for w in self.spare:
+            w.wait_started()
+        self.last_ran = None
+        self.inline = False
+
+    def worker(self):
+        w = self.spare.pop() if self.spare else Worker(self.memory_bytes)
+        w.wait_started()
+        return w
+
+    def load(self, hook):
+        """Gives the hook a worker and loads its code there (or, for a chain of one hook, here)."""
+        if self.inline:
+            hook.execute, error, line = load_hook(hook.name, hook.spec.get("code", ""), f"<hook {hook.name}>")
+            return error, line
+        hook.worker = self.worker()
+        if not hook.worker.send({"op": "load", "name": hook.name, "code": hook.spec.get("code", "")}):
+            return "the hook's process could not start", None
+        reply = hook.worker.receive(self.limits["payload_bytes"])
+        if not reply or reply.get("op") != "loaded":
+            return "the hook's process died while loading its code", None
+        return reply.get("error"), reply.get("line")
 
     def init(self, msg):
         self.trigger_point = msg.get("trigger_point")
         self.failure_policy = msg.get("failure_policy", "Closed")
         self.limits.update(msg.get("limits") or {})
         self.hooks = [Hook(i, spec) for i, spec in enumerate(msg.get("hooks") or [])]
+        # A chain of one hook has no other hook to be isolated from (the sandbox itself is its
+        # boundary), so it runs here without a worker's extra hop.
+        self.inline = len(self.hooks) == 1
+        if self.inline and self.memory_bytes:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
+        for hook in self.hooks:
+            if hook.error is None:
+                hook.error, hook.line = self.load(hook)
+                # Module code that started a thread leaves it in this worker: retire the worker now;
+                # the hook gets a fresh one (and runs its module code again) when it is called.
+                if hook.worker is not None and not hook.worker.dead and hook.worker.threads() > 1:
+                    hook.worker.kill()
+        self.clean_up()
         self.channel.send({"type": "ack", "hooks": [h.ack() for h in self.hooks]})
 
     def host_call(self, run_id, hook, budget, name, payload):
@@ -203,10 +418,112 @@ class Supervisor:
             return reply.get("result")
         raise HostCallError(str(reply.get("error") or "host_call failed"))
 
+    def call(self, run_id, hook, budget, payload, state, context):
+        """Runs one hook in its worker; returns what it returned (a dict) or raises HookError."""
+        if self.inline:
+            return self.call_inline(run_id, hook, budget, payload, state, context)
+        if hook.worker is None or hook.worker.dead:
+            error, _ = self.load(hook)  # its process died or was retired: a fresh one
+            if error:
+                raise HookError(error)
+        w = hook.worker
+        request = {"op": "call", "outgoing": payload, "state": state, "context": context, "hook": hook.name, "settings": hook.spec.get("settings") or {}}
+        if not w.send(request):
+            raise HookError("the hook's process died")
+        limit = self.limits["payload_bytes"] * 2 + self.limits["state_bytes"] + self.limits["findings_bytes"] + 4096
+        while True:
+            msg = w.receive(limit)
+            op = msg.get("op") if msg else None
+            if op == "host_call":
+                try:
+                    answer = {"op": "host_result", "ok": True, "result": self.host_call(run_id, hook, budget, msg.get("name"), msg.get("payload"))}
+                except HostCallError as e:
+                    answer = {"op": "host_result", "ok": False, "error": str(e)}
+                if not w.send(answer):
+                    raise HookError("the hook's process died during a host_call")
+            elif op == "return":
+                if msg.get("error") is not None:
+                    raise HookError(str(msg["error"]))
+                return msg.get("value")
+            elif op == "too_long":
+                raise HookError(f"the hook returned more than {limit} bytes")
+            elif msg is None:
+                raise HookError("the hook's process died (killed, out of memory, or it exited)")
+            else:
+                w.kill()
+                raise HookError("the hook's process sent a malformed message")
+
+    def call_inline(self, run_id, hook, budget, payload, state, context):
+        ctx = Context(context)
+        ctx["outgoing"] = payload
+        ctx["state"] = state
+        ctx["hook"] = hook.name
+        ctx["host_call"] = lambda name, body=None: self.host_call(run_id, hook, budget, name, body)
+        try:
+            ret = hook.execute(ctx, json.loads(json.dumps(hook.spec.get("settings") or {})))
+        except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError: hook errors too
+            raise HookError(trimmed_traceback(e, f"<hook {hook.name}>")) from None
+        try:
+            # What crosses back is plain JSON, exactly as from a worker.
+            return json.loads(json.dumps(ret, allow_nan=False))
+        except (TypeError, ValueError, RecursionError) as e:
+            raise HookError(f"execute returned something that is not JSON-serializable: {e}") from None
+
+    def clean_up(self):
+        """What a hook may leave behind is removed before the next one runs: processes other than the
+        supervisor and its workers, workers with threads still running, and everything in /tmp.
+        Only inside a sandbox (where the supervisor is pid 1 and /tmp is its own): anywhere else
+        killing "every other process" and emptying /tmp would hit the host."""
+        if not self.sandboxed or self.inline:
+            return
+        ran, self.last_ran = self.last_ran, None
+        if ran is not None and ran.worker is not None and not ran.worker.dead and ran.worker.threads() > 1:
+            ran.worker.kill()  # threads it left could act while another hook runs
+        workers = {h.worker.pid: h for h in self.hooks if h.worker is not None and not h.worker.dead}
+        workers.update({w.pid: None for w in self.spare})
+        keep = {os.getpid()} | {pid for pid, h in workers.items() if h is None or not h.worker.dead}
+        killed = False
+        try:
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and int(entry) not in keep:
+                    try:
+                        os.kill(int(entry), signal.SIGKILL)
+                        killed = True
+                    except OSError:
+                        pass
+        except OSError:
+            pass
+        if killed:
+            self.reap()
+        try:
+            with os.scandir("/tmp") as entries:
+                leftovers = [e.path for e in entries]
+        except OSError:
+            leftovers = []
+        for path in leftovers:
+            remove(path)
+
+    def reap(self):
+        """Collects exited processes (orphans are re-parented to us, pid 1 of the sandbox)."""
+        workers = {h.worker.pid for h in self.hooks if h.worker is not None} | {w.pid for w in self.spare}
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                time.sleep(0.001)
+                continue
+            if pid in workers:
+                for h in self.hooks:
+                    if h.worker is not None and h.worker.pid == pid:
+                        h.worker.dead = True
+
     def check_result(self, hook, ret):
         """Validates what a hook returned; raises HookError with the reason."""
         if not isinstance(ret, dict):
-            raise HookError(f"execute returned {type(ret).__name__}, not a dict with an 'action'")
+            raise HookError(f"execute returned {json_type(ret)}, not a dict with an 'action'")
         action = ret.get("action")
         if action not in ACTIONS:
             raise HookError(f"returned action {action!r} is not one of {', '.join(ACTIONS)}")
@@ -219,14 +536,14 @@ class Supervisor:
             outgoing = ret["outgoing"]
             if self.trigger_point in TEXT_TRIGGER_POINTS:
                 if not isinstance(outgoing, str):
-                    raise HookError(f"returned outgoing of type {type(outgoing).__name__}; {self.trigger_point} carries text (str)")
+                    raise HookError(f"returned outgoing of type {json_type(outgoing)}; {self.trigger_point} carries text (str)")
             elif not isinstance(outgoing, dict):
-                raise HookError(f"returned outgoing of type {type(outgoing).__name__}; {self.trigger_point} carries an object (dict)")
+                raise HookError(f"returned outgoing of type {json_type(outgoing)}; {self.trigger_point} carries an object (dict)")
             out["outgoing"] = bounded_json(outgoing, "outgoing", self.limits["payload_bytes"], self.limits["depth"])
         message = ret.get("message")
         if message is not None:
             if not isinstance(message, str):
-                raise HookError(f"returned message of type {type(message).__name__}, not str")
+                raise HookError(f"returned message of type {json_type(message)}, not str")
             if len(message) > self.limits["message_chars"]:
                 raise HookError(f"message is {len(message)} characters, over the limit of {self.limits['message_chars']}")
             out["message"] = message
@@ -250,23 +567,19 @@ class Supervisor:
             # The previous hook's result goes out before this hook runs, so that if this one kills
             # the sandbox the gateway still knows how far the walk got.
             self.channel.flush()
+            if self.last_ran is not None:
+                self.clean_up()  # what the previous hook left is gone before this one runs
             result = {"type": "hook_result", "id": run_id, "index": hook.index, "name": hook.name}
             try:
                 if hook.error is not None:
                     raise HookError(hook.error)
-                ctx = Context(base)
-                ctx["outgoing"] = payload
-                ctx["state"] = states[hook.index] if hook.index < len(states) else None
-                ctx["hook"] = hook.name
-                ctx["host_call"] = lambda name, body=None, _h=hook: self.host_call(run_id, _h, budget, name, body)
-                ret = hook.execute(ctx, json.loads(hook.settings_json))
+                state = states[hook.index] if hook.index < len(states) else None
+                self.last_ran = hook
+                ret = self.call(run_id, hook, budget, payload, state, base)
                 result.update(self.check_result(hook, ret))
             except HookError as e:
                 result["action"] = "pass"
                 result["error"] = str(e)
-            except BaseException as e:  # SystemExit, KeyboardInterrupt and RecursionError are hook errors too
-                result["action"] = "pass"
-                result["error"] = trimmed_traceback(e, hook.filename)
             ended = time.perf_counter()  # one clock read per hook: each is a syscall under gVisor
             result["latency_us"] = int((ended - began) * 1e6)
             began = ended
@@ -285,6 +598,8 @@ class Supervisor:
             if action == "modify" or (action == "detect" and top == "pass"):
                 top = action
         self.channel.send({"type": "result", "id": run_id, "action": top, "terminal_index": terminal})
+        if self.last_ran is not None:
+            self.clean_up()  # after the answer is out: off the critical path, before any next chunk
 
     def serve(self):
         self.channel.send({"type": "ready", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
@@ -307,10 +622,26 @@ class Supervisor:
                 self.channel.send({"type": "error", "message": f"unknown request type {kind!r}"})
 
 
-# Modules hooks commonly use, imported before `ready` so that no warm-path run pays for reading them
-# through the sandbox's filesystem.
+def json_type(value):
+    return {dict: "dict", list: "list", str: "str", bool: "bool", int: "int", float: "float", type(None): "None"}.get(type(value), type(value).__name__)
+
+
+def remove(path):
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            for entry in os.listdir(path):
+                remove(os.path.join(path, entry))
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+# Modules hooks commonly use, imported before `ready` (and before the workers fork) so that no
+# warm-path run pays for reading them through the sandbox's filesystem.
 PRELOAD = ("re", "unicodedata", "string", "math", "datetime", "collections", "itertools", "functools",
-           "hashlib", "base64", "copy", "random", "textwrap", "difflib", "fnmatch", "decimal")
+           "hashlib", "base64", "copy", "random", "textwrap", "difflib", "fnmatch", "decimal", "ctypes", "resource")
 
 
 def preload():
@@ -323,54 +654,34 @@ def preload():
             pass
 
 
-class NullChannel:
-    """Stands in for the protocol during warm-up: encodes like the real one, sends nothing."""
-
-    def send(self, msg, flush=True):
-        json.dumps(msg, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-    def flush(self):
-        pass
-
-    def receive(self):
-        return None
-
-
 WARM_UP_HOOK = """
 import re
-PATTERN = re.compile(r"\\d{3}-\\d{4}")
+PATTERN = re.compile(r"\\\\d{3}-\\\\d{4}")
 def execute(context, settings):
-    text = PATTERN.sub(settings["mask"], context["outgoing"])
+    text = PATTERN.sub("#", context["outgoing"])
     return {"action": "modify", "outgoing": text, "state": {"n": 1}, "findings": {"k": [1, 2]}}
 """
 
 
 def warm_up():
-    """Runs one synthetic init and walk before `ready`, so the first real trigger point finds the
-    interpreter's code paths and memory already warm (first touches are slow inside gVisor)."""
-    sup = Supervisor(NullChannel())
-    sup.init({"trigger_point": "input", "hooks": [{"name": "warm", "action": "modify", "code": WARM_UP_HOOK, "settings": {"mask": "#"}}]})
-    payload = json.loads(json.dumps({"outgoing": "call 555-1234 " * 300, "state": [None], "context": {"caller": {}}}))
-    sup.chunk({"id": 0, "outgoing": payload["outgoing"], "state": payload["state"], "context": payload["context"]})
-
-
-def limit_memory():
-    """Applies SLUICE_MEMORY_BYTES as an address-space limit so a memory bomb raises MemoryError in
-    the hook; the sandbox's cgroup limit stays the hard stop behind it."""
-    raw = os.environ.pop("SLUICE_MEMORY_BYTES", "")
-    if raw.isdigit():
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (int(raw), int(raw)))
+    """Exercises the interpreter's code paths (compile, regex, JSON) before the workers fork, so the
+    first real trigger point finds them warm (first touches are slow inside gVisor)."""
+    namespace = {}
+    exec(compile(WARM_UP_HOOK, "<warm-up>", "exec"), namespace)
+    payload = json.loads(json.dumps({"outgoing": "call 555-1234 " * 300, "state": [None]}))
+    ret = namespace["execute"](Context(outgoing=payload["outgoing"], state=None), {})
+    bounded_json(ret, "warm-up", 1 << 20, 32)
 
 
 def main():
     channel = Channel()
     preload()
     warm_up()
-    limit_memory()
+    memory = os.environ.pop("SLUICE_MEMORY_BYTES", "")
+    prefork = os.environ.pop("SLUICE_WORKERS", "")
     sys.setrecursionlimit(2000)
-    Supervisor(channel).serve()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    Supervisor(channel, prefork=int(prefork) if prefork.isdigit() else 0, memory_bytes=int(memory) if memory.isdigit() else 0).serve()
 
 
 if __name__ == "__main__":

@@ -129,6 +129,7 @@ pub async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
         cpu_millis: 1000,
         memory_bytes: 256 << 20,
         pids: 64,
+        workers: 3,
     };
     let workers = std::thread::available_parallelism()
         .map(|n| n.get())

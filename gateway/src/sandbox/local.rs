@@ -153,6 +153,8 @@ impl LocalBackend {
                 "user": {"uid": 65534, "gid": 65534},
                 "args": [self.python, "-I", "-S", "-u", "/sluice/supervisor.py"],
                 "env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1",
+                        "SLUICE_SANDBOX=1".to_string(),
+                        format!("SLUICE_WORKERS={}", spec.workers),
                         format!("SLUICE_MEMORY_BYTES={}", spec.memory_bytes)],
                 "cwd": "/tmp",
                 "capabilities": {"bounding": [], "effective": [], "permitted": [], "inheritable": [], "ambient": []},

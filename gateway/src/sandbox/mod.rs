@@ -14,14 +14,18 @@ pub struct SandboxSpec {
     pub cpu_millis: u64,
     pub memory_bytes: u64,
     pub pids: u32,
+    /// Hook worker processes the supervisor forks before it says ready (one per hook).
+    pub workers: usize,
 }
 
 impl SandboxSpec {
-    pub fn from_resources(r: &sluice_crds::ResourceSpec) -> Result<Self, String> {
+    pub fn from_resources(r: &sluice_crds::ResourceSpec, hooks: usize) -> Result<Self, String> {
         Ok(Self {
             cpu_millis: sluice_crds::quantity::cpu_millis(&r.cpu)?,
             memory_bytes: sluice_crds::quantity::memory_bytes(&r.memory)?,
             pids: r.pids,
+            // A chain of one hook runs inside the supervisor itself: nothing to isolate it from.
+            workers: if hooks > 1 { hooks } else { 0 },
         })
     }
 }
