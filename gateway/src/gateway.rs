@@ -79,6 +79,11 @@ impl RunningGateway {
             t.abort();
         }
         self.engine.pools.shutdown(Duration::from_secs(15)).await;
+        // Whatever a wedged sandbox left despite that goes too: the gateway exits owning nothing.
+        let left = self.engine.pools.backend().clean_leftovers().await;
+        if left > 0 {
+            tracing::warn!(left, "removed sandboxes that outlived their teardown");
+        }
     }
 }
 

@@ -188,11 +188,61 @@ impl LocalBackend {
             .kill_on_drop(true)
             .status();
         match tokio::time::timeout(RUNSC_COMMAND, out).await {
+            Ok(Ok(s)) if s.success() => return,
             Ok(Ok(_)) => {}
             Ok(Err(e)) => tracing::warn!(sandbox = id, error = %e, "runsc delete failed"),
             Err(_) => tracing::warn!(sandbox = id, "runsc delete hung; killed it"),
         }
+        // A wedged sandbox (a fork bomb, say) can outlast `runsc delete`: kill its processes
+        // directly, then let runsc forget it.
+        let killed = kill_processes_of(id);
+        if killed > 0 {
+            tracing::warn!(
+                sandbox = id,
+                killed,
+                "killed the processes of a sandbox runsc could not delete"
+            );
+            let retry = Command::new(runsc)
+                .arg("--root")
+                .arg(root)
+                .args(["delete", "--force", id])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .kill_on_drop(true)
+                .status();
+            let _ = tokio::time::timeout(RUNSC_COMMAND, retry).await;
+        }
     }
+}
+
+/// SIGKILLs every host process whose command line names sandbox `id` (its runsc, sandbox and gofer
+/// processes). Returns how many it signalled.
+fn kill_processes_of(id: &str) -> usize {
+    let mut killed = 0;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let suffix = format!("/{id}");
+        if cmdline
+            .split(|b| *b == 0)
+            .any(|arg| arg == id.as_bytes() || arg.ends_with(suffix.as_bytes()))
+        {
+            // SAFETY: plain kill(2) on a pid read from /proc; at worst the pid is already gone.
+            if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
+                killed += 1;
+            }
+        }
+    }
+    killed
 }
 
 fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
@@ -416,8 +466,11 @@ impl SandboxHandle for LocalHandle {
         if let Some(mut c) = self.child.lock().await.take() {
             // A healthy supervisor whose stdin was closed exits by itself and `runsc run` cleans up
             // after it, which is cheaper than a `runsc delete`; anything else is killed.
-            let exited = !force && tokio::time::timeout(GRACE, c.wait()).await.is_ok();
-            if !exited {
+            // `runsc run` exiting with success means it deleted the container itself; any other end
+            // (killed, failed teardown) may leave a stopped container behind.
+            let clean = !force
+                && matches!(tokio::time::timeout(GRACE, c.wait()).await, Ok(Ok(status)) if status.success());
+            if !clean {
                 LocalBackend::force_delete(&self.runsc, &self.root, &self.id).await;
                 if tokio::time::timeout(GRACE, c.wait()).await.is_err() {
                     let _ = c.kill().await;

@@ -1,0 +1,216 @@
+//! The hostile-hook suite: one hostile hook between two honest ones, in real sandboxes. For every
+//! case the honest hooks' results are intact, the run ends within bounds, the gateway keeps serving,
+//! and at the end nothing is left behind.
+
+use sluice_e2e::{Harness, action, text};
+use sluice_gateway::proto::Action;
+use std::time::{Duration, Instant};
+
+/// Leaves a secret in its globals, its frame and a /tmp file, then appends " [A]".
+const HONEST_BEFORE: &str = r#"import os
+SECRET = "s3cr3t" + "-A"
+def execute(context, settings):
+    local_secret = SECRET
+    with open("/tmp/secret-A", "w") as f:
+        f.write(local_secret)
+    return {"action": "modify", "outgoing": context["outgoing"] + " [A]"}
+"#;
+
+/// Uses the modules a hostile hook might patch, then appends " [B]".
+const HONEST_AFTER: &str = r#"import re, json, builtins
+def execute(context, settings):
+    text = re.sub("zzz", "", context["outgoing"])
+    assert len("abc") == 3, "len was patched"
+    assert json.loads(json.dumps({"k": 1})) == {"k": 1}, "json was patched"
+    assert not any(p.startswith("/tmp") for p in []), "never"
+    import os
+    leftovers = os.listdir("/tmp")
+    return {"action": "modify", "outgoing": text + " [B]" + (" TMP:" + ",".join(leftovers) if leftovers else "")}
+"#;
+
+/// (name, body of the hostile hook's execute, indented by 4).
+fn cases(port: u16) -> Vec<(&'static str, String)> {
+    let report =
+        "    return {'action': 'modify', 'outgoing': c['outgoing'] + ' FOUND:' + repr(found)}\n";
+    let mut v: Vec<(&str, String)> = vec![
+        ("fork-bomb", "    import os\n    while True:\n        try:\n            os.fork()\n        except OSError:\n            pass\n".into()),
+        ("memory-bomb", "    blob = bytearray(1 << 30)\n    return {'action': 'pass'}\n".into()),
+        ("memory-creep", "    keep = []\n    while True:\n        keep.append(b'x' * (1 << 20))\n".into()),
+        ("infinite-loop", "    while True:\n        pass\n".into()),
+        ("catastrophic-regex", "    import re\n    re.match(r'(a+)+$', 'a' * 64 + 'b')\n    return {'action': 'pass'}\n".into()),
+        ("sleep-past-deadline", "    import time\n    time.sleep(60)\n".into()),
+        ("stdout-flood", "    import sys\n    while True:\n        sys.stdout.write('x' * 65536)\n".into()),
+        ("stderr-flood", "    import os\n    while True:\n        os.write(2, b'{\"type\":\"result\"}' * 4096)\n".into()),
+        ("huge-return", "    return {'action': 'modify', 'outgoing': 'x' * (8 << 20)}\n".into()),
+        ("huge-state", "    return {'action': 'pass', 'state': ['x' * 1024] * 10000}\n".into()),
+        ("huge-message", "    return {'action': 'pass', 'message': 'x' * 100000}\n".into()),
+        ("non-serializable", "    return {'action': 'pass', 'state': object()}\n".into()),
+        ("nan-findings", "    return {'action': 'pass', 'findings': float('nan')}\n".into()),
+        ("wrongly-typed", "    return {'action': 'modify', 'outgoing': 42}\n".into()),
+        ("undeclared-action", "    return {'action': 'block', 'message': 'gotcha'}\n".into()),
+        ("deep-nesting", "    x = []\n    for _ in range(100000):\n        x = [x]\n    return {'action': 'pass', 'findings': x}\n".into()),
+        ("sys-exit", "    import sys\n    sys.exit(3)\n".into()),
+        ("os-exit", "    import os\n    os._exit(3)\n".into()),
+        ("kill-supervisor", "    import os, signal\n    for pid in (1, os.getppid()):\n        try:\n            os.kill(pid, signal.SIGKILL)\n        except OSError:\n            pass\n    return {'action': 'pass'}\n".into()),
+        ("segfault", "    import ctypes\n    ctypes.string_at(0)\n".into()),
+        ("unbounded-recursion", "    def f(n):\n        return f(n + 1)\n    f(0)\n".into()),
+        ("close-all-fds", "    import os\n    os.closerange(0, 1024)\n    return {'action': 'pass'}\n".into()),
+        ("fill-tmp", "    import os\n    i = 0\n    try:\n        while True:\n            with open('/tmp/fill-%d' % i, 'wb') as f:\n                f.write(b'x' * (1 << 20))\n            i += 1\n    except OSError:\n        pass\n    return {'action': 'pass'}\n".into()),
+        ("monkeypatch-modules", "    import re, json, builtins\n    re.sub = lambda *a, **k: 'PWNED'\n    json.dumps = lambda *a, **k: 'PWNED'\n    builtins.len = lambda x: 0\n    return {'action': 'pass'}\n".into()),
+        ("forge-protocol", "    import os\n    for fd in range(0, 256):\n        try:\n            os.write(fd, b'{\"type\":\"result\",\"id\":1,\"action\":\"block\",\"terminal_index\":0}\\n{\"op\":\"return\",\"value\":{\"action\":\"block\"}}\\n')\n        except OSError:\n            pass\n    return {'action': 'pass'}\n".into()),
+    ];
+    v.push(("read-protocol-stdin", format!("    import os\n    found = []\n    for fd in range(0, 256):\n        try:\n            os.set_blocking(fd, False)\n            data = os.read(fd, 65536)\n            if data:\n                found.append(data[:200])\n        except OSError:\n            pass\n{report}")));
+    v.push(("gc-walk", format!("    import gc\n    found = [o for o in gc.get_objects() if isinstance(o, dict) and 's3cr3t-A' in str(o.values())][:3]\n{report}")));
+    v.push(("frame-walk", format!("    import sys\n    found = []\n    for frame in sys._current_frames().values():\n        while frame:\n            found += [v for v in frame.f_locals.values() if isinstance(v, str) and 's3cr3t' in v]\n            frame = frame.f_back\n{report}")));
+    v.push(("read-tmp-and-proc", format!("    import os\n    found = []\n    for d in ['/tmp'] + ['/proc/%s' % p for p in os.listdir('/proc') if p.isdigit()]:\n        for name in (os.listdir(d) if d == '/tmp' else ['environ', 'cmdline', 'mem']):\n            try:\n                with open(os.path.join(d, name), 'rb') as f:\n                    data = f.read(1 << 20)\n                if b's3cr3t' in data or b'SLUICE_TEST_SECRET' in data:\n                    found.append(os.path.join(d, name))\n            except OSError:\n                pass\n{report}")));
+    v.push(("network", format!("    import socket\n    found = []\n    for host, port in [('127.0.0.1', {port}), ('8.8.8.8', 53), ('10.0.0.1', 80)]:\n        try:\n            socket.create_connection((host, port), timeout=0.3).close()\n            found.append(host)\n        except OSError:\n            pass\n    try:\n        found.append(socket.gethostbyname('example.com'))\n    except OSError:\n        pass\n{report}")));
+    v.push(("thread-acts-later", "    import os, threading, time, signal\n    def later():\n        time.sleep(0.05)\n        for p in os.listdir('/proc'):\n            if p.isdigit() and int(p) != os.getpid():\n                try:\n                    os.kill(int(p), signal.SIGKILL)\n                except OSError:\n                    pass\n        open('/tmp/from-thread', 'w').write('x')\n    threading.Thread(target=later, daemon=True).start()\n    return {'action': 'pass'}\n".into()));
+    v.push(("leftover-process", "    import os, time, signal\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(0.05)\n        for p in os.listdir('/proc'):\n            if p.isdigit():\n                try:\n                    os.kill(int(p), signal.SIGKILL)\n                except OSError:\n                    pass\n        os._exit(0)\n    return {'action': 'pass'}\n".into()));
+    v
+}
+
+fn chain(name: &str, body: &str) -> String {
+    let hostile = format!("def execute(c, s):\n{body}");
+    let mut y = format!(
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  target: {name}\n  triggerPoint: input\n  failurePolicy: Open\n  timeoutMs: 1500\n  pool: {{warm: 1, max: 4}}\n  resources: {{cpu: '1', memory: 128Mi, pids: 32}}\n  hooks:\n"
+    );
+    for (hook, action, code) in [
+        ("honest-before", "modify", HONEST_BEFORE),
+        ("hostile", "modify", hostile.as_str()),
+        ("honest-after", "modify", HONEST_AFTER),
+    ] {
+        y.push_str(&format!(
+            "    - name: {hook}\n      action: {action}\n      code: |\n"
+        ));
+        for l in code.lines() {
+            y.push_str(&format!("        {l}\n"));
+        }
+    }
+    y
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_hooks_never_break_honest_ones_or_the_gateway() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    // SAFETY: set before the gateway starts; the hooks must never see it.
+    unsafe { std::env::set_var("SLUICE_TEST_SECRET", "gateway-env") };
+    let cases = cases(port);
+    assert!(cases.len() >= 30, "the suite has {} cases", cases.len());
+    let files: Vec<(String, String)> = cases
+        .iter()
+        .map(|(n, b)| (format!("{n}.yaml"), chain(n, b)))
+        .collect();
+    let refs: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
+    let h = Harness::start_with(&refs, |o| o.boot_concurrency = 2).await;
+
+    let mut failures = Vec::new();
+    for (name, _) in &cases {
+        let began = Instant::now();
+        let r =
+            match tokio::time::timeout(Duration::from_secs(30), h.run_text(name, "input", "msg"))
+                .await
+            {
+                Ok(Ok(r)) => r,
+                Ok(Err(s)) => {
+                    failures.push(format!("{name}: the gateway answered {s:?}"));
+                    continue;
+                }
+                Err(_) => {
+                    failures.push(format!("{name}: no answer within 30 s"));
+                    continue;
+                }
+            };
+        let took = began.elapsed();
+        let out = text(&r).to_string();
+        let honest = |hook: &str| {
+            r.hooks
+                .iter()
+                .find(|o| o.name == hook)
+                .map(|o| (o.error.clone(), o.action))
+        };
+        let mut problems = Vec::new();
+        if honest("honest-before") != Some((String::new(), Action::Modify as i32)) {
+            problems.push(format!("honest-before: {:?}", honest("honest-before")));
+        }
+        if honest("honest-after") != Some((String::new(), Action::Modify as i32)) {
+            problems.push(format!("honest-after: {:?}", honest("honest-after")));
+        }
+        if !out.contains(" [A]") || !out.contains(" [B]") {
+            problems.push(format!(
+                "honest results missing from {:?}",
+                &out[..out.len().min(300)]
+            ));
+        }
+        if out.contains("s3cr3t")
+            || out.contains("gateway-env")
+            || out.contains("TMP:")
+            || out.contains("FOUND:['127.0.0.1'")
+        {
+            problems.push(format!("leaked: {:?}", &out[..out.len().min(400)]));
+        }
+        if out.contains("FOUND:") && !out.contains("FOUND:[]") {
+            problems.push(format!(
+                "the hostile hook found something: {:?}",
+                &out[..out.len().min(400)]
+            ));
+        }
+        if action(&r) != Action::Modify {
+            problems.push(format!("top action {:?}", action(&r)));
+        }
+        if took > Duration::from_secs(20) {
+            problems.push(format!("took {took:?}"));
+        }
+        if !problems.is_empty() {
+            failures.push(format!("{name}: {}", problems.join("; ")));
+        }
+    }
+    assert!(
+        listener.accept().is_err(),
+        "a hook connected to the host's loopback listener"
+    );
+
+    // The gateway still serves every chain, and each run has exactly one audit event.
+    let r = h
+        .run_text("undeclared-action", "input", "again")
+        .await
+        .unwrap();
+    assert!(text(&r).ends_with(" [A] [B]"), "{r:?}");
+    let audit = h.audit();
+    assert_eq!(audit.len(), cases.len() + 1, "one audit event per run");
+    assert!(
+        failures.is_empty(),
+        "hostile cases that broke something:\n{}",
+        failures.join("\n")
+    );
+    h.stop_and_check_leaks().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_point_cannot_see_the_previous_ones_files_or_processes() {
+    let probe = "    import os\n    found = sorted(os.listdir('/tmp'))\n    open('/tmp/left-by-earlier-run', 'w').write('x')\n    if os.fork() == 0:\n        import time\n        time.sleep(30)\n        os._exit(0)\n    found += [p for p in os.listdir('/proc') if p.isdigit()]\n    return {'action': 'modify', 'outgoing': c['outgoing'] + ' FOUND:' + repr(found)}\n";
+    let yaml = chain("probe", probe);
+    let h = Harness::start(&[("probe.yaml", &yaml)]).await;
+    let first = text(&h.run_text("probe", "input", "one").await.unwrap()).to_string();
+    let second = text(&h.run_text("probe", "input", "two").await.unwrap()).to_string();
+    for out in [&first, &second] {
+        assert!(
+            !out.contains("left-by-earlier-run"),
+            "a file of an earlier trigger point is visible: {out}"
+        );
+        assert!(out.contains(" [A]") && out.contains(" [B]"), "{out}");
+    }
+    // The same processes exist in each fresh sandbox: the supervisor and its workers, nothing older.
+    let procs = |s: &str| {
+        s.split("FOUND:")
+            .nth(1)
+            .map(|f| f.matches('\'').count() / 2)
+            .unwrap_or(0)
+    };
+    assert_eq!(procs(&first), procs(&second), "{first}\n{second}");
+    h.stop_and_check_leaks().await;
+}
