@@ -142,6 +142,7 @@ class Hook:
         self.action = spec.get("action")
         self.worker = None
         self.execute = None
+        self.load_sent = False
         self.error = None
         self.line = None
         if self.action not in ACTIONS or self.action == "pass":
@@ -354,6 +355,7 @@ class Supervisor:
             w.wait_started()
         self.last_ran = None
         self.inline = False
+        self.tmp_mtime = None
 
     def worker(self):
         w = self.spare.pop() if self.spare else Worker(self.memory_bytes)
@@ -365,8 +367,15 @@ class Supervisor:
         if self.inline:
             hook.execute, error, line = load_hook(hook.name, hook.spec.get("code", ""), f"<hook {hook.name}>")
             return error, line
+        self.start_load(hook)
+        return self.finish_load(hook)
+
+    def start_load(self, hook):
         hook.worker = self.worker()
-        if not hook.worker.send({"op": "load", "name": hook.name, "code": hook.spec.get("code", "")}):
+        hook.load_sent = hook.worker.send({"op": "load", "name": hook.name, "code": hook.spec.get("code", "")})
+
+    def finish_load(self, hook):
+        if not hook.load_sent:
             return "the hook's process could not start", None
         reply = hook.worker.receive(self.limits["payload_bytes"])
         if not reply or reply.get("op") != "loaded":
@@ -385,12 +394,19 @@ class Supervisor:
             import resource
 
             resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
-        for hook in self.hooks:
-            if hook.error is None:
+        pending = [h for h in self.hooks if h.error is None]
+        if self.inline:
+            for hook in pending:
                 hook.error, hook.line = self.load(hook)
+        else:
+            # All workers load at once: their compiles overlap instead of queueing.
+            for hook in pending:
+                self.start_load(hook)
+            for hook in pending:
+                hook.error, hook.line = self.finish_load(hook)
                 # Module code that started a thread leaves it in this worker: retire the worker now;
                 # the hook gets a fresh one (and runs its module code again) when it is called.
-                if hook.worker is not None and not hook.worker.dead and hook.worker.threads() > 1:
+                if not hook.worker.dead and hook.worker.threads() > 1:
                     hook.worker.kill()
         self.clean_up()
         self.channel.send({"type": "ack", "hooks": [h.ack() for h in self.hooks]})
@@ -495,13 +511,23 @@ class Supervisor:
             pass
         if killed:
             self.reap()
+        # /tmp changes its mtime whenever an entry is added or removed: a stat is cheaper than a scan.
         try:
-            with os.scandir("/tmp") as entries:
-                leftovers = [e.path for e in entries]
+            mtime = os.stat("/tmp").st_mtime_ns
         except OSError:
-            leftovers = []
-        for path in leftovers:
-            remove(path)
+            mtime = None
+        if mtime is None or mtime != self.tmp_mtime:
+            try:
+                with os.scandir("/tmp") as entries:
+                    leftovers = [e.path for e in entries]
+            except OSError:
+                leftovers = []
+            for path in leftovers:
+                remove(path)
+            try:
+                self.tmp_mtime = os.stat("/tmp").st_mtime_ns
+            except OSError:
+                self.tmp_mtime = None
 
     def reap(self):
         """Collects exited processes (orphans are re-parented to us, pid 1 of the sandbox)."""

@@ -1,12 +1,13 @@
 //! `make bench`: every number an issue asks for, printed as a table beside baselines measured in the
 //! same run on the same machine. `sluice-bench [SECTION...]` runs some sections only
-//! (run, throughput, stream, host_call).
+//! (run, throughput, stream, host_call, load).
 
 use anyhow::Context as _;
 use sluice_gateway::gateway::{LocalOptions, RunningGateway, start_local};
 use sluice_gateway::proto::{self, gateway_client::GatewayClient};
 use std::time::{Duration, Instant};
 
+mod load;
 mod naive;
 mod report;
 mod stream;
@@ -229,6 +230,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if on("stream") {
         stream::bench(&mut table).await.context("stream")?;
+    }
+    if on("load") {
+        load::bench(&mut table).await.context("load")?;
     }
     if on("host_call") {
         stream::host_call(&mut table).await.context("host_call")?;

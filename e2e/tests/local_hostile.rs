@@ -72,7 +72,7 @@ fn cases(port: u16) -> Vec<(&'static str, String)> {
 fn chain(name: &str, body: &str) -> String {
     let hostile = format!("def execute(c, s):\n{body}");
     let mut y = format!(
-        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  target: {name}\n  triggerPoint: input\n  failurePolicy: Open\n  timeoutMs: 1500\n  pool: {{warm: 1, max: 4}}\n  resources: {{cpu: '1', memory: 128Mi, pids: 32}}\n  hooks:\n"
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  target: {name}\n  triggerPoint: input\n  failurePolicy: Open\n  timeoutMs: 3000\n  pool: {{warm: 1, max: 4}}\n  resources: {{cpu: '1', memory: 128Mi, pids: 32}}\n  hooks:\n"
     );
     for (hook, action, code) in [
         ("honest-before", "modify", HONEST_BEFORE),
