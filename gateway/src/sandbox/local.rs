@@ -178,20 +178,10 @@ impl LocalBackend {
     }
 
     async fn force_delete(runsc: &Path, root: &Path, id: &str) {
-        let out = Command::new(runsc)
-            .arg("--root")
-            .arg(root)
-            .args(["delete", "--force", id])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .status();
-        match tokio::time::timeout(RUNSC_COMMAND, out).await {
-            Ok(Ok(s)) if s.success() => return,
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => tracing::warn!(sandbox = id, error = %e, "runsc delete failed"),
-            Err(_) => tracing::warn!(sandbox = id, "runsc delete hung; killed it"),
+        match runsc_delete(runsc, root, id).await {
+            Ok(true) => return,
+            Ok(false) => {}
+            Err(e) => tracing::warn!(sandbox = id, error = %e, "runsc delete failed"),
         }
         // A wedged sandbox (a fork bomb, say) can outlast `runsc delete`: kill its processes
         // directly, then let runsc forget it.
@@ -202,17 +192,29 @@ impl LocalBackend {
                 killed,
                 "killed the processes of a sandbox runsc could not delete"
             );
-            let retry = Command::new(runsc)
-                .arg("--root")
-                .arg(root)
-                .args(["delete", "--force", id])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .kill_on_drop(true)
-                .status();
-            let _ = tokio::time::timeout(RUNSC_COMMAND, retry).await;
+            let _ = runsc_delete(runsc, root, id).await;
         }
+    }
+}
+
+/// `runsc delete --force ID`, bounded in time: Ok(true) when runsc reports success.
+async fn runsc_delete(runsc: &Path, root: &Path, id: &str) -> Result<bool, String> {
+    let status = Command::new(runsc)
+        .arg("--root")
+        .arg(root)
+        .args(["delete", "--force", id])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .status();
+    match tokio::time::timeout(RUNSC_COMMAND, status).await {
+        Ok(Ok(s)) => Ok(s.success()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!(
+            "hung for {} s and was killed",
+            RUNSC_COMMAND.as_secs()
+        )),
     }
 }
 
