@@ -497,8 +497,8 @@ async fn requests_get_the_stated_status_codes() {
         code(h.run_text("t-codes", "before_tool", "x").await),
         tonic::Code::InvalidArgument
     );
-    // Over the payload limit: INVALID_ARGUMENT. Over the transport's message limit: refused by
-    // tonic before it is decoded (OUT_OF_RANGE), and the gateway keeps serving.
+    // Over the payload limit, and over the transport's message limit (refused before decoding):
+    // INVALID_ARGUMENT both, and the gateway keeps serving.
     assert_eq!(
         code(h.run_text("t-codes", "input", &"x".repeat(32 * 1024)).await),
         tonic::Code::InvalidArgument
@@ -508,7 +508,7 @@ async fn requests_get_the_stated_status_codes() {
             h.run_text("t-codes", "input", &"x".repeat(100 * 1024))
                 .await
         ),
-        tonic::Code::OutOfRange
+        tonic::Code::InvalidArgument
     );
     let mut empty = proto::RunRequest {
         namespace: "default".into(),

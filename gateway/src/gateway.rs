@@ -137,6 +137,9 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
+            .layer(tower::util::MapResponseLayer::new(
+                oversized_is_invalid_argument,
+            ))
             .add_service(health_service)
             .add_service(reflection)
             .add_service(service)
@@ -176,6 +179,26 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         server,
         tasks,
     })
+}
+
+/// tonic refuses a request over the message limit with OUT_OF_RANGE before our code sees it; the API
+/// promises INVALID_ARGUMENT for an oversized request, so that one status is rewritten.
+fn oversized_is_invalid_argument<B>(
+    mut resp: tonic::codegen::http::Response<B>,
+) -> tonic::codegen::http::Response<B> {
+    let headers = resp.headers_mut();
+    // grpc-message is percent-encoded (spaces as %20).
+    let too_large = headers
+        .get("grpc-message")
+        .and_then(|m| m.to_str().ok())
+        .is_some_and(|m| m.replace("%20", " ").contains("message length too large"));
+    if too_large && headers.get("grpc-status").is_some_and(|s| s == "11") {
+        headers.insert(
+            "grpc-status",
+            tonic::codegen::http::HeaderValue::from_static("3"),
+        );
+    }
+    resp
 }
 
 fn report(registry: &crate::registry::Registry) {

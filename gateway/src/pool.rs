@@ -34,6 +34,9 @@ struct Counts {
     claimed: usize,
     tearing_down: usize,
     last_error: Option<String>,
+    /// Tickets of claims waiting, served oldest first.
+    waiting: std::collections::BTreeSet<u64>,
+    next_ticket: u64,
 }
 
 impl Counts {
@@ -168,6 +171,17 @@ impl Pool {
     /// Takes a warm sandbox for one trigger point, waiting up to `timeout` for one to boot.
     pub async fn claim(self: &Arc<Self>, timeout: Duration) -> Result<Claimed, ClaimError> {
         let deadline = Instant::now() + timeout;
+        // Claims are served in arrival order: under overload nobody waits behind later arrivals.
+        let ticket = {
+            let mut c = self.lock();
+            c.next_ticket += 1;
+            let t = c.next_ticket;
+            c.waiting.insert(t);
+            Ticket {
+                pool: self.clone(),
+                id: t,
+            }
+        };
         let mut waited = false;
         loop {
             let notified = self.changed.notified();
@@ -175,30 +189,33 @@ impl Pool {
             notified.as_mut().enable();
             {
                 let mut c = self.lock();
-                if let Some(conn) = c.warm.pop_front() {
-                    c.claimed += 1;
-                    self.shared
-                        .metrics
-                        .pool_warm
-                        .with_label_values(&[&self.name])
-                        .set(c.warm.len() as i64);
-                    drop(c);
-                    let kind = if waited { "cold" } else { "warm" };
-                    self.shared.metrics.claims.with_label_values(&[kind]).inc();
-                    // Booting a replacement is CPU-heavy; starting it a moment later keeps it off the
-                    // claimed run's critical path.
-                    let pool = self.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep(BACKFILL_DELAY).await;
-                        pool.backfill();
-                    });
-                    return Ok(Claimed {
-                        conn: Some(conn),
-                        pool: self.clone(),
-                    });
+                if c.waiting.first() == Some(&ticket.id) {
+                    if let Some(conn) = c.warm.pop_front() {
+                        c.claimed += 1;
+                        self.shared
+                            .metrics
+                            .pool_warm
+                            .with_label_values(&[&self.name])
+                            .set(c.warm.len() as i64);
+                        drop(c);
+                        drop(ticket); // the next in line may go
+                        let kind = if waited { "cold" } else { "warm" };
+                        self.shared.metrics.claims.with_label_values(&[kind]).inc();
+                        // Booting a replacement is CPU-heavy; starting it a moment later keeps it off
+                        // the claimed run's critical path.
+                        let pool = self.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(BACKFILL_DELAY).await;
+                            pool.backfill();
+                        });
+                        return Ok(Claimed {
+                            conn: Some(conn),
+                            pool: self.clone(),
+                        });
+                    }
                 }
-                // Nothing warm: make sure something is booting for us, within max.
-                if c.booting == 0 && c.total() < self.max {
+                // Not enough warm or booting for everyone waiting: boot more, within max.
+                while c.warm.len() + c.booting < c.waiting.len() && c.total() < self.max {
                     c.booting += 1;
                     self.spawn_boot();
                 }
@@ -255,6 +272,19 @@ impl Pool {
     /// True once nothing of this pool exists any more.
     fn drained(&self) -> bool {
         self.lock().total() == 0
+    }
+}
+
+/// A claim's place in line; leaving (served, timed out or cancelled) lets the next one go.
+struct Ticket {
+    pool: Arc<Pool>,
+    id: u64,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.pool.lock().waiting.remove(&self.id);
+        self.pool.changed.notify_waiters();
     }
 }
 
