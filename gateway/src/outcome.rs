@@ -34,6 +34,8 @@ pub struct Walk {
     /// Set when the sandbox failed at a hook and the policy is Open: continue from this index in a
     /// fresh sandbox.
     pub resume_at: Option<usize>,
+    /// Hooks already given a second chance after their sandbox failed.
+    pub retried: std::collections::BTreeSet<usize>,
 }
 
 impl Walk {
@@ -45,6 +47,7 @@ impl Walk {
             hooks: Vec::new(),
             terminal_index: None,
             resume_at: None,
+            retried: Default::default(),
         }
     }
 
@@ -226,6 +229,12 @@ pub fn fold(
             // Everything that mattered arrived before the sandbox failed.
             return;
         }
+        // Under Open the hook due next gets one more try in a fresh sandbox before it is blamed:
+        // what killed the sandbox may have been left running by a hook before it.
+        if chain.spec.failure_policy == FailurePolicy::Open && walk.retried.insert(expected) {
+            walk.resume_at = Some(expected);
+            return;
+        }
         walk.hook_failed(chain, expected, failure.to_string(), 0);
         if !walk.is_terminal() && expected + 1 < hooks.len() {
             walk.resume_at = Some(expected + 1);
@@ -363,7 +372,18 @@ mod tests {
             "{}",
             w.message
         );
-        let (w, _) = run(&chain("Open"), &r);
+        // Open: hook "b" gets a second try in a fresh sandbox, and only then is skipped.
+        let c = chain("Open");
+        let mut w = Walk::new(json!("hi"));
+        let mut s = StateVector::fresh(3);
+        fold(&c, 0, &r, &mut w, &mut s, &Limits::default());
+        assert_eq!((w.resume_at, w.hooks.len()), (Some(1), 1));
+        let again = WalkReport {
+            failure: Some(SandboxFailure::Timeout(2000)),
+            ..Default::default()
+        };
+        w.resume_at = None;
+        fold(&c, 1, &again, &mut w, &mut s, &Limits::default());
         assert_eq!(
             (w.action, w.terminal_index, w.resume_at),
             (Action::Pass, None, Some(2))

@@ -189,8 +189,10 @@ impl Pool {
             notified.as_mut().enable();
             {
                 let mut c = self.lock();
-                if c.waiting.first() == Some(&ticket.id) {
-                    if let Some(conn) = c.warm.pop_front() {
+                if c.waiting.first() == Some(&ticket.id)
+                    && let Some(conn) = c.warm.pop_front()
+                {
+                    {
                         c.claimed += 1;
                         self.shared
                             .metrics
