@@ -62,6 +62,8 @@ pub struct Engine {
     pub metrics: Metrics,
     pub limits: Limits,
     pub runner: Runner,
+    /// Flips to true when the gateway starts shutting down: open streams end with UNAVAILABLE.
+    stopping: tokio::sync::watch::Sender<bool>,
 }
 
 fn invalid(msg: impl Into<String>) -> EngineError {
@@ -78,7 +80,19 @@ impl Engine {
             metrics,
             limits,
             runner,
+            stopping: tokio::sync::watch::channel(false).0,
         }
+    }
+
+    /// Tells open streams to end: called when the gateway begins a graceful shutdown.
+    pub fn begin_shutdown(&self) {
+        self.stopping.send_replace(true);
+    }
+
+    /// Resolves once a shutdown has begun.
+    pub async fn stopping(&self) {
+        let mut rx = self.stopping.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
     }
 
     pub fn registry(&self) -> Arc<Registry> {

@@ -64,6 +64,7 @@ impl RunningGateway {
 
     /// Stops accepting, lets in-flight runs and streams finish, then destroys every sandbox.
     pub async fn shutdown(mut self) {
+        self.engine.begin_shutdown();
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }

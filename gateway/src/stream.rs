@@ -144,7 +144,14 @@ async fn next(
     engine: &Engine,
     inbound: &mut tonic::Streaming<proto::StreamRequest>,
 ) -> Result<Option<In>, Status> {
-    match tokio::time::timeout(engine.limits.stream_idle, inbound.next()).await {
+    let read = tokio::time::timeout(engine.limits.stream_idle, inbound.next());
+    let msg = tokio::select! {
+        m = read => m,
+        _ = engine.stopping() => {
+            return Err(Status::unavailable("the gateway is shutting down; the stream was ended before its final"));
+        }
+    };
+    match msg {
         Err(_) => Err(Status::deadline_exceeded(format!(
             "no stream message for {} s; the stream is closed",
             engine.limits.stream_idle.as_secs()

@@ -161,10 +161,15 @@ async fn bad_files_are_reported_watched_changes_swap_and_in_flight_runs_keep_the
     let r = run(&mut client, "bot", "hi").await.unwrap();
     assert_eq!(text(&r), "v1", "the good chain serves despite the bad file");
 
-    // A run in flight on v1 while the file changes to v2.
+    // A run in flight on v1 while the file changes to v2 and a broken file is dropped in.
     let mut slow_client = client.clone();
     let in_flight = tokio::spawn(async move { run(&mut slow_client, "bot", "slow").await });
     tokio::time::sleep(Duration::from_millis(300)).await;
+    std::fs::write(
+        dir.path().join("dropped.yaml"),
+        "kind: HookChain\napiVersion: sluice.dev/v1alpha1\nmetadata: [oops\n",
+    )
+    .unwrap();
     let tmp = dir.path().join(".good.yaml.tmp");
     std::fs::write(&tmp, GOOD.replace("tag: v1", "tag: v2")).unwrap();
     std::fs::rename(&tmp, dir.path().join("good.yaml")).unwrap();
