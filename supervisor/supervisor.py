@@ -439,6 +439,8 @@ class Supervisor:
         if self.inline:
             return self.call_inline(run_id, hook, budget, payload, state, context)
         if hook.worker is None or hook.worker.dead:
+            if hook.worker is not None:
+                hook.worker.kill()  # closes its pipes; it is already dead
             error, _ = self.load(hook)  # its process died or was retired: a fresh one
             if error:
                 raise HookError(error)
@@ -511,6 +513,8 @@ class Supervisor:
             pass
         if killed:
             self.reap()
+        else:
+            self.reap(wait=False)  # a hook may have killed another hook's idle worker
         # /tmp changes its mtime whenever an entry is added or removed: a stat is cheaper than a scan.
         try:
             mtime = os.stat("/tmp").st_mtime_ns
@@ -529,22 +533,27 @@ class Supervisor:
             except OSError:
                 self.tmp_mtime = None
 
-    def reap(self):
-        """Collects exited processes (orphans are re-parented to us, pid 1 of the sandbox)."""
+    def reap(self, wait=True):
+        """Collects exited processes (orphans are re-parented to us, pid 1 of the sandbox) and marks
+        workers that died, so their hook gets a fresh one on its next call."""
         workers = {h.worker.pid for h in self.hooks if h.worker is not None} | {w.pid for w in self.spare}
-        deadline = time.monotonic() + 0.2
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 0.2 if wait else None
+        while True:
             try:
                 pid, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
+                if deadline is None or time.monotonic() >= deadline:
+                    return
                 time.sleep(0.001)
                 continue
             if pid in workers:
                 for h in self.hooks:
                     if h.worker is not None and h.worker.pid == pid:
                         h.worker.dead = True
+                        h.worker.reaped = True
+                self.spare = [w for w in self.spare if w.pid != pid]
 
     def check_result(self, hook, ret):
         """Validates what a hook returned; raises HookError with the reason."""
