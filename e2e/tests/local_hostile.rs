@@ -160,6 +160,19 @@ async fn hostile_hooks_never_break_honest_ones_or_the_gateway() {
                 &out[..out.len().min(400)]
             ));
         }
+        if name.ends_with("-flood") {
+            let hostile = r
+                .hooks
+                .iter()
+                .find(|o| o.name == "hostile")
+                .map(|o| o.error.clone())
+                .unwrap_or_default();
+            if !hostile.contains("printed more than") {
+                problems.push(format!(
+                    "the flood's error does not name the output limit: {hostile:?}"
+                ));
+            }
+        }
         if action(&r) != Action::Modify {
             problems.push(format!("top action {:?}", action(&r)));
         }

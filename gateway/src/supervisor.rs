@@ -247,7 +247,16 @@ impl SupervisorConn {
             let msg = match self.recv(remaining).await {
                 Ok(m) => m,
                 Err(SandboxFailure::Timeout(_)) => {
-                    report.failure = Some(SandboxFailure::Timeout(budget.as_millis() as u64));
+                    let printed = self.handle.stdout_bytes();
+                    report.failure = Some(if printed > crate::sandbox::OUTPUT_LIMIT {
+                        SandboxFailure::Died(format!(
+                            "the hook printed more than {} bytes to stdout/stderr and was stopped at its {} ms deadline",
+                            crate::sandbox::OUTPUT_LIMIT,
+                            budget.as_millis()
+                        ))
+                    } else {
+                        SandboxFailure::Timeout(budget.as_millis() as u64)
+                    });
                     return report;
                 }
                 Err(f) => {

@@ -361,14 +361,18 @@ impl SandboxBackend for LocalBackend {
         };
         let stdout_bytes = Arc::new(AtomicU64::new(0));
         let counter = stdout_bytes.clone();
-        // Hooks' prints land here: read and dropped, so a chatty hook can neither block nor bloat us.
+        // Hooks' prints land here: read and dropped, so a chatty hook cannot bloat us. Past the
+        // bound nothing more is read: the writer blocks until the deadline ends it, and the failure
+        // names the output limit.
         tokio::spawn(async move {
             let mut buf = vec![0u8; 16 << 10];
             while let Ok(n) = stdout.read(&mut buf).await {
                 if n == 0 {
                     break;
                 }
-                counter.fetch_add(n as u64, Ordering::Relaxed);
+                if counter.fetch_add(n as u64, Ordering::Relaxed) + n as u64 > super::OUTPUT_LIMIT {
+                    std::future::pending::<()>().await;
+                }
             }
         });
         let handle = LocalHandle {

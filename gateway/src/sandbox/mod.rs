@@ -30,6 +30,10 @@ impl SandboxSpec {
     }
 }
 
+/// Most bytes a sandbox's hooks may print (stdout and stderr together) before their output is no
+/// longer read: a hook that keeps printing then blocks until its deadline.
+pub const OUTPUT_LIMIT: u64 = 8 << 20;
+
 pub type Writer = Pin<Box<dyn AsyncWrite + Send>>;
 pub type Reader = Pin<Box<dyn AsyncRead + Send>>;
 
