@@ -1,6 +1,6 @@
 //! The `Capability` resource: an application function hooks may reach through `host_call`.
 
-use kube::CustomResource;
+use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -46,7 +46,8 @@ fn default_timeout_ms() -> u32 {
 }
 
 /// Exactly one of the three fields is set.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[x_kube(validation = Rule::new("[has(self.grpc), has(self.http), has(self.builtin)].filter(x, x).size() == 1").message("set exactly one of grpc, http or builtin"))]
 #[serde(rename_all = "camelCase")]
 pub struct Endpoint {
     /// URL of a service implementing sluice.v1.CapabilityService/Execute.

@@ -64,3 +64,24 @@ fn crds_are_structural_and_every_field_is_described() {
         );
     }
 }
+
+#[test]
+fn the_api_server_enforces_exactly_one_endpoint() {
+    let (_, yaml) = sluice_crds::crd_yaml()
+        .into_iter()
+        .find(|(n, _)| *n == "capability.yaml")
+        .unwrap();
+    let crd: serde_json::Value = serde_yaml::from_str(&yaml).unwrap();
+    let endpoint = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        ["endpoint"];
+    let rules = endpoint["x-kubernetes-validations"]
+        .as_array()
+        .expect("a CEL rule on spec.endpoint");
+    assert!(
+        rules.iter().any(|r| r["rule"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(".size() == 1")),
+        "{rules:?}"
+    );
+}
