@@ -11,6 +11,15 @@ use sluice_gateway::supervisor::{NoHostCalls, SupervisorConn};
 use std::time::{Duration, Instant};
 
 pub async fn in_process_floor(text: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
+    hooks_in_process(&HOOKS, text, n).await
+}
+
+/// The floor of a chain: its hooks called one after another in one Python process, `n` times.
+pub async fn hooks_in_process(
+    hooks: &[(&str, &str)],
+    text: &str,
+    n: usize,
+) -> anyhow::Result<Vec<Duration>> {
     let script = format!(
         r#"
 import json, time
@@ -33,7 +42,7 @@ for _ in range({n}):
 print(json.dumps(out))
 "#,
         hooks = serde_json::to_string(
-            &HOOKS
+            &hooks
                 .iter()
                 .map(|(n, c)| vec![n.to_string(), c.to_string()])
                 .collect::<Vec<_>>()
@@ -213,32 +222,5 @@ pub async fn breakdown(text: &str) -> anyhow::Result<()> {
 
 /// The stream benchmark's hook run on one batch in one Python process: the floor of a flush.
 pub async fn stream_flush_floor(batch: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
-    let script = format!(
-        r#"
-import json, time, re
-P = re.compile(r'\b\d{{2,4}}-\d{{3,4}}-\d{{4}}\b')
-def execute(context, settings):
-    t = P.sub('[phone]', context['outgoing'])
-    return {{'action': 'modify', 'outgoing': t}} if t != context['outgoing'] else {{'action': 'pass'}}
-batch = {batch}
-out = []
-for _ in range({n}):
-    t0 = time.perf_counter_ns()
-    execute({{'outgoing': batch, 'state': None}}, {{}})
-    out.append(time.perf_counter_ns() - t0)
-print(json.dumps(out))
-"#,
-        batch = serde_json::to_string(batch)?,
-    );
-    let out = tokio::process::Command::new("python3")
-        .args(["-c", &script])
-        .output()
-        .await?;
-    anyhow::ensure!(
-        out.status.success(),
-        "python floor failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let ns: Vec<u64> = serde_json::from_slice(&out.stdout)?;
-    Ok(ns.into_iter().map(Duration::from_nanos).collect())
+    hooks_in_process(&[("redact", crate::stream::REDACTOR)], batch, n).await
 }

@@ -6,7 +6,7 @@ use sluice_gateway::proto::{self, stream_request::Msg as In, stream_response::Ms
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-const REDACTOR: &str = "import re\nP = re.compile(r'\\b\\d{2,4}-\\d{3,4}-\\d{4}\\b')\ndef execute(context, settings):\n    t = P.sub('[phone]', context['outgoing'])\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n";
+pub const REDACTOR: &str = "import re\nP = re.compile(r'\\b\\d{2,4}-\\d{3,4}-\\d{4}\\b')\ndef execute(context, settings):\n    t = P.sub('[phone]', context['outgoing'])\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n";
 
 fn stream_chain(pool: &str) -> String {
     let mut y = format!(

@@ -322,19 +322,4 @@ impl Harness {
     }
 }
 
-/// Splits `text` at the given character positions (sorted, deduplicated, in range).
-pub fn chunk_at(text: &str, cuts: &[usize]) -> Vec<String> {
-    let chars: Vec<char> = text.chars().collect();
-    let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (chars.len() + 1)).collect();
-    cuts.sort_unstable();
-    cuts.dedup();
-    let mut out = Vec::new();
-    let mut last = 0;
-    for c in cuts.into_iter().chain([chars.len()]) {
-        if c > last {
-            out.push(chars[last..c].iter().collect());
-            last = c;
-        }
-    }
-    out
-}
+pub use sluice_gateway::stream::chunk_at;

@@ -41,6 +41,24 @@ pub fn split_tail(text: &str, keep: usize) -> (&str, &str) {
     text.split_at(at)
 }
 
+/// Splits `text` at the given character positions (taken modulo its length, sorted, deduplicated):
+/// how tests and tools cut a reply into chunks.
+pub fn chunk_at(text: &str, cuts: &[usize]) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (chars.len() + 1)).collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    let mut out = Vec::new();
+    let mut last = 0;
+    for c in cuts.into_iter().chain([chars.len()]) {
+        if c > last {
+            out.push(chars[last..c].iter().collect());
+            last = c;
+        }
+    }
+    out
+}
+
 /// The stream path's window: what was received but not yet run, and what was run but held back.
 #[derive(Debug, Default)]
 pub struct Window {

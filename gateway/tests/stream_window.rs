@@ -55,28 +55,12 @@ fn text_strategy() -> impl Strategy<Value = String> {
     prop::collection::vec(piece, 0..40).prop_map(|v| v.concat())
 }
 
-fn chunking(text: &str, cuts: &[usize]) -> Vec<String> {
-    let chars: Vec<char> = text.chars().collect();
-    let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (chars.len() + 1)).collect();
-    cuts.sort_unstable();
-    cuts.dedup();
-    let mut out = Vec::new();
-    let mut last = 0;
-    for c in cuts.into_iter().chain([chars.len()]) {
-        if c > last {
-            out.push(chars[last..c].iter().collect());
-            last = c;
-        }
-    }
-    out
-}
-
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
     #[test]
     fn commits_never_show_a_pattern_and_equal_the_final(text in text_strategy(), cuts in prop::collection::vec(0usize..400, 0..60), flush in 1usize..24) {
-        let chunks = chunking(&text, &cuts);
+        let chunks = sluice_gateway::stream::chunk_at(&text, &cuts);
         let commits = stream(&chunks, flush);
         let shown = commits.concat();
         let final_ = redact(&text);
