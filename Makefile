@@ -24,7 +24,7 @@ run: build
 test: deps test-python test-rust
 
 test-python:
-	python3 -m unittest discover -s supervisor -v 2>&1 | tail -n 3
+	python3 -m unittest discover -s supervisor
 
 test-rust:
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
