@@ -564,6 +564,40 @@ async fn requests_get_the_stated_status_codes() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(serving, "health never reported SERVING");
+    // Reflection lists the Gateway service, so grpcurl and friends work without the proto files.
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", h.gateway().addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let ask = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut answers = ServerReflectionClient::new(channel)
+        .server_reflection_info(futures::stream::iter([ask]))
+        .await
+        .unwrap()
+        .into_inner();
+    let listed = match answers
+        .message()
+        .await
+        .unwrap()
+        .and_then(|r| r.message_response)
+    {
+        Some(MessageResponse::ListServicesResponse(l)) => {
+            l.service.into_iter().map(|s| s.name).collect::<Vec<_>>()
+        }
+        other => panic!("unexpected reflection answer {other:?}"),
+    };
+    assert!(
+        listed.iter().any(|s| s == "sluice.v1.Gateway"),
+        "{listed:?}"
+    );
     let refused = h.audit().iter().filter(|e| e["error"].is_string()).count();
     assert!(refused >= 5, "refused requests are audited too");
     h.stop_and_check_leaks().await;
