@@ -72,24 +72,8 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
     let mut isolated = Vec::new();
     let mut inline = Vec::new();
     for _ in 0..30 {
-        bench
-            .gateway
-            .engine
-            .pools
-            .wait_warm(Duration::from_secs(30))
-            .await;
-        let t = Instant::now();
-        bench.run("bench", &text).await?;
-        isolated.push(t.elapsed());
-        bench
-            .gateway
-            .engine
-            .pools
-            .wait_warm(Duration::from_secs(30))
-            .await;
-        let t = Instant::now();
-        bench.run("one", &text).await?;
-        inline.push(t.elapsed());
+        isolated.push(bench.warm_run("bench", &text).await?.0);
+        inline.push(bench.warm_run("one", &text).await?.0);
     }
     table.push(Row::latency(
         "Isolation: 3 hooks, one process each (warm)",

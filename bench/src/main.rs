@@ -85,6 +85,23 @@ impl Bench {
         })
     }
 
+    /// One run timed from the moment a warm sandbox is waiting for it (paced below the backfill
+    /// rate, so every request finds one).
+    pub async fn warm_run(
+        &self,
+        target: &str,
+        text: &str,
+    ) -> anyhow::Result<(Duration, proto::RunResponse)> {
+        self.gateway
+            .engine
+            .pools
+            .wait_warm(Duration::from_secs(30))
+            .await;
+        let began = Instant::now();
+        let r = self.run(target, text).await?;
+        Ok((began.elapsed(), r))
+    }
+
     pub async fn run(&self, target: &str, text: &str) -> anyhow::Result<proto::RunResponse> {
         let req = proto::RunRequest {
             namespace: "default".into(),
@@ -117,16 +134,8 @@ async fn run_latency(table: &mut Table) -> anyhow::Result<()> {
     }
     let mut samples = Vec::new();
     for _ in 0..60 {
-        // Paced below the backfill rate: every request finds a warm sandbox.
-        bench
-            .gateway
-            .engine
-            .pools
-            .wait_warm(Duration::from_secs(30))
-            .await;
-        let began = Instant::now();
-        let r = bench.run("bench", &text).await?;
-        samples.push(began.elapsed());
+        let (took, r) = bench.warm_run("bench", &text).await?;
+        samples.push(took);
         anyhow::ensure!(
             r.hooks.len() == 3,
             "a benchmark run did not run the chain: {r:?}"

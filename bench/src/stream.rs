@@ -77,6 +77,13 @@ async fn blast(bench: &Bench, text: &str, size: usize) -> anyhow::Result<(f64, u
     ))
 }
 
+async fn expect_commit(out: &mut tonic::Streaming<proto::StreamResponse>) -> anyhow::Result<()> {
+    match out.message().await?.and_then(|m| m.msg) {
+        Some(Out::Commit(_)) => Ok(()),
+        other => anyhow::bail!("expected a commit, got {other:?}"),
+    }
+}
+
 pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
     let bench = Bench::start(&[("out.yaml", stream_chain("{warm: 4, max: 60}"))]).await?;
 
@@ -100,24 +107,12 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
             .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
             .await?
             .into_inner();
-        anyhow::ensure!(
-            matches!(
-                out.message().await?.and_then(|m| m.msg),
-                Some(Out::Commit(_))
-            ),
-            "no first commit"
-        );
+        expect_commit(&mut out).await?;
         first.push(began.elapsed());
         for _ in 0..10 {
             let t = Instant::now();
             tx.send(chunk(reply(64))).await?;
-            anyhow::ensure!(
-                matches!(
-                    out.message().await?.and_then(|m| m.msg),
-                    Some(Out::Commit(_))
-                ),
-                "no commit"
-            );
+            expect_commit(&mut out).await?;
             flushes.push(t.elapsed());
         }
         tx.send(finish()).await?;

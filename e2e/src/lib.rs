@@ -259,6 +259,37 @@ impl StreamResult {
 }
 
 impl Harness {
+    /// Opens an interactive stream: send chunks (and finish) on the sender, read the responses.
+    pub async fn open_stream(
+        &self,
+        target: &str,
+        trigger_point: &str,
+    ) -> (
+        tokio::sync::mpsc::Sender<proto::StreamRequest>,
+        tonic::Streaming<proto::StreamResponse>,
+    ) {
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let open = proto::StreamOpen {
+            namespace: "default".into(),
+            target: target.into(),
+            trigger_point: trigger_point.into(),
+            ..Default::default()
+        };
+        tx.send(proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Open(open)),
+        })
+        .await
+        .expect("queue open");
+        let responses = self
+            .client
+            .clone()
+            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("stream opens")
+            .into_inner();
+        (tx, responses)
+    }
+
     /// Streams `chunks` through `target` at `trigger_point` and collects every answer.
     pub async fn stream(
         &self,

@@ -158,25 +158,7 @@ async fn a_block_mid_stream_stops_commits_and_the_final_is_block() {
     );
     let h = Harness::start(&[("blk.yaml", &chain)]).await;
     // Interactive: the safe part first, and only once some of it is committed, the rest.
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let open = proto::StreamOpen {
-        namespace: "default".into(),
-        target: "t-blk".into(),
-        trigger_point: "output".into(),
-        ..Default::default()
-    };
-    tx.send(proto::StreamRequest {
-        msg: Some(proto::stream_request::Msg::Open(open)),
-    })
-    .await
-    .unwrap();
-    let mut responses = h
-        .client
-        .clone()
-        .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (tx, mut responses) = h.open_stream("t-blk", "output").await;
     let send = |t: &str| proto::StreamRequest {
         msg: Some(proto::stream_request::Msg::Chunk(t.to_string())),
     };
@@ -264,16 +246,7 @@ async fn cancelled_and_oversized_streams_end_cleanly() {
     let h = Harness::start_with(&[("redact.yaml", &chain)], |o| o.limits.stream_bytes = 4096).await;
 
     // The client goes away mid-stream.
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let open = proto::StreamRequest {
-        msg: Some(proto::stream_request::Msg::Open(proto::StreamOpen {
-            namespace: "default".into(),
-            target: "t-redact".into(),
-            trigger_point: "output".into(),
-            ..Default::default()
-        })),
-    };
-    tx.send(open).await.unwrap();
+    let (tx, mut responses) = h.open_stream("t-redact", "output").await;
     tx.send(proto::StreamRequest {
         msg: Some(proto::stream_request::Msg::Chunk(
             "hello 010-1234 and more text".into(),
@@ -281,13 +254,6 @@ async fn cancelled_and_oversized_streams_end_cleanly() {
     })
     .await
     .unwrap();
-    let mut responses = h
-        .client
-        .clone()
-        .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
     let first = responses.message().await.unwrap();
     assert!(matches!(
         first.and_then(|m| m.msg),
