@@ -135,6 +135,8 @@ pub async fn fresh_runsc_per_call(text: &str, n: usize) -> anyhow::Result<Vec<Du
 pub async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
     let (b, _state) = backend().await?;
     let spec = SandboxSpec {
+        namespace: "bench".into(),
+        chain: "boot-ceiling".into(),
         cpu_millis: 1000,
         memory_bytes: 256 << 20,
         pids: 64,

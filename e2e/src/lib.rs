@@ -90,6 +90,60 @@ impl Harness {
         }
     }
 
+    /// Starts a gateway in kube mode against `api` (a fake API server whose pods are local runsc
+    /// sandboxes), serving the HookChains and Capabilities `api` holds.
+    pub async fn start_kube(
+        api: &sluice_fake_apiserver::FakeApiServer,
+        identity: &str,
+        claim_timeout: Duration,
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let state = tempfile::Builder::new()
+            .prefix("sluice-e2e-kube")
+            .tempdir_in("/tmp")
+            .expect("state dir");
+        let audit_path = state.path().join("audit.jsonl");
+        let mut cfg = sluice_gateway::sandbox::kube::KubeConfig::new(identity);
+        cfg.claim_timeout = claim_timeout;
+        let mut opts = sluice_gateway::gateway::KubeOptions::new(api.client(), cfg);
+        opts.audit = Audit::to_file(&audit_path).expect("audit file");
+        opts.limits.claim_timeout = claim_timeout;
+        opts.limits.boot_timeout = Duration::from_secs(60);
+        opts.sync_timeout = Duration::from_secs(10);
+        let gateway = sluice_gateway::gateway::start_kube(opts)
+            .await
+            .expect("gateway starts in kube mode");
+        let client = GatewayClient::connect(format!("http://{}", gateway.addr))
+            .await
+            .expect("connect");
+        Self {
+            gateway: Some(gateway),
+            client,
+            dir,
+            state,
+            audit_path,
+        }
+    }
+
+    /// Shuts a kube-mode gateway down and asserts it claimed nothing it did not delete.
+    pub async fn stop_kube_and_check(mut self, api: &sluice_fake_apiserver::FakeApiServer) {
+        let gateway = self.gateway.take().expect("gateway running");
+        let backend = gateway.backend().clone();
+        gateway.shutdown().await;
+        let live = backend.live().await;
+        assert!(live.is_empty(), "claimed pods not deleted: {live:?}");
+        let claimed: Vec<String> = api
+            .list(sluice_fake_apiserver::Resource::Pods, "default")
+            .iter()
+            .filter(|p| p["metadata"]["labels"]["sluice.dev/pool"] == "claimed")
+            .map(|p| p["metadata"]["name"].to_string())
+            .collect();
+        assert!(
+            claimed.is_empty(),
+            "claimed pods left in the API: {claimed:?}"
+        );
+    }
+
     pub fn gateway(&self) -> &RunningGateway {
         self.gateway.as_ref().expect("gateway running")
     }
@@ -354,3 +408,12 @@ impl Harness {
 }
 
 pub use sluice_gateway::stream::chunk_at;
+
+/// A YAML manifest as the JSON object the API server stores (namespace defaulted).
+pub fn manifest_json(yaml: &str) -> Value {
+    let mut v: Value = serde_yaml::from_str(yaml).expect("test manifests are valid YAML");
+    if v["metadata"]["namespace"].is_null() {
+        v["metadata"]["namespace"] = "default".into();
+    }
+    v
+}

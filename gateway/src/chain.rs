@@ -37,7 +37,8 @@ impl Chain {
             let list: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
             return Err(list.join("; "));
         }
-        let sandbox = SandboxSpec::from_resources(&hc.spec.resources, hc.spec.hooks.len())?;
+        let sandbox =
+            SandboxSpec::for_chain(&namespace, &name, &hc.spec.resources, hc.spec.hooks.len())?;
         let settings = hc
             .spec
             .hooks

@@ -1,15 +1,18 @@
-//! Assembly of a running gateway in local mode: runsc backend, engine, directory watcher, gRPC server
+//! Assembly of a running gateway, in local mode (runsc backend, directory watcher) or kube mode (pod
+//! claims over the API server, HookChain and Capability watches), around one gRPC server
 //! (Gateway, health, reflection) and metrics, with graceful shutdown. The binary and the tests both
 //! start gateways through here.
 
 use crate::audit::Audit;
 use crate::engine::Engine;
+use crate::kube_source::KubeSource;
 use crate::limits::Limits;
 use crate::local_dir;
 use crate::metrics::Metrics;
 use crate::pool::Pools;
 use crate::proto::gateway_server::GatewayServer;
 use crate::sandbox::SandboxBackend;
+use crate::sandbox::kube::{KubeBackend, KubeConfig};
 use crate::sandbox::local::{LocalBackend, LocalConfig};
 use crate::server::GatewayService;
 use anyhow::Context as _;
@@ -101,23 +104,117 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         );
     }
     let metrics = Metrics::new();
-    let pools = Pools::new(
+    let engine = engine(
         Arc::new(backend),
-        opts.limits.clone(),
-        metrics.clone(),
+        opts.audit,
+        metrics,
+        &opts.limits,
         opts.boot_concurrency,
     );
-    let engine = Arc::new(Engine::new(
-        pools,
-        opts.audit,
-        metrics.clone(),
-        opts.limits.clone(),
-    ));
     let registry =
         local_dir::load(&opts.dir).with_context(|| format!("reading {}", opts.dir.display()))?;
     report(&registry);
     engine.set_registry(registry).await;
+    let source = tokio::spawn(watch(engine.clone(), opts.dir.clone()));
+    let running = serve(
+        engine,
+        opts.listen,
+        opts.metrics,
+        &opts.limits,
+        vec![source],
+    )
+    .await?;
+    tracing::info!(addr = %running.addr, dir = %opts.dir.display(), "sluice gateway listening (local mode)");
+    Ok(running)
+}
 
+pub struct KubeOptions {
+    pub client: kube::Client,
+    pub kube: KubeConfig,
+    pub listen: SocketAddr,
+    pub metrics: Option<SocketAddr>,
+    pub audit: Audit,
+    pub limits: Limits,
+    /// How long the watches may take to list everything at start.
+    pub sync_timeout: Duration,
+}
+
+impl KubeOptions {
+    pub fn new(client: kube::Client, kube: KubeConfig) -> Self {
+        Self {
+            client,
+            kube,
+            listen: "127.0.0.1:0".parse().expect("a valid address"),
+            metrics: None,
+            audit: Audit::discard(),
+            limits: Limits::default(),
+            sync_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Starts a gateway serving the cluster's HookChains from warm pods the operator keeps, claimed and
+/// reached through the API server.
+pub async fn start_kube(opts: KubeOptions) -> anyhow::Result<RunningGateway> {
+    let metrics = Metrics::new();
+    let backend = KubeBackend::new(
+        opts.client.clone(),
+        opts.kube.clone(),
+        metrics.clone(),
+        opts.sync_timeout,
+    )
+    .await
+    .context("watching sandbox pods")?;
+    let removed = backend.clean_leftovers().await;
+    if removed > 0 {
+        tracing::warn!(
+            removed,
+            "deleted pods an earlier run of this gateway had claimed"
+        );
+    }
+    // A run waits a little longer than one pod claim may take, so that the claim's own error (no
+    // warm pod, API failure) is what the caller hears.
+    let mut limits = opts.limits.clone();
+    limits.claim_timeout = limits
+        .claim_timeout
+        .max(opts.kube.claim_timeout + Duration::from_millis(250));
+    // Claims are API calls, not boots: many may be in flight at once.
+    let engine = engine(Arc::new(backend), opts.audit, metrics, &limits, 256);
+    let source = KubeSource::start(
+        opts.client.clone(),
+        opts.kube.namespace.as_deref(),
+        opts.sync_timeout,
+    )
+    .await?;
+    let registry = source.registry();
+    report(&registry);
+    engine.set_registry(registry).await;
+    let feed = tokio::spawn(source.feed(engine.clone()));
+    let running = serve(engine, opts.listen, opts.metrics, &limits, vec![feed]).await?;
+    tracing::info!(addr = %running.addr, identity = %opts.kube.identity, "sluice gateway listening (kube mode)");
+    Ok(running)
+}
+
+fn engine(
+    backend: Arc<dyn SandboxBackend>,
+    audit: Audit,
+    metrics: Metrics,
+    limits: &Limits,
+    boot_concurrency: usize,
+) -> Arc<Engine> {
+    let pools = Pools::new(backend, limits.clone(), metrics.clone(), boot_concurrency);
+    Arc::new(Engine::new(pools, audit, metrics, limits.clone()))
+}
+
+/// The gRPC server (Gateway, health, reflection) and metrics around an engine whose registry is
+/// loaded. Health turns SERVING once every gateway-kept pool is warm.
+async fn serve(
+    engine: Arc<Engine>,
+    listen: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    limits: &Limits,
+    mut tasks: Vec<JoinHandle<()>>,
+) -> anyhow::Result<RunningGateway> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health
         .set_not_serving::<GatewayServer<GatewayService>>()
@@ -129,11 +226,11 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
     let service = GatewayServer::new(GatewayService {
         engine: engine.clone(),
     })
-    .max_decoding_message_size(opts.limits.request_bytes)
-    .max_encoding_message_size(opts.limits.request_bytes * 2);
-    let listener = tokio::net::TcpListener::bind(opts.listen)
+    .max_decoding_message_size(limits.request_bytes)
+    .max_encoding_message_size(limits.request_bytes * 2);
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .with_context(|| format!("binding {}", opts.listen))?;
+        .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(
@@ -151,8 +248,6 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
                 },
             ),
     );
-    let mut tasks = vec![tokio::spawn(watch(engine.clone(), opts.dir.clone()))];
-    // Ready once the registry is loaded and the warm pools are filled.
     let ready = {
         let (engine, health) = (engine.clone(), health.clone());
         tokio::spawn(async move {
@@ -163,15 +258,14 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         })
     };
     tasks.push(ready);
-    if let Some(maddr) = opts.metrics {
-        let m = metrics.clone();
+    if let Some(maddr) = metrics_addr {
+        let m = engine.metrics.clone();
         tasks.push(tokio::spawn(async move {
             if let Err(e) = m.serve(maddr).await {
                 tracing::error!(error = %e, "metrics endpoint failed");
             }
         }));
     }
-    tracing::info!(%addr, dir = %opts.dir.display(), "sluice gateway listening (local mode)");
     Ok(RunningGateway {
         addr,
         engine,
@@ -202,7 +296,7 @@ fn oversized_is_invalid_argument<B>(
     resp
 }
 
-fn report(registry: &crate::registry::Registry) {
+pub(crate) fn report(registry: &crate::registry::Registry) {
     for e in &registry.errors {
         tracing::error!("{e}");
     }

@@ -11,6 +11,7 @@ pub mod convert;
 pub mod endpoint;
 pub mod engine;
 pub mod gateway;
+pub mod kube_source;
 pub mod limits;
 pub mod local_dir;
 pub mod metrics;

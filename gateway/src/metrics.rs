@@ -20,6 +20,7 @@ pub struct Metrics {
     pub pool_warm: IntGaugeVec,
     pub host_calls: IntCounterVec,
     pub rejected: IntCounterVec,
+    pub pod_claims: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -109,8 +110,17 @@ impl Metrics {
             &["code"],
         )
         .expect("valid metric");
+        let pod_claims = IntCounterVec::new(
+            Opts::new(
+                "sluice_gateway_pod_claims_total",
+                "kube backend claim attempts: claimed, conflict (another gateway won), none (no warm pod in time), error",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
         for c in [
-            Box::new(runs.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(pod_claims.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(runs.clone()),
             Box::new(run_seconds.clone()),
             Box::new(hook_errors.clone()),
             Box::new(sandboxes_started.clone()),
@@ -135,6 +145,7 @@ impl Metrics {
             pool_warm,
             host_calls,
             rejected,
+            pod_claims,
         }
     }
 

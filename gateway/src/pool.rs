@@ -97,8 +97,11 @@ impl Pool {
             let leftover = {
                 let mut c = pool.lock();
                 c.booting -= 1;
+                // A boot nobody needs any more (its waiter gave up) is not kept past the target:
+                // with the kube backend it is a claimed pod, which must not idle here.
+                let surplus = c.warm.len() >= pool.warm_target.max(c.waiting.len());
                 match result {
-                    Ok(conn) if !pool.closed.load(Ordering::Relaxed) => {
+                    Ok(conn) if !pool.closed.load(Ordering::Relaxed) && !surplus => {
                         c.warm.push_back(conn);
                         c.last_error = None;
                         pool.shared
@@ -122,7 +125,7 @@ impl Pool {
             };
             match leftover {
                 None => pool.changed.notify_waiters(),
-                // The pool closed while this one booted.
+                // The pool closed while this one booted, or nobody needs it any more.
                 Some(Ok(conn)) => {
                     conn.close().await;
                     pool.lock().tearing_down -= 1;
@@ -371,7 +374,12 @@ impl Pools {
                 let pool = Arc::new(Pool {
                     name: chain.qualified_name(),
                     spec: chain.sandbox.clone(),
-                    warm_target: chain.spec.pool.warm as usize,
+                    // With the kube backend the operator keeps the pods warm; the gateway claims.
+                    warm_target: if self.shared.backend.gateway_warms() {
+                        chain.spec.pool.warm as usize
+                    } else {
+                        0
+                    },
                     max: chain.spec.pool.max.max(1) as usize,
                     counts: Mutex::default(),
                     changed: Notify::new(),

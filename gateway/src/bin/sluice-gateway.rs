@@ -1,8 +1,11 @@
-//! `sluice-gateway --local DIR [--listen ADDR]`: the gateway in local mode.
+//! `sluice-gateway --local DIR [--listen ADDR]`: the gateway in local mode (runsc sandboxes here);
+//! `sluice-gateway --kube`: in a cluster (warm pods of the operator, reached over the exec API).
 
+use anyhow::Context as _;
 use clap::Parser;
 use sluice_gateway::audit::Audit;
-use sluice_gateway::gateway::{LocalOptions, start_local};
+use sluice_gateway::gateway::{KubeOptions, LocalOptions, start_kube, start_local};
+use sluice_gateway::sandbox::kube::KubeConfig;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -14,8 +17,23 @@ use std::path::PathBuf;
 )]
 struct Args {
     /// Serve the HookChain and Capability YAML under this directory with local runsc sandboxes.
-    #[arg(long, value_name = "DIR")]
-    local: PathBuf,
+    #[arg(
+        long,
+        value_name = "DIR",
+        required_unless_present = "kube",
+        conflicts_with = "kube"
+    )]
+    local: Option<PathBuf>,
+    /// Serve the cluster's HookChains and Capabilities from the operator's warm gVisor pods
+    /// (in-cluster service account, or KUBECONFIG).
+    #[arg(long)]
+    kube: bool,
+    /// kube mode: watch and claim only in this namespace (default: all namespaces).
+    #[arg(long, requires = "kube")]
+    namespace: Option<String>,
+    /// kube mode: how long a run waits for a warm pod (e.g. 2s, 500ms).
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    claim_timeout: std::time::Duration,
     /// gRPC listen address.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
@@ -56,18 +74,41 @@ async fn main() -> anyhow::Result<()> {
         logs.init()
     }
 
-    let mut opts = LocalOptions::new(&args.local, &args.state_dir);
-    opts.listen = args.listen;
-    opts.metrics = args.metrics;
-    opts.sandbox.runsc = args.runsc;
-    opts.sandbox.python = args.python;
-    opts.sandbox.platform = args.platform;
-    opts.audit = if args.audit == "-" {
+    let audit = if args.audit == "-" {
         Audit::to_stdout()
     } else {
         Audit::to_file(args.audit.as_ref())?
     };
-    let gateway = start_local(opts).await?;
+    let gateway = match &args.local {
+        Some(dir) => {
+            let mut opts = LocalOptions::new(dir, &args.state_dir);
+            opts.listen = args.listen;
+            opts.metrics = args.metrics;
+            opts.sandbox.runsc = args.runsc;
+            opts.sandbox.python = args.python;
+            opts.sandbox.platform = args.platform;
+            opts.audit = audit;
+            start_local(opts).await?
+        }
+        None => {
+            let client = kube::Client::try_default()
+                .await
+                .context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;
+            // The pod's name (downward API) marks the pods this replica claims.
+            let identity = std::env::var("POD_NAME")
+                .or_else(|_| std::env::var("HOSTNAME"))
+                .unwrap_or_else(|_| format!("sluice-gateway-{}", std::process::id()));
+            let mut cfg = KubeConfig::new(identity);
+            cfg.namespace = args.namespace.clone();
+            cfg.claim_timeout = args.claim_timeout;
+            let mut opts = KubeOptions::new(client, cfg);
+            opts.listen = args.listen;
+            opts.metrics = args.metrics;
+            opts.audit = audit;
+            opts.limits.claim_timeout = args.claim_timeout;
+            start_kube(opts).await?
+        }
+    };
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
@@ -77,4 +118,19 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!("shutting down: finishing in-flight runs, then destroying sandboxes");
     gateway.shutdown().await;
     Ok(())
+}
+
+/// `2s`, `500ms` or a bare number of milliseconds.
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let (n, unit) = match s.strip_suffix("ms") {
+        Some(n) => (n, 1),
+        None => match s.strip_suffix('s') {
+            Some(n) => (n, 1000),
+            None => (s, 1),
+        },
+    };
+    n.trim()
+        .parse::<u64>()
+        .map(|n| std::time::Duration::from_millis(n * unit))
+        .map_err(|_| format!("{s:?} is not a duration like 2s or 500ms"))
 }

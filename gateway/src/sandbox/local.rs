@@ -40,6 +40,9 @@ pub struct LocalConfig {
     pub platform: String,
     /// Size of each sandbox's `/tmp`.
     pub tmp_bytes: u64,
+    /// Hand the supervisor's stdout to the caller (`Sandbox::stdout`) instead of draining it here:
+    /// for a test harness that forwards it somewhere (the fake exec endpoint's stdout channel).
+    pub keep_stdout: bool,
 }
 
 impl LocalConfig {
@@ -50,6 +53,7 @@ impl LocalConfig {
             python: PathBuf::from("/usr/bin/python3"),
             platform: "ptrace".into(),
             tmp_bytes: 16 << 20,
+            keep_stdout: false,
         }
     }
 }
@@ -361,20 +365,27 @@ impl SandboxBackend for LocalBackend {
         };
         let stdout_bytes = Arc::new(AtomicU64::new(0));
         let counter = stdout_bytes.clone();
-        // Hooks' prints land here: read and dropped, so a chatty hook cannot bloat us. Past the
-        // bound nothing more is read: the writer blocks until the deadline ends it, and the failure
-        // names the output limit.
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 16 << 10];
-            while let Ok(n) = stdout.read(&mut buf).await {
-                if n == 0 {
-                    break;
+        let kept: Option<super::Reader> = if self.cfg.keep_stdout {
+            Some(Box::pin(stdout))
+        } else {
+            // Hooks' prints land here: read and dropped, so a chatty hook cannot bloat us. Past the
+            // bound nothing more is read: the writer blocks until the deadline ends it, and the
+            // failure names the output limit.
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16 << 10];
+                while let Ok(n) = stdout.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    if counter.fetch_add(n as u64, Ordering::Relaxed) + n as u64
+                        > super::OUTPUT_LIMIT
+                    {
+                        std::future::pending::<()>().await;
+                    }
                 }
-                if counter.fetch_add(n as u64, Ordering::Relaxed) + n as u64 > super::OUTPUT_LIMIT {
-                    std::future::pending::<()>().await;
-                }
-            }
-        });
+            });
+            None
+        };
         let handle = LocalHandle {
             id: id.clone(),
             runsc: self.cfg.runsc.clone(),
@@ -388,6 +399,7 @@ impl SandboxBackend for LocalBackend {
             id,
             stdin: Box::pin(stdin),
             protocol: Box::pin(stderr),
+            stdout: kept,
             handle: Box::new(handle),
         })
     }

@@ -2,15 +2,19 @@
 //! pipes and a handle that destroys it. `local` runs runsc on this machine; the `kube` backend claims
 //! a warm pod and reaches it over the exec API. Everything above this trait is the same for both.
 
+pub mod kube;
 pub mod local;
 
 use async_trait::async_trait;
 use std::pin::Pin;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-/// Limits of one sandbox, from the chain's `spec.resources`.
+/// One sandbox's chain and limits (from the chain's `spec.resources`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SandboxSpec {
+    /// The HookChain the sandbox serves: the `kube` backend claims that chain's warm pods.
+    pub namespace: String,
+    pub chain: String,
     pub cpu_millis: u64,
     pub memory_bytes: u64,
     pub pids: u32,
@@ -19,8 +23,15 @@ pub struct SandboxSpec {
 }
 
 impl SandboxSpec {
-    pub fn from_resources(r: &sluice_crds::ResourceSpec, hooks: usize) -> Result<Self, String> {
+    pub fn for_chain(
+        namespace: &str,
+        chain: &str,
+        r: &sluice_crds::ResourceSpec,
+        hooks: usize,
+    ) -> Result<Self, String> {
         Ok(Self {
+            namespace: namespace.to_string(),
+            chain: chain.to_string(),
             cpu_millis: sluice_crds::quantity::cpu_millis(&r.cpu)?,
             memory_bytes: sluice_crds::quantity::memory_bytes(&r.memory)?,
             pids: r.pids,
@@ -43,6 +54,8 @@ pub struct Sandbox {
     pub id: String,
     pub stdin: Writer,
     pub protocol: Reader,
+    /// The supervisor's stdout, only if the backend was asked not to drain it itself.
+    pub stdout: Option<Reader>,
     pub handle: Box<dyn SandboxHandle>,
 }
 
@@ -77,4 +90,9 @@ pub trait SandboxBackend: Send + Sync + 'static {
     async fn clean_leftovers(&self) -> usize;
     /// Sandboxes of this backend that exist right now (for leak checks and metrics).
     async fn live(&self) -> Vec<String>;
+    /// Whether the gateway keeps its own warm pools of this backend's sandboxes. The `kube`
+    /// backend says no: the operator keeps pods warm and every claim is made when a run needs it.
+    fn gateway_warms(&self) -> bool {
+        true
+    }
 }

@@ -1,0 +1,502 @@
+//! A small in-memory Kubernetes API server for tests and benchmarks of the gateway's `kube` backend,
+//! where no cluster can run. It serves, over real HTTP, the few things the gateway uses, with the
+//! semantics the real API server has for them:
+//!
+//! - list and watch (`?watch=true`, JSON lines, resumable from a `resourceVersion`, label selectors)
+//!   of pods, HookChains and Capabilities;
+//! - merge PATCH with the optimistic-concurrency precondition (`metadata.resourceVersion` in the patch
+//!   must match, else 409 Conflict) and DELETE;
+//! - `pods/{name}/exec` over websocket, speaking the real channel protocol (`v5.channel.k8s.io` with
+//!   its CLOSE signal, or `v4.channel.k8s.io`; channel 0 stdin, 1 stdout, 2 stderr, 3 a `Status` at
+//!   exit).
+//!
+//! A pod here is a real local runsc sandbox whose supervisor waits on stdin: exec attaches the
+//! websocket to it (once), so the gateway runs real chains over real framing. Deleting or killing the
+//! pod destroys the sandbox, and an attached exec sees its process die.
+
+mod exec;
+mod store;
+
+pub use store::Resource;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use hyper::{Request, Response, StatusCode};
+use serde_json::{Value, json};
+use sluice_gateway::sandbox::local::{LocalBackend, LocalConfig};
+use sluice_gateway::sandbox::{Reader, SandboxBackend, SandboxHandle, SandboxSpec, Writer};
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use store::Store;
+
+pub type Body = BoxBody<Bytes, Infallible>;
+
+/// Which websocket subprotocols the exec endpoint accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExecProtocol {
+    /// Prefer v5 (the client's stdin CLOSE signal), fall back to v4: what current clusters do.
+    V5,
+    /// Only v4, as clusters before Kubernetes 1.30 do.
+    V4,
+}
+
+/// One request the server received, for tests that assert what a client sent.
+#[derive(Clone, Debug)]
+pub struct Logged {
+    pub method: String,
+    pub path: String,
+    pub query: String,
+    pub body: Value,
+}
+
+/// A pod's supervisor pipes, taken by the one exec that attaches to it.
+pub(crate) struct Stdio {
+    pub stdin: Writer,
+    pub stdout: Reader,
+    pub stderr: Reader,
+}
+
+pub struct FakeApiServer {
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    server: tokio::task::JoinHandle<()>,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    _state_dir: tempfile_dir::TempDir,
+}
+
+struct Shared {
+    store: Store,
+    backend: LocalBackend,
+    /// Stdio of pods' sandboxes no exec has attached to yet, by "namespace/name".
+    waiting: Mutex<HashMap<String, Stdio>>,
+    /// Every pod's sandbox (attached or not), to destroy it with its pod.
+    handles: Mutex<HashMap<String, Arc<dyn SandboxHandle>>>,
+    protocol: ExecProtocol,
+    log: Mutex<Vec<Logged>>,
+    /// What each pod's exec received on stdin so far, by "namespace/name".
+    stdin_seen: Mutex<HashMap<String, Vec<u8>>>,
+}
+
+/// The tempdir crate is not a dependency of this crate's users; a tiny owned temp dir is enough.
+mod tempfile_dir {
+    pub struct TempDir(pub std::path::PathBuf);
+    impl TempDir {
+        pub fn new() -> std::io::Result<Self> {
+            let p = std::env::temp_dir().join(format!(
+                "sluice-fake-apiserver-{}-{}",
+                std::process::id(),
+                rand_suffix()
+            ));
+            std::fs::create_dir_all(&p)?;
+            Ok(Self(p))
+        }
+    }
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    fn rand_suffix() -> u64 {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        t ^ N.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+impl FakeApiServer {
+    pub async fn start(protocol: ExecProtocol) -> anyhow::Result<Self> {
+        let state_dir = tempfile_dir::TempDir::new()?;
+        let mut cfg = LocalConfig::new(&state_dir.0);
+        cfg.keep_stdout = true;
+        let backend = LocalBackend::new(cfg).await?;
+        let shared = Arc::new(Shared {
+            store: Store::new(),
+            backend,
+            waiting: Mutex::default(),
+            handles: Mutex::default(),
+            protocol,
+            log: Mutex::default(),
+            stdin_seen: Mutex::default(),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let s = shared.clone();
+        let server = tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    continue;
+                };
+                let s = s.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let s = s.clone();
+                        async move { Ok::<_, Infallible>(s.handle(req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                        .with_upgrades()
+                        .await;
+                });
+            }
+        });
+        Ok(Self {
+            addr,
+            shared,
+            server,
+            tasks: Mutex::default(),
+            _state_dir: state_dir,
+        })
+    }
+
+    /// A kube client for this server (plain HTTP, no credentials).
+    pub fn client(&self) -> kube_client_config::Client {
+        kube_client_config::client(self.addr)
+    }
+
+    /// Creates or replaces an object (as `kubectl apply` would), bumping its resourceVersion.
+    pub fn apply(&self, resource: Resource, object: Value) -> Value {
+        self.shared.store.upsert(resource, object)
+    }
+
+    /// Removes an object, as `kubectl delete` would (a pod's sandbox goes with it).
+    pub async fn delete(&self, resource: Resource, namespace: &str, name: &str) -> bool {
+        let gone = self
+            .shared
+            .store
+            .delete(resource, namespace, name)
+            .is_some();
+        if resource == Resource::Pods {
+            self.shared.destroy_pod(namespace, name).await;
+        }
+        gone
+    }
+
+    pub fn get(&self, resource: Resource, namespace: &str, name: &str) -> Option<Value> {
+        self.shared.store.get(resource, namespace, name)
+    }
+
+    pub fn list(&self, resource: Resource, namespace: &str) -> Vec<Value> {
+        self.shared.store.list(resource, Some(namespace), None)
+    }
+
+    /// Every request so far.
+    pub fn requests(&self) -> Vec<Logged> {
+        self.shared
+            .log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Plays the operator once: boots a sandbox for a warm pod of `spec.chain` and publishes the pod
+    /// Running and Ready, labelled as the operator labels it. Returns the pod's name.
+    pub async fn add_warm_pod(&self, spec: &SandboxSpec) -> anyhow::Result<String> {
+        self.shared.add_warm_pod(spec).await
+    }
+
+    /// Plays the operator's backfill: keeps `n` warm pods of `spec.chain` until the server stops.
+    pub fn keep_warm(&self, spec: SandboxSpec, n: usize) {
+        let s = self.shared.clone();
+        let task = tokio::spawn(async move {
+            let mut events = s.store.subscribe();
+            loop {
+                let warm = s
+                    .store
+                    .list(
+                        Resource::Pods,
+                        Some(&spec.namespace),
+                        Some(&format!(
+                            "sluice.dev/chain={},sluice.dev/pool=warm",
+                            spec.chain
+                        )),
+                    )
+                    .len();
+                if warm < n {
+                    if let Err(e) = s.add_warm_pod(&spec).await {
+                        tracing::warn!(error = %e, "fake operator could not boot a pod");
+                        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    }
+                    continue;
+                }
+                if events.recv().await.is_err() {
+                    events = s.store.subscribe();
+                }
+            }
+        });
+        self.tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(task);
+    }
+
+    /// The pod's container dies (its sandbox is destroyed) while the pod object stays, phase Failed:
+    /// what an OOM kill or a node problem looks like to the gateway.
+    pub async fn kill_pod(&self, namespace: &str, name: &str) {
+        self.shared.destroy_pod(namespace, name).await;
+        if let Some(mut pod) = self.shared.store.get(Resource::Pods, namespace, name) {
+            pod["status"] =
+                json!({"phase": "Failed", "conditions": [{"type": "Ready", "status": "False"}]});
+            self.shared.store.upsert(Resource::Pods, pod);
+        }
+    }
+
+    /// Everything the exec into this pod has received on stdin so far (the gateway's requests).
+    pub fn stdin_of(&self, namespace: &str, name: &str) -> String {
+        let seen = self
+            .shared
+            .stdin_seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        String::from_utf8_lossy(
+            seen.get(&format!("{namespace}/{name}"))
+                .map(Vec::as_slice)
+                .unwrap_or_default(),
+        )
+        .into_owned()
+    }
+
+    /// Runsc sandboxes of pods that still exist.
+    pub async fn live_sandboxes(&self) -> Vec<String> {
+        self.shared.backend.live().await
+    }
+
+    /// Stops backfill tasks, destroys every pod's sandbox and stops serving.
+    pub async fn stop(self) {
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+        let keys: Vec<String> = self
+            .shared
+            .handles
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        for k in keys {
+            if let Some((ns, name)) = k.split_once('/') {
+                self.shared.destroy_pod(ns, name).await;
+            }
+        }
+        self.shared.backend.clean_leftovers().await;
+        self.server.abort();
+    }
+}
+
+impl Shared {
+    async fn add_warm_pod(&self, spec: &SandboxSpec) -> anyhow::Result<String> {
+        let name = format!("{}-{}", spec.chain, self.store.next_suffix());
+        let key = format!("{}/{name}", spec.namespace);
+        let sandbox = self.backend.start(spec).await?;
+        let Some(stdout) = sandbox.stdout else {
+            anyhow::bail!("the local backend drained stdout despite keep_stdout");
+        };
+        self.handles
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.clone(), Arc::from(sandbox.handle));
+        self.waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                key,
+                Stdio {
+                    stdin: sandbox.stdin,
+                    stdout,
+                    stderr: sandbox.protocol,
+                },
+            );
+        let pod = json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": spec.namespace,
+                "labels": {
+                    "app.kubernetes.io/name": "sluice-sandbox",
+                    "app.kubernetes.io/managed-by": "sluice-operator",
+                    "sluice.dev/chain": spec.chain,
+                    "sluice.dev/template": "fake",
+                    "sluice.dev/pool": "warm",
+                },
+            },
+            "spec": {"containers": [{"name": "supervisor", "image": "sluice-supervisor:fake"}]},
+            "status": {
+                "phase": "Running",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        });
+        self.store.upsert(Resource::Pods, pod);
+        Ok(name)
+    }
+
+    async fn destroy_pod(&self, namespace: &str, name: &str) {
+        let key = format!("{namespace}/{name}");
+        self.waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key);
+        let handle = self
+            .handles
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key);
+        if let Some(h) = handle {
+            h.destroy(true).await;
+        }
+    }
+
+    /// The pipes of a pod's supervisor, once: a second exec into the same pod finds none.
+    pub(crate) fn attach(&self, namespace: &str, name: &str) -> Option<Stdio> {
+        self.waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&format!("{namespace}/{name}"))
+    }
+
+    fn log(&self, method: &str, path: &str, query: &str, body: &Value) {
+        self.log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Logged {
+                method: method.into(),
+                path: path.into(),
+                query: query.into(),
+                body: body.clone(),
+            });
+    }
+
+    async fn handle(self: &Arc<Self>, req: Request<hyper::body::Incoming>) -> Response<Body> {
+        let method = req.method().clone();
+        let path = req.uri().path().to_string();
+        let query = req.uri().query().unwrap_or_default().to_string();
+        let params = store::query_params(&query);
+        let Some(route) = store::Route::parse(&path) else {
+            return status(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                &format!("no route {path}"),
+            );
+        };
+        if route.subresource.as_deref() == Some("exec") {
+            self.log(method.as_str(), &path, &query, &Value::Null);
+            return exec::upgrade(self.clone(), route, params, req).await;
+        }
+        let body: Value = match req.into_body().collect().await {
+            Ok(b) => serde_json::from_slice(&b.to_bytes()).unwrap_or(Value::Null),
+            Err(_) => Value::Null,
+        };
+        self.log(method.as_str(), &path, &query, &body);
+        let selector = params.get("labelSelector").map(String::as_str);
+        match (method.as_str(), &route.name) {
+            ("GET", None)
+                if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) =>
+            {
+                let since = params
+                    .get("resourceVersion")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
+                self.store.watch(
+                    route.resource,
+                    route.namespace.clone(),
+                    selector.map(str::to_string),
+                    since,
+                )
+            }
+            ("GET", None) => json_response(
+                StatusCode::OK,
+                &self
+                    .store
+                    .list_response(route.resource, route.namespace.as_deref(), selector),
+            ),
+            ("GET", Some(name)) => match self.store.get(
+                route.resource,
+                route.namespace.as_deref().unwrap_or_default(),
+                name,
+            ) {
+                Some(o) => json_response(StatusCode::OK, &o),
+                None => not_found(route.resource, name),
+            },
+            ("PATCH", Some(name)) => {
+                let ns = route.namespace.clone().unwrap_or_default();
+                match self.store.merge_patch(route.resource, &ns, name, &body) {
+                    Ok(o) => json_response(StatusCode::OK, &o),
+                    Err(store::PatchError::NotFound) => not_found(route.resource, name),
+                    Err(store::PatchError::Conflict) => status(
+                        StatusCode::CONFLICT,
+                        "Conflict",
+                        &format!(
+                            "Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again",
+                            route.resource.plural()
+                        ),
+                    ),
+                }
+            }
+            ("DELETE", Some(name)) => {
+                let ns = route.namespace.clone().unwrap_or_default();
+                let gone = self.store.delete(route.resource, &ns, name);
+                if route.resource == Resource::Pods {
+                    self.destroy_pod(&ns, name).await;
+                }
+                match gone {
+                    Some(o) => json_response(StatusCode::OK, &o),
+                    None => not_found(route.resource, name),
+                }
+            }
+            _ => status(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                &format!("{method} {path} is not served by the fake API server"),
+            ),
+        }
+    }
+}
+
+pub(crate) fn json_response(code: StatusCode, v: &Value) -> Response<Body> {
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(v.to_string())).boxed())
+        .unwrap_or_else(|_| Response::new(Full::new(Bytes::new()).boxed()))
+}
+
+pub(crate) fn status(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
+    json_response(
+        code,
+        &json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {},
+            "status": "Failure", "message": message, "reason": reason, "code": code.as_u16(),
+        }),
+    )
+}
+
+fn not_found(resource: Resource, name: &str) -> Response<Body> {
+    status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        &format!("{} \"{name}\" not found", resource.plural()),
+    )
+}
+
+/// Building a kube client for a plain-HTTP server.
+pub mod kube_client_config {
+    pub type Client = kube::Client;
+    pub fn client(addr: std::net::SocketAddr) -> kube::Client {
+        let url: http::Uri = format!("http://{addr}")
+            .parse()
+            .expect("a socket address makes a valid URI");
+        let config = kube::Config::new(url);
+        kube::Client::try_from(config).expect("a plain HTTP kube client always builds")
+    }
+}

@@ -1,0 +1,297 @@
+//! The gateway's `kube` backend end to end without a cluster: a fake API server (real HTTP, list and
+//! watch, resourceVersion preconditions) whose pods are real local runsc sandboxes, reached through
+//! a fake exec endpoint that speaks the real websocket channel protocol (v5 and v4). The gateway
+//! under test is the real one in kube mode; only the cluster around it is played.
+
+use serde_json::Value;
+use sluice_e2e::{Harness, action, chain_yaml, manifest_json, text};
+use sluice_fake_apiserver::{ExecProtocol, FakeApiServer, Resource};
+use sluice_gateway::proto::Action;
+use sluice_gateway::sandbox::SandboxBackend;
+use sluice_gateway::sandbox::SandboxSpec;
+use sluice_gateway::sandbox::kube::{KubeBackend, KubeConfig};
+use std::time::Duration;
+
+const REDACT: &str = r##"import re
+def execute(context, settings):
+    out = re.sub(r"\d", "#", context["outgoing"])
+    if out == context["outgoing"]:
+        return {"action": "pass"}
+    return {"action": "modify", "outgoing": out}"##;
+
+/// A hook that prints a lot on stdout: the stdout channel must not disturb the protocol on stderr.
+const CHATTY: &str = r#"def execute(context, settings):
+    for i in range(2000):
+        print("noise " * 20)
+    return {"action": "pass"}"#;
+
+fn sandbox_of(yaml: &str) -> SandboxSpec {
+    let hc: sluice_crds::HookChain = serde_yaml::from_str(yaml).expect("chain YAML");
+    sluice_gateway::chain::Chain::from_resource(&hc)
+        .expect("valid chain")
+        .sandbox
+}
+
+/// A fake cluster holding `chain` with `warm` pods kept warm, and a kube-mode gateway on it.
+async fn cluster(protocol: ExecProtocol, chain: &str, warm: usize) -> (FakeApiServer, Harness) {
+    let api = FakeApiServer::start(protocol)
+        .await
+        .expect("fake API server");
+    api.apply(Resource::HookChains, manifest_json(chain));
+    if warm > 0 {
+        api.keep_warm(sandbox_of(chain), warm);
+    }
+    let h = Harness::start_kube(&api, "gw-test", Duration::from_secs(30)).await;
+    (api, h)
+}
+
+fn deletes_of_pods(api: &FakeApiServer) -> usize {
+    api.requests()
+        .iter()
+        .filter(|r| r.method == "DELETE" && r.path.contains("/pods/"))
+        .count()
+}
+
+async fn runs_and_streams_over(protocol: ExecProtocol) {
+    let chain = chain_yaml(
+        "redact",
+        "bot",
+        "output",
+        "streaming: {flushChars: 8, lookbackChars: 4}",
+        &[("digits", "modify", REDACT), ("chatty", "detect", CHATTY)],
+    );
+    let (api, h) = cluster(protocol, &chain, 2).await;
+    for i in 0..3 {
+        let r = h
+            .run_text("bot", "output", &format!("call 555-{i}00"))
+            .await
+            .expect("run");
+        assert_eq!(action(&r), Action::Modify);
+        assert_eq!(text(&r), "call ###-###");
+        assert_eq!(r.hooks.len(), 2, "both hooks ran: {:?}", r.hooks);
+        assert!(r.hooks.iter().all(|o| o.error.is_empty()), "{:?}", r.hooks);
+    }
+    let s = h
+        .stream(
+            "bot",
+            "output",
+            &["my number is 0".into(), "10-1234-5678, ok".into()],
+        )
+        .await;
+    assert!(s.status.is_none(), "stream failed: {:?}", s.status);
+    let final_ = s.final_.as_ref().expect("final answer");
+    assert_eq!(text(final_), "my number is ###-####-####, ok");
+    assert!(!s.committed().chars().any(|c| c.is_ascii_digit()));
+    // Every claim was made with the precondition and every used pod was deleted afterwards.
+    let claims: Vec<_> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "PATCH")
+        .collect();
+    assert!(claims.len() >= 4, "one claim per run and per stream path");
+    for c in &claims {
+        assert!(
+            c.body["metadata"]["resourceVersion"].is_string(),
+            "claim without precondition: {c:?}"
+        );
+        assert_eq!(c.body["metadata"]["labels"]["sluice.dev/pool"], "claimed");
+        assert_eq!(
+            c.body["metadata"]["annotations"]["sluice.dev/claimed-by"],
+            "gw-test"
+        );
+    }
+    h.stop_kube_and_check(&api).await;
+    assert_eq!(deletes_of_pods(&api), claims.len());
+    // Every exec used the contract's command and stdin, stdout and stderr, no tty.
+    for e in api.requests().iter().filter(|r| r.path.ends_with("/exec")) {
+        assert!(e.query.contains("container=supervisor"), "{e:?}");
+        assert!(e.query.contains("stdin=true"), "{e:?}");
+        assert!(!e.query.contains("tty=true"), "{e:?}");
+    }
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn runs_and_streams_real_chains_over_exec_v5() {
+    runs_and_streams_over(ExecProtocol::V5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn runs_and_streams_real_chains_over_exec_v4() {
+    runs_and_streams_over(ExecProtocol::V4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_claimers_one_warm_pod_exactly_one_wins() {
+    let api = FakeApiServer::start(ExecProtocol::V5)
+        .await
+        .expect("fake API");
+    let chain = chain_yaml("race", "bot", "input", "", &[("d", "modify", REDACT)]);
+    let spec = sandbox_of(&chain);
+    let pod = api.add_warm_pod(&spec).await.expect("pod");
+    let backend = |who: &str| {
+        let mut cfg = KubeConfig::new(who);
+        cfg.claim_timeout = Duration::from_millis(1500);
+        KubeBackend::new(
+            api.client(),
+            cfg,
+            sluice_gateway::metrics::Metrics::new(),
+            Duration::from_secs(10),
+        )
+    };
+    let (a, b) = (
+        backend("gw-a").await.unwrap(),
+        backend("gw-b").await.unwrap(),
+    );
+    let (ra, rb) = tokio::join!(a.start(&spec), b.start(&spec));
+    let (winner, loser, won) = match (ra, rb) {
+        (Ok(s), Err(e)) => (s, e, "gw-a"),
+        (Err(e), Ok(s)) => (s, e, "gw-b"),
+        (Ok(_), Ok(_)) => panic!("both gateways claimed the one pod"),
+        (Err(a), Err(b)) => panic!("nobody claimed the pod: {a}; {b}"),
+    };
+    assert!(
+        loser.to_string().contains("no warm pod"),
+        "the loser is told why: {loser}"
+    );
+    let stored = api
+        .get(Resource::Pods, "default", &pod)
+        .expect("pod still there");
+    assert_eq!(stored["metadata"]["labels"]["sluice.dev/pool"], "claimed");
+    assert_eq!(
+        stored["metadata"]["annotations"]["sluice.dev/claimed-by"],
+        won
+    );
+    winner.handle.destroy(true).await;
+    assert!(api.get(Resource::Pods, "default", &pod).is_none());
+    assert!(a.live().await.is_empty() && b.live().await.is_empty());
+    api.stop().await;
+}
+
+const SLOW: &str = r#"import time
+def execute(context, settings):
+    time.sleep(8)
+    return {"action": "pass"}"#;
+
+const MARK: &str = r#"def execute(context, settings):
+    return {"action": "modify", "outgoing": context["outgoing"] + " [checked]"}"#;
+
+/// Waits until some pod of the fake is claimed and returns its name.
+async fn claimed_pod(api: &FakeApiServer) -> String {
+    for _ in 0..600 {
+        if let Some(p) = api
+            .list(Resource::Pods, "default")
+            .into_iter()
+            .find(|p| p["metadata"]["labels"]["sluice.dev/pool"] == "claimed")
+        {
+            return p["metadata"]["name"].as_str().unwrap().to_string();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no pod was claimed");
+}
+
+async fn pod_dies_mid_run(policy: &str) -> (sluice_gateway::proto::RunResponse, FakeApiServer) {
+    let chain = chain_yaml(
+        "dying",
+        "bot",
+        "input",
+        &format!("failurePolicy: {policy}\ntimeoutMs: 60000"),
+        &[("slow", "detect", SLOW), ("mark", "modify", MARK)],
+    );
+    let (api, h) = cluster(ExecProtocol::V5, &chain, 1).await;
+    let run = {
+        let h = &h;
+        async move { h.run_text("bot", "input", "hello").await }
+    };
+    let kill = async {
+        let pod = claimed_pod(&api).await;
+        // Once the payload went in, the supervisor is inside the slow hook.
+        for _ in 0..1200 {
+            if api.stdin_of("default", &pod).contains("\"chunk\"") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(api.stdin_of("default", &pod).contains("\"chunk\""));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        api.kill_pod("default", &pod).await;
+    };
+    let (r, ()) = tokio::join!(run, kill);
+    let r = r.expect("a dying pod is a failed hook, not a failed request");
+    h.stop_kube_and_check(&api).await;
+    (r, api)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_dying_mid_run_blocks_under_closed() {
+    let (r, api) = pod_dies_mid_run("Closed").await;
+    assert_eq!(action(&r), Action::Block, "{r:?}");
+    assert!(
+        !r.hooks[0].error.is_empty(),
+        "the slow hook's error is reported: {r:?}"
+    );
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_dying_mid_run_passes_on_under_open() {
+    let (r, api) = pod_dies_mid_run("Open").await;
+    // The slow hook is retried once in a fresh pod (where it meets its death or its deadline no
+    // more: the test only kills the first pod), so it either passes or fails; the rest still runs.
+    let mark = r
+        .hooks
+        .iter()
+        .find(|o| o.name == "mark")
+        .expect("the next hook ran");
+    assert!(mark.error.is_empty(), "{r:?}");
+    assert_eq!(text(&r), "hello [checked]");
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_registry_follows_the_cluster_and_survives_a_malformed_object() {
+    let chain = chain_yaml("marker", "bot", "input", "", &[("mark", "modify", MARK)]);
+    let (api, h) = cluster(ExecProtocol::V5, &chain, 2).await;
+    // An object the API server would hold but that is not a valid HookChain for us.
+    let mut bad = manifest_json(&chain_yaml("broken", "other", "input", "", &[]));
+    bad["spec"]["hooks"] = Value::String("not a list".into());
+    api.apply(Resource::HookChains, bad);
+    let r = h.run_text("bot", "input", "hi").await.expect("run");
+    assert_eq!(text(&r), "hi [checked]");
+    // New code, same pool: the next run uses it; no pod template changed, so nothing else does.
+    let pods_before = api.list(Resource::Pods, "default").len();
+    let updated = chain.replace("[checked]", "[checked v2]");
+    api.apply(Resource::HookChains, manifest_json(&updated));
+    let mut seen = String::new();
+    for _ in 0..100 {
+        let r = h.run_text("bot", "input", "hi").await.expect("run");
+        seen = text(&r).to_string();
+        if seen == "hi [checked v2]" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(seen, "hi [checked v2]");
+    assert_eq!(api.list(Resource::Pods, "default").len(), pods_before);
+    // The malformed chain is simply not served.
+    let e = h.run_text("other", "input", "hi").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_warm_pod_in_time_is_unavailable() {
+    let chain = chain_yaml("cold", "bot", "input", "", &[("mark", "modify", MARK)]);
+    let api = FakeApiServer::start(ExecProtocol::V5)
+        .await
+        .expect("fake API");
+    api.apply(Resource::HookChains, manifest_json(&chain));
+    let h = Harness::start_kube(&api, "gw-test", Duration::from_millis(700)).await;
+    let e = h.run_text("bot", "input", "hi").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("no warm pod"), "{}", e.message());
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
+}

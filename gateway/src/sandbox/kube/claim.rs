@@ -1,0 +1,187 @@
+//! Claiming a warm pod: pick among the chain's Ready warm pods from the watch cache, then flip its
+//! pool label with one PATCH preconditioned on the `resourceVersion` we saw. Two gateways racing for
+//! one pod both send that PATCH; the API server applies the first and answers the second 409, which
+//! then tries another pod. Nothing here trusts the cache to be fresh: the precondition is the lock.
+
+use super::labels;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, Patch, PatchParams};
+use rand::seq::SliceRandom;
+use std::collections::HashSet;
+use std::sync::Arc;
+
+/// Field manager of the claim patch, so `managedFields` tell who flipped the label.
+pub const FIELD_MANAGER: &str = "sluice-gateway";
+
+/// True if `pod` is a warm pod of chain `chain` in `namespace` that a run may claim now: labelled
+/// warm, Running, Ready and not being deleted.
+pub fn is_warm(pod: &Pod, namespace: &str, chain: &str) -> bool {
+    let meta = &pod.metadata;
+    let label = |k: &str| {
+        meta.labels
+            .as_ref()
+            .and_then(|l| l.get(k))
+            .map(String::as_str)
+    };
+    let ready = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    let running = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|p| p == "Running");
+    meta.namespace.as_deref() == Some(namespace)
+        && label(labels::CHAIN) == Some(chain)
+        && label(labels::POOL) == Some(labels::WARM)
+        && meta.deletion_timestamp.is_none()
+        && ready
+        && running
+}
+
+/// The warm pods of a chain worth trying, in random order (so replicas spread over the pool instead
+/// of all racing for the first), leaving out pods whose version we already lost a race on.
+pub fn candidates(
+    pods: &[Arc<Pod>],
+    namespace: &str,
+    chain: &str,
+    lost: &HashSet<(String, String)>,
+) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = pods
+        .iter()
+        .filter(|p| is_warm(p, namespace, chain))
+        .filter_map(|p| {
+            let name = p.metadata.name.clone()?;
+            let rv = p.metadata.resource_version.clone()?;
+            Some((name, rv))
+        })
+        .filter(|k| !lost.contains(k))
+        .collect();
+    out.shuffle(&mut rand::rng());
+    out
+}
+
+/// The merge patch that claims a pod: the label flip and who claimed it when, valid only if the pod
+/// is still at `resource_version`.
+pub fn claim_patch(resource_version: &str, identity: &str, now: &str) -> serde_json::Value {
+    serde_json::json!({
+        "metadata": {
+            "resourceVersion": resource_version,
+            "labels": {labels::POOL: labels::CLAIMED},
+            "annotations": {
+                labels::CLAIMED_BY: identity,
+                labels::CLAIMED_AT: now,
+            },
+        }
+    })
+}
+
+pub enum Outcome {
+    Claimed(Box<Pod>),
+    /// Someone else changed or took the pod first (409), or it is gone (404).
+    Lost,
+}
+
+/// One claim attempt on one pod.
+pub async fn try_claim(
+    api: &Api<Pod>,
+    name: &str,
+    resource_version: &str,
+    identity: &str,
+) -> Result<Outcome, kube::Error> {
+    let now = jiff::Timestamp::now().to_string();
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    let patch = claim_patch(resource_version, identity, &now);
+    match api.patch(name, &params, &Patch::Merge(&patch)).await {
+        Ok(pod) => Ok(Outcome::Claimed(Box::new(pod))),
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(Outcome::Lost),
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
+    use kube::api::ObjectMeta;
+
+    fn pod(name: &str, pool: &str, ready: bool, phase: &str) -> Arc<Pod> {
+        Arc::new(Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("team".into()),
+                resource_version: Some("7".into()),
+                labels: Some(
+                    [
+                        (labels::CHAIN.to_string(), "redact".to_string()),
+                        (labels::POOL.to_string(), pool.to_string()),
+                    ]
+                    .into(),
+                ),
+                ..Default::default()
+            },
+            status: Some(PodStatus {
+                phase: Some(phase.into()),
+                conditions: Some(vec![PodCondition {
+                    type_: "Ready".into(),
+                    status: if ready { "True" } else { "False" }.into(),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn only_ready_running_warm_pods_of_the_chain_are_candidates() {
+        let pods = vec![
+            pod("a", labels::WARM, true, "Running"),
+            pod("b", labels::CLAIMED, true, "Running"),
+            pod("c", labels::WARM, false, "Running"),
+            pod("d", labels::WARM, true, "Pending"),
+            pod("e", labels::WARM, true, "Running"),
+        ];
+        let mut got: Vec<String> = candidates(&pods, "team", "redact", &HashSet::new())
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        got.sort();
+        assert_eq!(got, ["a", "e"]);
+        assert!(candidates(&pods, "other", "redact", &HashSet::new()).is_empty());
+        assert!(candidates(&pods, "team", "other", &HashSet::new()).is_empty());
+        let lost = HashSet::from([("a".to_string(), "7".to_string())]);
+        let got: Vec<String> = candidates(&pods, "team", "redact", &lost)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(got, ["e"]);
+    }
+
+    #[test]
+    fn a_pod_being_deleted_is_not_warm() {
+        let mut p = (*pod("a", labels::WARM, true, "Running")).clone();
+        assert!(is_warm(&p, "team", "redact"));
+        p.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            jiff::Timestamp::now(),
+        ));
+        assert!(!is_warm(&p, "team", "redact"));
+    }
+
+    #[test]
+    fn the_claim_patch_carries_the_precondition_and_the_label_flip() {
+        let p = claim_patch("42", "gw-1", "2026-11-22T03:00:00Z");
+        assert_eq!(p["metadata"]["resourceVersion"], "42");
+        assert_eq!(p["metadata"]["labels"][labels::POOL], labels::CLAIMED);
+        assert_eq!(p["metadata"]["annotations"][labels::CLAIMED_BY], "gw-1");
+        assert_eq!(
+            p["metadata"]["annotations"][labels::CLAIMED_AT],
+            "2026-11-22T03:00:00Z"
+        );
+    }
+}

@@ -1,0 +1,108 @@
+//! Reaching the supervisor in a claimed pod through the exec API (websocket, `v5.channel.k8s.io`
+//! with a fallback to v4, `tty=false`): requests go to its stdin, the protocol comes back on its
+//! stderr, and its stdout (hooks' prints) is drained and discarded here with a bound.
+
+use super::labels;
+use crate::sandbox::{OUTPUT_LIMIT, SandboxSpec};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, AttachParams, AttachedProcess};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::io::AsyncReadExt;
+
+/// The command the gateway runs in a claimed pod for one trigger point.
+pub fn command(spec: &SandboxSpec) -> Vec<String> {
+    [
+        "python3",
+        "-u",
+        labels::SUPERVISOR_PATH,
+        "--workers",
+        &spec.workers.to_string(),
+        "--memory-bytes",
+        &spec.memory_bytes.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Buffers between the websocket and the supervisor conversation: large enough that a protocol line
+/// of a big payload does not crawl through the default 1 KiB pipe.
+const BUFFER: usize = 256 << 10;
+
+pub struct Exec {
+    pub process: AttachedProcess,
+    pub stdin: tokio::io::WriteHalf<tokio::io::SimplexStream>,
+    pub stderr: tokio::io::ReadHalf<tokio::io::SimplexStream>,
+    pub stdout_bytes: Arc<AtomicU64>,
+}
+
+/// Starts the supervisor in `pod` and starts draining its stdout.
+pub async fn start(api: &Api<Pod>, pod: &str, spec: &SandboxSpec) -> Result<Exec, kube::Error> {
+    let params = AttachParams::default()
+        .container(labels::CONTAINER)
+        .stdin(true)
+        .stdout(true)
+        .stderr(true)
+        .tty(false)
+        .max_stdin_buf_size(BUFFER)
+        .max_stdout_buf_size(BUFFER)
+        .max_stderr_buf_size(BUFFER);
+    let mut process = api.exec(pod, command(spec), &params).await?;
+    let (Some(stdin), Some(mut stdout), Some(stderr)) =
+        (process.stdin(), process.stdout(), process.stderr())
+    else {
+        // AttachParams asked for all three, so kube always hands them out once.
+        unreachable!("exec streams requested but not provided");
+    };
+    let stdout_bytes = Arc::new(AtomicU64::new(0));
+    let counter = stdout_bytes.clone();
+    // Read and dropped. Past the bound nothing more is read, so the exec stream stalls and the hook
+    // that keeps printing meets its deadline, exactly as in local mode.
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 16 << 10];
+        while let Ok(n) = stdout.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            if counter.fetch_add(n as u64, Ordering::Relaxed) + n as u64 > OUTPUT_LIMIT {
+                std::future::pending::<()>().await;
+            }
+        }
+    });
+    Ok(Exec {
+        process,
+        stdin,
+        stderr,
+        stdout_bytes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_runs_the_supervisor_unbuffered_with_the_chains_shape() {
+        let spec = SandboxSpec {
+            namespace: "team".into(),
+            chain: "redact".into(),
+            cpu_millis: 250,
+            memory_bytes: 128 << 20,
+            pids: 64,
+            workers: 3,
+        };
+        assert_eq!(
+            command(&spec),
+            [
+                "python3",
+                "-u",
+                "/opt/sluice/supervisor.py",
+                "--workers",
+                "3",
+                "--memory-bytes",
+                "134217728"
+            ]
+        );
+    }
+}

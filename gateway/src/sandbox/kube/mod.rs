@@ -1,0 +1,350 @@
+//! The `kube` sandbox backend: the operator keeps warm gVisor pods per HookChain; for each trigger
+//! point the gateway claims one (`claim.rs`), runs the supervisor in it over the exec API
+//! (`exec.rs`) and deletes the pod afterwards. Pods are found through a watch cache of the pods the
+//! operator manages; the claim itself never trusts the cache (see `claim.rs`).
+
+pub mod claim;
+pub mod exec;
+
+use super::{Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError};
+use crate::metrics::Metrics;
+use async_trait::async_trait;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, AttachedProcess, DeleteParams, ListParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// Names shared with the operator (see the Kubernetes contract in docs/kubernetes.md).
+pub mod labels {
+    pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+    pub const OPERATOR: &str = "sluice-operator";
+    pub const CHAIN: &str = "sluice.dev/chain";
+    pub const POOL: &str = "sluice.dev/pool";
+    pub const WARM: &str = "warm";
+    pub const CLAIMED: &str = "claimed";
+    pub const CLAIMED_BY: &str = "sluice.dev/claimed-by";
+    pub const CLAIMED_AT: &str = "sluice.dev/claimed-at";
+    pub const CONTAINER: &str = "supervisor";
+    pub const SUPERVISOR_PATH: &str = "/opt/sluice/supervisor.py";
+}
+
+#[derive(Clone, Debug)]
+pub struct KubeConfig {
+    /// Who claims: the gateway pod's name, recorded on every claimed pod.
+    pub identity: String,
+    /// Watch and claim only in this namespace (None: all namespaces).
+    pub namespace: Option<String>,
+    /// How long one claim waits for a warm pod to appear.
+    pub claim_timeout: Duration,
+    /// How long a deleted-after-use pod's exec may take to report its exit.
+    pub exit_grace: Duration,
+}
+
+impl KubeConfig {
+    pub fn new(identity: impl Into<String>) -> Self {
+        Self {
+            identity: identity.into(),
+            namespace: None,
+            claim_timeout: Duration::from_secs(2),
+            exit_grace: Duration::from_millis(500),
+        }
+    }
+}
+
+pub struct KubeBackend {
+    client: kube::Client,
+    cfg: KubeConfig,
+    pods: Store<Pod>,
+    /// Woken on every change the pod watch sees: a claim waiting for a warm pod looks again.
+    changed: Arc<Notify>,
+    /// Pods this gateway claimed and has not yet seen deleted: "namespace/name".
+    live: Arc<Mutex<HashSet<String>>>,
+    metrics: Metrics,
+    watch: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for KubeBackend {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
+
+fn selector() -> String {
+    format!("{}={}", labels::MANAGED_BY, labels::OPERATOR)
+}
+
+impl KubeBackend {
+    /// Starts the pod watch and waits (up to `sync_timeout`) for its first full list.
+    pub async fn new(
+        client: kube::Client,
+        cfg: KubeConfig,
+        metrics: Metrics,
+        sync_timeout: Duration,
+    ) -> anyhow::Result<Self> {
+        let api: Api<Pod> = match &cfg.namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        };
+        let (pods, writer) = reflector::store();
+        let changed = Arc::new(Notify::new());
+        let stream = reflector::reflector(
+            writer,
+            watcher(api, watcher::Config::default().labels(&selector())).default_backoff(),
+        );
+        let notify = changed.clone();
+        let watch = tokio::spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            while let Some(event) = stream.next().await {
+                match event {
+                    Ok(_) => notify.notify_waiters(),
+                    Err(e) => tracing::warn!(error = %e, "pod watch failed; retrying"),
+                }
+            }
+        });
+        if tokio::time::timeout(sync_timeout, pods.wait_until_ready())
+            .await
+            .is_err()
+        {
+            watch.abort();
+            anyhow::bail!(
+                "the pod watch did not sync within {sync_timeout:?}: is the API server reachable and may this service account list pods?"
+            );
+        }
+        Ok(Self {
+            client,
+            cfg,
+            pods,
+            changed,
+            live: Arc::default(),
+            metrics,
+            watch,
+        })
+    }
+
+    /// Claims a warm pod of the spec's chain, waiting up to the claim timeout for one.
+    async fn claim(&self, spec: &SandboxSpec) -> Result<(Api<Pod>, String), StartError> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &spec.namespace);
+        let deadline = Instant::now() + self.cfg.claim_timeout;
+        let mut lost = HashSet::new();
+        loop {
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            let pods = self.pods.state();
+            for (name, rv) in claim::candidates(&pods, &spec.namespace, &spec.chain, &lost) {
+                match claim::try_claim(&api, &name, &rv, &self.cfg.identity).await {
+                    Ok(claim::Outcome::Claimed(_)) => {
+                        self.metric("claimed");
+                        self.live().insert(format!("{}/{name}", spec.namespace));
+                        return Ok((api, name));
+                    }
+                    Ok(claim::Outcome::Lost) => {
+                        self.metric("conflict");
+                        lost.insert((name, rv));
+                    }
+                    Err(e) => {
+                        self.metric("error");
+                        return Err(StartError::Runtime(format!(
+                            "claiming pod {}/{name}: {e}",
+                            spec.namespace
+                        )));
+                    }
+                }
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                self.metric("none");
+                return Err(StartError::Runtime(format!(
+                    "no warm pod of HookChain {}/{} within {} ms (is the operator running and the pool Ready? `kubectl get hc -n {}`)",
+                    spec.namespace,
+                    spec.chain,
+                    self.cfg.claim_timeout.as_millis(),
+                    spec.namespace
+                )));
+            }
+        }
+    }
+
+    fn metric(&self, result: &str) {
+        self.metrics.pod_claims.with_label_values(&[result]).inc();
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[async_trait]
+impl SandboxBackend for KubeBackend {
+    async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
+        let (api, pod) = self.claim(spec).await?;
+        let handle = KubeHandle {
+            api: api.clone(),
+            key: format!("{}/{pod}", spec.namespace),
+            pod: pod.clone(),
+            process: Mutex::new(None),
+            stdout_bytes: Arc::default(),
+            live: self.live.clone(),
+            destroyed: AtomicBool::new(false),
+            exit_grace: self.cfg.exit_grace,
+        };
+        match exec::start(&api, &pod, spec).await {
+            Ok(e) => {
+                let handle = KubeHandle {
+                    process: Mutex::new(Some(e.process)),
+                    stdout_bytes: e.stdout_bytes,
+                    ..handle
+                };
+                Ok(Sandbox {
+                    id: handle.key.clone(),
+                    stdin: Box::pin(e.stdin),
+                    protocol: Box::pin(e.stderr),
+                    stdout: None,
+                    handle: Box::new(handle),
+                })
+            }
+            Err(e) => {
+                // The pod is ours now: it goes, whatever state it is in.
+                handle.destroy(true).await;
+                Err(StartError::Runtime(format!(
+                    "exec into pod {}/{pod}: {e}",
+                    spec.namespace
+                )))
+            }
+        }
+    }
+
+    async fn clean_leftovers(&self) -> usize {
+        let mut gone = 0;
+        // Our own claims still open, and pods an earlier process under our name claimed.
+        let mut victims: HashMap<String, (String, String)> = self
+            .live()
+            .iter()
+            .filter_map(|k| {
+                let (ns, name) = k.split_once('/')?;
+                Some((k.clone(), (ns.to_string(), name.to_string())))
+            })
+            .collect();
+        let api: Api<Pod> = match &self.cfg.namespace {
+            Some(ns) => Api::namespaced(self.client.clone(), ns),
+            None => Api::all(self.client.clone()),
+        };
+        let params = ListParams::default().labels(&format!(
+            "{},{}={}",
+            selector(),
+            labels::POOL,
+            labels::CLAIMED
+        ));
+        match api.list(&params).await {
+            Ok(list) => {
+                for p in list.items {
+                    let ours = p
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(labels::CLAIMED_BY))
+                        .is_some_and(|by| *by == self.cfg.identity);
+                    if let (true, Some(ns), Some(name)) =
+                        (ours, p.metadata.namespace, p.metadata.name)
+                    {
+                        victims.insert(format!("{ns}/{name}"), (ns, name));
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot list claimed pods to clean up"),
+        }
+        for (key, (ns, name)) in victims {
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+            if delete_pod(&api, &name).await {
+                gone += 1;
+                self.live().remove(&key);
+            }
+        }
+        gone
+    }
+
+    async fn live(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.live().iter().cloned().collect();
+        v.sort();
+        v
+    }
+
+    fn gateway_warms(&self) -> bool {
+        false
+    }
+}
+
+/// Deletes a pod at once (grace 0). True when it is gone (or was already).
+async fn delete_pod(api: &Api<Pod>, name: &str) -> bool {
+    let params = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    for attempt in 0..3u32 {
+        match api.delete(name, &params).await {
+            Ok(_) => return true,
+            Err(kube::Error::Api(s)) if s.code == 404 => return true,
+            Err(e) => {
+                tracing::warn!(pod = %name, error = %e, attempt, "deleting a used pod failed");
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+        }
+    }
+    // The operator deletes claimed pods past their deadline: the pod does not outlive that.
+    false
+}
+
+struct KubeHandle {
+    api: Api<Pod>,
+    pod: String,
+    key: String,
+    process: Mutex<Option<AttachedProcess>>,
+    stdout_bytes: Arc<AtomicU64>,
+    live: Arc<Mutex<HashSet<String>>>,
+    destroyed: AtomicBool,
+    exit_grace: Duration,
+}
+
+#[async_trait]
+impl SandboxHandle for KubeHandle {
+    async fn destroy(&self, force: bool) {
+        if self.destroyed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let process = self
+            .process
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(mut process) = process {
+            // The exit status comes on the error channel once the supervisor ends (its stdin is
+            // closed by now unless forced); it only informs the log: the pod goes either way.
+            if !force && let Some(status) = process.take_status() {
+                match tokio::time::timeout(self.exit_grace, status).await {
+                    Ok(Some(s)) if s.status.as_deref() != Some("Success") => {
+                        tracing::warn!(pod = %self.key, status = ?s.message, reason = ?s.reason, "supervisor exited with an error")
+                    }
+                    Ok(_) => {}
+                    Err(_) => tracing::debug!(pod = %self.key, "supervisor did not exit in time"),
+                }
+            }
+            process.abort();
+        }
+        if delete_pod(&self.api, &self.pod).await {
+            self.live
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&self.key);
+        }
+    }
+
+    fn stdout_bytes(&self) -> u64 {
+        self.stdout_bytes.load(Ordering::Relaxed)
+    }
+}
