@@ -1,12 +1,13 @@
 //! `make bench`: every number an issue asks for, printed as a table beside baselines measured in the
 //! same run on the same machine. `sluice-bench [SECTION...]` runs some sections only
-//! (run, throughput, stream, host_call, load).
+//! (run, throughput, stream, host_call, load, kube).
 
 use anyhow::Context as _;
 use sluice_gateway::gateway::{LocalOptions, RunningGateway, start_local};
 use sluice_gateway::proto::{self, gateway_client::GatewayClient};
 use std::time::{Duration, Instant};
 
+mod kube;
 mod load;
 mod naive;
 mod report;
@@ -245,6 +246,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if on("host_call") {
         stream::host_call(&mut table).await.context("host_call")?;
+    }
+    if on("kube") {
+        kube::bench(&mut table).await.context("kube")?;
     }
     table.print();
     Ok(())

@@ -67,6 +67,10 @@ impl RunningGateway {
 
     /// Stops accepting, lets in-flight runs and streams finish, then destroys every sandbox.
     pub async fn shutdown(mut self) {
+        self.engine
+            .metrics
+            .ready
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         self.engine.begin_shutdown();
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
@@ -255,6 +259,10 @@ async fn serve(
                 tracing::info!("waiting for warm sandboxes before reporting ready");
             }
             health.set_serving::<GatewayServer<GatewayService>>().await;
+            engine
+                .metrics
+                .ready
+                .store(true, std::sync::atomic::Ordering::Relaxed);
         })
     };
     tasks.push(ready);

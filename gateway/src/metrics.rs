@@ -21,6 +21,8 @@ pub struct Metrics {
     pub host_calls: IntCounterVec,
     pub rejected: IntCounterVec,
     pub pod_claims: IntCounterVec,
+    /// Answers `/readyz`: set once the registry is loaded and the pools are warm, cleared at shutdown.
+    pub ready: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Default for Metrics {
@@ -146,6 +148,7 @@ impl Metrics {
             host_calls,
             rejected,
             pod_claims,
+            ready: Default::default(),
         }
     }
 
@@ -155,7 +158,8 @@ impl Metrics {
         String::from_utf8(out).unwrap_or_default()
     }
 
-    /// Serves `GET /metrics` on `addr` until the process ends.
+    /// Serves `GET /metrics`, `/healthz` (the process answers) and `/readyz` (ready to serve runs) on
+    /// `addr` until the process ends.
     pub async fn serve(self, addr: SocketAddr) -> std::io::Result<()> {
         use http_body_util::Full;
         use hyper::{Response, body::Bytes, service::service_fn};
@@ -168,8 +172,21 @@ impl Metrics {
                 let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                     let metrics = metrics.clone();
                     async move {
+                        let ready = metrics.ready.load(std::sync::atomic::Ordering::Relaxed);
                         let resp = if req.uri().path() == "/metrics" {
                             Response::new(Full::new(Bytes::from(metrics.render())))
+                        } else if req.uri().path() == "/healthz" {
+                            Response::new(Full::new(Bytes::from_static(b"ok\n")))
+                        } else if req.uri().path() == "/readyz" {
+                            let mut r = Response::new(Full::new(Bytes::from_static(if ready {
+                                b"ready\n"
+                            } else {
+                                b"not ready\n"
+                            })));
+                            if !ready {
+                                *r.status_mut() = hyper::StatusCode::SERVICE_UNAVAILABLE;
+                            }
+                            r
                         } else {
                             let mut r =
                                 Response::new(Full::new(Bytes::from_static(b"not found\n")));

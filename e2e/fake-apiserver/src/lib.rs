@@ -132,6 +132,8 @@ impl FakeApiServer {
                 let Ok((tcp, _)) = listener.accept().await else {
                     continue;
                 };
+                // As the real API server (Go) does: small exec frames must not wait for Nagle.
+                let _ = tcp.set_nodelay(true);
                 let s = s.clone();
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req| {
@@ -302,6 +304,26 @@ impl Shared {
         let Some(stdout) = sandbox.stdout else {
             anyhow::bail!("the local backend drained stdout despite keep_stdout");
         };
+        // Like the readiness probe, the pod is Ready (and published) once the supervisor answers:
+        // its `ready` line is read here and handed on unchanged to whoever attaches.
+        let mut stderr = tokio::io::BufReader::new(sandbox.protocol);
+        let mut ready = Vec::new();
+        let said = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            tokio::io::AsyncBufReadExt::read_until(&mut stderr, b'\n', &mut ready),
+        )
+        .await;
+        if !matches!(said, Ok(Ok(n)) if n > 0) || !ready.starts_with(b"{\"type\":\"ready\"") {
+            sandbox.handle.destroy(true).await;
+            anyhow::bail!(
+                "the supervisor of a fake pod did not say ready: {:?}",
+                String::from_utf8_lossy(&ready)
+            );
+        }
+        let stderr: Reader = Box::pin(tokio::io::AsyncReadExt::chain(
+            std::io::Cursor::new(ready),
+            stderr,
+        ));
         self.handles
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -314,7 +336,7 @@ impl Shared {
                 Stdio {
                     stdin: sandbox.stdin,
                     stdout,
-                    stderr: sandbox.protocol,
+                    stderr,
                 },
             );
         let pod = json!({

@@ -129,7 +129,7 @@ impl KubeBackend {
     }
 
     /// Claims a warm pod of the spec's chain, waiting up to the claim timeout for one.
-    async fn claim(&self, spec: &SandboxSpec) -> Result<(Api<Pod>, String), StartError> {
+    pub async fn claim(&self, spec: &SandboxSpec) -> Result<(Api<Pod>, String), StartError> {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &spec.namespace);
         let deadline = Instant::now() + self.cfg.claim_timeout;
         let mut lost = HashSet::new();

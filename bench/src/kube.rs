@@ -1,0 +1,187 @@
+//! The `kube` backend's own costs, without a cluster: a claim (watch-cache lookup + one
+//! preconditioned PATCH) against the fake API server beside one plain GET round trip to it, and a
+//! warm Run through the exec path (claim, websocket exec, channel framing, pod delete) beside the
+//! same Run from the local backend's warm pool, all measured in this run.
+
+use crate::report::{Row, Table, percentile};
+use crate::{Bench, chain_yaml, text_1k};
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::{Value, json};
+use sluice_fake_apiserver::{ExecProtocol, FakeApiServer, Resource};
+use sluice_gateway::gateway::{KubeOptions, start_kube};
+use sluice_gateway::proto::{self, gateway_client::GatewayClient};
+use sluice_gateway::sandbox::kube::{KubeBackend, KubeConfig};
+use std::time::{Duration, Instant};
+
+fn pod(i: usize) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": format!("claimbench-{i:05}"), "namespace": "default",
+            "labels": {
+                "app.kubernetes.io/managed-by": "sluice-operator",
+                "sluice.dev/chain": "claimbench", "sluice.dev/pool": "warm",
+            },
+        },
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    })
+}
+
+fn spec_of(yaml: &str) -> anyhow::Result<sluice_gateway::sandbox::SandboxSpec> {
+    let hc: sluice_crds::HookChain = serde_yaml::from_str(yaml)?;
+    Ok(sluice_gateway::chain::Chain::from_resource(&hc)
+        .map_err(anyhow::Error::msg)?
+        .sandbox)
+}
+
+/// Claim latency (cache + PATCH), beside one GET round trip to the same server.
+async fn claims(table: &mut Table) -> anyhow::Result<()> {
+    let api = FakeApiServer::start(ExecProtocol::V5).await?;
+    let n = 200;
+    for i in 0..n {
+        api.apply(Resource::Pods, pod(i));
+    }
+    let backend = KubeBackend::new(
+        api.client(),
+        KubeConfig::new("bench"),
+        sluice_gateway::metrics::Metrics::new(),
+        Duration::from_secs(10),
+    )
+    .await?;
+    let mut spec = spec_of(&chain_yaml(
+        "claimbench",
+        "b",
+        "input",
+        "{warm: 1, max: 8}",
+        "",
+    ))?;
+    spec.chain = "claimbench".into();
+    let pods: kube::Api<Pod> = kube::Api::namespaced(api.client(), "default");
+    let mut gets = Vec::new();
+    for i in 0..n {
+        let began = Instant::now();
+        pods.get(&format!("claimbench-{i:05}")).await?;
+        gets.push(began.elapsed());
+    }
+    let mut samples = Vec::new();
+    for _ in 0..n - 10 {
+        let began = Instant::now();
+        backend.claim(&spec).await.map_err(anyhow::Error::msg)?;
+        samples.push(began.elapsed());
+    }
+    table.push(
+        Row::latency(
+            "kube claim: cache pick + preconditioned PATCH (fake API)",
+            &samples,
+        )
+        .target("gateway side of ≤ 50 ms"),
+    );
+    table.push(Row::latency(
+        "  baseline: one GET round trip to the same server",
+        &gets,
+    ));
+    api.stop().await;
+    Ok(())
+}
+
+/// A warm Run through claim + exec + framing, beside the same Run from a local warm pool.
+async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
+    let chain = chain_yaml("execbench", "bench", "input", "{warm: 2, max: 8}", "");
+    let text = text_1k();
+    let api = FakeApiServer::start(ExecProtocol::V5).await?;
+    let mut hc: Value = serde_yaml::from_str(&chain)?;
+    hc["metadata"]["namespace"] = "default".into();
+    api.apply(Resource::HookChains, hc);
+    api.keep_warm(spec_of(&chain)?, 2);
+    let mut opts = KubeOptions::new(api.client(), KubeConfig::new("bench"));
+    opts.limits.claim_timeout = Duration::from_secs(60);
+    opts.kube.claim_timeout = Duration::from_secs(60);
+    let gateway = start_kube(opts).await?;
+    let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
+    let warm = || {
+        api.list(Resource::Pods, "default")
+            .iter()
+            .filter(|p| p["metadata"]["labels"]["sluice.dev/pool"] == "warm")
+            .count()
+    };
+    let run = |text: String| {
+        let mut client = client.clone();
+        async move {
+            let req = proto::RunRequest {
+                namespace: "default".into(),
+                target: "bench".into(),
+                trigger_point: "input".into(),
+                payload: Some(proto::run_request::Payload::Text(text)),
+                ..Default::default()
+            };
+            client.run(req).await.map(|r| r.into_inner())
+        }
+    };
+    let mut samples = Vec::new();
+    for i in 0..33 {
+        while warm() < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let began = Instant::now();
+        let r = run(text.clone()).await?;
+        anyhow::ensure!(
+            r.hooks.len() == 3,
+            "a kube run did not run the chain: {r:?}"
+        );
+        if i >= 3 {
+            samples.push(began.elapsed());
+        }
+    }
+    // Throughput of the framing itself: a 512 KiB payload through the same chain.
+    let big = text.repeat(512);
+    let mut big_samples = Vec::new();
+    for _ in 0..5 {
+        while warm() < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let began = Instant::now();
+        run(big.clone()).await?;
+        big_samples.push(began.elapsed());
+    }
+    gateway.shutdown().await;
+    api.stop().await;
+
+    let local = Bench::start(&[("c.yaml", chain.clone())]).await?;
+    let mut local_samples = Vec::new();
+    let mut local_big = Vec::new();
+    for i in 0..33 {
+        let (took, _) = local.warm_run("bench", &text).await?;
+        if i >= 3 {
+            local_samples.push(took);
+        }
+    }
+    for _ in 0..5 {
+        let (took, _) = local.warm_run("bench", &big).await?;
+        local_big.push(took);
+    }
+    local.gateway.shutdown().await;
+
+    table.push(Row::latency(
+        "kube Run: claim + exec (v5) + 3 hooks + delete, fake API",
+        &samples,
+    ));
+    table.push(Row::latency(
+        "  baseline: same Run from the local warm pool",
+        &local_samples,
+    ));
+    let mbps = |s: &[Duration]| big.len() as f64 / percentile(s, 50.0).as_secs_f64() / 1e6;
+    table.push(Row::value(
+        "kube Run, 512 KiB payload through exec framing (p50)",
+        format!("{:.1} MB/s", mbps(&big_samples)),
+    ));
+    table.push(Row::value(
+        "  baseline: same payload, local pipes (p50)",
+        format!("{:.1} MB/s", mbps(&local_big)),
+    ));
+    Ok(())
+}
+
+pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
+    claims(table).await?;
+    exec_path(table).await
+}
