@@ -1,9 +1,14 @@
 """Tests of the supervisor over its real pipes: `python3 -m unittest discover -s supervisor`."""
 
+import contextlib
+import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -17,9 +22,9 @@ def hook(name, action, code, settings=None):
 class Session:
     """One supervisor process, spoken to exactly as the gateway does."""
 
-    def __init__(self, env=None):
+    def __init__(self, env=None, args=()):
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-u", SUPERVISOR],
+            [sys.executable, "-I", "-S", "-u", SUPERVISOR, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -222,6 +227,133 @@ class MemoryLimitTest(unittest.TestCase):
             result, hooks = s.chunk("x")
             self.assertIn("MemoryError", hooks[0]["error"])
             self.assertEqual(result["action"], "block")
+        finally:
+            s.close()
+
+
+def children(pid):
+    """Pids whose parent is `pid`, from /proc."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def catches(pid, signum):
+    """Whether process `pid` has installed a handler for `signum` (SigCgt in /proc/pid/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
+    return False
+
+
+class CommandLineTest(unittest.TestCase):
+    def run_supervisor(self, *args, **kw):
+        return subprocess.run([sys.executable, "-I", "-S", SUPERVISOR, *args], capture_output=True, timeout=30, **kw)
+
+    def hold(self, signum):
+        proc = subprocess.Popen([sys.executable, "-I", "-S", SUPERVISOR, "--hold"], stderr=subprocess.PIPE)
+        try:
+            # Signal only once the handlers are in: before that, SIGTERM would kill it by default.
+            for _ in range(3000):  # polls for up to 30 s; nothing here asserts on time
+                if catches(proc.pid, signal.SIGTERM) and catches(proc.pid, signal.SIGINT):
+                    break
+                self.assertIsNone(proc.poll(), "--hold exited on its own")
+                time.sleep(0.01)
+            self.assertIsNone(proc.poll(), "--hold exited before it was signalled")
+            proc.send_signal(signum)
+            self.assertEqual(proc.wait(10), 0)
+            self.assertEqual(proc.stderr.read(), b"")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+
+    def test_hold_exits_zero_on_sigterm(self):
+        self.hold(signal.SIGTERM)
+
+    def test_hold_exits_zero_on_sigint(self):
+        self.hold(signal.SIGINT)
+
+    def test_probe_answers_zero_and_leaves_no_process_or_file(self):
+        with tempfile.TemporaryDirectory() as cwd, tempfile.TemporaryDirectory() as tmp:
+            # A subreaper collects anything the probe leaves running: there must be nothing to collect.
+            wrapper = (
+                "import ctypes, os, subprocess, sys\n"
+                "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"  # PR_SET_CHILD_SUBREAPER
+                "rc = subprocess.run([sys.executable, '-I', '-S', sys.argv[1], '--probe']).returncode\n"
+                "try:\n"
+                "    os.waitpid(-1, os.WNOHANG)\n"
+                "    sys.exit('the probe left a process behind')\n"
+                "except ChildProcessError:\n"
+                "    sys.exit(rc)\n"
+            )
+            proc = subprocess.run([sys.executable, "-c", wrapper, SUPERVISOR], capture_output=True, timeout=30,
+                                  cwd=cwd, env={"TMPDIR": tmp, "SLUICE_SANDBOX": "1"})
+            self.assertEqual((proc.returncode, proc.stderr), (0, b""))
+            self.assertEqual(proc.stdout, b"")
+            self.assertEqual((os.listdir(cwd), os.listdir(tmp)), ([], []))
+
+    def test_probe_fails_with_a_message_when_the_answer_is_wrong(self):
+        import supervisor
+
+        for code, reason in [
+            ("def execute(c, s): return {'action': 'modify', 'outgoing': 'no'}", '"outgoing": "no"'),
+            ("def execute(c, s) return", "SyntaxError"),
+            ("def execute(c, s): return {'action': 'pass'}", '"action": "pass"'),
+        ]:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                self.assertEqual(supervisor.probe(code), 1, code)
+            self.assertIn("probe failed", err.getvalue())
+            self.assertIn(reason, err.getvalue())
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.assertEqual(supervisor.probe(), 0)
+        self.assertEqual(err.getvalue(), "")
+
+    def test_bad_arguments_exit_2_with_usage(self):
+        for args in (["--bogus"], ["--workers"], ["--workers", "-1"], ["--memory-bytes", "1G"], ["--hold", "--probe"]):
+            proc = self.run_supervisor(*args)
+            self.assertEqual(proc.returncode, 2, args)
+            self.assertIn(b"usage: supervisor.py", proc.stderr)
+
+    def test_workers_flag_overrides_the_env_var(self):
+        for env, args, want in [({"SLUICE_WORKERS": "2"}, [], 2),
+                                ({"SLUICE_WORKERS": "1"}, ["--workers", "3"], 3),
+                                ({}, ["--workers=2"], 2)]:
+            s = Session(env=env, args=args)
+            try:
+                self.assertEqual(s.ready["type"], "ready")
+                self.assertEqual(len(children(s.proc.pid)), want, (env, args))
+            finally:
+                s.close()
+
+    def test_memory_bytes_flag_overrides_the_env_var(self):
+        bomb = [hook("bomb", "modify", "def execute(c, s):\n    x = bytearray(1 << 30)\n    return {'action': 'pass'}\n")]
+        s = Session(env={"SLUICE_MEMORY_BYTES": "0"}, args=["--memory-bytes", str(256 << 20)])
+        try:
+            s.init(bomb)
+            result, hooks = s.chunk("x")
+            self.assertIn("MemoryError", hooks[0]["error"])
+            self.assertEqual(result["action"], "block")
+        finally:
+            s.close()
+        s = Session(env={"SLUICE_MEMORY_BYTES": str(256 << 20)}, args=["--memory-bytes", str(4 << 30)])
+        try:
+            s.init(bomb)
+            result, hooks = s.chunk("x")
+            self.assertNotIn("error", hooks[0])
+            self.assertEqual(result["action"], "pass")
         finally:
             s.close()
 
