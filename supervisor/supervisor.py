@@ -353,7 +353,7 @@ class Supervisor:
         self.limits = dict(DEFAULT_LIMITS)
         self.next_host_call = 0
         self.memory_bytes = memory_bytes
-        self.sandboxed = os.getpid() == 1 and os.environ.get("SLUICE_SANDBOX") == "1"
+        self.sandboxed = in_sandbox()
         # Workers forked before any hook code exists: the claim path never pays for a fork.
         self.spare = [Worker(memory_bytes) for _ in range(prefork)]
         for w in self.spare:
@@ -495,8 +495,8 @@ class Supervisor:
     def clean_up(self):
         """What a hook may leave behind is removed before the next one runs: processes other than the
         supervisor and its workers, workers with threads still running, and everything in /tmp.
-        Only inside a sandbox (where the supervisor is pid 1 and /tmp is its own): anywhere else
-        killing "every other process" and emptying /tmp would hit the host."""
+        Only inside a sandbox (see in_sandbox: its pid 1, or exec'd into a pod held by `--hold`):
+        anywhere else killing "every other process" and emptying /tmp would hit the host."""
         if not self.sandboxed or self.inline:
             return
         ran, self.last_ran = self.last_ran, None
@@ -504,7 +504,8 @@ class Supervisor:
             ran.worker.kill()  # threads it left could act while another hook runs
         workers = {h.worker.pid: h for h in self.hooks if h.worker is not None and not h.worker.dead}
         workers.update({w.pid: None for w in self.spare})
-        keep = {os.getpid()} | {pid for pid, h in workers.items() if h is None or not h.worker.dead}
+        # pid 1 is us (local mode) or the pod's `--hold` process (cluster mode), which must outlive us.
+        keep = {1, os.getpid()} | {pid for pid, h in workers.items() if h is None or not h.worker.dead}
         killed = False
         try:
             for entry in os.listdir("/proc"):
@@ -539,7 +540,7 @@ class Supervisor:
                 self.tmp_mtime = None
 
     def reap(self, wait=True):
-        """Collects exited processes (orphans are re-parented to us, pid 1 of the sandbox) and marks
+        """Collects exited processes (orphans are re-parented to pid 1: us, or `--hold` in a pod) and marks
         workers that died, so their hook gets a fresh one on its next call."""
         workers = {h.worker.pid for h in self.hooks if h.worker is not None} | {w.pid for w in self.spare}
         deadline = time.monotonic() + 0.2 if wait else None
@@ -660,6 +661,22 @@ class Supervisor:
                 return
             else:
                 self.channel.send({"type": "error", "message": f"unknown request type {kind!r}"})
+
+
+def in_sandbox():
+    """Whether this process owns everything around it, so that clean_up may kill every other process
+    and empty /tmp: inside a sandbox (SLUICE_SANDBOX=1) as its pid 1 (local mode), or exec'd into a
+    warm pod whose pid 1 is `supervisor.py --hold` (cluster mode). Anywhere else that would hit the host."""
+    if os.environ.get("SLUICE_SANDBOX") != "1":
+        return False
+    if os.getpid() == 1:
+        return True
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"--hold" in argv and any(a.endswith(b"/supervisor.py") or a == b"supervisor.py" for a in argv)
 
 
 def json_type(value):

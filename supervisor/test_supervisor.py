@@ -22,9 +22,9 @@ def hook(name, action, code, settings=None):
 class Session:
     """One supervisor process, spoken to exactly as the gateway does."""
 
-    def __init__(self, env=None, args=()):
+    def __init__(self, env=None, args=(), prefix=()):
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-u", SUPERVISOR, *args],
+            [*prefix, sys.executable, "-I", "-S", "-u", SUPERVISOR, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -356,6 +356,90 @@ class CommandLineTest(unittest.TestCase):
             self.assertEqual(result["action"], "pass")
         finally:
             s.close()
+
+
+def can_unshare():
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+LEAVE_BEHIND = """import subprocess
+def execute(context, settings):
+    open('/tmp/left-by-a', 'w').write('x')
+    subprocess.Popen(['sleep', '300'], start_new_session=True)
+    return {'action': 'pass'}
+"""
+LOOK_AROUND = """import os
+def execute(context, settings):
+    cmds = []
+    for pid in os.listdir('/proc'):
+        try:
+            cmds.append(open('/proc/' + pid + '/cmdline', 'rb').read().replace(b'\\0', b' ').decode())
+        except (OSError, ValueError):
+            pass
+    return {'action': 'detect', 'findings': {'tmp': sorted(os.listdir('/tmp')), 'cmds': cmds}}
+"""
+
+
+@unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0 and can_unshare(), "needs root and unshare (pid and mount namespaces)")
+class ClusterModeTest(unittest.TestCase):
+    """A warm pod in miniature: a pid namespace whose pid 1 is `--hold`, with its own /tmp, and the
+    supervisor exec'd into it the way the gateway execs it into a pod."""
+
+    def setUp(self):
+        self.pod = subprocess.Popen(["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child", "sh", "-c",
+                                     f"mount -t tmpfs -o size=16m tmpfs /tmp && exec {sys.executable} -I -S {SUPERVISOR} --hold"])
+        self.hold = None
+        for _ in range(3000):  # up to 30 s for the namespace and the handlers
+            kids = [k for pid in children(self.pod.pid) for k in [pid, *children(pid)]]
+            for pid in kids:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if b"--hold" in f.read() and catches(pid, signal.SIGTERM):
+                            self.hold = pid
+                except OSError:
+                    pass
+            if self.hold:
+                break
+            self.assertIsNone(self.pod.poll(), "the pod's namespace did not start")
+            time.sleep(0.01)
+        self.assertIsNotNone(self.hold, "no --hold process in the namespace")
+
+    def tearDown(self):
+        if self.hold and self.pod.poll() is None:
+            os.kill(self.hold, signal.SIGTERM)
+        try:
+            self.pod.wait(10)
+        except subprocess.TimeoutExpired:
+            self.pod.kill()
+            self.pod.wait()
+
+    def exec_chain(self, env):
+        s = Session(env=env, prefix=["nsenter", "-t", str(self.hold), "-p", "-m", "--"])
+        try:
+            s.init([hook("a", "detect", LEAVE_BEHIND), hook("b", "detect", LOOK_AROUND)])
+            _, hooks = s.chunk("x")
+        finally:
+            s.close()
+        self.assertNotIn("error", hooks[1], hooks)
+        return hooks[1]["findings"]
+
+    def test_exec_into_a_held_pod_cleans_up_between_hooks_and_spares_pid_1(self):
+        seen = self.exec_chain({"SLUICE_SANDBOX": "1", "SLUICE_WORKERS": "2"})
+        self.assertEqual(seen["tmp"], [], "hook a's /tmp file reached hook b")
+        self.assertFalse([c for c in seen["cmds"] if c.startswith("sleep 300")], "hook a's process reached hook b")
+        self.assertTrue([c for c in seen["cmds"] if "--hold" in c], "pid 1 (--hold) was killed")
+        self.assertIsNone(self.pod.poll(), "the pod ended")
+        os.kill(self.hold, signal.SIGTERM)
+        self.assertEqual(self.pod.wait(10), 0)
+
+    def test_without_sluice_sandbox_nothing_is_cleaned(self):
+        seen = self.exec_chain({"SLUICE_WORKERS": "2"})
+        self.assertEqual(seen["tmp"], ["left-by-a"])
+        self.assertTrue([c for c in seen["cmds"] if c.startswith("sleep 300")])
 
 
 if __name__ == "__main__":
