@@ -209,6 +209,13 @@ class ChartTest(ManifestCase):
             with self.subTest(name):
                 run(HELM, "lint", "--strict", CHART, *[a for v in values for a in ("--set", v)])
 
+    def test_values_schema_refuses_typos_and_wrong_types(self):
+        for bad in ("operator.replica=2", "gateway.claimTimeout=soon", "image.pullPolicy=Sometimes", "gateway.replicas=0",
+                    "networkPolicy.apiServer.ports[0]=https"):
+            proc = subprocess.run([HELM, "template", "sluice", CHART, "--set", bad], capture_output=True, text=True, timeout=120)
+            self.assertNotEqual(proc.returncode, 0, f"--set {bad} was accepted")
+            self.assertIn("schema", proc.stderr, bad)
+
     def test_every_variant_renders_valid_objects(self):
         for name, values in self.VARIANTS.items():
             with self.subTest(name):
