@@ -369,18 +369,20 @@ def can_unshare():
 LEAVE_BEHIND = """import subprocess
 def execute(context, settings):
     open('/tmp/left-by-a', 'w').write('x')
-    subprocess.Popen(['sleep', '300'], start_new_session=True)
-    return {'action': 'pass'}
+    child = subprocess.Popen(['sleep', '300'], start_new_session=True)
+    return {'action': 'detect', 'findings': {'child': child.pid}}
 """
 LOOK_AROUND = """import os
 def execute(context, settings):
-    cmds = []
-    for pid in os.listdir('/proc'):
+    procs = {}
+    for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
         try:
-            cmds.append(open('/proc/' + pid + '/cmdline', 'rb').read().replace(b'\\0', b' ').decode())
-        except (OSError, ValueError):
-            pass
-    return {'action': 'detect', 'findings': {'tmp': sorted(os.listdir('/tmp')), 'cmds': cmds}}
+            state = open('/proc/' + pid + '/stat').read().rsplit(')', 1)[1].split()[0]
+            cmdline = open('/proc/' + pid + '/cmdline', 'rb').read().replace(b'\\0', b' ').decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        procs[pid] = [state, cmdline]
+    return {'action': 'detect', 'findings': {'tmp': sorted(os.listdir('/tmp')), 'procs': procs}}
 """
 
 
@@ -418,28 +420,41 @@ class ClusterModeTest(unittest.TestCase):
             self.pod.wait()
 
     def exec_chain(self, env):
+        """Runs hook a (leaves a file in /tmp and a process) then hook b (looks around); returns
+        what b saw: /tmp, the state of a's process (None when gone, "Z" when killed but not yet
+        reaped), and pid 1's command line."""
         s = Session(env=env, prefix=["nsenter", "-t", str(self.hold), "-p", "-m", "--"])
         try:
             s.init([hook("a", "detect", LEAVE_BEHIND), hook("b", "detect", LOOK_AROUND)])
             _, hooks = s.chunk("x")
         finally:
             s.close()
-        self.assertNotIn("error", hooks[1], hooks)
-        return hooks[1]["findings"]
+        for h in hooks:
+            self.assertNotIn("error", h, hooks)
+        child = str(hooks[0]["findings"]["child"])
+        procs = hooks[1]["findings"]["procs"]
+        return hooks[1]["findings"]["tmp"], procs.get(child, [None])[0], procs["1"][1]
 
     def test_exec_into_a_held_pod_cleans_up_between_hooks_and_spares_pid_1(self):
-        seen = self.exec_chain({"SLUICE_SANDBOX": "1", "SLUICE_WORKERS": "2"})
-        self.assertEqual(seen["tmp"], [], "hook a's /tmp file reached hook b")
-        self.assertFalse([c for c in seen["cmds"] if c.startswith("sleep 300")], "hook a's process reached hook b")
-        self.assertTrue([c for c in seen["cmds"] if "--hold" in c], "pid 1 (--hold) was killed")
+        tmp, child, pid1 = self.exec_chain({"SLUICE_SANDBOX": "1", "SLUICE_WORKERS": "2"})
+        self.assertEqual(tmp, [], "hook a's /tmp file reached hook b")
+        self.assertIn(child, (None, "Z"), "hook a's process was still running when hook b ran")
+        self.assertIn("--hold", pid1, "pid 1 (--hold) was killed")
         self.assertIsNone(self.pod.poll(), "the pod ended")
+        # Whatever the session left (killed leftovers, exited workers) is re-parented to --hold, which
+        # reaps it: in the end pid 1 has no children, not even zombies.
+        for _ in range(1000):
+            if not children(self.hold):
+                break
+            time.sleep(0.01)
+        self.assertEqual(children(self.hold), [], "--hold left zombies unreaped")
         os.kill(self.hold, signal.SIGTERM)
         self.assertEqual(self.pod.wait(10), 0)
 
     def test_without_sluice_sandbox_nothing_is_cleaned(self):
-        seen = self.exec_chain({"SLUICE_WORKERS": "2"})
-        self.assertEqual(seen["tmp"], ["left-by-a"])
-        self.assertTrue([c for c in seen["cmds"] if c.startswith("sleep 300")])
+        tmp, child, _ = self.exec_chain({"SLUICE_WORKERS": "2"})
+        self.assertEqual(tmp, ["left-by-a"])
+        self.assertNotIn(child, (None, "Z"), "hook a's process was killed outside a sandbox")
 
 
 if __name__ == "__main__":
