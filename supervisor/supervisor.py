@@ -60,9 +60,15 @@ class Context(dict):
 
 
 class Channel:
-    """The protocol descriptors, taken before any hook code runs."""
+    """The protocol descriptors: newline-delimited JSON in on `reader`, out on `writer`."""
 
-    def __init__(self):
+    def __init__(self, reader, writer):
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    def from_stdio(cls):
+        """Takes the process's stdin and stderr as the protocol before any hook code runs."""
         proto_in = os.dup(0)  # os.dup makes non-inheritable descriptors: child processes never get them
         proto_out = os.dup(2)
         devnull = os.open(os.devnull, os.O_RDWR)
@@ -72,8 +78,7 @@ class Channel:
         sys.stdin = open(os.devnull, "r")
         sys.stdout = os.fdopen(os.dup(1), "w", buffering=1, errors="replace")
         sys.stderr = sys.stdout
-        self.reader = os.fdopen(proto_in, "rb", buffering=1 << 16)
-        self.writer = os.fdopen(proto_out, "wb", buffering=1 << 16)
+        return cls(os.fdopen(proto_in, "rb", buffering=1 << 16), os.fdopen(proto_out, "wb", buffering=1 << 16))
 
     def send(self, msg, flush=True):
         data = json.dumps(msg, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
@@ -348,7 +353,7 @@ class Supervisor:
         self.limits = dict(DEFAULT_LIMITS)
         self.next_host_call = 0
         self.memory_bytes = memory_bytes
-        self.sandboxed = os.getpid() == 1 and os.environ.get("SLUICE_SANDBOX") == "1"
+        self.sandboxed = in_sandbox()
         # Workers forked before any hook code exists: the claim path never pays for a fork.
         self.spare = [Worker(memory_bytes) for _ in range(prefork)]
         for w in self.spare:
@@ -490,8 +495,8 @@ class Supervisor:
     def clean_up(self):
         """What a hook may leave behind is removed before the next one runs: processes other than the
         supervisor and its workers, workers with threads still running, and everything in /tmp.
-        Only inside a sandbox (where the supervisor is pid 1 and /tmp is its own): anywhere else
-        killing "every other process" and emptying /tmp would hit the host."""
+        Only inside a sandbox (see in_sandbox: its pid 1, or exec'd into a pod held by `--hold`):
+        anywhere else killing "every other process" and emptying /tmp would hit the host."""
         if not self.sandboxed or self.inline:
             return
         ran, self.last_ran = self.last_ran, None
@@ -499,7 +504,8 @@ class Supervisor:
             ran.worker.kill()  # threads it left could act while another hook runs
         workers = {h.worker.pid: h for h in self.hooks if h.worker is not None and not h.worker.dead}
         workers.update({w.pid: None for w in self.spare})
-        keep = {os.getpid()} | {pid for pid, h in workers.items() if h is None or not h.worker.dead}
+        # pid 1 is us (local mode) or the pod's `--hold` process (cluster mode), which must outlive us.
+        keep = {1, os.getpid()} | {pid for pid, h in workers.items() if h is None or not h.worker.dead}
         killed = False
         try:
             for entry in os.listdir("/proc"):
@@ -534,7 +540,7 @@ class Supervisor:
                 self.tmp_mtime = None
 
     def reap(self, wait=True):
-        """Collects exited processes (orphans are re-parented to us, pid 1 of the sandbox) and marks
+        """Collects exited processes (orphans are re-parented to pid 1: us, or `--hold` in a pod) and marks
         workers that died, so their hook gets a fresh one on its next call."""
         workers = {h.worker.pid for h in self.hooks if h.worker is not None} | {w.pid for w in self.spare}
         deadline = time.monotonic() + 0.2 if wait else None
@@ -657,6 +663,22 @@ class Supervisor:
                 self.channel.send({"type": "error", "message": f"unknown request type {kind!r}"})
 
 
+def in_sandbox():
+    """Whether this process owns everything around it, so that clean_up may kill every other process
+    and empty /tmp: inside a sandbox (SLUICE_SANDBOX=1) as its pid 1 (local mode), or exec'd into a
+    warm pod whose pid 1 is `supervisor.py --hold` (cluster mode). Anywhere else that would hit the host."""
+    if os.environ.get("SLUICE_SANDBOX") != "1":
+        return False
+    if os.getpid() == 1:
+        return True
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"--hold" in argv and any(a.endswith(b"/supervisor.py") or a == b"supervisor.py" for a in argv)
+
+
 def json_type(value):
     return {dict: "dict", list: "list", str: "str", bool: "bool", int: "int", float: "float", type(None): "None"}.get(type(value), type(value).__name__)
 
@@ -708,16 +730,122 @@ def warm_up():
     bounded_json(ret, "warm-up", 1 << 20, 32)
 
 
-def main():
-    channel = Channel()
+# ------------------------------------------------------------------------------ command line
+
+USAGE = "usage: supervisor.py [--hold | --probe] [--workers N] [--memory-bytes BYTES]"
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_args(argv):
+    """The command line: a mode (serve, the default; hold; probe) and the two sandbox settings.
+    Hand-rolled rather than argparse: in a cluster the supervisor starts on the claim path, and every
+    module read costs time inside gVisor."""
+    opts = {"mode": "serve", "workers": None, "memory_bytes": None}
+    args = list(argv)
+    while args:
+        arg, _, value = args.pop(0).partition("=")
+        if arg in ("--hold", "--probe") and not value:
+            if opts["mode"] != "serve":
+                raise UsageError("--hold and --probe exclude each other")
+            opts["mode"] = arg[2:]
+        elif arg in ("--workers", "--memory-bytes"):
+            if not value:
+                value = args.pop(0) if args else ""
+            if not (value.isascii() and value.isdigit()):
+                raise UsageError(f"{arg} needs a non-negative integer, not {value!r}")
+            opts[arg[2:].replace("-", "_")] = int(value)
+        else:
+            raise UsageError(f"unknown argument {arg!r}")
+    return opts
+
+
+def hold():
+    """A warm pod's main process (pid 1): waits, reaping the orphans that exec'd supervisors leave to
+    it, and exits 0 on SIGTERM or SIGINT (pid 1 gets no default signal handling)."""
+
+    def reap(*_):
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGCHLD, reap)
+    while True:
+        signal.pause()
+
+
+PROBE_HOOK = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'].upper()}\n"
+
+
+def probe(code=PROBE_HOOK):
+    """Readiness: one chain of one hook through the real protocol code (Channel, init, chunk) in this
+    process, over a pair of pipes. Returns 0 when every answer is right, else 1 with the reason on
+    stderr. Leaves nothing behind: a one-hook chain runs inline (no worker), and nothing is written."""
+    requests = [
+        {"type": "init", "trigger_point": "input", "failure_policy": "Closed",
+         "hooks": [{"name": "probe", "action": "modify", "settings": {}, "code": code}]},
+        {"type": "chunk", "id": 1, "start": 0, "outgoing": "ready?", "state": [None], "context": {}},
+        {"type": "shutdown"},
+    ]
+    want = [
+        {"type": "ready", "protocol": PROTOCOL_VERSION, "pid": os.getpid()},
+        {"type": "ack", "hooks": [{"name": "probe", "ok": True}]},
+        {"type": "hook_result", "id": 1, "index": 0, "name": "probe", "action": "modify", "outgoing": "READY?"},
+        {"type": "result", "id": 1, "action": "modify", "terminal_index": None},
+    ]
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    try:
+        with os.fdopen(req_w, "wb") as w:  # a few hundred bytes: fits in the pipe before anyone reads
+            w.write(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
+        with os.fdopen(req_r, "rb") as reader, os.fdopen(resp_w, "wb") as writer:
+            Supervisor(Channel(reader, writer)).serve()
+        with os.fdopen(resp_r, "rb") as r:
+            got = [json.loads(line) for line in r]
+    except Exception as e:
+        print(f"sluice supervisor probe failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    for answer in got:
+        answer.pop("latency_us", None)
+    if got != want:
+        print(f"sluice supervisor probe failed: answers {json.dumps(got)}, expected {json.dumps(want)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None):
+    try:
+        opts = parse_args(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        print(f"{USAGE}\nsupervisor.py: {e}", file=sys.stderr)
+        return 2
+    if opts["mode"] == "hold":
+        hold()
+    if opts["mode"] == "probe":
+        return probe()
+    channel = Channel.from_stdio()
     preload()
     warm_up()
+    # Local mode passes these as env vars, a cluster as flags (the flags win); hooks see neither.
     memory = os.environ.pop("SLUICE_MEMORY_BYTES", "")
     prefork = os.environ.pop("SLUICE_WORKERS", "")
+    if opts["memory_bytes"] is None:
+        opts["memory_bytes"] = int(memory) if memory.isdigit() else 0
+    if opts["workers"] is None:
+        opts["workers"] = int(prefork) if prefork.isdigit() else 0
     sys.setrecursionlimit(2000)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    Supervisor(channel, prefork=int(prefork) if prefork.isdigit() else 0, memory_bytes=int(memory) if memory.isdigit() else 0).serve()
+    Supervisor(channel, prefork=opts["workers"], memory_bytes=opts["memory_bytes"]).serve()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

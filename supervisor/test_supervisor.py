@@ -1,9 +1,14 @@
 """Tests of the supervisor over its real pipes: `python3 -m unittest discover -s supervisor`."""
 
+import contextlib
+import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -17,9 +22,9 @@ def hook(name, action, code, settings=None):
 class Session:
     """One supervisor process, spoken to exactly as the gateway does."""
 
-    def __init__(self, env=None):
+    def __init__(self, env=None, args=(), prefix=()):
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-u", SUPERVISOR],
+            [*prefix, sys.executable, "-I", "-S", "-u", SUPERVISOR, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -224,6 +229,232 @@ class MemoryLimitTest(unittest.TestCase):
             self.assertEqual(result["action"], "block")
         finally:
             s.close()
+
+
+def children(pid):
+    """Pids whose parent is `pid`, from /proc."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def catches(pid, signum):
+    """Whether process `pid` has installed a handler for `signum` (SigCgt in /proc/pid/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
+    return False
+
+
+class CommandLineTest(unittest.TestCase):
+    def run_supervisor(self, *args, **kw):
+        return subprocess.run([sys.executable, "-I", "-S", SUPERVISOR, *args], capture_output=True, timeout=30, **kw)
+
+    def hold(self, signum):
+        proc = subprocess.Popen([sys.executable, "-I", "-S", SUPERVISOR, "--hold"], stderr=subprocess.PIPE)
+        try:
+            # Signal only once the handlers are in: before that, SIGTERM would kill it by default.
+            for _ in range(3000):  # polls for up to 30 s; nothing here asserts on time
+                if catches(proc.pid, signal.SIGTERM) and catches(proc.pid, signal.SIGINT):
+                    break
+                self.assertIsNone(proc.poll(), "--hold exited on its own")
+                time.sleep(0.01)
+            self.assertIsNone(proc.poll(), "--hold exited before it was signalled")
+            proc.send_signal(signum)
+            self.assertEqual(proc.wait(10), 0)
+            self.assertEqual(proc.stderr.read(), b"")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+
+    def test_hold_exits_zero_on_sigterm(self):
+        self.hold(signal.SIGTERM)
+
+    def test_hold_exits_zero_on_sigint(self):
+        self.hold(signal.SIGINT)
+
+    def test_probe_answers_zero_and_leaves_no_process_or_file(self):
+        with tempfile.TemporaryDirectory() as cwd, tempfile.TemporaryDirectory() as tmp:
+            # A subreaper collects anything the probe leaves running: there must be nothing to collect.
+            wrapper = (
+                "import ctypes, os, subprocess, sys\n"
+                "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"  # PR_SET_CHILD_SUBREAPER
+                "rc = subprocess.run([sys.executable, '-I', '-S', sys.argv[1], '--probe']).returncode\n"
+                "try:\n"
+                "    os.waitpid(-1, os.WNOHANG)\n"
+                "    sys.exit('the probe left a process behind')\n"
+                "except ChildProcessError:\n"
+                "    sys.exit(rc)\n"
+            )
+            proc = subprocess.run([sys.executable, "-c", wrapper, SUPERVISOR], capture_output=True, timeout=30,
+                                  cwd=cwd, env={"TMPDIR": tmp, "SLUICE_SANDBOX": "1"})
+            self.assertEqual((proc.returncode, proc.stderr), (0, b""))
+            self.assertEqual(proc.stdout, b"")
+            self.assertEqual((os.listdir(cwd), os.listdir(tmp)), ([], []))
+
+    def test_probe_fails_with_a_message_when_the_answer_is_wrong(self):
+        import supervisor
+
+        for code, reason in [
+            ("def execute(c, s): return {'action': 'modify', 'outgoing': 'no'}", '"outgoing": "no"'),
+            ("def execute(c, s) return", "SyntaxError"),
+            ("def execute(c, s): return {'action': 'pass'}", '"action": "pass"'),
+        ]:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                self.assertEqual(supervisor.probe(code), 1, code)
+            self.assertIn("probe failed", err.getvalue())
+            self.assertIn(reason, err.getvalue())
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.assertEqual(supervisor.probe(), 0)
+        self.assertEqual(err.getvalue(), "")
+
+    def test_bad_arguments_exit_2_with_usage(self):
+        for args in (["--bogus"], ["--workers"], ["--workers", "-1"], ["--memory-bytes", "1G"], ["--hold", "--probe"]):
+            proc = self.run_supervisor(*args)
+            self.assertEqual(proc.returncode, 2, args)
+            self.assertIn(b"usage: supervisor.py", proc.stderr)
+
+    def test_workers_flag_overrides_the_env_var(self):
+        for env, args, want in [({"SLUICE_WORKERS": "2"}, [], 2),
+                                ({"SLUICE_WORKERS": "1"}, ["--workers", "3"], 3),
+                                ({}, ["--workers=2"], 2)]:
+            s = Session(env=env, args=args)
+            try:
+                self.assertEqual(s.ready["type"], "ready")
+                self.assertEqual(len(children(s.proc.pid)), want, (env, args))
+            finally:
+                s.close()
+
+    def test_memory_bytes_flag_overrides_the_env_var(self):
+        bomb = [hook("bomb", "modify", "def execute(c, s):\n    x = bytearray(1 << 30)\n    return {'action': 'pass'}\n")]
+        s = Session(env={"SLUICE_MEMORY_BYTES": "0"}, args=["--memory-bytes", str(256 << 20)])
+        try:
+            s.init(bomb)
+            result, hooks = s.chunk("x")
+            self.assertIn("MemoryError", hooks[0]["error"])
+            self.assertEqual(result["action"], "block")
+        finally:
+            s.close()
+        s = Session(env={"SLUICE_MEMORY_BYTES": str(256 << 20)}, args=["--memory-bytes", str(4 << 30)])
+        try:
+            s.init(bomb)
+            result, hooks = s.chunk("x")
+            self.assertNotIn("error", hooks[0])
+            self.assertEqual(result["action"], "pass")
+        finally:
+            s.close()
+
+
+def can_unshare():
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount", "--mount-proc", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+LEAVE_BEHIND = """import subprocess
+def execute(context, settings):
+    open('/tmp/left-by-a', 'w').write('x')
+    child = subprocess.Popen(['sleep', '300'], start_new_session=True)
+    return {'action': 'detect', 'findings': {'child': child.pid}}
+"""
+LOOK_AROUND = """import os
+def execute(context, settings):
+    procs = {}
+    for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
+        try:
+            state = open('/proc/' + pid + '/stat').read().rsplit(')', 1)[1].split()[0]
+            cmdline = open('/proc/' + pid + '/cmdline', 'rb').read().replace(b'\\0', b' ').decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        procs[pid] = [state, cmdline]
+    return {'action': 'detect', 'findings': {'tmp': sorted(os.listdir('/tmp')), 'procs': procs}}
+"""
+
+
+@unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0 and can_unshare(), "needs root and unshare (pid and mount namespaces)")
+class ClusterModeTest(unittest.TestCase):
+    """A warm pod in miniature: a pid namespace whose pid 1 is `--hold`, with its own /tmp, and the
+    supervisor exec'd into it the way the gateway execs it into a pod."""
+
+    def setUp(self):
+        self.pod = subprocess.Popen(["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child", "sh", "-c",
+                                     f"mount -t tmpfs -o size=16m tmpfs /tmp && exec {sys.executable} -I -S {SUPERVISOR} --hold"])
+        self.hold = None
+        for _ in range(3000):  # up to 30 s for the namespace and the handlers
+            kids = [k for pid in children(self.pod.pid) for k in [pid, *children(pid)]]
+            for pid in kids:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if b"--hold" in f.read() and catches(pid, signal.SIGTERM):
+                            self.hold = pid
+                except OSError:
+                    pass
+            if self.hold:
+                break
+            self.assertIsNone(self.pod.poll(), "the pod's namespace did not start")
+            time.sleep(0.01)
+        self.assertIsNotNone(self.hold, "no --hold process in the namespace")
+
+    def tearDown(self):
+        if self.hold and self.pod.poll() is None:
+            os.kill(self.hold, signal.SIGTERM)
+        try:
+            self.pod.wait(10)
+        except subprocess.TimeoutExpired:
+            self.pod.kill()
+            self.pod.wait()
+
+    def exec_chain(self, env):
+        """Runs hook a (leaves a file in /tmp and a process) then hook b (looks around); returns
+        what b saw: /tmp, the state of a's process (None when gone, "Z" when killed but not yet
+        reaped), and pid 1's command line."""
+        s = Session(env=env, prefix=["nsenter", "-t", str(self.hold), "-p", "-m", "--"])
+        try:
+            s.init([hook("a", "detect", LEAVE_BEHIND), hook("b", "detect", LOOK_AROUND)])
+            _, hooks = s.chunk("x")
+        finally:
+            s.close()
+        for h in hooks:
+            self.assertNotIn("error", h, hooks)
+        child = str(hooks[0]["findings"]["child"])
+        procs = hooks[1]["findings"]["procs"]
+        return hooks[1]["findings"]["tmp"], procs.get(child, [None])[0], procs["1"][1]
+
+    def test_exec_into_a_held_pod_cleans_up_between_hooks_and_spares_pid_1(self):
+        tmp, child, pid1 = self.exec_chain({"SLUICE_SANDBOX": "1", "SLUICE_WORKERS": "2"})
+        self.assertEqual(tmp, [], "hook a's /tmp file reached hook b")
+        self.assertIn(child, (None, "Z"), "hook a's process was still running when hook b ran")
+        self.assertIn("--hold", pid1, "pid 1 (--hold) was killed")
+        self.assertIsNone(self.pod.poll(), "the pod ended")
+        # Whatever the session left (killed leftovers, exited workers) is re-parented to --hold, which
+        # reaps it: in the end pid 1 has no children, not even zombies.
+        for _ in range(1000):
+            if not children(self.hold):
+                break
+            time.sleep(0.01)
+        self.assertEqual(children(self.hold), [], "--hold left zombies unreaped")
+        os.kill(self.hold, signal.SIGTERM)
+        self.assertEqual(self.pod.wait(10), 0)
+
+    def test_without_sluice_sandbox_nothing_is_cleaned(self):
+        tmp, child, _ = self.exec_chain({"SLUICE_WORKERS": "2"})
+        self.assertEqual(tmp, ["left-by-a"])
+        self.assertNotIn(child, (None, "Z"), "hook a's process was killed outside a sandbox")
 
 
 if __name__ == "__main__":

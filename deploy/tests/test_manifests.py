@@ -1,0 +1,359 @@
+"""Validation of every manifest Sluice ships, with real tools (`make test-manifests`, run by the
+.venv-tools python that `make tools` installs):
+
+- Kubernetes objects: kubernetes-validate, strict (unknown fields fail, as with `kubectl apply`),
+  against the OpenAPI schemas it bundles for the oldest Kubernetes the chart supports and for the one
+  the code is built against;
+- HookChain and Capability objects: jsonschema against the openAPIV3Schema of crds/*.yaml;
+- the chart: `helm lint --strict` and `helm template` with default and non-default values;
+- deploy/: `kubectl kustomize` of the base and the example overlay;
+- `sluice-operator render` of the examples, when target/debug/sluice-operator is built.
+
+deploy/tests/invalid/ holds broken manifests: each must fail, or the validator proves nothing."""
+
+import copy
+import filecmp
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import jsonschema
+import kubernetes_validate
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.environ.get("SLUICE_TOOLS_BIN", os.path.dirname(sys.executable))
+HELM = os.path.join(BIN, "helm")
+KUBECTL = os.path.join(BIN, "kubectl")
+OPERATOR = os.path.join(ROOT, "target", "debug", "sluice-operator")
+KUBE_VERSIONS = ("1.27.0", "1.33.0")  # the chart's kubeVersion floor; the k8s-openapi feature (v1_33)
+CHART = os.path.join(ROOT, "charts", "sluice")
+NAMESPACE = "sluice-system"
+
+# The RBAC of coord/CONTRACT.md, as (apiGroup, resource, verb) triples.
+def triples(*rules):
+    return {(g, r, v) for groups, resources, verbs in rules for g in groups for r in resources for v in verbs}
+
+
+CONTRACT_RBAC = {
+    "sluice-gateway": triples(
+        ([""], ["pods"], ["get", "list", "watch", "patch", "delete"]),
+        ([""], ["pods/exec"], ["get", "create"]),
+        (["sluice.dev"], ["hookchains", "capabilities"], ["get", "list", "watch"])),
+    "sluice-operator": triples(
+        ([""], ["pods"], ["get", "list", "watch", "create", "delete", "patch"]),
+        (["networking.k8s.io"], ["networkpolicies"], ["get", "list", "watch", "create", "patch", "delete"]),
+        (["sluice.dev"], ["hookchains"], ["get", "list", "watch", "patch"]),
+        (["sluice.dev"], ["hookchains/status"], ["get", "patch", "update"]),
+        (["sluice.dev"], ["capabilities"], ["get", "list", "watch"]),
+        (["sluice.dev"], ["capabilities/status"], ["patch"]),
+        (["", "events.k8s.io"], ["events"], ["create", "patch"])),
+    "sluice-operator-leader-election": triples((["coordination.k8s.io"], ["leases"], ["get", "create", "update", "patch"])),
+}
+
+
+def run(*cmd, cwd=ROOT):
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}{proc.stdout}")
+    return proc.stdout
+
+
+def load_all(text):
+    return [d for d in yaml.safe_load_all(text) if d is not None]
+
+
+def load_file(path):
+    with open(path) as f:
+        return load_all(f.read())
+
+
+def helm_template(*values):
+    args = [HELM, "template", "sluice", CHART, "--namespace", NAMESPACE, "--include-crds"]
+    for v in values:
+        args += ["--set", v]
+    return load_all(run(*args))
+
+
+def kustomize(path):
+    return load_all(run(KUBECTL, "kustomize", os.path.join(ROOT, path)))
+
+
+def crd_schema(schema):
+    """A CRD's openAPIV3Schema as plain JSON Schema: `nullable` becomes a null type, int-or-string
+    takes both, and objects with listed properties refuse others (the API server prunes unknown fields,
+    and `kubectl apply` rejects them with strict field validation). CEL rules are not evaluated here."""
+    schema = copy.deepcopy(schema)
+
+    def fix(node):
+        if isinstance(node, list):
+            for n in node:
+                fix(n)
+            return
+        if not isinstance(node, dict):
+            return
+        if node.pop("nullable", False) and "type" in node:
+            node["type"] = [node["type"], "null"]
+            if "enum" in node:
+                node["enum"] = list(node["enum"]) + [None]
+        if node.pop("x-kubernetes-int-or-string", False):
+            node.pop("type", None)
+            node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+        if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        for key, value in node.items():
+            if key in ("properties", "patternProperties"):
+                for v in value.values():
+                    fix(v)
+            elif key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "not"):
+                fix(value)
+
+    fix(schema)
+    # The API server adds these to every root schema.
+    schema["properties"].setdefault("apiVersion", {"type": "string"})
+    schema["properties"].setdefault("kind", {"type": "string"})
+    schema["properties"].setdefault("metadata", {"type": "object"})
+    return schema
+
+
+class Validator:
+    """Validates any object Sluice ships; `errors(obj)` lists what is wrong (empty when valid)."""
+
+    def __init__(self):
+        self.crds = {}
+        for path in sorted(glob.glob(os.path.join(ROOT, "crds", "*.yaml"))):
+            (crd,) = load_file(path)
+            for version in crd["spec"]["versions"]:
+                key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+                self.crds[key] = jsonschema.Draft7Validator(crd_schema(version["schema"]["openAPIV3Schema"]))
+
+    def errors(self, obj):
+        if not isinstance(obj, dict) or not obj.get("apiVersion") or not obj.get("kind"):
+            return ["not a Kubernetes object (no apiVersion and kind)"]
+        what = f"{obj['kind']} {obj.get('metadata', {}).get('name', '?')}"
+        key = (obj["apiVersion"], obj["kind"])
+        if key in self.crds:
+            errors = [f"{what}: {'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+                      for e in self.crds[key].iter_errors(obj)]
+            if not obj.get("metadata", {}).get("name"):
+                errors.append(f"{what}: metadata.name is required")
+            return errors
+        if key == ("monitoring.coreos.com/v1", "ServiceMonitor"):
+            # No schema for the Prometheus Operator's CRDs here: check the fields Sluice sets.
+            spec = obj.get("spec", {})
+            ok = spec.get("selector", {}).get("matchLabels") and all(e.get("port") for e in spec.get("endpoints") or [{}])
+            return [] if ok else [f"{what}: needs spec.selector.matchLabels and endpoints with a port"]
+        errors = []
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                errors.append(f"{what}: no schema for {obj['apiVersion']} {obj['kind']} in Kubernetes {version}")
+            except kubernetes_validate.ValidationError as e:
+                errors.append(f"{what} (Kubernetes {version}): {'.'.join(map(str, e.path)) or '(root)'}: {e.message}")
+        return errors
+
+
+VALIDATOR = Validator()
+
+
+class ManifestCase(unittest.TestCase):
+    def assertValid(self, objs, source):
+        self.assertTrue(objs, f"{source}: no objects")
+        errors = [e for obj in objs for e in VALIDATOR.errors(obj)]
+        self.assertEqual(errors, [], f"{source} is invalid")
+
+    def find(self, objs, kind, name):
+        found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+        self.assertEqual(len(found), 1, f"exactly one {kind} {name}")
+        return found[0]
+
+
+class ValidatorTest(ManifestCase):
+    def test_every_invalid_manifest_fails(self):
+        paths = sorted(glob.glob(os.path.join(ROOT, "deploy", "tests", "invalid", "*.yaml")))
+        self.assertGreaterEqual(len(paths), 7)
+        for path in paths:
+            (obj,) = load_file(path)
+            self.assertNotEqual(VALIDATOR.errors(obj), [], f"{os.path.basename(path)} passed validation")
+
+    def test_crds_are_valid_custom_resource_definitions(self):
+        for path in sorted(glob.glob(os.path.join(ROOT, "crds", "*.yaml"))):
+            self.assertValid(load_file(path), path)
+
+    def test_examples_match_the_crd_schemas(self):
+        paths = sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml")))
+        kinds = set()
+        for path in paths:
+            objs = load_file(path)
+            kinds |= {o["kind"] for o in objs}
+            self.assertValid(objs, path)
+        self.assertEqual(kinds, {"HookChain", "Capability"})
+
+
+class ChartTest(ManifestCase):
+    VARIANTS = {
+        "defaults": [],
+        "everything on": ["serviceMonitor.enabled=true", "podDisruptionBudget.enabled=true", "operator.replicas=2",
+                          "image.pullSecrets[0]=regcred", "runtimeClass.nodeSelector.sandbox=gvisor"],
+        "one namespace": ["watchNamespace=team-a"],
+        "features off": ["networkPolicy.enabled=false", "runtimeClass.create=false", "rbac.create=false",
+                         "serviceAccount.create=false"],
+    }
+
+    def test_helm_lint_strict(self):
+        for name, values in self.VARIANTS.items():
+            with self.subTest(name):
+                run(HELM, "lint", "--strict", CHART, *[a for v in values for a in ("--set", v)])
+
+    def test_values_schema_refuses_typos_and_wrong_types(self):
+        for bad in ("operator.replica=2", "gateway.claimTimeout=soon", "image.pullPolicy=Sometimes", "gateway.replicas=0",
+                    "networkPolicy.apiServer.ports[0]=https"):
+            proc = subprocess.run([HELM, "template", "sluice", CHART, "--set", bad], capture_output=True, text=True, timeout=120)
+            self.assertNotEqual(proc.returncode, 0, f"--set {bad} was accepted")
+            self.assertIn("schema", proc.stderr, bad)
+
+    def test_every_variant_renders_valid_objects(self):
+        for name, values in self.VARIANTS.items():
+            with self.subTest(name):
+                self.assertValid(helm_template(*values), f"helm template ({name})")
+
+    def test_rbac_is_exactly_the_contract(self):
+        for values, kind in (([], "ClusterRole"), (["watchNamespace=team-a"], "Role")):
+            objs = helm_template(*values)
+            for name, want in CONTRACT_RBAC.items():
+                role_kind = "Role" if name.endswith("leader-election") else kind
+                role = self.find(objs, role_kind, name)
+                self.assertEqual(triples(*[(r["apiGroups"], r["resources"], r["verbs"]) for r in role["rules"]]), want, name)
+                binding = self.find(objs, role_kind + "Binding", name)
+                self.assertEqual(binding["roleRef"], {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": name})
+                account = name.replace("-leader-election", "")
+                self.assertEqual(binding["subjects"], [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}])
+            if kind == "Role":
+                self.assertEqual(self.find(objs, "Role", "sluice-gateway")["metadata"]["namespace"], "team-a")
+                self.assertEqual(self.find(objs, "Role", "sluice-gateway-platform")["metadata"]["namespace"], NAMESPACE)
+                self.assertFalse([o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")])
+
+    def test_deployments_follow_the_contract(self):
+        objs = helm_template()
+        ports = {"sluice-operator": {"metrics": 9465}, "sluice-gateway": {"grpc": 50051, "metrics": 9464}}
+        for name, want_ports in ports.items():
+            pod = self.find(objs, "Deployment", name)["spec"]["template"]["spec"]
+            self.assertEqual(pod["serviceAccountName"], name)
+            (c,) = pod["containers"]
+            self.assertEqual(c["image"], f"ghcr.io/sluice-dev/{name}:0.1.0")
+            self.assertEqual({p["name"]: p["containerPort"] for p in c["ports"]}, want_ports)
+            env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
+            self.assertEqual((env["POD_NAME"], env["POD_NAMESPACE"]), ("metadata.name", "metadata.namespace"))
+            self.assertEqual((c["livenessProbe"]["httpGet"]["path"], c["livenessProbe"]["httpGet"]["port"]), ("/healthz", "metrics"))
+            sc = c["securityContext"]
+            self.assertEqual((sc["runAsNonRoot"], sc["runAsUser"], sc["readOnlyRootFilesystem"], sc["allowPrivilegeEscalation"]),
+                             (True, 65534, True, False))
+            self.assertEqual((sc["capabilities"]["drop"], sc["seccompProfile"]["type"]), (["ALL"], "RuntimeDefault"))
+            self.assertIn("limits", c["resources"])
+        gateway = self.find(objs, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]["containers"][0]
+        self.assertEqual(gateway["args"], ["--kube", f"--platform-namespace={NAMESPACE}", "--listen=0.0.0.0:50051",
+                                           "--metrics=0.0.0.0:9464", "--claim-timeout=2s"])
+        self.assertEqual(gateway["readinessProbe"]["httpGet"]["path"], "/readyz")
+        operator = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]
+        self.assertEqual(operator["args"], ["run", "--runtime-class=gvisor",
+                                            "--supervisor-image=ghcr.io/sluice-dev/sluice-supervisor:0.1.0",
+                                            "--metrics=0.0.0.0:9465", "--lease-namespace=$(POD_NAMESPACE)",
+                                            "--lease-name=sluice-operator", "--claim-deadline=300s"])
+        service = self.find(objs, "Service", "sluice-gateway")
+        self.assertEqual({p["name"]: p["port"] for p in service["spec"]["ports"]}, {"grpc": 50051, "metrics": 9464})
+        runtime_class = self.find(objs, "RuntimeClass", "gvisor")
+        self.assertEqual(runtime_class["handler"], "runsc")
+        one_ns = helm_template("watchNamespace=team-a")
+        for name in ports:
+            args = self.find(one_ns, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]["args"]
+            self.assertIn("--namespace=team-a", args)
+
+    def test_gateway_network_policy_allows_clients_api_server_and_capabilities_only(self):
+        policy = self.find(helm_template(), "NetworkPolicy", "sluice-gateway")["spec"]
+        self.assertEqual(policy["policyTypes"], ["Ingress", "Egress"])
+        self.assertEqual([p["port"] for rule in policy["ingress"] for p in rule["ports"]], [50051, 9464])
+        egress_ports = sorted({p["port"] for rule in policy["egress"] for p in rule.get("ports", [])})
+        self.assertEqual(egress_ports, [53, 443, 6443])
+        self.assertEqual(policy["egress"][-1], {"to": [{"namespaceSelector": {}}]}, "capability endpoints")
+        self.assertFalse([o for o in helm_template("networkPolicy.enabled=false") if o["kind"] == "NetworkPolicy"])
+
+    def test_optional_objects_follow_their_toggles(self):
+        kinds = lambda objs: sorted(o["kind"] for o in objs)  # noqa: E731
+        defaults = kinds(helm_template())
+        self.assertNotIn("ServiceMonitor", defaults)
+        self.assertNotIn("PodDisruptionBudget", defaults)
+        on = helm_template("serviceMonitor.enabled=true", "podDisruptionBudget.enabled=true", "operator.replicas=2")
+        self.assertEqual(kinds(o for o in on if o["kind"] in ("ServiceMonitor", "PodDisruptionBudget")),
+                         ["PodDisruptionBudget"] * 2 + ["ServiceMonitor"] * 2)
+        self.assertNotIn("RuntimeClass", kinds(helm_template("runtimeClass.create=false")))
+
+
+class KustomizeTest(ManifestCase):
+    def test_base_is_the_charts_default_render(self):
+        with tempfile.TemporaryDirectory() as out:
+            run(sys.executable, os.path.join(ROOT, "deploy", "tools", "gen_base.py"), HELM, out)
+            base = os.path.join(ROOT, "deploy", "base")
+            compare = filecmp.dircmp(out, base)
+            stale = compare.diff_files + compare.left_only + compare.right_only
+            stale += [f"crds/{f}" for f in compare.subdirs["crds"].diff_files] if "crds" in compare.subdirs else ["crds/"]
+            self.assertEqual(stale, [], "deploy/base is stale: run `make deploy-base`")
+
+    def test_base_renders_valid_objects_with_the_contract_rbac(self):
+        objs = kustomize("deploy/base")
+        self.assertValid(objs, "kubectl kustomize deploy/base")
+        self.assertEqual(self.find(objs, "Namespace", NAMESPACE)["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
+                         "restricted")
+        chart = {(o["kind"], o["metadata"]["name"]) for o in helm_template()}
+        self.assertEqual({(o["kind"], o["metadata"]["name"]) for o in objs} - {("Namespace", NAMESPACE)}, chart)
+        for name, want in CONTRACT_RBAC.items():
+            role = self.find(objs, "Role" if name.endswith("leader-election") else "ClusterRole", name)
+            self.assertEqual(triples(*[(r["apiGroups"], r["resources"], r["verbs"]) for r in role["rules"]]), want, name)
+
+    def test_example_overlay_renders_valid_objects(self):
+        objs = kustomize("deploy/overlays/example")
+        self.assertValid(objs, "kubectl kustomize deploy/overlays/example")
+        self.assertEqual(self.find(objs, "Deployment", "sluice-operator")["spec"]["replicas"], 2)
+        self.assertEqual(self.find(objs, "Deployment", "sluice-gateway")["spec"]["replicas"], 3)
+        self.assertEqual(self.find(objs, "HookChain", "support-input")["spec"]["target"], "support-bot")
+        self.assertEqual(self.find(objs, "Capability", "echo")["spec"]["endpoint"], {"builtin": "echo"})
+        self.assertTrue(filecmp.cmp(os.path.join(ROOT, "examples", "pii-redaction.yaml"),
+                                    os.path.join(ROOT, "deploy", "overlays", "example", "pii-redaction.yaml"), shallow=False),
+                        "deploy/overlays/example/pii-redaction.yaml is no longer a copy of examples/pii-redaction.yaml")
+
+
+class OperatorRenderTest(ManifestCase):
+    def test_render_of_every_example_chain(self):
+        if not os.path.exists(OPERATOR):
+            print(f"\nSKIPPED: {os.path.relpath(OPERATOR, ROOT)} is not built: `sluice-operator render` output not validated",
+                  file=sys.stderr)
+            self.skipTest("target/debug/sluice-operator not built")
+        for path in sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml"))):
+            chains = [o for o in load_file(path) if o["kind"] == "HookChain"]
+            if not chains:
+                continue
+            objs = load_all(run(OPERATOR, "render", path))
+            self.assertValid(objs, f"sluice-operator render {os.path.relpath(path, ROOT)}")
+            for chain in chains:
+                name = chain["metadata"]["name"]
+                pods = [o for o in objs if o["kind"] == "Pod" and o["metadata"]["labels"].get("sluice.dev/chain") == name]
+                self.assertEqual(len(pods), chain["spec"].get("pool", {}).get("warm", 2), f"warm pods of {name}")
+                for pod in pods:
+                    self.assertEqual(pod["metadata"]["labels"]["sluice.dev/pool"], "warm")
+                    spec = pod["spec"]
+                    self.assertEqual((spec["runtimeClassName"], spec["restartPolicy"]), ("gvisor", "Never"))
+                    self.assertFalse(spec["automountServiceAccountToken"])
+                    (c,) = spec["containers"]
+                    self.assertEqual(c["name"], "supervisor")
+                    self.assertEqual(c["command"], ["python3", "/opt/sluice/supervisor.py", "--hold"])
+                    self.assertEqual(c["readinessProbe"]["exec"]["command"], ["python3", "/opt/sluice/supervisor.py", "--probe"])
+                policy = self.find(objs, "NetworkPolicy", f"sluice-{name}-deny-all")["spec"]
+                self.assertEqual(policy["podSelector"], {"matchLabels": {"sluice.dev/chain": name}})
+                self.assertEqual(sorted(policy["policyTypes"]), ["Egress", "Ingress"])
+
+
+if __name__ == "__main__":
+    unittest.main()

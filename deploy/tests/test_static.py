@@ -1,0 +1,96 @@
+"""Static checks of the packaging (standard library only): the CRD copies never drift from crds/, and
+the Dockerfiles, Makefile and chart values keep the contract's images, paths and non-root users."""
+
+import filecmp
+import os
+import re
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REGISTRY = "ghcr.io/sluice-dev"
+IMAGES = {  # image -> Dockerfile
+    "sluice-supervisor": "supervisor/Dockerfile",
+    "sluice-operator": "deploy/docker/operator.Dockerfile",
+    "sluice-gateway": "deploy/docker/gateway.Dockerfile",
+}
+
+
+def read(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+def final_stage(dockerfile):
+    """Instructions of the last stage, comments dropped and continuation lines joined."""
+    text = re.sub(r"\\\n", " ", read(dockerfile))
+    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith("#")]
+    start = max(i for i, l in enumerate(lines) if l.upper().startswith("FROM "))
+    return lines[start:]
+
+
+def instructions(stage, keyword):
+    return [l.split(None, 1)[1] for l in stage if l.split(None, 1)[0].upper() == keyword]
+
+
+class CrdCopiesTest(unittest.TestCase):
+    def test_chart_and_kustomize_crds_are_identical_to_crds(self):
+        sources = sorted(f for f in os.listdir(os.path.join(ROOT, "crds")) if f.endswith(".yaml"))
+        self.assertEqual(sources, ["capability.yaml", "hookchain.yaml"])
+        for copy_dir in ("charts/sluice/crds", "deploy/base/crds"):
+            copies = sorted(os.listdir(os.path.join(ROOT, copy_dir)))
+            self.assertEqual(copies, sources, f"{copy_dir} holds other files than crds/*.yaml")
+            for name in sources:
+                self.assertTrue(
+                    filecmp.cmp(os.path.join(ROOT, "crds", name), os.path.join(ROOT, copy_dir, name), shallow=False),
+                    f"{copy_dir}/{name} differs from crds/{name}: copy it again (make deploy-base copies both)")
+
+
+class DockerfileTest(unittest.TestCase):
+    def test_every_image_runs_as_uid_65534(self):
+        for image, dockerfile in IMAGES.items():
+            users = instructions(final_stage(dockerfile), "USER")
+            self.assertEqual(users[-1:], ["65534:65534"], f"{dockerfile}: the final stage must end as USER 65534:65534")
+
+    def test_supervisor_image_matches_the_contract(self):
+        stage = final_stage("supervisor/Dockerfile")
+        self.assertTrue(stage[0].startswith("FROM python:3.11-slim"), stage[0])
+        copies = instructions(stage, "COPY")
+        self.assertTrue(any(c.endswith("supervisor/supervisor.py /opt/sluice/supervisor.py") for c in copies), copies)
+        env = " ".join(instructions(stage, "ENV"))
+        for var in ("PYTHONDONTWRITEBYTECODE=1", "SLUICE_SANDBOX=1"):
+            self.assertIn(var, env)
+        self.assertEqual(instructions(stage, "CMD"), ['["python3", "/opt/sluice/supervisor.py", "--hold"]'])
+        self.assertTrue(os.path.exists(os.path.join(ROOT, "supervisor/supervisor.py")))
+
+    def test_operator_and_gateway_are_multi_stage_and_run_their_binary(self):
+        for name, runtime in (("operator", "FROM python:3.11-slim"), ("gateway", "FROM gcr.io/distroless/")):
+            dockerfile = IMAGES[f"sluice-{name}"]
+            text = read(dockerfile)
+            self.assertIn(f"cargo build --release --locked -p sluice-{name} --bin sluice-{name}", text)
+            stage = final_stage(dockerfile)
+            self.assertTrue(stage[0].startswith(runtime), f"{dockerfile}: runtime stage {stage[0]!r}")
+            binary = f"/usr/local/bin/sluice-{name}"
+            self.assertIn(f"--from=build {binary} {binary}", " ".join(instructions(stage, "COPY")))
+            self.assertEqual(instructions(stage, "ENTRYPOINT"), [f'["{binary}"]'])
+        self.assertIn("PYTHONDONTWRITEBYTECODE=1", " ".join(instructions(final_stage(IMAGES["sluice-operator"]), "ENV")))
+
+    def test_dockerignore_keeps_build_output_out_of_the_context(self):
+        ignored = read(".dockerignore").split()
+        for entry in ("target", ".git", ".venv-tools"):
+            self.assertIn(entry, ignored)
+
+    def test_make_images_builds_the_three_contract_images(self):
+        makefile = read("Makefile")
+        self.assertRegex(makefile, r"REGISTRY \?= ghcr\.io/sluice-dev")
+        for image, dockerfile in IMAGES.items():
+            self.assertIn(f"-f {dockerfile} -t $(REGISTRY)/{image}:$(TAG) .", makefile)
+
+    def test_chart_values_name_the_contract_images(self):
+        values = read("charts/sluice/values.yaml")
+        self.assertIn(f"registry: {REGISTRY}\n", values)
+        for image in IMAGES:
+            self.assertIn(f"repository: {image}\n", values)
+
+
+if __name__ == "__main__":
+    unittest.main()

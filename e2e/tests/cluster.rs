@@ -1,0 +1,557 @@
+//! Cluster end to end: Sluice installed in a real cluster with gVisor (kind + runsc; see
+//! e2e/cluster/README.md), driven the way a platform team and an application would: HookChains applied
+//! through the API server, calls through the gateway's gRPC API.
+//!
+//! Opt-in: the suite runs only when `KUBECONFIG` is set (never against whatever `~/.kube/config`
+//! happens to point at) and the API server answers; otherwise each test prints
+//! `SKIPPED: no cluster: ...` and passes. The gateway is reached at `SLUICE_GATEWAY` (default
+//! `http://127.0.0.1:50051`, a `kubectl port-forward`). Each test works in a namespace of its own,
+//! labelled `sluice.dev/e2e=true`, deleted when the test ends (even when it fails).
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use kube::Client;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use sluice_crds::HookChain;
+use sluice_gateway::proto::{self, Action, gateway_client::GatewayClient};
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+/// A sandbox pod can take a while the first time a node pulls the supervisor image.
+const POOL_READY: Duration = Duration::from_secs(300);
+const RUNTIME_CLASS: &str = "gvisor";
+
+const UPPER: &str = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'].upper()}\n";
+const LOWER: &str = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'].lower()}\n";
+const SLOW: &str = "import time\ndef execute(context, settings):\n    time.sleep(20)\n    return {'action': 'pass'}\n";
+const DIGITS: &str = "import re\ndef execute(context, settings):\n    return {'action': 'modify', 'outgoing': re.sub(r'[0-9]', '#', context['outgoing'])}\n";
+
+/// One test's view of the cluster: a client, a fresh namespace, and the gateway.
+struct Cluster {
+    client: Client,
+    ns: String,
+    gateway: GatewayClient<Channel>,
+}
+
+/// Connects, or says why the suite is skipped. `None` means: print nothing more, pass.
+async fn cluster(test: &str) -> Option<Cluster> {
+    if std::env::var_os("KUBECONFIG").is_none() {
+        println!("SKIPPED: no cluster: KUBECONFIG not set ({test})");
+        return None;
+    }
+    let client = match Client::try_default().await {
+        Ok(c) => c,
+        Err(e) => {
+            println!("SKIPPED: no cluster: API server unreachable: {e} ({test})");
+            return None;
+        }
+    };
+    match tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            println!("SKIPPED: no cluster: API server unreachable: {e} ({test})");
+            return None;
+        }
+        Err(_) => {
+            println!("SKIPPED: no cluster: API server unreachable: no answer in 10 s ({test})");
+            return None;
+        }
+    }
+    // From here on a cluster is there: anything missing is a failure, not a skip.
+    Api::<HookChain>::all(client.clone())
+        .list(&ListParams::default().limit(1))
+        .await
+        .expect("the HookChain CRD is installed (helm install sluice charts/sluice, see e2e/cluster/README.md)");
+    let addr = std::env::var("SLUICE_GATEWAY").unwrap_or_else(|_| "http://127.0.0.1:50051".into());
+    let gateway = GatewayClient::connect(addr.clone())
+        .await
+        .unwrap_or_else(|e| panic!("gateway at {addr} (SLUICE_GATEWAY) is reachable: {e}"));
+    let ns = format!("sluice-e2e-{test}-{:05x}", rand_suffix());
+    let namespace: Namespace = serde_json::from_value(json!({
+        "metadata": {"name": ns, "labels": {"sluice.dev/e2e": "true"}}
+    }))
+    .expect("namespace object");
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .unwrap_or_else(|e| panic!("create namespace {ns}: {e}"));
+    println!("cluster test {test} in namespace {ns}");
+    Some(Cluster {
+        client,
+        ns,
+        gateway,
+    })
+}
+
+fn rand_suffix() -> u32 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    (nanos ^ std::process::id().rotate_left(11)) & 0xfffff
+}
+
+impl Drop for Cluster {
+    /// The namespace (and with it every chain, pod and policy of the test) goes, pass or fail. Drop
+    /// cannot await, so a thread with its own runtime and client does it.
+    fn drop(&mut self) {
+        let ns = self.ns.clone();
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                if let Ok(client) = Client::try_default().await {
+                    let _ = Api::<Namespace>::all(client)
+                        .delete(&ns, &DeleteParams::background())
+                        .await;
+                }
+            })
+        });
+        let _ = done.join();
+    }
+}
+
+impl Cluster {
+    fn chains(&self) -> Api<HookChain> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    /// Server-side applies a chain of `(name, action, code)` hooks.
+    async fn apply_chain(
+        &self,
+        name: &str,
+        target: &str,
+        trigger_point: &str,
+        extra_spec: Value,
+        hooks: &[(&str, &str, &str)],
+    ) -> HookChain {
+        let mut spec = json!({
+            "target": target,
+            "triggerPoint": trigger_point,
+            "pool": {"warm": 2, "max": 6},
+            "hooks": hooks.iter().map(|(n, a, c)| json!({"name": n, "action": a, "code": c})).collect::<Vec<_>>(),
+        });
+        if let (Some(spec), Value::Object(extra)) = (spec.as_object_mut(), extra_spec) {
+            spec.extend(extra);
+        }
+        let chain = json!({
+            "apiVersion": "sluice.dev/v1alpha1",
+            "kind": "HookChain",
+            "metadata": {"name": name, "namespace": self.ns},
+            "spec": spec,
+        });
+        self.chains()
+            .patch(
+                name,
+                &PatchParams::apply("sluice-e2e").force(),
+                &Patch::Apply(&chain),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("apply HookChain {name}: {e}"))
+    }
+
+    /// Waits until the chain's status reports PoolReady=True for its current generation and at least
+    /// `spec.pool.warm` warm sandboxes.
+    async fn wait_pool_ready(&self, name: &str) -> HookChain {
+        let api = self.chains();
+        let chain = poll(POOL_READY, &format!("HookChain {name} PoolReady"), || {
+            let api = api.clone();
+            async move {
+                let hc = api.get(name).await.ok()?;
+                let status = hc.status.as_ref()?;
+                let ready = status
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "PoolReady" && c.status == "True");
+                let current = status.observed_generation == hc.metadata.generation;
+                (ready && current && status.warm >= hc.spec.pool.warm).then_some(hc)
+            }
+        })
+        .await;
+        println!(
+            "HookChain {name}: PoolReady, status {}",
+            serde_json::to_string(&chain.status).unwrap_or_default()
+        );
+        chain
+    }
+
+    /// The chain's pods whose `sluice.dev/pool` label is `pool`.
+    async fn pool_pods(&self, chain: &str, pool: &str) -> Vec<Pod> {
+        self.pods()
+            .list(
+                &ListParams::default()
+                    .labels(&format!("sluice.dev/chain={chain},sluice.dev/pool={pool}")),
+            )
+            .await
+            .expect("list pods")
+            .items
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .collect()
+    }
+
+    async fn run(&self, target: &str, text: &str) -> Result<proto::RunResponse, tonic::Status> {
+        run_input(self.gateway.clone(), &self.ns, target, text).await
+    }
+
+    /// Streams `chunks` and returns (commits, final response).
+    async fn stream(&self, target: &str, chunks: &[&str]) -> (Vec<String>, proto::RunResponse) {
+        let mut msgs = vec![proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Open(proto::StreamOpen {
+                namespace: self.ns.clone(),
+                target: target.into(),
+                trigger_point: "output".into(),
+                context: Default::default(),
+                session_id: "e2e".into(),
+            })),
+        }];
+        msgs.extend(chunks.iter().map(|c| proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Chunk(c.to_string())),
+        }));
+        msgs.push(proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Finish(proto::StreamFinish {})),
+        });
+        let mut responses = self
+            .gateway
+            .clone()
+            .stream(futures::stream::iter(msgs))
+            .await
+            .expect("stream opens")
+            .into_inner();
+        let (mut commits, mut last) = (Vec::new(), None);
+        while let Some(msg) = responses.next().await {
+            match msg.expect("stream message").msg {
+                Some(proto::stream_response::Msg::Commit(c)) => commits.push(c),
+                Some(proto::stream_response::Msg::Final(f)) => last = Some(f),
+                Some(proto::stream_response::Msg::Blocked(b)) => panic!("unexpected block: {b:?}"),
+                None => {}
+            }
+        }
+        (commits, last.expect("a final response"))
+    }
+}
+
+/// One `Gateway.Run` of `text` at the input trigger point of `target`.
+async fn run_input(
+    mut gateway: GatewayClient<Channel>,
+    ns: &str,
+    target: &str,
+    text: &str,
+) -> Result<proto::RunResponse, tonic::Status> {
+    let req = proto::RunRequest {
+        namespace: ns.into(),
+        target: target.into(),
+        trigger_point: "input".into(),
+        payload: Some(proto::run_request::Payload::Text(text.into())),
+        context: Default::default(),
+        session_id: "e2e".into(),
+    };
+    gateway.run(req).await.map(|r| r.into_inner())
+}
+
+/// Calls `check` every half second until it gives a value; panics naming `what` past `limit`.
+async fn poll<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not reached within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+fn action(r: &proto::RunResponse) -> Action {
+    Action::try_from(r.action).expect("known action")
+}
+
+fn text(r: &proto::RunResponse) -> &str {
+    match &r.payload {
+        Some(proto::run_response::Payload::Text(t)) => t,
+        other => panic!("expected a text payload, got {other:?}"),
+    }
+}
+
+fn names(pods: &[Pod]) -> BTreeSet<String> {
+    pods.iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
+    let Some(c) = cluster("run").await else {
+        return;
+    };
+    c.apply_chain(
+        "shout",
+        "support-bot",
+        "input",
+        json!({}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    let chain = c.wait_pool_ready("shout").await;
+
+    // The pool is what the contract says: hardened gVisor pods owned by the chain, and a deny-all policy.
+    let warm = c.pool_pods("shout", "warm").await;
+    assert!(warm.len() >= 2, "warm pods: {:?}", names(&warm));
+    for pod in &warm {
+        let labels = pod.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(
+            labels.get("app.kubernetes.io/name").map(String::as_str),
+            Some("sluice-sandbox")
+        );
+        assert!(labels.contains_key("sluice.dev/template"));
+        let owner = &pod.metadata.owner_references.as_ref().expect("owner")[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.controller),
+            ("HookChain", Some(true))
+        );
+        assert_eq!(Some(owner.uid.as_str()), chain.metadata.uid.as_deref());
+        let spec = pod.spec.as_ref().expect("pod spec");
+        assert_eq!(spec.runtime_class_name.as_deref(), Some(RUNTIME_CLASS));
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        assert_eq!(spec.containers[0].name, "supervisor");
+    }
+    let policy = Api::<NetworkPolicy>::namespaced(c.client.clone(), &c.ns)
+        .get("sluice-shout-deny-all")
+        .await
+        .expect("the chain's deny-all NetworkPolicy");
+    let policy = policy.spec.expect("policy spec");
+    assert!(
+        policy.ingress.unwrap_or_default().is_empty()
+            && policy.egress.unwrap_or_default().is_empty()
+    );
+
+    let r = c.run("support-bot", "hello cluster").await.expect("Run");
+    assert_eq!(action(&r), Action::Modify);
+    assert_eq!(text(&r), "HELLO CLUSTER");
+    assert_eq!(r.hooks.len(), 1);
+    assert_eq!(r.hooks[0].name, "upper");
+
+    // A sandbox serves one trigger point: the claimed pod is deleted after the run, and the pool refills.
+    poll(
+        Duration::from_secs(60),
+        "the used sandbox pod is deleted",
+        || async {
+            c.pool_pods("shout", "claimed")
+                .await
+                .is_empty()
+                .then_some(())
+        },
+    )
+    .await;
+    c.wait_pool_ready("shout").await;
+    let unknown = c.run("no-such-target", "x").await.expect_err("no chain");
+    assert_eq!(unknown.code(), tonic::Code::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_commits_only_redacted_text() {
+    let Some(c) = cluster("stream").await else {
+        return;
+    };
+    c.apply_chain(
+        "digits",
+        "writer",
+        "output",
+        json!({"streaming": {"flushChars": 8, "lookbackChars": 4}}),
+        &[("digits", "modify", DIGITS)],
+    )
+    .await;
+    c.wait_pool_ready("digits").await;
+    let (commits, last) = c
+        .stream(
+            "writer",
+            &["my pin", " is 12", "34 and 5", "678, ok", "ay?"],
+        )
+        .await;
+    assert_eq!(action(&last), Action::Modify);
+    assert_eq!(text(&last), "my pin is #### and ####, okay?");
+    let shown = commits.concat();
+    assert!(
+        !shown.chars().any(|ch| ch.is_ascii_digit()),
+        "a digit was committed: {shown:?}"
+    );
+    assert_eq!(
+        shown,
+        text(&last),
+        "deterministic redaction: the commits add up to the final text"
+    );
+}
+
+/// A sandbox pod deleted while its hook runs: Closed blocks with the hook's error; Open carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_killed_mid_run_follows_the_failure_policy() {
+    let Some(c) = cluster("kill").await else {
+        return;
+    };
+    c.apply_chain(
+        "strict",
+        "strict-bot",
+        "input",
+        json!({"failurePolicy": "Closed", "timeoutMs": 60000}),
+        &[("slow", "detect", SLOW)],
+    )
+    .await;
+    c.apply_chain(
+        "lenient",
+        "lenient-bot",
+        "input",
+        json!({"failurePolicy": "Open", "timeoutMs": 60000}),
+        &[("slow", "detect", SLOW), ("upper", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("strict").await;
+    c.wait_pool_ready("lenient").await;
+
+    for (chain, target) in [("strict", "strict-bot"), ("lenient", "lenient-bot")] {
+        let run = tokio::spawn({
+            let (gateway, ns) = (c.gateway.clone(), c.ns.clone());
+            async move { run_input(gateway, &ns, target, "still here").await }
+        });
+        let claimed = poll(
+            Duration::from_secs(60),
+            &format!("a claimed pod of {chain}"),
+            || async { c.pool_pods(chain, "claimed").await.into_iter().next() },
+        )
+        .await;
+        // The hook sleeps 20 s: a few seconds after the claim it is running (or still loading; either
+        // way the sandbox dies under it).
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let pod = claimed.metadata.name.expect("pod name");
+        println!("{chain}: deleting claimed pod {pod} mid-run");
+        c.pods()
+            .delete(
+                &pod,
+                &DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("delete the claimed pod");
+        let r = run
+            .await
+            .expect("run task")
+            .expect("Run answers (the failure policy decides, not a transport error)");
+        println!("{chain}: {r:?}");
+        if chain == "strict" {
+            assert_eq!(action(&r), Action::Block);
+            assert_eq!(r.terminal_index, Some(0));
+            assert!(
+                !r.hooks[0].error.is_empty(),
+                "the killed hook's error is reported"
+            );
+        } else {
+            assert_eq!(
+                action(&r),
+                Action::Modify,
+                "Open passes the payload on to the next hook"
+            );
+            assert_eq!(text(&r), "STILL HERE");
+        }
+    }
+}
+
+/// New hook code reaches the next Run without replacing the warm pods: code is sent at init, so the
+/// pod template (and its hash) does not change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_code_rolls_out_without_new_pods() {
+    let Some(c) = cluster("rollout").await else {
+        return;
+    };
+    c.apply_chain(
+        "case",
+        "case-bot",
+        "input",
+        json!({"pool": {"warm": 3, "max": 8}}),
+        &[("case", "modify", UPPER)],
+    )
+    .await;
+    let before = c.wait_pool_ready("case").await;
+    let r = c.run("case-bot", "Mixed Case").await.expect("Run v1");
+    assert_eq!(text(&r), "MIXED CASE");
+    let v1 = c.wait_pool_ready("case").await;
+    let warm_v1 = c.pool_pods("case", "warm").await;
+    let templates: BTreeSet<String> = warm_v1
+        .iter()
+        .filter_map(|p| {
+            p.metadata
+                .labels
+                .as_ref()?
+                .get("sluice.dev/template")
+                .cloned()
+        })
+        .collect();
+    assert_eq!(templates.len(), 1, "one pod template: {templates:?}");
+
+    c.apply_chain(
+        "case",
+        "case-bot",
+        "input",
+        json!({"pool": {"warm": 3, "max": 8}}),
+        &[("case", "modify", LOWER)],
+    )
+    .await;
+    let v2 = c.wait_pool_ready("case").await;
+    assert!(v2.metadata.generation > v1.metadata.generation);
+    assert_ne!(
+        v2.status.as_ref().and_then(|s| s.code_hash.clone()),
+        before.status.as_ref().and_then(|s| s.code_hash.clone())
+    );
+    // No pod was replaced for the new code.
+    let now = names(&c.pool_pods("case", "warm").await);
+    assert!(
+        names(&warm_v1).is_subset(&now),
+        "warm pods before {:?}, after {now:?}",
+        names(&warm_v1)
+    );
+
+    // The gateway's cache follows the watch; once it has the new generation every Run is lower-case.
+    let r = poll(Duration::from_secs(30), "Run with the new code", || async {
+        let r = c.run("case-bot", "Mixed Case").await.ok()?;
+        (text(&r) == "mixed case").then_some(r)
+    })
+    .await;
+    assert_eq!(action(&r), Action::Modify);
+    for _ in 0..3 {
+        let r = c.run("case-bot", "Mixed Case").await.expect("Run v2");
+        assert_eq!(
+            text(&r),
+            "mixed case",
+            "an old-code answer after the new one was seen"
+        );
+    }
+    let after: BTreeSet<String> = c
+        .pool_pods("case", "warm")
+        .await
+        .iter()
+        .filter_map(|p| {
+            p.metadata
+                .labels
+                .as_ref()?
+                .get("sluice.dev/template")
+                .cloned()
+        })
+        .collect();
+    assert_eq!(after, templates, "the new code needed no new pod template");
+}
