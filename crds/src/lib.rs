@@ -9,7 +9,7 @@ pub mod validate;
 
 pub use capability::{Builtin, Capability, CapabilitySpec, Endpoint};
 pub use hookchain::{
-    Action, FailurePolicy, HookChain, HookChainSpec, HookChainStatus, HookSpec, PoolSpec,
+    ALL_TARGETS, Action, DEFAULT_PLATFORM_NAMESPACE, FailurePolicy, HookChain, HookChainSpec, HookChainStatus, HookSpec, PoolSpec,
     ResourceSpec, Reuse, StreamingSpec, TriggerPoint,
 };
 

@@ -30,6 +30,8 @@ pub struct LocalOptions {
     pub limits: Limits,
     /// Sandboxes booting at once.
     pub boot_concurrency: usize,
+    /// Enforced HookChains in this namespace are platform baselines (`--platform-namespace`).
+    pub platform_namespace: String,
 }
 
 impl LocalOptions {
@@ -44,6 +46,7 @@ impl LocalOptions {
             boot_concurrency: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(2),
+            platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
         }
     }
 }
@@ -113,8 +116,8 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         metrics.clone(),
         opts.limits.clone(),
     ));
-    let registry =
-        local_dir::load(&opts.dir).with_context(|| format!("reading {}", opts.dir.display()))?;
+    let registry = local_dir::load_for(&opts.dir, &opts.platform_namespace)
+        .with_context(|| format!("reading {}", opts.dir.display()))?;
     report(&registry);
     engine.set_registry(registry).await;
 
@@ -151,7 +154,11 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
                 },
             ),
     );
-    let mut tasks = vec![tokio::spawn(watch(engine.clone(), opts.dir.clone()))];
+    let mut tasks = vec![tokio::spawn(watch(
+        engine.clone(),
+        opts.dir.clone(),
+        opts.platform_namespace.clone(),
+    ))];
     // Ready once the registry is loaded and the warm pools are filled.
     let ready = {
         let (engine, health) = (engine.clone(), health.clone());
@@ -207,14 +214,14 @@ fn report(registry: &crate::registry::Registry) {
         tracing::error!("{e}");
     }
     let mut chains: Vec<String> = registry
-        .chains
-        .values()
+        .all_chains()
         .map(|c| {
             format!(
-                "{} ({} at {})",
+                "{} ({} at {}{})",
                 c.qualified_name(),
                 c.spec.target,
-                c.spec.trigger_point
+                c.spec.trigger_point,
+                if c.spec.enforced { ", enforced" } else { "" }
             )
         })
         .collect();
@@ -229,7 +236,7 @@ fn report(registry: &crate::registry::Registry) {
 }
 
 /// Re-reads the directory whenever its YAML files change and swaps the registry.
-async fn watch(engine: Arc<Engine>, dir: PathBuf) {
+async fn watch(engine: Arc<Engine>, dir: PathBuf, platform_namespace: String) {
     let mut seen = local_dir::fingerprint(&dir);
     loop {
         tokio::time::sleep(local_dir::POLL).await;
@@ -238,7 +245,7 @@ async fn watch(engine: Arc<Engine>, dir: PathBuf) {
             continue;
         }
         seen = now;
-        match local_dir::load(&dir) {
+        match local_dir::load_for(&dir, &platform_namespace) {
             Ok(registry) => {
                 report(&registry);
                 engine.set_registry(registry).await;

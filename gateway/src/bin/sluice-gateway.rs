@@ -37,6 +37,10 @@ struct Args {
     /// gVisor platform (ptrace works everywhere).
     #[arg(long, default_value = "ptrace")]
     platform: String,
+    /// Namespace whose HookChains marked `enforced: true` are platform baselines: they run before
+    /// every tenant's chain at their trigger point and cannot be bypassed.
+    #[arg(long, default_value = sluice_crds::DEFAULT_PLATFORM_NAMESPACE)]
+    platform_namespace: String,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -62,6 +66,7 @@ async fn main() -> anyhow::Result<()> {
     opts.sandbox.runsc = args.runsc;
     opts.sandbox.python = args.python;
     opts.sandbox.platform = args.platform;
+    opts.platform_namespace = args.platform_namespace;
     opts.audit = if args.audit == "-" {
         Audit::to_stdout()
     } else {
