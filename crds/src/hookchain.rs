@@ -153,6 +153,7 @@ pub enum Reuse {
     printcolumn = r#"{"name":"Claimed","type":"integer","jsonPath":".status.claimed"}"#,
     printcolumn = r#"{"name":"Trigger","type":"string","jsonPath":".spec.triggerPoint"}"#,
     printcolumn = r#"{"name":"Target","type":"string","jsonPath":".spec.target"}"#,
+    printcolumn = r#"{"name":"Enforced","type":"boolean","priority":1,"jsonPath":".spec.enforced"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
