@@ -40,10 +40,20 @@ fn enforce(chain: &mut Value, name: &str) {
     chain["spec"]["target"] = json!("*");
 }
 
-async fn agent(h: &Harness, target: &str, model: ScriptedModel, config: AgentConfig) -> Agent<ScriptedModel> {
-    let mut hooks = Hooks::connect(&format!("http://{}", h.gateway().addr), "default", target, "conv-1")
-        .await
-        .expect("connect");
+async fn agent(
+    h: &Harness,
+    target: &str,
+    model: ScriptedModel,
+    config: AgentConfig,
+) -> Agent<ScriptedModel> {
+    let mut hooks = Hooks::connect(
+        &format!("http://{}", h.gateway().addr),
+        "default",
+        target,
+        "conv-1",
+    )
+    .await
+    .expect("connect");
     hooks.context.insert("user_id".into(), "user-1".into());
     let tools = FakeTools::with_files(&[
         ("a.txt", &"A".repeat(300)),
@@ -66,7 +76,12 @@ fn hook_names(d: &sluice_agent_loop::hooks::Decision) -> Vec<(&str, Action)> {
 async fn the_loop_stops_at_the_turn_limit() {
     let chain = policy("turn-limit", |c| settings(c)["max_turns"] = json!(3));
     let h = Harness::start(&[("turn-limit.yaml", &chain)]).await;
-    let endless = ScriptedModel::repeating(ScriptedModel::calls("c", "list_files", json!({}), Usage::new(10, 5)));
+    let endless = ScriptedModel::repeating(ScriptedModel::calls(
+        "c",
+        "list_files",
+        json!({}),
+        Usage::new(10, 5),
+    ));
     let mut a = agent(&h, "agent-turn-limit", endless, AgentConfig::default()).await;
 
     let ending = a.run("Keep going.").await.expect("the loop runs");
@@ -78,7 +93,11 @@ async fn the_loop_stops_at_the_turn_limit() {
             hook: "turn-limit".into(),
         }
     );
-    assert_eq!(a.model.seen.len(), 3, "three model calls were made, the fourth was not");
+    assert_eq!(
+        a.model.seen.len(),
+        3,
+        "three model calls were made, the fourth was not"
+    );
     let checks = a.decisions("before_model");
     let turns: Vec<(i64, Action)> = checks
         .iter()
@@ -86,7 +105,12 @@ async fn the_loop_stops_at_the_turn_limit() {
         .collect();
     assert_eq!(
         turns,
-        vec![(1, Action::Pass), (2, Action::Pass), (3, Action::Pass), (4, Action::Block)]
+        vec![
+            (1, Action::Pass),
+            (2, Action::Pass),
+            (3, Action::Pass),
+            (4, Action::Block)
+        ]
     );
     // Tools ran between the turns (after_model/before_tool/after_tool have no chain: NOT_FOUND passes).
     assert_eq!(a.tools.ran.len(), 3);
@@ -96,7 +120,8 @@ async fn the_loop_stops_at_the_turn_limit() {
 
 /// Micro-dollars of a call's worst case before turn `k` (1-based) when every call uses `usage`.
 fn worst_case_micro(k: u64, usage: Usage, max_tokens: u64, rate_in: u64, rate_out: u64) -> u64 {
-    (k - 1) * (usage.input_tokens * rate_in + usage.output_tokens * rate_out) + max_tokens * rate_out
+    (k - 1) * (usage.input_tokens * rate_in + usage.output_tokens * rate_out)
+        + max_tokens * rate_out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -104,7 +129,10 @@ async fn the_price_ceiling_blocks_exactly_the_call_that_would_cross_the_budget()
     // fake-model costs 3 / 15 USD per million tokens; every call uses 5000 in, 500 out; max_tokens 1000.
     // Before call k the worst case is (k-1) * 0.0225 + 0.015 USD: 0.015, 0.0375, 0.06, 0.0825.
     let usage = Usage::new(5000, 500);
-    let budgets = [("agent-price-exact", "0.06"), ("agent-price-under", "0.0599")];
+    let budgets = [
+        ("agent-price-exact", "0.06"),
+        ("agent-price-under", "0.0599"),
+    ];
     let mut files = Vec::new();
     for (target, budget) in budgets {
         files.push((
@@ -116,7 +144,10 @@ async fn the_price_ceiling_blocks_exactly_the_call_that_would_cross_the_budget()
             }),
         ));
     }
-    let files: Vec<(&str, &str)> = files.iter().map(|(n, t)| (n.as_str(), t.as_str())).collect();
+    let files: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.as_str()))
+        .collect();
     let h = Harness::start(&files).await;
 
     for ((target, budget), expected_blocked_turn) in budgets.into_iter().zip([4u64, 3]) {
@@ -130,10 +161,18 @@ async fn the_price_ceiling_blocks_exactly_the_call_that_would_cross_the_budget()
         let endless = ScriptedModel::repeating(read("c", "a.txt", usage));
         let mut a = agent(&h, target, endless, AgentConfig::default()).await;
         let ending = a.run("Read a.txt until told to stop.").await.unwrap();
-        let Ending::Stopped { trigger_point, message, hook } = ending else {
+        let Ending::Stopped {
+            trigger_point,
+            message,
+            hook,
+        } = ending
+        else {
             panic!("{target}: the loop was not stopped: {ending:?}");
         };
-        assert_eq!((trigger_point, hook.as_str()), ("before_model", "price-ceiling"));
+        assert_eq!(
+            (trigger_point, hook.as_str()),
+            ("before_model", "price-ceiling")
+        );
         assert!(message.starts_with("Price ceiling:"), "{message}");
         assert_eq!(
             a.model.seen.len() as u64,
@@ -146,12 +185,13 @@ async fn the_price_ceiling_blocks_exactly_the_call_that_would_cross_the_budget()
             blocked.sent["usage_so_far"],
             json!({"input_tokens": 5000 * (first_over - 1), "output_tokens": 500 * (first_over - 1)})
         );
-        assert!(a
-            .decisions("before_model")
-            .iter()
-            .rev()
-            .skip(1)
-            .all(|d| d.action == Action::Pass));
+        assert!(
+            a.decisions("before_model")
+                .iter()
+                .rev()
+                .skip(1)
+                .all(|d| d.action == Action::Pass)
+        );
     }
     h.stop_and_check_leaks().await;
 }
@@ -165,7 +205,9 @@ fn estimate_tokens(messages: &Value) -> usize {
         .iter()
         .map(|m| {
             m["content"].as_str().map(str::len).unwrap_or(0)
-                + m.get("tool_calls").map(|c| c.to_string().len()).unwrap_or(0)
+                + m.get("tool_calls")
+                    .map(|c| c.to_string().len())
+                    .unwrap_or(0)
         })
         .sum::<usize>()
         / 4
@@ -180,12 +222,23 @@ async fn compaction_summarises_older_turns_through_llm_run_above_the_threshold()
     .await
     .unwrap();
     services.credit.set_balance("user-1", 1000);
-    let caps = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/capabilities.yaml"))
-        .unwrap()
-        .replace("http://127.0.0.1:7001", &format!("http://{}", services.llm_addr))
-        .replace("http://127.0.0.1:7002", &format!("http://{}", services.credit_addr));
+    let caps = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/capabilities.yaml"
+    ))
+    .unwrap()
+    .replace(
+        "http://127.0.0.1:7001",
+        &format!("http://{}", services.llm_addr),
+    )
+    .replace(
+        "http://127.0.0.1:7002",
+        &format!("http://{}", services.credit_addr),
+    );
     // fake-small has a 400-token window: compaction above 320 estimated tokens; keep 4 messages.
-    let chain = policy("context-compaction", |c| settings(c)["keep_recent"] = json!(4));
+    let chain = policy("context-compaction", |c| {
+        settings(c)["keep_recent"] = json!(4)
+    });
     let h = Harness::start(&[("caps.yaml", &caps), ("compaction.yaml", &chain)]).await;
     let u = Usage::new(100, 20);
     let model = ScriptedModel::new(vec![
@@ -207,7 +260,13 @@ async fn compaction_summarises_older_turns_through_llm_run_above_the_threshold()
     let actions: Vec<Action> = checks.iter().map(|d| d.action).collect();
     assert_eq!(
         actions,
-        vec![Action::Pass, Action::Pass, Action::Pass, Action::Pass, Action::Modify],
+        vec![
+            Action::Pass,
+            Action::Pass,
+            Action::Pass,
+            Action::Pass,
+            Action::Modify
+        ],
         "compaction runs only once the conversation is over the threshold"
     );
     assert!(estimate_tokens(&checks[3].sent["messages"]) < 320 - 15);
@@ -222,15 +281,37 @@ async fn compaction_summarises_older_turns_through_llm_run_above_the_threshold()
         seen[1],
         json!({"role": "system", "content": "Summary of the earlier conversation: Summary: user: Read the four files."})
     );
-    assert_eq!(seen[2..], before[before.len() - 4..], "recent turns are kept as they were");
-    assert_eq!(seen[2]["tool_calls"][0]["id"], json!("c3"), "a tool result keeps its call");
-    assert!(!serde_json::to_string(seen).unwrap().contains(&"A".repeat(300)));
+    assert_eq!(
+        seen[2..],
+        before[before.len() - 4..],
+        "recent turns are kept as they were"
+    );
+    assert_eq!(
+        seen[2]["tool_calls"][0]["id"],
+        json!("c3"),
+        "a tool result keeps its call"
+    );
+    assert!(
+        !serde_json::to_string(seen)
+            .unwrap()
+            .contains(&"A".repeat(300))
+    );
     // The summary came from the LLM service, through the credit gate, with the older turns in the prompt.
-    let llm: Vec<_> = services.calls().into_iter().filter(|c| c.service == "llm").collect();
+    let llm: Vec<_> = services
+        .calls()
+        .into_iter()
+        .filter(|c| c.service == "llm")
+        .collect();
     assert_eq!(llm.len(), 1);
     let prompt = llm[0].payload["prompt"].as_str().unwrap();
-    assert!(prompt.contains("a.txt") && prompt.contains("b.txt") && !prompt.contains("d.txt"), "{prompt}");
-    assert_eq!(llm[0].caller.get("user_id").map(String::as_str), Some("user-1"));
+    assert!(
+        prompt.contains("a.txt") && prompt.contains("b.txt") && !prompt.contains("d.txt"),
+        "{prompt}"
+    );
+    assert_eq!(
+        llm[0].caller.get("user_id").map(String::as_str),
+        Some("user-1")
+    );
     // The application keeps the compacted history.
     assert_eq!(a.messages[1], seen[1]);
     h.stop_and_check_leaks().await;
@@ -244,7 +325,12 @@ async fn read_only_mode_hides_write_tools_and_blocks_a_forced_write() {
     let model = ScriptedModel::new(vec![
         read("c1", "a.txt", u),
         // The model calls a tool it was not offered.
-        ScriptedModel::calls("c2", "write_file", json!({"path": "a.txt", "content": "gone"}), u),
+        ScriptedModel::calls(
+            "c2",
+            "write_file",
+            json!({"path": "a.txt", "content": "gone"}),
+            u,
+        ),
         ScriptedModel::says("I could not write.", u),
     ]);
     let mut a = agent(&h, "agent-read-only", model, AgentConfig::default()).await;
@@ -266,7 +352,9 @@ async fn read_only_mode_hides_write_tools_and_blocks_a_forced_write() {
     let told = &a.model.seen[2].messages.last().unwrap()["content"];
     assert_eq!(
         told,
-        &json!("error: the call was blocked by policy: Read-only mode: the tool 'write_file' may not run.")
+        &json!(
+            "error: the call was blocked by policy: Read-only mode: the tool 'write_file' may not run."
+        )
     );
     h.stop_and_check_leaks().await;
 }
@@ -285,13 +373,23 @@ async fn the_path_guard_refuses_escapes_and_the_context_warning_is_injected() {
         ScriptedModel::says("Done.", u),
     ]);
     let mut a = agent(&h, "agent-path-guard", model, AgentConfig::default()).await;
-    assert_eq!(a.run("Read the files.").await.unwrap(), Ending::Answered("Done.".into()));
-    let ran: Vec<&str> = a.tools.ran.iter().map(|(_, args)| args["path"].as_str().unwrap()).collect();
+    assert_eq!(
+        a.run("Read the files.").await.unwrap(),
+        Ending::Answered("Done.".into())
+    );
+    let ran: Vec<&str> = a
+        .tools
+        .ran
+        .iter()
+        .map(|(_, args)| args["path"].as_str().unwrap())
+        .collect();
     assert_eq!(ran, vec!["a.txt"], "the escaping read never ran");
-    assert!(a.model.seen[1].messages.last().unwrap()["content"]
-        .as_str()
-        .unwrap()
-        .contains("argument path='../../etc/passwd' is outside the project root /workspace"));
+    assert!(
+        a.model.seen[1].messages.last().unwrap()["content"]
+            .as_str()
+            .unwrap()
+            .contains("argument path='../../etc/passwd' is outside the project root /workspace")
+    );
 
     // fake-small: 400 tokens; warn above 60% (960 characters). Each read adds 300 characters.
     let model = ScriptedModel::new(vec![
@@ -305,7 +403,10 @@ async fn the_path_guard_refuses_escapes_and_the_context_warning_is_injected() {
         ..Default::default()
     };
     let mut a = agent(&h, "agent-context-warning", model, config).await;
-    assert_eq!(a.run("Read a, b and c.").await.unwrap(), Ending::Answered("Done.".into()));
+    assert_eq!(
+        a.run("Read a, b and c.").await.unwrap(),
+        Ending::Answered("Done.".into())
+    );
     let warnings: Vec<usize> = a
         .model
         .seen
@@ -313,14 +414,24 @@ async fn the_path_guard_refuses_escapes_and_the_context_warning_is_injected() {
         .map(|r| {
             r.messages
                 .iter()
-                .filter(|m| m["content"].as_str().unwrap_or("").starts_with("Context usage:"))
+                .filter(|m| {
+                    m["content"]
+                        .as_str()
+                        .unwrap_or("")
+                        .starts_with("Context usage:")
+                })
                 .count()
         })
         .collect();
     assert_eq!(warnings, vec![0, 0, 0, 1], "one warning, once over 60%");
     let last = a.model.seen[3].messages.last().unwrap();
     assert_eq!(last["role"], json!("system"));
-    assert!(last["content"].as_str().unwrap().contains("% of the context window is used"));
+    assert!(
+        last["content"]
+            .as_str()
+            .unwrap()
+            .contains("% of the context window is used")
+    );
     h.stop_and_check_leaks().await;
 }
 
@@ -443,15 +554,23 @@ async fn the_baseline_runs_first_and_a_tenant_chain_cannot_bypass_it() {
     .await;
     let registry = h.gateway().engine.registry();
     assert!(
-        registry.errors.iter().any(|e| e.message.contains("\"self-made-baseline\"")
-            && e.message.contains("only in the platform namespace")),
+        registry
+            .errors
+            .iter()
+            .any(|e| e.message.contains("\"self-made-baseline\"")
+                && e.message.contains("only in the platform namespace")),
         "{:?}",
         registry.errors
     );
 
     let u = Usage::new(10, 5);
     let endless = ScriptedModel::new(vec![
-        ScriptedModel::calls("c1", "write_file", json!({"path": "a.txt", "content": "x"}), u),
+        ScriptedModel::calls(
+            "c1",
+            "write_file",
+            json!({"path": "a.txt", "content": "x"}),
+            u,
+        ),
         read("c2", "a.txt", u),
         read("c3", "b.txt", u),
     ]);
@@ -470,16 +589,25 @@ async fn the_baseline_runs_first_and_a_tenant_chain_cannot_bypass_it() {
     let checks = a.decisions("before_model");
     assert_eq!(
         hook_names(checks[0]),
-        vec![("baseline/turn-limit", Action::Pass), ("loosen", Action::Modify)],
+        vec![
+            ("baseline/turn-limit", Action::Pass),
+            ("loosen", Action::Modify)
+        ],
         "baseline hooks first, then the tenant's"
     );
-    assert_eq!(hook_names(checks[2]), vec![("baseline/turn-limit", Action::Block)]);
+    assert_eq!(
+        hook_names(checks[2]),
+        vec![("baseline/turn-limit", Action::Block)]
+    );
     // The tenant offered write_file again; the model called it; the before_tool baseline refused it
     // before the tenant's own before_tool chain could even look.
     assert!(a.model.seen[0].tool_names().contains(&"write_file"));
     assert!(!a.tools.ran_tool("write_file"));
     let tools = a.decisions("before_tool");
-    assert_eq!(hook_names(tools[0]), vec![("baseline/block-write-calls", Action::Block)]);
+    assert_eq!(
+        hook_names(tools[0]),
+        vec![("baseline/block-write-calls", Action::Block)]
+    );
     assert_eq!(
         hook_names(tools[1]),
         vec![
@@ -493,25 +621,48 @@ async fn the_baseline_runs_first_and_a_tenant_chain_cannot_bypass_it() {
 
     // A baseline hook's failure is governed by the baseline's Closed, not the tenant's Open.
     let r = h
-        .run_value("agent-x", "before_tool", json!({"name": "read_file", "arguments": {"path": "boom"}}))
+        .run_value(
+            "agent-x",
+            "before_tool",
+            json!({"name": "read_file", "arguments": {"path": "boom"}}),
+        )
         .await
         .unwrap();
     assert_eq!(action(&r), Action::Block);
-    assert!(r.message.contains("\"explode\" failed") && r.message.contains("baseline hook broke"), "{}", r.message);
+    assert!(
+        r.message.contains("\"explode\" failed") && r.message.contains("baseline hook broke"),
+        "{}",
+        r.message
+    );
     assert_eq!(r.terminal_index, Some(1));
     assert_eq!(r.hooks.len(), 2, "the tenant's chain did not run");
 
     // A target with no chain of its own still gets the baseline, rather than NOT_FOUND.
     let call = |turn: u32| json!({"model": "m", "messages": [], "tools": [], "max_tokens": 1, "usage_so_far": {}, "turn": turn});
-    let r = h.run_value("agent-unknown", "before_model", call(3)).await.unwrap();
+    let r = h
+        .run_value("agent-unknown", "before_model", call(3))
+        .await
+        .unwrap();
     assert_eq!((action(&r), r.hooks.len()), (Action::Block, 1));
-    let r = h.run_value("agent-unknown", "before_model", call(1)).await.unwrap();
+    let r = h
+        .run_value("agent-unknown", "before_model", call(1))
+        .await
+        .unwrap();
     assert_eq!(action(&r), Action::Pass);
-    let missing = h.run_value("agent-unknown", "after_model", json!({"message": {}, "usage": {}})).await;
+    let missing = h
+        .run_value(
+            "agent-unknown",
+            "after_model",
+            json!({"message": {}, "usage": {}}),
+        )
+        .await;
     assert_eq!(missing.unwrap_err().code(), tonic::Code::NotFound);
 
     // Streams: the baseline redacts first; the tenant's chain sees only the redacted text.
-    let chunks: Vec<String> = ["my SEC", "RET is ", "safe and so is SECRET."].iter().map(|s| s.to_string()).collect();
+    let chunks: Vec<String> = ["my SEC", "RET is ", "safe and so is SECRET."]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     let s = h.stream("agent-x", "output", &chunks).await;
     assert!(s.status.is_none(), "{:?}", s.status);
     assert!(!s.committed().contains("SECRET"), "{:?}", s.commits);
@@ -531,10 +682,24 @@ async fn the_baseline_runs_first_and_a_tenant_chain_cannot_bypass_it() {
         .find(|e| e["trigger_point"] == "before_tool" && e["action"] == "detect")
         .expect("the audit of the read_file check");
     assert_eq!(event["chain"], json!("default/tenant-tool"));
-    assert_eq!(event["baseline"]["chain"], json!("sluice-system/platform-writes"));
+    assert_eq!(
+        event["baseline"]["chain"],
+        json!("sluice-system/platform-writes")
+    );
     assert!(event["baseline"]["sandbox"].is_string() && event["sandbox"].is_string());
-    assert_ne!(event["baseline"]["sandbox"], event["sandbox"], "each chain in its own sandbox");
-    let names: Vec<&str> = event["hooks"].as_array().unwrap().iter().map(|h| h["name"].as_str().unwrap()).collect();
-    assert_eq!(names, vec!["baseline/block-write-calls", "baseline/explode", "watch"]);
+    assert_ne!(
+        event["baseline"]["sandbox"], event["sandbox"],
+        "each chain in its own sandbox"
+    );
+    let names: Vec<&str> = event["hooks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        vec!["baseline/block-write-calls", "baseline/explode", "watch"]
+    );
     h.stop_and_check_leaks().await;
 }

@@ -118,10 +118,7 @@ impl<'e> Pipeline<'e> {
         let mut combined = Walk::new(payload);
         let mut offset = 0;
         for (stage, state) in self.stages.iter_mut().zip(states.iter_mut()) {
-            let walk = stage
-                .session
-                .walk(combined.payload.clone(), state)
-                .await;
+            let walk = stage.session.walk(combined.payload.clone(), state).await;
             absorb(&mut combined, walk, offset, stage.baseline);
             if combined.is_terminal() {
                 break;
@@ -207,7 +204,10 @@ mod tests {
         let mut combined = Walk::new(json!({"n": 0}));
         let mut base = Walk::new(json!({"n": 1}));
         base.action = Action::Modify;
-        base.hooks = vec![outcome(0, "limit", Action::Pass), outcome(1, "rewrite", Action::Modify)];
+        base.hooks = vec![
+            outcome(0, "limit", Action::Pass),
+            outcome(1, "rewrite", Action::Modify),
+        ];
         absorb(&mut combined, base, 0, true);
         let mut tenant = Walk::new(json!({"n": 1}));
         tenant.action = Action::Detect;
@@ -240,7 +240,11 @@ mod tests {
         tenant.message = "no".into();
         absorb(&mut combined, tenant, 2, false);
         assert_eq!(
-            (combined.action, combined.terminal_index, combined.message.as_str()),
+            (
+                combined.action,
+                combined.terminal_index,
+                combined.message.as_str()
+            ),
             (Action::Block, Some(2), "no")
         );
     }

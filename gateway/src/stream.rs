@@ -9,8 +9,8 @@
 
 use crate::audit::{AuditEvent, now_rfc3339};
 use crate::engine::{Engine, EngineError};
-use crate::pipeline::{Chains, Pipeline};
 use crate::outcome::Walk;
+use crate::pipeline::{Chains, Pipeline};
 use crate::proto::{self, stream_request::Msg as In, stream_response::Msg as Out};
 use crate::server::run_response;
 use serde_json::{Value, json};

@@ -81,9 +81,7 @@ impl Hooks {
         target: &str,
         session_id: &str,
     ) -> anyhow::Result<Self> {
-        let channel = Channel::from_shared(gateway.to_string())?
-            .connect()
-            .await?;
+        let channel = Channel::from_shared(gateway.to_string())?.connect().await?;
         Ok(Self::new(channel, namespace, target, session_id))
     }
 

@@ -174,7 +174,10 @@ impl<M: Model> Agent<M> {
             }
             let message = d.payload["message"].clone();
             self.messages.push(message.clone());
-            let calls = message["tool_calls"].as_array().cloned().unwrap_or_default();
+            let calls = message["tool_calls"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
             if calls.is_empty() {
                 return Ok(Ending::Answered(
                     message["content"].as_str().unwrap_or_default().to_string(),
@@ -207,7 +210,10 @@ impl<M: Model> Agent<M> {
                     name: name.clone(),
                     message: d.message.clone(),
                 });
-                return Ok(format!("error: the call was blocked by policy: {}", d.message));
+                return Ok(format!(
+                    "error: the call was blocked by policy: {}",
+                    d.message
+                ));
             }
             Action::Skip => return Ok(d.message),
             _ => {}
@@ -228,7 +234,10 @@ impl<M: Model> Agent<M> {
             )
             .await?;
         if d.stops() {
-            return Ok(format!("error: the result was withheld by policy: {}", d.message));
+            return Ok(format!(
+                "error: the result was withheld by policy: {}",
+                d.message
+            ));
         }
         Ok(match (&d.payload["error"], &d.payload["result"]) {
             (Value::String(e), _) => format!("error: {e}"),

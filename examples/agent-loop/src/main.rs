@@ -24,7 +24,10 @@ enum Scenario {
 }
 
 #[derive(Parser)]
-#[command(name = "sluice-agent-loop", about = "Reference agent loop around the Sluice gateway")]
+#[command(
+    name = "sluice-agent-loop",
+    about = "Reference agent loop around the Sluice gateway"
+)]
 struct Args {
     #[arg(long, default_value = "http://127.0.0.1:50051")]
     gateway: String,
@@ -51,17 +54,24 @@ async fn main() -> anyhow::Result<()> {
     let model = match args.scenario {
         Scenario::Edit => ScriptedModel::new(vec![
             ScriptedModel::calls("c1", "read_file", json!({"path": "src/lib.rs"}), usage),
-            ScriptedModel::calls("c2", "write_file", json!({"path": "src/lib.rs", "content": "fn fixed() {}"}), usage),
+            ScriptedModel::calls(
+                "c2",
+                "write_file",
+                json!({"path": "src/lib.rs", "content": "fn fixed() {}"}),
+                usage,
+            ),
             ScriptedModel::says("I fixed the bug in src/lib.rs.", usage),
         ]),
-        Scenario::Endless => ScriptedModel::repeating(ScriptedModel::calls(
-            "c",
-            "list_files",
-            json!({}),
-            usage,
-        )),
+        Scenario::Endless => {
+            ScriptedModel::repeating(ScriptedModel::calls("c", "list_files", json!({}), usage))
+        }
         Scenario::Escape => ScriptedModel::new(vec![
-            ScriptedModel::calls("c1", "read_file", json!({"path": "../../etc/passwd"}), usage),
+            ScriptedModel::calls(
+                "c1",
+                "read_file",
+                json!({"path": "../../etc/passwd"}),
+                usage,
+            ),
             ScriptedModel::says("I could not read that file.", usage),
         ]),
     };
@@ -83,9 +93,17 @@ async fn main() -> anyhow::Result<()> {
                 println!(
                     "{:<13} {:<7} {}{}",
                     d.trigger_point,
-                    if d.served { d.action.as_str_name().to_lowercase() } else { "-".into() },
+                    if d.served {
+                        d.action.as_str_name().to_lowercase()
+                    } else {
+                        "-".into()
+                    },
                     hooks.join(" "),
-                    if d.message.is_empty() { String::new() } else { format!("  \"{}\"", d.message) }
+                    if d.message.is_empty() {
+                        String::new()
+                    } else {
+                        format!("  \"{}\"", d.message)
+                    }
                 );
             }
             Event::ModelCalled { turn, request } => println!(
