@@ -97,18 +97,23 @@ pub struct Pipeline<'e> {
 }
 
 impl<'e> Pipeline<'e> {
-    /// Claims and loads a sandbox for every chain, baseline first. No sandbox in time → UNAVAILABLE.
+    /// Claims and loads a sandbox for every chain (at the same time, so a baseline adds no claim
+    /// latency of its own). No sandbox in time for either → UNAVAILABLE.
     pub async fn open(
         engine: &'e Engine,
         chains: &Chains,
         target: &Target,
         run_id: &str,
     ) -> Result<Self, EngineError> {
-        let mut stages = Vec::new();
-        for (chain, baseline) in chains.ordered() {
-            let session = ChainSession::open(engine, chain.clone(), target, run_id).await?;
-            stages.push(Stage { session, baseline });
-        }
+        let opening = chains.ordered().map(|(chain, baseline)| async move {
+            ChainSession::open(engine, chain.clone(), target, run_id)
+                .await
+                .map(|session| Stage { session, baseline })
+        });
+        let stages = futures::future::join_all(opening)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self { stages })
     }
 
