@@ -153,6 +153,7 @@ pub enum Reuse {
     printcolumn = r#"{"name":"Claimed","type":"integer","jsonPath":".status.claimed"}"#,
     printcolumn = r#"{"name":"Trigger","type":"string","jsonPath":".spec.triggerPoint"}"#,
     printcolumn = r#"{"name":"Target","type":"string","jsonPath":".spec.target"}"#,
+    printcolumn = r#"{"name":"Enforced","type":"boolean","priority":1,"jsonPath":".spec.enforced"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -177,10 +178,21 @@ pub struct HookChainSpec {
     /// Limits of every sandbox of this chain.
     #[serde(default)]
     pub resources: ResourceSpec,
+    /// Platform baseline: honoured only in the gateway's platform namespace (default sluice-system),
+    /// with target "*". The chain then runs before every tenant's chain at its trigger point, for
+    /// every target in every namespace, and no tenant chain can remove, reorder or weaken it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub enforced: bool,
     /// The hooks, run in this order.
     #[schemars(length(min = 1, max = 32))]
     pub hooks: Vec<HookSpec>,
 }
+
+/// The target an enforced baseline chain names: every target.
+pub const ALL_TARGETS: &str = "*";
+
+/// The namespace whose enforced chains are platform baselines, unless the gateway is told otherwise.
+pub const DEFAULT_PLATFORM_NAMESPACE: &str = "sluice-system";
 
 fn default_timeout_ms() -> u32 {
     2000

@@ -9,8 +9,8 @@ pub mod validate;
 
 pub use capability::{Builtin, Capability, CapabilitySpec, Endpoint};
 pub use hookchain::{
-    Action, FailurePolicy, HookChain, HookChainSpec, HookChainStatus, HookSpec, PoolSpec,
-    ResourceSpec, Reuse, StreamingSpec, TriggerPoint,
+    ALL_TARGETS, Action, DEFAULT_PLATFORM_NAMESPACE, FailurePolicy, HookChain, HookChainSpec,
+    HookChainStatus, HookSpec, PoolSpec, ResourceSpec, Reuse, StreamingSpec, TriggerPoint,
 };
 
 use schemars::Schema;

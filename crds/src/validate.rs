@@ -45,6 +45,21 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
             "must name the agent or app this chain serves",
         ));
     }
+    if spec.enforced && spec.target != crate::ALL_TARGETS {
+        out.push(problem(
+            "spec.target",
+            format!(
+                "an enforced (baseline) chain applies to every target: set target \"*\", not {:?}",
+                spec.target
+            ),
+        ));
+    }
+    if !spec.enforced && spec.target == crate::ALL_TARGETS {
+        out.push(problem(
+            "spec.target",
+            "\"*\" (every target) is only for enforced baseline chains in the platform namespace (spec.enforced: true)",
+        ));
+    }
     if !(10..=60_000).contains(&spec.timeout_ms) {
         out.push(problem(
             "spec.timeoutMs",
@@ -212,6 +227,20 @@ mod tests {
                 .any(|p| p.starts_with("spec.resources.memory")),
             "{problems:?}"
         );
+    }
+
+    #[test]
+    fn enforced_goes_with_every_target() {
+        let mut c = chain();
+        c.enforced = true;
+        let p = hookchain(&c);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].message.contains("every target"), "{p:?}");
+        c.target = "*".into();
+        assert_eq!(hookchain(&c), vec![]);
+        c.enforced = false;
+        let p = hookchain(&c);
+        assert!(p[0].message.contains("only for enforced"), "{p:?}");
     }
 
     #[test]

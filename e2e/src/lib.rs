@@ -234,15 +234,15 @@ impl Harness {
         let sandboxes = self.state.path().join("sandboxes");
         assert_no_leaks(&sandboxes);
         for event in self.audit() {
-            let Some(id) = event["sandbox"].as_str() else {
-                continue;
-            };
-            for ctl in ["memory", "pids", "cpu"] {
-                let cg = Path::new("/sys/fs/cgroup")
-                    .join(ctl)
-                    .join("sluice")
-                    .join(id);
-                assert!(!cg.exists(), "cgroup left: {}", cg.display());
+            let ids = [&event["sandbox"], &event["baseline"]["sandbox"]];
+            for id in ids.into_iter().filter_map(Value::as_str) {
+                for ctl in ["memory", "pids", "cpu"] {
+                    let cg = Path::new("/sys/fs/cgroup")
+                        .join(ctl)
+                        .join("sluice")
+                        .join(id);
+                    assert!(!cg.exists(), "cgroup left: {}", cg.display());
+                }
             }
         }
     }

@@ -37,6 +37,15 @@ pub struct AuditGate {
     pub reason: String,
 }
 
+/// The enforced baseline chain that ran before the tenant's chain.
+#[derive(Clone, Debug, Serialize)]
+pub struct AuditChain {
+    pub chain: String,
+    pub code_hash: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<String>,
+}
+
 #[derive(Debug, Serialize)]
 pub struct AuditEvent {
     pub ts: String,
@@ -53,6 +62,9 @@ pub struct AuditEvent {
     pub session_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sandbox: Option<String>,
+    /// The platform baseline, when one ran first (its hooks are listed first, as `baseline/<hook>`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<AuditChain>,
     pub hooks: Vec<AuditHook>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub host_calls: Vec<AuditHostCall>,

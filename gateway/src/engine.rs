@@ -7,6 +7,7 @@ use crate::chain::{Chain, ChainKey};
 use crate::limits::Limits;
 use crate::metrics::Metrics;
 use crate::outcome::{self, Walk};
+use crate::pipeline::{BASELINE_PREFIX, Chains, Pipeline};
 use crate::pool::{Claimed, Pools};
 use crate::registry::Registry;
 use crate::runner::{Caller, Runner};
@@ -103,7 +104,7 @@ impl Engine {
     pub async fn set_registry(&self, registry: Registry) {
         let registry = Arc::new(registry);
         self.registry.store(registry.clone());
-        self.pools.sync(registry.chains.values()).await;
+        self.pools.sync(registry.all_chains()).await;
     }
 
     /// Checks what a caller sent: names, trigger point, context size.
@@ -187,15 +188,6 @@ impl Engine {
         Ok(p.clone())
     }
 
-    pub fn resolve(&self, key: &ChainKey) -> Result<Arc<Chain>, EngineError> {
-        self.registry().chain(key).cloned().ok_or_else(|| {
-            EngineError::NotFound(format!(
-                "no HookChain for target {:?} at trigger point {} in namespace {:?}",
-                key.target, key.trigger_point, key.namespace
-            ))
-        })
-    }
-
     /// Runs one payload through one trigger point.
     pub async fn run(&self, input: RunInput) -> Result<RunResult, EngineError> {
         let began = Instant::now();
@@ -213,6 +205,7 @@ impl Engine {
                 code_hash: None,
                 session_id: (!input.session_id.is_empty()).then(|| input.session_id.clone()),
                 sandbox: None,
+                baseline: None,
                 hooks: vec![],
                 host_calls: vec![],
                 action: "pass",
@@ -230,26 +223,24 @@ impl Engine {
                     input.session_id.clone(),
                 )?;
                 let payload = self.check_payload(target.key.trigger_point, &input.payload)?;
-                let chain = self.resolve(&target.key)?;
-                Ok::<_, EngineError>((target, payload, chain))
+                let chains = self.resolve_chains(&target.key)?;
+                Ok::<_, EngineError>((target, payload, chains))
             })();
-            let (target, payload, chain) = match prepared {
+            let (target, payload, chains) = match prepared {
                 Ok(p) => p,
                 Err(e) => return Err(self.refuse(&mut audit, e, began)),
             };
-            audit.chain = Some(chain.qualified_name());
-            audit.code_hash = Some(chain.code_hash.clone());
-            let mut session = match ChainSession::open(self, chain.clone(), &target, &run_id).await
-            {
-                Ok(s) => s,
+            chains.describe(&mut audit);
+            let mut pipeline = match Pipeline::open(self, &chains, &target, &run_id).await {
+                Ok(p) => p,
                 Err(e) => return Err(self.refuse(&mut audit, e, began)),
             };
-            audit.sandbox = Some(session.sandbox_id.clone());
-            let mut state = StateVector::fresh(chain.spec.hooks.len());
-            let walk = session.walk(payload, &mut state).await;
-            audit.host_calls = session.host_calls();
-            drop(session);
-            self.finish(&mut audit, &chain, &walk, began, "run");
+            pipeline.record_sandboxes(&mut audit);
+            let mut states = chains.fresh_states();
+            let walk = pipeline.walk(payload, &mut states).await;
+            audit.host_calls = pipeline.host_calls();
+            drop(pipeline);
+            self.finish(&mut audit, &chains, &walk, began, "run");
             Ok(RunResult {
                 run_id: run_id.clone(),
                 walk,
@@ -279,7 +270,7 @@ impl Engine {
     pub fn finish(
         &self,
         audit: &mut AuditEvent,
-        chain: &Chain,
+        chains: &Chains,
         walk: &Walk,
         began: Instant,
         mode: &'static str,
@@ -295,18 +286,25 @@ impl Engine {
                 findings: h.findings.clone(),
             })
             .collect();
-        let errors = walk.hooks.iter().filter(|h| h.error.is_some()).count();
-        if errors > 0 {
-            self.metrics
-                .hook_errors
-                .with_label_values(&[&chain.qualified_name()])
-                .inc_by(errors as u64);
+        // Hook errors count against the chain the hook belongs to.
+        for (chain, baseline) in chains.ordered() {
+            let errors = walk
+                .hooks
+                .iter()
+                .filter(|h| h.error.is_some() && h.name.starts_with(BASELINE_PREFIX) == baseline)
+                .count();
+            if errors > 0 {
+                self.metrics
+                    .hook_errors
+                    .with_label_values(&[&chain.qualified_name()])
+                    .inc_by(errors as u64);
+            }
         }
         audit.action = walk.action.as_str();
         audit.terminal_index = walk.terminal_index;
         audit.latency_us = began.elapsed().as_micros() as u64;
         self.audit.write(audit);
-        let tp = chain.spec.trigger_point.as_str();
+        let tp = chains.main().spec.trigger_point.as_str();
         self.metrics
             .runs
             .with_label_values(&[tp, mode, walk.action.as_str()])

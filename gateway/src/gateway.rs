@@ -33,6 +33,8 @@ pub struct LocalOptions {
     pub limits: Limits,
     /// Sandboxes booting at once.
     pub boot_concurrency: usize,
+    /// Enforced HookChains in this namespace are platform baselines (`--platform-namespace`).
+    pub platform_namespace: String,
 }
 
 impl LocalOptions {
@@ -47,6 +49,7 @@ impl LocalOptions {
             boot_concurrency: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(2),
+            platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
         }
     }
 }
@@ -115,11 +118,15 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         &opts.limits,
         opts.boot_concurrency,
     );
-    let registry =
-        local_dir::load(&opts.dir).with_context(|| format!("reading {}", opts.dir.display()))?;
+    let registry = local_dir::load_for(&opts.dir, &opts.platform_namespace)
+        .with_context(|| format!("reading {}", opts.dir.display()))?;
     report(&registry);
     engine.set_registry(registry).await;
-    let source = tokio::spawn(watch(engine.clone(), opts.dir.clone()));
+    let source = tokio::spawn(watch(
+        engine.clone(),
+        opts.dir.clone(),
+        opts.platform_namespace.clone(),
+    ));
     let running = serve(
         engine,
         opts.listen,
@@ -141,6 +148,8 @@ pub struct KubeOptions {
     pub limits: Limits,
     /// How long the watches may take to list everything at start.
     pub sync_timeout: Duration,
+    /// Where enforced baseline chains live.
+    pub platform_namespace: String,
 }
 
 impl KubeOptions {
@@ -153,6 +162,7 @@ impl KubeOptions {
             audit: Audit::discard(),
             limits: Limits::default(),
             sync_timeout: Duration::from_secs(30),
+            platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
         }
     }
 }
@@ -187,6 +197,7 @@ pub async fn start_kube(opts: KubeOptions) -> anyhow::Result<RunningGateway> {
     let source = KubeSource::start(
         opts.client.clone(),
         opts.kube.namespace.as_deref(),
+        &opts.platform_namespace,
         opts.sync_timeout,
     )
     .await?;
@@ -309,14 +320,14 @@ pub(crate) fn report(registry: &crate::registry::Registry) {
         tracing::error!("{e}");
     }
     let mut chains: Vec<String> = registry
-        .chains
-        .values()
+        .all_chains()
         .map(|c| {
             format!(
-                "{} ({} at {})",
+                "{} ({} at {}{})",
                 c.qualified_name(),
                 c.spec.target,
-                c.spec.trigger_point
+                c.spec.trigger_point,
+                if c.spec.enforced { ", enforced" } else { "" }
             )
         })
         .collect();
@@ -331,7 +342,7 @@ pub(crate) fn report(registry: &crate::registry::Registry) {
 }
 
 /// Re-reads the directory whenever its YAML files change and swaps the registry.
-async fn watch(engine: Arc<Engine>, dir: PathBuf) {
+async fn watch(engine: Arc<Engine>, dir: PathBuf, platform_namespace: String) {
     let mut seen = local_dir::fingerprint(&dir);
     loop {
         tokio::time::sleep(local_dir::POLL).await;
@@ -340,7 +351,7 @@ async fn watch(engine: Arc<Engine>, dir: PathBuf) {
             continue;
         }
         seen = now;
-        match local_dir::load(&dir) {
+        match local_dir::load_for(&dir, &platform_namespace) {
             Ok(registry) => {
                 report(&registry);
                 engine.set_registry(registry).await;

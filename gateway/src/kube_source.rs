@@ -26,6 +26,7 @@ pub struct KubeSource {
     chains: Store<Guarded<HookChain>>,
     capabilities: Store<Guarded<Capability>>,
     changed: Arc<Notify>,
+    platform_namespace: String,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -83,6 +84,7 @@ impl KubeSource {
     pub async fn start(
         client: kube::Client,
         namespace: Option<&str>,
+        platform_namespace: &str,
         sync_timeout: Duration,
     ) -> anyhow::Result<Self> {
         fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<Guarded<K>>
@@ -109,6 +111,7 @@ impl KubeSource {
             chains,
             capabilities,
             changed,
+            platform_namespace: platform_namespace.to_string(),
             tasks: vec![t1, t2],
         };
         let synced = async {
@@ -170,7 +173,7 @@ impl KubeSource {
         }
         // Sorted so that conflicts (two chains for one target) resolve the same way every time.
         objects.sort_by(|a, b| a.file.cmp(&b.file));
-        Registry::build(objects, errors)
+        Registry::build_for(&self.platform_namespace, objects, errors)
     }
 
     /// Swaps the engine's registry whenever the caches change, until the task is dropped.

@@ -16,6 +16,7 @@ pub mod limits;
 pub mod local_dir;
 pub mod metrics;
 pub mod outcome;
+pub mod pipeline;
 pub mod pool;
 pub mod proto;
 pub mod registry;

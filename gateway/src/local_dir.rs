@@ -26,8 +26,14 @@ fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Reads every YAML file under `dir` (sorted, so conflicts resolve the same way every time).
+/// Reads every YAML file under `dir` (sorted, so conflicts resolve the same way every time), with
+/// the default platform namespace.
 pub fn load(dir: &Path) -> std::io::Result<Registry> {
+    load_for(dir, sluice_crds::DEFAULT_PLATFORM_NAMESPACE)
+}
+
+/// Reads every YAML file under `dir`; enforced chains in `platform_namespace` become baselines.
+pub fn load_for(dir: &Path, platform_namespace: &str) -> std::io::Result<Registry> {
     let mut files = Vec::new();
     yaml_files(dir, &mut files)?;
     files.sort();
@@ -62,7 +68,7 @@ pub fn load(dir: &Path) -> std::io::Result<Registry> {
             }
         }
     }
-    Ok(Registry::build(objects, errors))
+    Ok(Registry::build_for(platform_namespace, objects, errors))
 }
 
 /// A cheap fingerprint of the directory: paths, sizes and modification times.

@@ -8,11 +8,11 @@
 //! one to persist. A terminal action on the stream path stops commits at once and is the final.
 
 use crate::audit::{AuditEvent, now_rfc3339};
-use crate::engine::{ChainSession, Engine, EngineError};
+use crate::engine::{Engine, EngineError};
 use crate::outcome::Walk;
+use crate::pipeline::{Chains, Pipeline};
 use crate::proto::{self, stream_request::Msg as In, stream_response::Msg as Out};
 use crate::server::run_response;
-use crate::state_vector::StateVector;
 use serde_json::{Value, json};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -197,6 +197,7 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
         code_hash: None,
         session_id: None,
         sandbox: None,
+        baseline: None,
         hooks: vec![],
         host_calls: vec![],
         action: "none",
@@ -238,10 +239,10 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
                 target.key.trigger_point
             )));
         }
-        let chain = engine.resolve(&target.key)?;
-        Ok((target, chain))
+        let chains = engine.resolve_chains(&target.key)?;
+        Ok((target, chains))
     })();
-    let (target, chain) = match prepared {
+    let (target, chains) = match prepared {
         Ok(p) => p,
         Err(e) => {
             let _ = tx
@@ -250,11 +251,11 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
             return;
         }
     };
-    audit.chain = Some(chain.qualified_name());
-    audit.code_hash = Some(chain.code_hash.clone());
+    chains.describe(&mut audit);
+    let chain = chains.main().clone();
     let span = tracing::info_span!("stream", run_id = %run_id, chain = %chain.qualified_name());
     let _guard = span.enter();
-    let mut session = match ChainSession::open(&engine, chain.clone(), &target, &run_id).await {
+    let mut session = match Pipeline::open(&engine, &chains, &target, &run_id).await {
         Ok(s) => s,
         Err(e) => {
             let _ = tx
@@ -263,11 +264,12 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
             return;
         }
     };
-    audit.sandbox = Some(session.sandbox_id.clone());
+    session.record_sandboxes(&mut audit);
     let mut stats = Stats::default();
     let mut raw = String::new();
     let end = stream_path(
         &engine,
+        &chains,
         &mut session,
         &mut inbound,
         &tx,
@@ -277,7 +279,7 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
     .await;
     let final_walk = match end {
         End::Finished => {
-            let mut fresh = StateVector::fresh(chain.spec.hooks.len());
+            let mut fresh = chains.fresh_states();
             session.walk(Value::String(raw.clone()), &mut fresh).await
         }
         End::Stopped(walk) => walk,
@@ -301,7 +303,7 @@ async fn drive(engine: Arc<Engine>, mut inbound: tonic::Streaming<proto::StreamR
     drop(session);
     let stopped = final_walk.is_terminal();
     audit.stream = Some(stream_json(&stats, stopped));
-    engine.finish(&mut audit, &chain, &final_walk, began, "stream");
+    engine.finish(&mut audit, &chains, &final_walk, began, "stream");
     let _ = send(&tx, Out::Final(run_response(&run_id, &final_walk))).await;
 }
 
@@ -312,15 +314,17 @@ fn stream_json(s: &Stats, stopped: bool) -> Value {
 /// Runs the stream path until `finish`, a terminal action, or a failure.
 async fn stream_path(
     engine: &Engine,
-    session: &mut ChainSession<'_>,
+    chains: &Chains,
+    session: &mut Pipeline<'_>,
     inbound: &mut tonic::Streaming<proto::StreamRequest>,
     tx: &Tx,
     raw: &mut String,
     stats: &mut Stats,
 ) -> End {
-    let spec = &session.chain.spec.streaming;
+    // The tenant chain's streaming settings decide the window; a baseline runs on the same batches.
+    let spec = &chains.main().spec.streaming;
     let mut window = Window::new(spec.flush_chars as usize, spec.lookback_chars as usize);
-    let mut state = StateVector::fresh(session.chain.spec.hooks.len());
+    let mut state = chains.fresh_states();
     loop {
         let msg = match next(engine, inbound).await {
             Ok(Some(m)) => m,
@@ -379,8 +383,10 @@ async fn stream_path(
                 let walk = session.walk(Value::String(batch), &mut state).await;
                 if walk.is_terminal() {
                     let hook = walk
-                        .terminal_index
-                        .and_then(|i| session.chain.spec.hooks.get(i))
+                        .hooks
+                        .iter()
+                        .rev()
+                        .find(|h| Some(h.index) == walk.terminal_index)
                         .map(|h| h.name.clone())
                         .unwrap_or_default();
                     let blocked = proto::StreamBlocked {

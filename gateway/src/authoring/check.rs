@@ -217,6 +217,16 @@ pub fn check(files: &[PathBuf]) -> Report {
                 report.chains += 1;
                 let chain = hc.metadata.name.clone().unwrap_or_default();
                 let ns = manifest::namespace_of(&hc.metadata);
+                if hc.spec.enforced && ns != sluice_crds::DEFAULT_PLATFORM_NAMESPACE {
+                    report.findings.push(Finding {
+                        file: o.file.clone(),
+                        line: o.line,
+                        message: format!(
+                            "HookChain {chain:?}: spec.enforced is honoured only in the platform namespace ({:?} unless the gateway runs with --platform-namespace), not in {ns:?}; the gateway will not serve it",
+                            sluice_crds::DEFAULT_PLATFORM_NAMESPACE
+                        ),
+                    });
+                }
                 let hooks: Vec<(String, String)> = hc
                     .spec
                     .hooks

@@ -55,6 +55,10 @@ struct Args {
     /// gVisor platform (ptrace works everywhere).
     #[arg(long, default_value = "ptrace")]
     platform: String,
+    /// Namespace whose HookChains marked `enforced: true` are platform baselines: they run before
+    /// every tenant's chain at their trigger point and cannot be bypassed.
+    #[arg(long, default_value = sluice_crds::DEFAULT_PLATFORM_NAMESPACE)]
+    platform_namespace: String,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -87,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
             opts.sandbox.runsc = args.runsc;
             opts.sandbox.python = args.python;
             opts.sandbox.platform = args.platform;
+            opts.platform_namespace = args.platform_namespace;
             opts.audit = audit;
             start_local(opts).await?
         }
@@ -105,6 +110,7 @@ async fn main() -> anyhow::Result<()> {
             opts.listen = args.listen;
             opts.metrics = args.metrics;
             opts.audit = audit;
+            opts.platform_namespace = args.platform_namespace;
             opts.limits.claim_timeout = args.claim_timeout;
             start_kube(opts).await?
         }

@@ -1,0 +1,150 @@
+//! The application's side of Sluice: one `Gateway.Run` per trigger point, with the structured
+//! payload of that point, and the gateway's decision handed back in a form the loop can act on.
+
+use serde_json::Value;
+use sluice_gateway::convert::{from_proto, to_proto};
+use sluice_gateway::proto::{self, Action, gateway_client::GatewayClient};
+use std::collections::HashMap;
+use tonic::transport::Channel;
+
+#[derive(Debug, thiserror::Error)]
+pub enum HookError {
+    /// The gateway could not decide (no sandbox, bad request, gateway down). The loop stops: an agent
+    /// whose policies cannot run must not go on without them.
+    #[error("the gateway refused {trigger_point} for target {target:?}: {code:?}: {message}")]
+    Gateway {
+        trigger_point: &'static str,
+        target: String,
+        code: tonic::Code,
+        message: String,
+    },
+    #[error("the gateway answered {trigger_point} without an object payload")]
+    NotAnObject { trigger_point: &'static str },
+}
+
+/// What the gateway decided at one trigger point.
+#[derive(Clone, Debug)]
+pub struct Decision {
+    pub trigger_point: &'static str,
+    /// The payload the loop sent.
+    pub sent: Value,
+    pub action: Action,
+    /// The payload to go on with: the sent one, or the hooks' rewrite.
+    pub payload: Value,
+    /// For block and skip: what the user (or, for tools, the model) is told.
+    pub message: String,
+    /// Every hook that ran, in order (platform baseline hooks first, as `baseline/<hook>`), with its action.
+    pub hooks: Vec<(String, Action)>,
+    /// False when no chain serves this trigger point (the payload goes on unchanged).
+    pub served: bool,
+}
+
+impl Decision {
+    /// Block and skip end the walk: the model call or tool call does not happen.
+    pub fn stops(&self) -> bool {
+        matches!(self.action, Action::Block | Action::Skip)
+    }
+
+    /// The hook that ended the walk, if one did.
+    pub fn stopped_by(&self) -> Option<&str> {
+        self.stops()
+            .then(|| self.hooks.last().map(|(n, _)| n.as_str()))
+            .flatten()
+    }
+}
+
+/// A gateway client bound to one conversation of one target.
+#[derive(Clone)]
+pub struct Hooks {
+    client: GatewayClient<Channel>,
+    pub namespace: String,
+    pub target: String,
+    pub session_id: String,
+    /// Caller context passed with every call (user id, plan...): what capability gates see.
+    pub context: HashMap<String, String>,
+}
+
+impl Hooks {
+    pub fn new(channel: Channel, namespace: &str, target: &str, session_id: &str) -> Self {
+        Self {
+            client: GatewayClient::new(channel),
+            namespace: namespace.into(),
+            target: target.into(),
+            session_id: session_id.into(),
+            context: HashMap::new(),
+        }
+    }
+
+    pub async fn connect(
+        gateway: &str,
+        namespace: &str,
+        target: &str,
+        session_id: &str,
+    ) -> anyhow::Result<Self> {
+        let channel = Channel::from_shared(gateway.to_string())?.connect().await?;
+        Ok(Self::new(channel, namespace, target, session_id))
+    }
+
+    /// Runs `payload` through the chains at `trigger_point`. No chain there → the payload goes on.
+    pub async fn check(
+        &self,
+        trigger_point: &'static str,
+        payload: Value,
+    ) -> Result<Decision, HookError> {
+        let request = proto::RunRequest {
+            namespace: self.namespace.clone(),
+            target: self.target.clone(),
+            trigger_point: trigger_point.into(),
+            payload: Some(proto::run_request::Payload::Value(to_proto(&payload))),
+            context: self.context.clone(),
+            session_id: self.session_id.clone(),
+        };
+        let response = match self.client.clone().run(request).await {
+            Ok(r) => r.into_inner(),
+            Err(s) if s.code() == tonic::Code::NotFound => {
+                return Ok(Decision {
+                    trigger_point,
+                    sent: payload.clone(),
+                    action: Action::Pass,
+                    payload,
+                    message: String::new(),
+                    hooks: vec![],
+                    served: false,
+                });
+            }
+            Err(s) => {
+                return Err(HookError::Gateway {
+                    trigger_point,
+                    target: self.target.clone(),
+                    code: s.code(),
+                    message: s.message().to_string(),
+                });
+            }
+        };
+        let out = match &response.payload {
+            Some(proto::run_response::Payload::Value(v)) => from_proto(v),
+            _ => return Err(HookError::NotAnObject { trigger_point }),
+        };
+        if !out.is_object() {
+            return Err(HookError::NotAnObject { trigger_point });
+        }
+        Ok(Decision {
+            trigger_point,
+            sent: payload,
+            action: Action::try_from(response.action).unwrap_or(Action::Block),
+            payload: out,
+            message: response.message,
+            hooks: response
+                .hooks
+                .iter()
+                .map(|h| {
+                    (
+                        h.name.clone(),
+                        Action::try_from(h.action).unwrap_or(Action::Pass),
+                    )
+                })
+                .collect(),
+            served: true,
+        })
+    }
+}

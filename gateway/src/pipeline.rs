@@ -1,0 +1,256 @@
+//! The chains one trigger point runs: the platform's enforced baseline first, then the tenant's own
+//! chain. Tighten-only: the baseline walks the payload first, under its own failure policy and in
+//! its own sandbox; when it ends the walk (block, skip, or a failure under `Closed`) the tenant's
+//! chain does not run, otherwise the tenant's chain starts from the baseline's output. A tenant chain
+//! therefore cannot remove, reorder or weaken a baseline hook: it only ever sees what the baseline
+//! let through. Each chain keeps its own state vector; the answer lists the baseline's hooks first,
+//! named `baseline/<hook>`, then the tenant's, and `terminal_index` counts in that combined list.
+
+use crate::audit::{AuditChain, AuditEvent, AuditHostCall};
+use crate::chain::Chain;
+use crate::engine::{ChainSession, Engine, EngineError, Target};
+use crate::outcome::Walk;
+use crate::state_vector::StateVector;
+use serde_json::Value;
+use sluice_crds::Action;
+use std::sync::Arc;
+
+/// How a baseline hook's name reads in answers, the audit and metrics.
+pub const BASELINE_PREFIX: &str = "baseline/";
+
+/// The chains that serve one (namespace, target, trigger point).
+#[derive(Clone, Debug)]
+pub struct Chains {
+    /// The platform namespace's enforced chain at this trigger point.
+    pub baseline: Option<Arc<Chain>>,
+    /// The tenant's chain for this target.
+    pub tenant: Option<Arc<Chain>>,
+}
+
+impl Chains {
+    /// In the order they run, each with whether it is the baseline.
+    pub fn ordered(&self) -> impl Iterator<Item = (&Arc<Chain>, bool)> {
+        self.baseline
+            .iter()
+            .map(|c| (c, true))
+            .chain(self.tenant.iter().map(|c| (c, false)))
+    }
+
+    /// The chain whose streaming settings and pool a stream follows: the tenant's when it has one.
+    pub fn main(&self) -> &Arc<Chain> {
+        match (&self.tenant, &self.baseline) {
+            (Some(c), _) | (None, Some(c)) => c,
+            (None, None) => unreachable!("Chains always holds at least one chain"),
+        }
+    }
+
+    /// A fresh state vector per chain, in run order.
+    pub fn fresh_states(&self) -> Vec<StateVector> {
+        self.ordered()
+            .map(|(c, _)| StateVector::fresh(c.spec.hooks.len()))
+            .collect()
+    }
+
+    /// Records which chains serve a run in its audit event.
+    pub fn describe(&self, audit: &mut AuditEvent) {
+        if let Some(t) = &self.tenant {
+            audit.chain = Some(t.qualified_name());
+            audit.code_hash = Some(t.code_hash.clone());
+        }
+        if let Some(b) = &self.baseline {
+            audit.baseline = Some(AuditChain {
+                chain: b.qualified_name(),
+                code_hash: b.code_hash.clone(),
+                sandbox: None,
+            });
+        }
+    }
+}
+
+impl Engine {
+    /// The chains for a key: the baseline at its trigger point and the tenant's chain. Neither →
+    /// NOT_FOUND; a baseline alone is enough.
+    pub fn resolve_chains(&self, key: &crate::chain::ChainKey) -> Result<Chains, EngineError> {
+        let registry = self.registry();
+        let chains = Chains {
+            baseline: registry.baseline(key.trigger_point).cloned(),
+            tenant: registry.chain(key).cloned(),
+        };
+        if chains.baseline.is_none() && chains.tenant.is_none() {
+            return Err(EngineError::NotFound(format!(
+                "no HookChain for target {:?} at trigger point {} in namespace {:?}",
+                key.target, key.trigger_point, key.namespace
+            )));
+        }
+        Ok(chains)
+    }
+}
+
+struct Stage<'e> {
+    session: ChainSession<'e>,
+    baseline: bool,
+}
+
+/// One claimed sandbox per chain, for one trigger point (a Run, or a whole Stream).
+pub struct Pipeline<'e> {
+    stages: Vec<Stage<'e>>,
+}
+
+impl<'e> Pipeline<'e> {
+    /// Claims and loads a sandbox for every chain (at the same time, so a baseline adds no claim
+    /// latency of its own). No sandbox in time for either → UNAVAILABLE.
+    pub async fn open(
+        engine: &'e Engine,
+        chains: &Chains,
+        target: &Target,
+        run_id: &str,
+    ) -> Result<Self, EngineError> {
+        let opening = chains.ordered().map(|(chain, baseline)| async move {
+            ChainSession::open(engine, chain.clone(), target, run_id)
+                .await
+                .map(|session| Stage { session, baseline })
+        });
+        let stages = futures::future::join_all(opening)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { stages })
+    }
+
+    /// Runs the payload through every chain in order, each threading its own state vector (one per
+    /// chain, as `Chains::fresh_states` makes them). Stops after a chain that ended the walk.
+    pub async fn walk(&mut self, payload: Value, states: &mut [StateVector]) -> Walk {
+        let mut combined = Walk::new(payload);
+        let mut offset = 0;
+        for (stage, state) in self.stages.iter_mut().zip(states.iter_mut()) {
+            let walk = stage.session.walk(combined.payload.clone(), state).await;
+            absorb(&mut combined, walk, offset, stage.baseline);
+            if combined.is_terminal() {
+                break;
+            }
+            offset += stage.session.chain.spec.hooks.len();
+        }
+        combined
+    }
+
+    /// Sandbox ids for the audit: the tenant chain's (if any) and the baseline's (if any).
+    pub fn record_sandboxes(&self, audit: &mut AuditEvent) {
+        for stage in &self.stages {
+            if stage.baseline {
+                if let Some(b) = audit.baseline.as_mut() {
+                    b.sandbox = Some(stage.session.sandbox_id.clone());
+                }
+            } else {
+                audit.sandbox = Some(stage.session.sandbox_id.clone());
+            }
+        }
+    }
+
+    /// Every host_call so far, baseline hooks named as in the answer.
+    pub fn host_calls(&self) -> Vec<AuditHostCall> {
+        let mut out = Vec::new();
+        for stage in &self.stages {
+            for mut call in stage.session.host_calls() {
+                if stage.baseline {
+                    call.hook = format!("{BASELINE_PREFIX}{}", call.hook);
+                }
+                out.push(call);
+            }
+        }
+        out
+    }
+}
+
+/// Folds one chain's walk into the combined walk: hooks appended (baseline names prefixed, indices
+/// shifted by the hooks of the chains before), payload carried on, and the top action re-derived
+/// over both: the terminal action when one ended the walk, else modify, else detect, else pass.
+pub fn absorb(combined: &mut Walk, walk: Walk, offset: usize, baseline: bool) {
+    combined.payload = walk.payload;
+    combined.hooks.extend(walk.hooks.into_iter().map(|mut h| {
+        h.index += offset;
+        if baseline {
+            h.name = format!("{BASELINE_PREFIX}{}", h.name);
+        }
+        h
+    }));
+    if let Some(t) = walk.terminal_index {
+        combined.terminal_index = Some(t + offset);
+        combined.action = walk.action;
+        combined.message = walk.message;
+        return;
+    }
+    match walk.action {
+        Action::Modify => combined.action = Action::Modify,
+        Action::Detect if combined.action == Action::Pass => combined.action = Action::Detect,
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outcome::HookOutcome;
+    use serde_json::json;
+
+    fn outcome(index: usize, name: &str, action: Action) -> HookOutcome {
+        HookOutcome {
+            index,
+            name: name.into(),
+            action,
+            message: String::new(),
+            findings: None,
+            error: None,
+            latency_us: 1,
+        }
+    }
+
+    #[test]
+    fn the_tenant_sees_the_baseline_output_and_hooks_are_listed_baseline_first() {
+        let mut combined = Walk::new(json!({"n": 0}));
+        let mut base = Walk::new(json!({"n": 1}));
+        base.action = Action::Modify;
+        base.hooks = vec![
+            outcome(0, "limit", Action::Pass),
+            outcome(1, "rewrite", Action::Modify),
+        ];
+        absorb(&mut combined, base, 0, true);
+        let mut tenant = Walk::new(json!({"n": 1}));
+        tenant.action = Action::Detect;
+        tenant.hooks = vec![outcome(0, "look", Action::Detect)];
+        absorb(&mut combined, tenant, 2, false);
+        assert_eq!(combined.action, Action::Modify, "modify outranks detect");
+        assert_eq!(combined.payload, json!({"n": 1}));
+        let names: Vec<(&str, usize)> = combined
+            .hooks
+            .iter()
+            .map(|h| (h.name.as_str(), h.index))
+            .collect();
+        assert_eq!(
+            names,
+            vec![("baseline/limit", 0), ("baseline/rewrite", 1), ("look", 2)]
+        );
+        assert_eq!(combined.terminal_index, None);
+    }
+
+    #[test]
+    fn a_tenant_block_counts_its_index_after_the_baseline_hooks() {
+        let mut combined = Walk::new(json!({}));
+        let mut base = Walk::new(json!({}));
+        base.hooks = vec![outcome(0, "a", Action::Pass), outcome(1, "b", Action::Pass)];
+        absorb(&mut combined, base, 0, true);
+        let mut tenant = Walk::new(json!({}));
+        tenant.hooks = vec![outcome(0, "stop", Action::Block)];
+        tenant.action = Action::Block;
+        tenant.terminal_index = Some(0);
+        tenant.message = "no".into();
+        absorb(&mut combined, tenant, 2, false);
+        assert_eq!(
+            (
+                combined.action,
+                combined.terminal_index,
+                combined.message.as_str()
+            ),
+            (Action::Block, Some(2), "no")
+        );
+    }
+}
