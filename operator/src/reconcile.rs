@@ -307,8 +307,12 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
         .unwrap_or_default();
     announce_verdict(ctx, &reference, previous, &verdict).await;
     delete_pods(chain, &ns, &key, &plan, &pods, ctx).await?;
-    create_pods(chain, &ns, &key, &plan, &pod, &template, ctx).await?;
+    let created = create_pods(chain, &ns, &key, &plan, &pod, &template, ctx).await?;
     announce_hold(ctx, &reference, previous, &plan).await;
+    // The status tells what exists now, the pods just created included.
+    let mut plan = plan;
+    plan.counts.starting += created;
+    plan.counts.total += created;
 
     // Status.
     let status = status::status(chain, &verdict, &plan, now);
@@ -483,9 +487,9 @@ async fn create_pods(
     pod: &Pod,
     template: &str,
     ctx: &Context,
-) -> Result<(), Error> {
+) -> Result<u32, Error> {
     if plan.create == 0 {
-        return Ok(());
+        return Ok(0);
     }
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let pp = PostParams {
@@ -533,7 +537,7 @@ async fn create_pods(
             source,
         });
     }
-    Ok(())
+    Ok(created)
 }
 
 fn previous_condition<'a>(previous: &'a [Condition], type_: &str) -> Option<&'a Condition> {
