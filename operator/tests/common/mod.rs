@@ -128,10 +128,12 @@ impl ApiServer {
     pub async fn finish<T>(&mut self, task: JoinHandle<T>) -> T {
         let mut task = task;
         tokio::select! {
+            biased;
             done = &mut task => done.expect("the task panicked"),
-            req = self.handle.next_request() => {
-                let (req, _) = req.expect("client gone");
-                panic!("unexpected request {} {}", req.method(), req.uri());
+            req = self.handle.next_request() => match req {
+                Some((req, _)) => panic!("unexpected request {} {}", req.method(), req.uri()),
+                // The task dropped its client on the way out.
+                None => task.await.expect("the task panicked"),
             }
         }
     }
