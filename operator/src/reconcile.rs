@@ -70,7 +70,7 @@ pub struct Context {
     pub recorder: Recorder,
     pub metrics: Metrics,
     /// Code analysis results by code hash: python3 runs once per version of a chain's hooks.
-    code_checks: Mutex<HashMap<String, Vec<Vec<(usize, String)>>>>,
+    code_checks: Mutex<HashMap<String, validate::CodeProblems>>,
     /// When each chain's (by uid) NetworkPolicy was last applied.
     netpol_applied: Mutex<HashMap<String, Instant>>,
 }

@@ -177,7 +177,7 @@ mod tests {
         let t2 = t("2026-01-01T00:05:00Z");
         let first = condition(&[], READY, "False", "Starting", "a".into(), Some(1), t1);
         let same = condition(
-            &[first.clone()],
+            std::slice::from_ref(&first),
             READY,
             "False",
             "AtMax",

@@ -6,8 +6,11 @@
 use crate::status::Verdict;
 use sluice_crds::{CapabilitySpec, HookChainSpec, validate};
 
-/// Problems per hook, as (line within the code, message); `Err` when the checker cannot run.
-pub type CodeCheck = Result<Vec<Vec<(usize, String)>>, String>;
+/// Problems per hook, as (line within the code, message).
+pub type CodeProblems = Vec<Vec<(usize, String)>>;
+
+/// The analyser's findings; `Err` when the checker cannot run.
+pub type CodeCheck = Result<CodeProblems, String>;
 
 /// Runs the code analyser. Blocking: it waits for python3.
 pub fn check_code(spec: &HookChainSpec) -> CodeCheck {
@@ -53,7 +56,7 @@ fn bounded(mut s: String) -> String {
             cut -= 1;
         }
         s.truncate(cut);
-        s.push_str("…");
+        s.push('…');
     }
     s
 }

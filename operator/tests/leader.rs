@@ -78,7 +78,11 @@ async fn an_expired_lease_is_taken_over_with_its_resource_version() {
     assert_eq!(put.body["metadata"]["resourceVersion"], "42");
     assert_eq!(put.body["spec"]["holderIdentity"], "operator-a");
     assert_eq!(put.body["spec"]["leaseTransitions"], 4);
-    let acquired: Timestamp = put.body["spec"]["acquireTime"].as_str().unwrap().parse().unwrap();
+    let acquired: Timestamp = put.body["spec"]["acquireTime"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert_eq!(acquired, now());
     put.echo();
     assert!(api.finish(task).await.unwrap());
@@ -104,9 +108,21 @@ async fn the_holder_renews_without_a_transition() {
     put.is("PUT", LEASE);
     assert_eq!(put.body["spec"]["holderIdentity"], "operator-a");
     assert_eq!(put.body["spec"]["leaseTransitions"], 2);
-    let acquired: Timestamp = put.body["spec"]["acquireTime"].as_str().unwrap().parse().unwrap();
-    assert_eq!(acquired, "2026-03-01T09:00:00Z".parse().unwrap(), "acquireTime is kept");
-    let renewed: Timestamp = put.body["spec"]["renewTime"].as_str().unwrap().parse().unwrap();
+    let acquired: Timestamp = put.body["spec"]["acquireTime"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        acquired,
+        "2026-03-01T09:00:00Z".parse().unwrap(),
+        "acquireTime is kept"
+    );
+    let renewed: Timestamp = put.body["spec"]["renewTime"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert_eq!(renewed, now());
     put.echo();
     assert!(api.finish(task).await.unwrap());
@@ -119,7 +135,11 @@ async fn release_hands_the_lease_back() {
     api.next().await.reply(200, lease("operator-a", 1, 2));
     let put = api.next().await;
     put.is("PUT", LEASE);
-    assert!(put.body["spec"].get("holderIdentity").is_none(), "{:?}", put.body);
+    assert!(
+        put.body["spec"].get("holderIdentity").is_none(),
+        "{:?}",
+        put.body
+    );
     assert_eq!(put.body["spec"]["leaseDurationSeconds"], 1);
     put.echo();
     api.finish(task).await.unwrap();

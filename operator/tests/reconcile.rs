@@ -20,12 +20,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 const NS: &str = "team-a";
-const POLICY: &str = "/apis/networking.k8s.io/v1/namespaces/team-a/networkpolicies/sluice-redactor-deny-all";
+const POLICY: &str =
+    "/apis/networking.k8s.io/v1/namespaces/team-a/networkpolicies/sluice-redactor-deny-all";
 const PODS: &str = "/api/v1/namespaces/team-a/pods";
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/team-a/events";
 const STATUS: &str = "/apis/sluice.dev/v1alpha1/namespaces/team-a/hookchains/redactor/status";
 
-const GOOD: &str = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': 'x'}\n";
+const GOOD: &str =
+    "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': 'x'}\n";
 
 struct Harness {
     ctx: Arc<Context>,
@@ -117,8 +119,16 @@ impl Harness {
         self.pods.apply_watcher_event(&Event::Apply(pod));
     }
 
-    fn run(&self, chain: HookChain) -> tokio::task::JoinHandle<Result<kube::runtime::controller::Action, sluice_operator::reconcile::Error>> {
-        spawn(reconcile(Arc::new(DeserializeGuard(Ok(chain))), self.ctx.clone()))
+    fn run(
+        &self,
+        chain: HookChain,
+    ) -> tokio::task::JoinHandle<
+        Result<kube::runtime::controller::Action, sluice_operator::reconcile::Error>,
+    > {
+        spawn(reconcile(
+            Arc::new(DeserializeGuard(Ok(chain))),
+            self.ctx.clone(),
+        ))
     }
 
     async fn expect_policy(&mut self) {
@@ -128,9 +138,18 @@ impl Harness {
         assert_eq!(call.query("force"), Some("true"));
         assert_eq!(call.content_type, "application/apply-patch+yaml");
         assert_eq!(call.body["kind"], "NetworkPolicy");
-        assert_eq!(call.body["spec"]["policyTypes"], json!(["Ingress", "Egress"]));
-        assert_eq!(call.body["spec"]["podSelector"]["matchLabels"], json!({"sluice.dev/chain": "redactor"}));
-        assert_eq!(call.body["metadata"]["ownerReferences"][0]["uid"], "chain-uid");
+        assert_eq!(
+            call.body["spec"]["policyTypes"],
+            json!(["Ingress", "Egress"])
+        );
+        assert_eq!(
+            call.body["spec"]["podSelector"]["matchLabels"],
+            json!({"sluice.dev/chain": "redactor"})
+        );
+        assert_eq!(
+            call.body["metadata"]["ownerReferences"][0]["uid"],
+            "chain-uid"
+        );
         call.echo();
     }
 
@@ -191,9 +210,10 @@ impl Harness {
         call.is("DELETE", &format!("{PODS}/{name}"));
         let body = call.body.clone();
         let mut gone = pod(name, "x", "warm", false);
-        gone.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-            "2026-01-01T00:00:00Z".parse().unwrap(),
-        ));
+        gone.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                "2026-01-01T00:00:00Z".parse().unwrap(),
+            ));
         call.reply(200, serde_json::to_value(gone).unwrap());
         body
     }
@@ -220,7 +240,10 @@ async fn fills_an_empty_pool_in_slow_start_batches_and_reports_status() {
     for _ in 0..3 {
         let body = h.expect_create(&template(&c)).await;
         assert_eq!(body["spec"]["automountServiceAccountToken"], false);
-        assert_eq!(body["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"], true);
+        assert_eq!(
+            body["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"],
+            true
+        );
     }
     let note = h.expect_event("Normal", "CreatedSandboxes").await;
     assert!(note.contains("created 3"), "{note}");
@@ -233,8 +256,14 @@ async fn fills_an_empty_pool_in_slow_start_batches_and_reports_status() {
     assert_eq!(status["codeHash"], c.spec.code_hash());
     assert_eq!(condition(&status, "CodeValid")["status"], "True");
     let pool = condition(&status, "PoolReady");
-    assert_eq!((pool["status"].as_str(), pool["reason"].as_str()), (Some("False"), Some("Starting")));
-    assert!(pool["message"].as_str().unwrap().contains("3 starting"), "{pool}");
+    assert_eq!(
+        (pool["status"].as_str(), pool["reason"].as_str()),
+        (Some("False"), Some("Starting"))
+    );
+    assert!(
+        pool["message"].as_str().unwrap().contains("3 starting"),
+        "{pool}"
+    );
     assert_eq!(condition(&status, "Ready")["status"], "False");
 }
 
@@ -273,7 +302,10 @@ async fn a_lagging_cache_never_causes_a_second_create() {
     h.api.finish(task).await.unwrap();
     assert_eq!(status["warm"], 2);
     assert_eq!(condition(&status, "Ready")["status"], "True");
-    assert_eq!(condition(&status, "PoolReady")["message"], "2 of 2 warm sandboxes ready, 0 claimed");
+    assert_eq!(
+        condition(&status, "PoolReady")["message"],
+        "2 of 2 warm sandboxes ready, 0 claimed"
+    );
 }
 
 #[tokio::test]
@@ -299,7 +331,13 @@ async fn claimed_and_starting_pods_count_toward_max() {
     assert_eq!(status["claimed"], 2);
     let pool = condition(&status, "PoolReady");
     assert_eq!(pool["reason"], "AtMax");
-    assert!(pool["message"].as_str().unwrap().contains("spec.pool.max=4"), "{pool}");
+    assert!(
+        pool["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.pool.max=4"),
+        "{pool}"
+    );
 }
 
 #[tokio::test]
@@ -311,7 +349,11 @@ async fn a_template_change_rolls_warm_pods_and_never_touches_claimed_ones() {
     h.add(pod("redactor-old2", "oldtemplate", "warm", true));
     let mut claimed = pod("redactor-busy", "oldtemplate", "claimed", true);
     claimed.metadata.annotations = Some(
-        [("sluice.dev/claimed-at".to_string(), k8s_openapi::jiff::Timestamp::now().to_string())].into(),
+        [(
+            "sluice.dev/claimed-at".to_string(),
+            k8s_openapi::jiff::Timestamp::now().to_string(),
+        )]
+        .into(),
     );
     h.add(claimed);
 
@@ -331,13 +373,19 @@ async fn a_template_change_rolls_warm_pods_and_never_touches_claimed_ones() {
     let task = h.run(with_status(c, &status));
     for name in ["redactor-old1", "redactor-old2"] {
         let body = h.expect_delete(name).await;
-        assert_eq!(body["preconditions"]["resourceVersion"], format!("rv-{name}"));
+        assert_eq!(
+            body["preconditions"]["resourceVersion"],
+            format!("rv-{name}")
+        );
     }
     let note = h.expect_event("Normal", "RollingTemplate").await;
     assert!(note.contains("deleted 2"), "{note}");
     // Two warm (now new) and one claimed, as before: the status is unchanged and not rewritten.
     h.api.finish(task).await.unwrap();
-    assert_eq!((status["warm"].as_u64(), status["claimed"].as_u64()), (Some(2), Some(1)));
+    assert_eq!(
+        (status["warm"].as_u64(), status["claimed"].as_u64()),
+        (Some(2), Some(1))
+    );
 }
 
 #[tokio::test]
@@ -365,8 +413,14 @@ async fn claims_past_the_deadline_and_exited_pods_are_deleted() {
     let mut stale = pod("redactor-stale", &t, "claimed", true);
     stale.metadata.annotations = Some(
         [
-            ("sluice.dev/claimed-at".to_string(), "2026-01-01T00:00:00Z".to_string()),
-            ("sluice.dev/claimed-by".to_string(), "sluice-gateway-7f9c".to_string()),
+            (
+                "sluice.dev/claimed-at".to_string(),
+                "2026-01-01T00:00:00Z".to_string(),
+            ),
+            (
+                "sluice.dev/claimed-by".to_string(),
+                "sluice-gateway-7f9c".to_string(),
+            ),
         ]
         .into(),
     );
@@ -382,7 +436,10 @@ async fn claims_past_the_deadline_and_exited_pods_are_deleted() {
     assert!(note.contains("redactor-exited"), "{note}");
     h.expect_delete("redactor-stale").await;
     let note = h.expect_event("Warning", "ClaimExpired").await;
-    assert!(note.contains("redactor-stale") && note.contains("sluice-gateway-7f9c"), "{note}");
+    assert!(
+        note.contains("redactor-stale") && note.contains("sluice-gateway-7f9c"),
+        "{note}"
+    );
     let status = h.expect_status().await;
     h.api.finish(task).await.unwrap();
     assert_eq!(status["claimed"], 0);
@@ -391,17 +448,33 @@ async fn claims_past_the_deadline_and_exited_pods_are_deleted() {
 #[tokio::test]
 async fn invalid_code_is_reported_with_hook_and_line_and_grows_nothing() {
     let mut h = harness();
-    let c = chain(2, 10, "def execute(context, settings):\n    x = 1\n    return {'action': 'modify'\n");
+    let c = chain(
+        2,
+        10,
+        "def execute(context, settings):\n    x = 1\n    return {'action': 'modify'\n",
+    );
     h.add(pod("redactor-kept", &template(&c), "warm", true));
     let task = h.run(c);
     h.expect_policy().await;
     let note = h.expect_event("Warning", "InvalidCode").await;
-    assert!(note.starts_with("hook redact-phone line 3: SyntaxError"), "{note}");
+    assert!(
+        note.starts_with("hook redact-phone line 3: SyntaxError"),
+        "{note}"
+    );
     let status = h.expect_status().await;
     h.api.finish(task).await.unwrap();
     let code = condition(&status, "CodeValid");
-    assert_eq!((code["status"].as_str(), code["reason"].as_str()), (Some("False"), Some("InvalidCode")));
-    assert!(code["message"].as_str().unwrap().contains("hook redact-phone line 3"), "{code}");
+    assert_eq!(
+        (code["status"].as_str(), code["reason"].as_str()),
+        (Some("False"), Some("InvalidCode"))
+    );
+    assert!(
+        code["message"]
+            .as_str()
+            .unwrap()
+            .contains("hook redact-phone line 3"),
+        "{code}"
+    );
     assert_eq!(condition(&status, "Ready")["reason"], "InvalidCode");
     assert_eq!(condition(&status, "PoolReady")["reason"], "Paused");
     assert_eq!(status["warm"], 1, "the existing warm pod is kept");
@@ -419,17 +492,24 @@ async fn an_unknown_capability_makes_the_code_invalid() {
         "spec": {"endpoint": {"builtin": "echo"}}
     }))
     .unwrap();
-    h.caps.apply_watcher_event(&Event::Apply(DeserializeGuard(Ok(other.clone()))));
+    h.caps
+        .apply_watcher_event(&Event::Apply(DeserializeGuard(Ok(other.clone()))));
     let task = h.run(c.clone());
     h.expect_policy().await;
     let note = h.expect_event("Warning", "UnknownCapability").await;
-    assert!(note.contains("hook redact-phone: capability \"llm.run\" is not defined in namespace team-a"), "{note}");
+    assert!(
+        note.contains(
+            "hook redact-phone: capability \"llm.run\" is not defined in namespace team-a"
+        ),
+        "{note}"
+    );
     let status = h.expect_status().await;
     h.api.finish(task).await.unwrap();
 
     // Defined in the chain's namespace: valid, and a Normal event says the problem is gone.
     other.metadata.namespace = Some(NS.into());
-    h.caps.apply_watcher_event(&Event::Apply(DeserializeGuard(Ok(other))));
+    h.caps
+        .apply_watcher_event(&Event::Apply(DeserializeGuard(Ok(other))));
     let task = h.run(with_status(c.clone(), &status));
     h.expect_event("Normal", "CodeValid").await;
     h.expect_create(&template(&c)).await;
@@ -453,7 +533,10 @@ async fn unschedulable_pods_are_held_with_a_warning() {
     let task = h.run(c);
     h.expect_policy().await;
     let note = h.expect_event("Warning", "Unschedulable").await;
-    assert!(note.contains("redactor-stuck") && note.contains("untolerated taint"), "{note}");
+    assert!(
+        note.contains("redactor-stuck") && note.contains("untolerated taint"),
+        "{note}"
+    );
     let status = h.expect_status().await;
     h.api.finish(task).await.unwrap();
     assert_eq!(condition(&status, "PoolReady")["reason"], "Unschedulable");
@@ -480,7 +563,10 @@ async fn a_malformed_chain_gets_an_event_and_a_condition() {
     let action = h.api.finish(task).await.unwrap();
     assert_eq!(action, kube::runtime::controller::Action::await_change());
     let ready = condition(&status, "Ready");
-    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("False"), Some("InvalidObject")));
+    assert_eq!(
+        (ready["status"].as_str(), ready["reason"].as_str()),
+        (Some("False"), Some("InvalidObject"))
+    );
 }
 
 #[tokio::test]

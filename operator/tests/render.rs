@@ -40,18 +40,30 @@ fn renders_the_warm_pool_and_the_policy_of_an_example_chain() {
     assert_eq!(kinds(&docs), ["NetworkPolicy", "Pod", "Pod"]);
     let policy = &docs[0];
     assert_eq!(policy["metadata"]["name"], "sluice-support-input-deny-all");
-    assert_eq!(policy["spec"]["policyTypes"], serde_json::json!(["Ingress", "Egress"]));
+    assert_eq!(
+        policy["spec"]["policyTypes"],
+        serde_json::json!(["Ingress", "Egress"])
+    );
     let pod = &docs[1];
     assert_eq!(pod["apiVersion"], "v1");
     assert_eq!(pod["metadata"]["generateName"], "support-input-");
     assert_eq!(pod["metadata"]["namespace"], "default");
-    assert_eq!(pod["metadata"]["labels"]["sluice.dev/chain"], "support-input");
+    assert_eq!(
+        pod["metadata"]["labels"]["sluice.dev/chain"],
+        "support-input"
+    );
     assert_eq!(pod["spec"]["runtimeClassName"], "gvisor");
     assert_eq!(
         pod["spec"]["containers"][0]["image"],
-        format!("ghcr.io/sluice-dev/sluice-supervisor:{}", env!("CARGO_PKG_VERSION"))
+        format!(
+            "ghcr.io/sluice-dev/sluice-supervisor:{}",
+            env!("CARGO_PKG_VERSION")
+        )
     );
-    assert_eq!(pod["spec"]["containers"][0]["securityContext"]["capabilities"]["drop"], serde_json::json!(["ALL"]));
+    assert_eq!(
+        pod["spec"]["containers"][0]["securityContext"]["capabilities"]["drop"],
+        serde_json::json!(["ALL"])
+    );
     assert_eq!(pod["spec"]["volumes"][0]["emptyDir"]["sizeLimit"], "16Mi");
 }
 
@@ -68,7 +80,10 @@ fn flags_choose_the_runtime_class_and_image() {
     assert!(ok, "{stderr}");
     let pod = &docs[1];
     assert_eq!(pod["spec"]["runtimeClassName"], "gvisor-kvm");
-    assert_eq!(pod["spec"]["containers"][0]["image"], "registry.local/sup:dev");
+    assert_eq!(
+        pod["spec"]["containers"][0]["image"],
+        "registry.local/sup:dev"
+    );
 }
 
 #[test]
@@ -81,7 +96,10 @@ fn every_example_chain_renders() {
         let (ok, docs, stderr) = render(&[path.to_str().unwrap()]);
         assert!(ok, "{}: {stderr}", path.display());
         for d in &docs {
-            assert!(matches!(d["kind"].as_str(), Some("Pod" | "NetworkPolicy")), "{d}");
+            assert!(
+                matches!(d["kind"].as_str(), Some("Pod" | "NetworkPolicy")),
+                "{d}"
+            );
         }
     }
 }
@@ -97,8 +115,14 @@ fn problems_name_the_file_line_hook_and_code_line() {
     .unwrap();
     let (ok, docs, stderr) = render(&[file.to_str().unwrap()]);
     assert!(!ok);
-    assert!(stderr.contains("bad.yaml:2: HookChain \"broken\": hook redact-phone line 1: SyntaxError"), "{stderr}");
-    assert!(stderr.contains("bad.yaml:20:") && stderr.contains("sideways"), "{stderr}");
+    assert!(
+        stderr.contains("bad.yaml:2: HookChain \"broken\": hook redact-phone line 1: SyntaxError"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("bad.yaml:20:") && stderr.contains("sideways"),
+        "{stderr}"
+    );
     // The broken chain still gets its policy, never pods.
     assert_eq!(kinds(&docs), ["NetworkPolicy"]);
 }

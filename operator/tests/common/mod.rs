@@ -35,7 +35,11 @@ pub struct Call {
 
 impl std::fmt::Debug for Call {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {} {:?} {}", self.method, self.path, self.query, self.body)
+        write!(
+            f,
+            "{} {} {:?} {}",
+            self.method, self.path, self.query, self.body
+        )
     }
 }
 
