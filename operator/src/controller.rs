@@ -7,6 +7,7 @@
 
 use crate::build::{FIELD_MANAGER, LABEL_MANAGED_BY, Settings};
 use crate::expectations::Expectations;
+use crate::leader::{self, LeaseLock};
 use crate::metrics::Metrics;
 use crate::reconcile::{self, Context};
 use futures::{FutureExt, StreamExt, stream::BoxStream};
@@ -21,6 +22,7 @@ use sluice_crds::{Capability, HookChain};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::watch;
 
 #[derive(Clone, Debug)]
 pub struct RunConfig {
@@ -138,9 +140,11 @@ pub async fn run(
         trigger_owners(pod_events, (), ()).boxed(),
         trigger_with(cap_events, by_capability).boxed(),
     ];
-    // Ending the input lets running reconciles finish: a graceful stop.
-    let queue = futures::stream::select_all(queues).take_until(stop.boxed());
-    applier(
+    // Ending the input lets running reconciles finish: a graceful stop. A reconcile stuck on an
+    // API server that does not answer (or a cache that never synced) gets SHUTDOWN_GRACE, no more.
+    let stop = stop.boxed().shared();
+    let queue = futures::stream::select_all(queues).take_until(stop.clone());
+    let applied = applier(
         |chain, ctx| Box::pin(reconcile::reconcile(chain, ctx)),
         reconcile::error_policy,
         ctx,
@@ -153,6 +157,79 @@ pub async fn run(
             Ok((chain, _)) => tracing::debug!(%chain, "reconciled"),
             Err(e) => tracing::debug!(error = %e, "reconcile not run"),
         }
-    })
-    .await;
+    });
+    tokio::select! {
+        _ = applied => {}
+        _ = async { stop.await; tokio::time::sleep(SHUTDOWN_GRACE).await } => {
+            tracing::warn!("reconciles did not finish within the shutdown grace; abandoning them");
+        }
+    }
+}
+
+/// How long running reconciles may take to finish once the controller is told to stop.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// How often the Lease is renewed and how long a leader may fail to renew before it steps down.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseTiming {
+    pub renew_every: Duration,
+    pub renew_deadline: Duration,
+}
+
+impl Default for LeaseTiming {
+    fn default() -> Self {
+        Self {
+            renew_every: leader::RENEW_EVERY,
+            renew_deadline: leader::RENEW_DEADLINE,
+        }
+    }
+}
+
+/// Reconciles only while this replica holds the Lease: a follower waits, a leader that loses the
+/// Lease stops reconciling (running reconciles finish) and waits again. Returns once `stop` turns
+/// true, after handing the Lease back.
+pub async fn run_when_leading(
+    client: Client,
+    config: RunConfig,
+    metrics: Metrics,
+    lock: LeaseLock,
+    timing: LeaseTiming,
+    stop: watch::Receiver<bool>,
+) {
+    let (leader_tx, leader_rx) = watch::channel(false);
+    let elector = tokio::spawn(leader::run(
+        lock,
+        timing.renew_every,
+        timing.renew_deadline,
+        leader_tx,
+        stop.clone(),
+    ));
+    loop {
+        let (mut leading, mut stopping) = (leader_rx.clone(), stop.clone());
+        let lead = tokio::select! {
+            biased;
+            _ = stopping.wait_for(|s| *s) => false,
+            // An error means the elector has ended: there is no leadership to wait for.
+            r = leading.wait_for(|l| *l) => r.is_ok(),
+        };
+        if !lead || *stop.borrow() {
+            break;
+        }
+        metrics.leader.set(1);
+        tracing::info!("leading: reconciling");
+        let (mut leading, mut stopping) = (leader_rx.clone(), stop.clone());
+        let until = async move {
+            tokio::select! {
+                _ = leading.wait_for(|l| !*l) => tracing::warn!("leadership lost: stopping reconciles"),
+                _ = stopping.wait_for(|s| *s) => {}
+            }
+        };
+        run(client.clone(), &config, metrics.clone(), until).await;
+        metrics.leader.set(0);
+        if *stop.borrow() {
+            break;
+        }
+    }
+    // The elector sees the stop too and hands the Lease back.
+    let _ = elector.await;
 }

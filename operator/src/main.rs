@@ -3,7 +3,7 @@
 use clap::{Args, Parser, Subcommand};
 use kube::{Api, Client};
 use sluice_operator::build::{Settings, default_supervisor_image};
-use sluice_operator::controller::{self, RunConfig};
+use sluice_operator::controller::{self, LeaseTiming, RunConfig};
 use sluice_operator::leader::{self, LeaseLock};
 use sluice_operator::metrics::Metrics;
 use std::net::SocketAddr;
@@ -143,44 +143,21 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         signalled().await;
         stop_tx.send_replace(true);
     });
-    let (leader_tx, leader_rx) = watch::channel(false);
     let lock = LeaseLock::new(
         Api::namespaced(client.clone(), &args.lease_namespace),
         &args.lease_name,
         &config.identity,
         leader::LEASE_DURATION,
     );
-    let elector = tokio::spawn(leader::run(
+    controller::run_when_leading(
+        client,
+        config,
+        metrics,
         lock,
-        leader::RENEW_EVERY,
-        leader::RENEW_DEADLINE,
-        leader_tx,
-        stop_rx.clone(),
-    ));
-
-    loop {
-        let (mut leading, mut stopping) = (leader_rx.clone(), stop_rx.clone());
-        tokio::select! {
-            _ = leading.wait_for(|l| *l) => {}
-            _ = stopping.wait_for(|s| *s) => break,
-        }
-        metrics.leader.set(1);
-        tracing::info!("leading: reconciling");
-        let (mut leading, mut stopping) = (leader_rx.clone(), stop_rx.clone());
-        let until = async move {
-            tokio::select! {
-                _ = leading.wait_for(|l| !*l) => tracing::warn!("leadership lost: stopping reconciles"),
-                _ = stopping.wait_for(|s| *s) => {}
-            }
-        };
-        controller::run(client.clone(), &config, metrics.clone(), until).await;
-        metrics.leader.set(0);
-        if *stop_rx.borrow() {
-            break;
-        }
-    }
-    // The elector sees the stop too and hands the Lease back.
-    let _ = elector.await;
+        LeaseTiming::default(),
+        stop_rx,
+    )
+    .await;
     tracing::info!("stopped");
     Ok(())
 }

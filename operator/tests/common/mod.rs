@@ -90,10 +90,14 @@ pub fn mock_client() -> (Client, ApiServer) {
 impl ApiServer {
     /// The next request, or a panic if none comes.
     pub async fn next(&mut self) -> Call {
+        self.try_next().await.expect("the client is gone")
+    }
+
+    /// The next request, or `None` once every client is dropped.
+    pub async fn try_next(&mut self) -> Option<Call> {
         let (req, reply) = tokio::time::timeout(PATIENCE, self.handle.next_request())
             .await
-            .expect("the operator made no further request")
-            .expect("the client is gone");
+            .expect("the operator made no further request")?;
         let (parts, body) = req.into_parts();
         let bytes = body.collect_bytes().await.unwrap();
         let body = if bytes.is_empty() {
@@ -114,7 +118,7 @@ impl ApiServer {
                 (k.to_string(), v.replace("%2F", "/").replace("%3D", "="))
             })
             .collect();
-        Call {
+        Some(Call {
             method: parts.method.to_string(),
             path: parts.uri.path().to_string(),
             query,
@@ -125,7 +129,7 @@ impl ApiServer {
                 .unwrap_or_default(),
             body,
             reply: Some(reply),
-        }
+        })
     }
 
     /// Waits for the task to end, failing on any request it makes meanwhile.
