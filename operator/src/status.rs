@@ -71,6 +71,11 @@ pub fn pool_ready(warm_target: u32, max: u32, plan: &Plan) -> (&'static str, &'s
                 "{have}; pod {pod} cannot be scheduled: {message} (held, not recreated; check the runtime class, node capacity or spec.resources)"
             ),
         ),
+        Some(Hold::AtMax) if warm_target > max => (
+            "False",
+            "AtMax",
+            format!("{have}; spec.pool.warm={warm_target} is more than spec.pool.max={max}"),
+        ),
         Some(Hold::AtMax) => (
             "False",
             "AtMax",
@@ -220,6 +225,12 @@ mod tests {
         let (_, r, m) = pool_ready(2, 5, &plan);
         assert_eq!(r, "Unschedulable");
         assert!(m.contains("p-1") && m.contains("Insufficient cpu"), "{m}");
+        plan.hold = Some(Hold::AtMax);
+        let (_, _, m) = pool_ready(9, 5, &plan);
+        assert!(
+            m.contains("spec.pool.warm=9 is more than spec.pool.max=5"),
+            "{m}"
+        );
         plan.counts.warm = 2;
         assert_eq!(pool_ready(2, 5, &plan).0, "True");
     }

@@ -583,3 +583,33 @@ async fn a_failing_create_stops_the_batch_and_says_why() {
     let err = h.api.finish(task).await.unwrap_err();
     assert!(err.to_string().contains("team-a/redactor"), "{err}");
 }
+
+#[tokio::test]
+async fn a_hook_code_change_needs_no_new_pods() {
+    let mut h = harness();
+    let c = chain(2, 10, GOOD);
+    h.add(pod("redactor-a", &template(&c), "warm", true));
+    h.add(pod("redactor-b", &template(&c), "warm", true));
+    let task = h.run(c.clone());
+    h.expect_policy().await;
+    let before = h.expect_status().await;
+    h.api.finish(task).await.unwrap();
+
+    let mut changed = with_status(c, &before);
+    changed.spec.hooks[1].code =
+        "def execute(context, settings):\n    return {'action': 'pass'}\n".into();
+    changed.metadata.generation = Some(5);
+    let task = h.run(changed.clone());
+    // No pod is created or deleted: only the status moves to the new code hash and generation.
+    let after = h.expect_status().await;
+    h.api.finish(task).await.unwrap();
+    assert_eq!(after["codeHash"], changed.spec.code_hash());
+    assert_ne!(after["codeHash"], before["codeHash"]);
+    assert_eq!(after["observedGeneration"], 5);
+    let (b, a) = (condition(&before, "Ready"), condition(&after, "Ready"));
+    assert_eq!(a["status"], "True");
+    assert_eq!(
+        a["lastTransitionTime"], b["lastTransitionTime"],
+        "no flip, same transition time"
+    );
+}
