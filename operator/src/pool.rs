@@ -147,6 +147,8 @@ pub struct Counts {
     pub starting: u32,
     /// Terminating, just deleted, or deleted by this plan.
     pub terminating: u32,
+    /// Pods with a pool label the operator does not know: left alone, counted toward max.
+    pub other: u32,
     /// Every pod counted toward `max`.
     pub total: u32,
 }
@@ -214,7 +216,7 @@ pub fn plan(input: &Input) -> Plan {
                     }
                 }
             }
-            PoolState::Other => counts.claimed += 1,
+            PoolState::Other => counts.other += 1,
             PoolState::Warm => {
                 let current = p.template.as_deref() == Some(input.template);
                 match (current, p.ready) {
@@ -268,7 +270,8 @@ pub fn plan(input: &Input) -> Plan {
 
     counts.starting += u(cur_starting.len() + input.pending_creates);
     counts.warm = u(cur_ready.len() + kept_old);
-    counts.total = counts.warm + counts.claimed + counts.starting + counts.terminating;
+    counts.total =
+        counts.warm + counts.claimed + counts.starting + counts.terminating + counts.other;
 
     let have = cur_ready.len() + cur_starting.len() + input.pending_creates;
     let want = u(warm.saturating_sub(have));
@@ -630,6 +633,21 @@ mod tests {
             ]
         );
         assert_eq!(p.counts.warm, 1, "existing warm pods are kept");
+    }
+
+    #[test]
+    fn pods_with_an_unknown_pool_label_are_left_alone_but_count_toward_max() {
+        let odd = Observed {
+            pool: PoolState::Other,
+            ..pod("odd")
+        };
+        let p = case(2, 2, vec![odd, pod("a")]).run();
+        assert_eq!((p.create, p.delete.len()), (0, 0));
+        assert_eq!(
+            (p.counts.other, p.counts.claimed, p.counts.total),
+            (1, 0, 2)
+        );
+        assert_eq!(p.hold, Some(Hold::AtMax));
     }
 
     #[test]

@@ -153,7 +153,7 @@ impl Context {
         let ev = Event {
             type_,
             reason: reason.into(),
-            note: Some(note),
+            note: Some(bounded_note(note)),
             action: "Reconcile".into(),
             secondary: None,
         };
@@ -162,6 +162,21 @@ impl Context {
             tracing::warn!(error = %e, reason, "cannot publish event");
         }
     }
+}
+
+/// The API server refuses Event notes over 1 kB; a long list of problems is cut, not lost (the
+/// condition message holds more).
+fn bounded_note(mut note: String) -> String {
+    const MAX: usize = 1000;
+    if note.len() > MAX {
+        let mut cut = MAX - '…'.len_utf8();
+        while !note.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        note.truncate(cut);
+        note.push('…');
+    }
+    note
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -640,4 +655,16 @@ pub async fn check_capability(ctx: &Context, cap: &DeserializeGuard<Capability>)
         format!("hooks cannot use this capability: {}", problems.join("; ")),
     )
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bounded_note;
+
+    #[test]
+    fn event_notes_fit_the_api_limit() {
+        assert_eq!(bounded_note("short".into()), "short");
+        let long = bounded_note("é".repeat(800));
+        assert!(long.len() <= 1000 && long.ends_with('…'), "{}", long.len());
+    }
 }

@@ -207,6 +207,7 @@ mod tests {
                 claimed: 3,
                 starting: 0,
                 terminating: 1,
+                other: 0,
                 total: 5,
             },
             hold: Some(Hold::AtMax),
