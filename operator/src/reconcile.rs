@@ -194,10 +194,19 @@ pub async fn reconcile(
     obj: Arc<DeserializeGuard<HookChain>>,
     ctx: Arc<Context>,
 ) -> Result<Action, Error> {
+    use tracing::Instrument;
     ctx.metrics.reconciles.inc();
+    let span = tracing::info_span!(
+        "reconcile",
+        chain = %format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
+    );
     match &obj.0 {
-        Ok(chain) => reconcile_chain(chain, &ctx).await,
-        Err(invalid) => reconcile_unreadable(&obj, invalid, &ctx).await,
+        Ok(chain) => reconcile_chain(chain, &ctx).instrument(span).await,
+        Err(invalid) => {
+            reconcile_unreadable(&obj, invalid, &ctx)
+                .instrument(span)
+                .await
+        }
     }
 }
 
