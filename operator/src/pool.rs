@@ -276,8 +276,10 @@ pub fn plan(input: &Input) -> Plan {
     let have = cur_ready.len() + cur_starting.len() + input.pending_creates;
     let want = u(warm.saturating_sub(have));
     let room = input.max.saturating_sub(counts.total);
-    if want > 0 && room == 0 && kept_old > 0 && input.may_grow {
-        // At max during a rollout: retire old pods one at a time to make room for new ones.
+    let freeing = counts.terminating > 0 || input.pending_creates > 0;
+    if want > 0 && room == 0 && kept_old > 0 && input.may_grow && !freeing {
+        // At max during a rollout: retire old pods one at a time to make room for new ones, and
+        // the next only once the previous one is gone.
         let p = old_ready[kept_old - 1];
         plan.delete.push(delete(p, DeleteReason::Outdated, true));
         counts.warm -= 1;
@@ -569,6 +571,13 @@ mod tests {
         assert_eq!(p.create, 0);
         assert_eq!(deleted(&p), [("o2", DeleteReason::Outdated)]);
         assert_eq!((p.counts.warm, p.counts.terminating), (1, 1));
+        // While that one terminates, the other old pod keeps serving.
+        let going = Observed {
+            terminating: true,
+            ..old("o2")
+        };
+        let p = case(2, 2, vec![old("o1"), going]).run();
+        assert_eq!((p.create, p.delete.len(), p.counts.warm), (0, 0, 1));
         // Once there is room, new pods are created and the old one keeps serving meanwhile.
         let p = case(2, 2, vec![old("o1")]).run();
         assert_eq!((p.create, p.delete.len()), (1, 0));
