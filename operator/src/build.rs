@@ -1,0 +1,434 @@
+//! The objects the operator creates for a HookChain, as pure functions of the chain and the operator's
+//! settings: the warm sandbox pod, the deny-all NetworkPolicy and the template hash that says when a
+//! pod is out of date. The reconciler and `sluice-operator render` both build through here.
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EmptyDirVolumeSource, EnvVar, ExecAction, Pod, PodSecurityContext,
+    PodSpec, Probe, ResourceRequirements, SeccompProfile, SecurityContext, Volume, VolumeMount,
+};
+use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicySpec};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use sha2::{Digest, Sha256};
+use sluice_crds::HookChain;
+use std::collections::BTreeMap;
+
+pub const FIELD_MANAGER: &str = "sluice-operator";
+
+pub const LABEL_NAME: &str = "app.kubernetes.io/name";
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub const LABEL_CHAIN: &str = "sluice.dev/chain";
+pub const LABEL_TEMPLATE: &str = "sluice.dev/template";
+pub const LABEL_POOL: &str = "sluice.dev/pool";
+pub const ANNOTATION_CLAIMED_BY: &str = "sluice.dev/claimed-by";
+pub const ANNOTATION_CLAIMED_AT: &str = "sluice.dev/claimed-at";
+/// Documents the pids limit: pod-level pids limits are a kubelet setting (podPidsLimit), and the
+/// supervisor's RLIMIT_NPROC enforces it inside the sandbox.
+pub const ANNOTATION_PIDS: &str = "sluice.dev/pids-limit";
+
+pub const SANDBOX_NAME: &str = "sluice-sandbox";
+pub const POOL_WARM: &str = "warm";
+pub const POOL_CLAIMED: &str = "claimed";
+pub const CONTAINER: &str = "supervisor";
+pub const SUPERVISOR: &str = "/opt/sluice/supervisor.py";
+/// Size of the memory-backed `/tmp` of every sandbox.
+pub const TMP_SIZE: &str = "16Mi";
+/// The user every sandbox runs as (nobody).
+pub const SANDBOX_UID: i64 = 65534;
+
+/// What the operator was started with that shapes the pods it builds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    pub runtime_class: String,
+    pub supervisor_image: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            runtime_class: "gvisor".into(),
+            supervisor_image: default_supervisor_image(),
+        }
+    }
+}
+
+pub fn default_supervisor_image() -> String {
+    format!(
+        "ghcr.io/sluice-dev/sluice-supervisor:{}",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// Hash of everything in the pod template: image, runtime class, resources, `/tmp` size. Hook code
+/// is not in it: code is sent to the supervisor at init, so a code change needs no new pods.
+pub fn template_hash(chain: &HookChain, settings: &Settings) -> String {
+    let r = &chain.spec.resources;
+    let parts = [
+        // Bump when the shape of the pod built below changes, so running pools roll.
+        "v1",
+        settings.supervisor_image.as_str(),
+        settings.runtime_class.as_str(),
+        r.cpu.as_str(),
+        r.memory.as_str(),
+        &r.pids.to_string(),
+        TMP_SIZE,
+    ];
+    let mut h = Sha256::new();
+    for part in parts {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    hex::encode(h.finalize())[..16].to_string()
+}
+
+fn chain_name(chain: &HookChain) -> String {
+    chain.metadata.name.clone().unwrap_or_default()
+}
+
+/// Labels every sandbox pod of `chain` carries, the pool state excepted.
+pub fn selector_labels(chain_name: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (LABEL_NAME.to_string(), SANDBOX_NAME.to_string()),
+        (LABEL_MANAGED_BY.to_string(), FIELD_MANAGER.to_string()),
+        (LABEL_CHAIN.to_string(), chain_name.to_string()),
+    ])
+}
+
+/// The HookChain as the controlling owner, when it has a uid (objects read from a file have none).
+pub fn owner_reference(chain: &HookChain) -> Option<OwnerReference> {
+    let uid = chain.metadata.uid.clone()?;
+    Some(OwnerReference {
+        api_version: "sluice.dev/v1alpha1".into(),
+        kind: "HookChain".into(),
+        name: chain_name(chain),
+        uid,
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    })
+}
+
+fn quantity(s: &str) -> Quantity {
+    Quantity(s.to_string())
+}
+
+/// One warm sandbox pod of `chain`, named by the API server from `generateName`.
+pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
+    let name = chain_name(chain);
+    let mut labels = selector_labels(&name);
+    labels.insert(LABEL_TEMPLATE.to_string(), template_hash(chain, settings));
+    labels.insert(LABEL_POOL.to_string(), POOL_WARM.to_string());
+    let r = &chain.spec.resources;
+    // requests = limits: a sandbox gets exactly what the chain asked for (Guaranteed QoS).
+    let amounts = BTreeMap::from([
+        ("cpu".to_string(), quantity(&r.cpu)),
+        ("memory".to_string(), quantity(&r.memory)),
+    ]);
+    let security = SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        run_as_user: Some(SANDBOX_UID),
+        run_as_group: Some(SANDBOX_UID),
+        privileged: Some(false),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            add: None,
+        }),
+        seccomp_profile: Some(runtime_default()),
+        ..Default::default()
+    };
+    let python = |args: &[&str]| -> Vec<String> {
+        ["python3", SUPERVISOR]
+            .iter()
+            .chain(args)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let container = Container {
+        name: CONTAINER.into(),
+        image: Some(settings.supervisor_image.clone()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(python(&["--hold"])),
+        env: Some(vec![EnvVar {
+            name: "SLUICE_SANDBOX".into(),
+            value: Some("1".into()),
+            value_from: None,
+        }]),
+        resources: Some(ResourceRequirements {
+            requests: Some(amounts.clone()),
+            limits: Some(amounts),
+            ..Default::default()
+        }),
+        // Runs a one-hook chain through the real protocol: Ready means the supervisor answers.
+        readiness_probe: Some(Probe {
+            exec: Some(ExecAction {
+                command: Some(python(&["--probe"])),
+            }),
+            period_seconds: Some(10),
+            timeout_seconds: Some(5),
+            failure_threshold: Some(3),
+            success_threshold: Some(1),
+            ..Default::default()
+        }),
+        security_context: Some(security),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "tmp".into(),
+            mount_path: "/tmp".into(),
+            ..Default::default()
+        }]),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        ..Default::default()
+    };
+    Pod {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("{name}-")),
+            namespace: chain.metadata.namespace.clone(),
+            labels: Some(labels),
+            annotations: Some(BTreeMap::from([(
+                ANNOTATION_PIDS.to_string(),
+                r.pids.to_string(),
+            )])),
+            owner_references: owner_reference(chain).map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            runtime_class_name: Some(settings.runtime_class.clone()),
+            restart_policy: Some("Never".into()),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            termination_grace_period_seconds: Some(1),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(SANDBOX_UID),
+                run_as_group: Some(SANDBOX_UID),
+                seccomp_profile: Some(runtime_default()),
+                ..Default::default()
+            }),
+            containers: vec![container],
+            volumes: Some(vec![Volume {
+                name: "tmp".into(),
+                empty_dir: Some(EmptyDirVolumeSource {
+                    medium: Some("Memory".into()),
+                    size_limit: Some(quantity(TMP_SIZE)),
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+fn runtime_default() -> SeccompProfile {
+    SeccompProfile {
+        type_: "RuntimeDefault".into(),
+        localhost_profile: None,
+    }
+}
+
+/// Name of the chain's NetworkPolicy.
+pub fn network_policy_name(chain_name: &str) -> String {
+    format!("sluice-{chain_name}-deny-all")
+}
+
+/// Denies all ingress and egress of the chain's sandboxes: a policy that selects the pods, names
+/// both directions and lists no rule.
+pub fn network_policy(chain: &HookChain) -> NetworkPolicy {
+    let name = chain_name(chain);
+    NetworkPolicy {
+        metadata: ObjectMeta {
+            name: Some(network_policy_name(&name)),
+            namespace: chain.metadata.namespace.clone(),
+            labels: Some(selector_labels(&name)),
+            owner_references: owner_reference(chain).map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector {
+                match_labels: Some(BTreeMap::from([(LABEL_CHAIN.to_string(), name)])),
+                match_expressions: None,
+            }),
+            policy_types: Some(vec!["Ingress".into(), "Egress".into()]),
+            ingress: None,
+            egress: None,
+        }),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn chain(yaml_spec: serde_json::Value) -> HookChain {
+        let mut c = HookChain::new(
+            "redactor",
+            serde_json::from_value(yaml_spec).expect("test spec"),
+        );
+        c.metadata.namespace = Some("team-a".into());
+        c.metadata.uid = Some("uid-1".into());
+        c.metadata.generation = Some(3);
+        c
+    }
+
+    pub(crate) fn simple() -> HookChain {
+        chain(serde_json::json!({
+            "target": "bot", "triggerPoint": "input",
+            "pool": {"warm": 2, "max": 5},
+            "resources": {"cpu": "500m", "memory": "256Mi", "pids": 32},
+            "hooks": [{"name": "a", "action": "modify", "code": "def execute(c, s):\n    return {'action': 'pass'}\n"}]
+        }))
+    }
+
+    #[test]
+    fn the_pod_is_locked_down() {
+        let pod = pod(&simple(), &Settings::default());
+        let spec = pod.spec.unwrap();
+        assert_eq!(spec.runtime_class_name.as_deref(), Some("gvisor"));
+        assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        assert_eq!(spec.enable_service_links, Some(false));
+        assert_eq!(spec.termination_grace_period_seconds, Some(1));
+        let psc = spec.security_context.unwrap();
+        assert_eq!(psc.run_as_non_root, Some(true));
+        assert_eq!(psc.run_as_user, Some(65534));
+        assert_eq!(psc.seccomp_profile.unwrap().type_, "RuntimeDefault");
+        assert_eq!(spec.containers.len(), 1);
+        let c = &spec.containers[0];
+        assert_eq!(c.name, "supervisor");
+        let sc = c.security_context.clone().unwrap();
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.run_as_non_root, Some(true));
+        assert_eq!(sc.capabilities.unwrap().drop, Some(vec!["ALL".to_string()]));
+        assert_eq!(sc.seccomp_profile.unwrap().type_, "RuntimeDefault");
+        assert_eq!(
+            c.command.clone().unwrap(),
+            ["python3", "/opt/sluice/supervisor.py", "--hold"]
+        );
+        let env = c.env.clone().unwrap();
+        assert_eq!(
+            (env[0].name.as_str(), env[0].value.as_deref()),
+            ("SLUICE_SANDBOX", Some("1"))
+        );
+    }
+
+    #[test]
+    fn resources_are_requests_and_limits_and_tmp_is_small_memory() {
+        let pod = pod(&simple(), &Settings::default());
+        let spec = pod.spec.unwrap();
+        let res = spec.containers[0].resources.clone().unwrap();
+        for amounts in [res.requests.unwrap(), res.limits.unwrap()] {
+            assert_eq!(amounts["cpu"].0, "500m");
+            assert_eq!(amounts["memory"].0, "256Mi");
+        }
+        let vol = &spec.volumes.unwrap()[0];
+        let dir = vol.empty_dir.clone().unwrap();
+        assert_eq!(dir.medium.as_deref(), Some("Memory"));
+        assert_eq!(dir.size_limit.unwrap().0, "16Mi");
+        let mount = &spec.containers[0].volume_mounts.clone().unwrap()[0];
+        assert_eq!(
+            (mount.name.as_str(), mount.mount_path.as_str()),
+            ("tmp", "/tmp")
+        );
+        assert_eq!(pod.metadata.annotations.unwrap()[ANNOTATION_PIDS], "32");
+    }
+
+    #[test]
+    fn labels_owner_and_probe() {
+        let chain = simple();
+        let pod = pod(&chain, &Settings::default());
+        let labels = pod.metadata.labels.unwrap();
+        assert_eq!(labels[LABEL_NAME], "sluice-sandbox");
+        assert_eq!(labels[LABEL_MANAGED_BY], "sluice-operator");
+        assert_eq!(labels[LABEL_CHAIN], "redactor");
+        assert_eq!(labels[LABEL_POOL], "warm");
+        assert_eq!(
+            labels[LABEL_TEMPLATE],
+            template_hash(&chain, &Settings::default())
+        );
+        assert_eq!(pod.metadata.generate_name.as_deref(), Some("redactor-"));
+        assert_eq!(pod.metadata.namespace.as_deref(), Some("team-a"));
+        let owner = &pod.metadata.owner_references.unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+            ("HookChain", "uid-1", Some(true))
+        );
+        let probe = pod.spec.unwrap().containers[0]
+            .readiness_probe
+            .clone()
+            .unwrap();
+        assert_eq!(
+            probe.exec.unwrap().command.unwrap(),
+            ["python3", "/opt/sluice/supervisor.py", "--probe"]
+        );
+    }
+
+    #[test]
+    fn settings_choose_runtime_class_and_image() {
+        let settings = Settings {
+            runtime_class: "runsc-kvm".into(),
+            supervisor_image: "registry.local/sup:dev".into(),
+        };
+        let spec = pod(&simple(), &settings).spec.unwrap();
+        assert_eq!(spec.runtime_class_name.as_deref(), Some("runsc-kvm"));
+        assert_eq!(
+            spec.containers[0].image.as_deref(),
+            Some("registry.local/sup:dev")
+        );
+    }
+
+    #[test]
+    fn template_hash_follows_the_pod_template_not_the_code() {
+        let s = Settings::default();
+        let base = simple();
+        let h = template_hash(&base, &s);
+        assert_eq!(h.len(), 16);
+        let mut code = base.clone();
+        code.spec.hooks[0].code = "def execute(c, s):\n    return {'action': 'modify'}\n".into();
+        assert_eq!(template_hash(&code, &s), h, "code changes keep pods");
+        let mut mem = base.clone();
+        mem.spec.resources.memory = "512Mi".into();
+        assert_ne!(template_hash(&mem, &s), h);
+        let mut img = s.clone();
+        img.supervisor_image = "other:1".into();
+        assert_ne!(template_hash(&base, &img), h);
+        let mut rc = s.clone();
+        rc.runtime_class = "kata".into();
+        assert_ne!(template_hash(&base, &rc), h);
+    }
+
+    #[test]
+    fn network_policy_denies_everything_for_the_chain() {
+        let np = network_policy(&simple());
+        assert_eq!(
+            np.metadata.name.as_deref(),
+            Some("sluice-redactor-deny-all")
+        );
+        assert_eq!(np.metadata.namespace.as_deref(), Some("team-a"));
+        let spec = np.spec.unwrap();
+        assert_eq!(
+            spec.pod_selector.unwrap().match_labels.unwrap(),
+            BTreeMap::from([(LABEL_CHAIN.to_string(), "redactor".to_string())])
+        );
+        assert_eq!(
+            spec.policy_types.unwrap(),
+            ["Ingress".to_string(), "Egress".to_string()]
+        );
+        assert!(spec.ingress.is_none() && spec.egress.is_none());
+        // Serialized, no rule lists appear at all (an empty list would mean the same, but say less).
+        let json = serde_json::to_value(network_policy(&simple())).unwrap();
+        assert!(json["spec"].get("ingress").is_none(), "{json}");
+    }
+
+    #[test]
+    fn objects_from_a_file_have_no_owner() {
+        let mut c = simple();
+        c.metadata.uid = None;
+        assert!(
+            pod(&c, &Settings::default())
+                .metadata
+                .owner_references
+                .is_none()
+        );
+    }
+}

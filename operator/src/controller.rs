@@ -1,0 +1,235 @@
+//! Wiring: the watches (HookChains, the operator's pods, Capabilities), each reflected into a cache
+//! before it triggers anything, and the applier that runs `reconcile` for every chain they touch.
+//!
+//! One pod watch feeds both the cache and the triggers, so a reconcile triggered by a pod change
+//! always sees that change. Objects are read through `DeserializeGuard`: a malformed HookChain or
+//! Capability is reported on the object and cannot break a watch.
+
+use crate::build::{FIELD_MANAGER, LABEL_MANAGED_BY, Settings};
+use crate::expectations::Expectations;
+use crate::leader::{self, LeaseLock};
+use crate::metrics::Metrics;
+use crate::reconcile::{self, Context};
+use futures::{FutureExt, StreamExt, stream::BoxStream};
+use k8s_openapi::api::core::v1::Pod;
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::{ReconcileRequest, trigger_owners, trigger_self, trigger_with};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::{WatchStreamExt, applier, watcher};
+use kube::{Api, Client, ResourceExt};
+use sluice_crds::{Capability, HookChain};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub settings: Settings,
+    pub claim_deadline: Duration,
+    /// Watch only this namespace; all when `None`.
+    pub namespace: Option<String>,
+    /// This replica's name, recorded in Events.
+    pub identity: String,
+}
+
+fn api<K>(client: &Client, namespace: &Option<String>) -> Api<K>
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+type Chain = DeserializeGuard<HookChain>;
+type Queue = BoxStream<'static, Result<ReconcileRequest<Chain>, watcher::Error>>;
+
+/// Reconciles until `stop` resolves, then lets running reconciles finish and returns.
+pub async fn run(
+    client: Client,
+    config: &RunConfig,
+    metrics: Metrics,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
+    let (chains, chain_writer) = reflector::store::<Chain>();
+    let (pods, pod_writer) = reflector::store::<Pod>();
+    let (capabilities, cap_writer) = reflector::store::<DeserializeGuard<Capability>>();
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: Some(config.identity.clone()),
+        },
+    );
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        config.settings.clone(),
+        config.claim_deadline,
+        pods,
+        capabilities,
+        Expectations::default(),
+        recorder,
+        metrics,
+    ));
+
+    let forget_ctx = ctx.clone();
+    let chain_events = watcher(
+        api::<Chain>(&client, &config.namespace),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .reflect(chain_writer)
+    .inspect(move |ev| {
+        if let Ok(watcher::Event::Delete(chain)) = ev {
+            reconcile::forget(
+                &forget_ctx,
+                &chain.namespace().unwrap_or_default(),
+                &chain.name_any(),
+            );
+        }
+    })
+    .applied_objects();
+
+    let pod_config =
+        watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={FIELD_MANAGER}"));
+    let pod_events = watcher(api::<Pod>(&client, &config.namespace), pod_config)
+        .default_backoff()
+        .reflect(pod_writer)
+        .touched_objects();
+
+    let cap_ctx = ctx.clone();
+    let cap_events = watcher(
+        api::<DeserializeGuard<Capability>>(&client, &config.namespace),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .reflect(cap_writer)
+    .inspect(move |ev| {
+        if let Ok(watcher::Event::Apply(cap) | watcher::Event::InitApply(cap)) = ev {
+            let (ctx, cap) = (cap_ctx.clone(), cap.clone());
+            tokio::spawn(async move { reconcile::check_capability(&ctx, &cap).await });
+        }
+    })
+    .touched_objects();
+    // A Capability change re-judges the chains of its namespace whose hooks name it.
+    let chain_reader = chains.clone();
+    let by_capability = move |cap: DeserializeGuard<Capability>| {
+        let (ns, name) = (cap.namespace(), cap.name_any());
+        chain_reader
+            .state()
+            .into_iter()
+            .filter(|c| c.namespace() == ns)
+            .filter(|c| match &c.0 {
+                Ok(chain) => chain
+                    .spec
+                    .hooks
+                    .iter()
+                    .any(|h| h.capabilities.contains(&name)),
+                Err(_) => false,
+            })
+            .map(|c| ObjectRef::from_obj(&*c))
+            .collect::<Vec<_>>()
+    };
+
+    let queues: Vec<Queue> = vec![
+        trigger_self(chain_events, ()).boxed(),
+        trigger_owners(pod_events, (), ()).boxed(),
+        trigger_with(cap_events, by_capability).boxed(),
+    ];
+    // Ending the input lets running reconciles finish: a graceful stop. A reconcile stuck on an
+    // API server that does not answer (or a cache that never synced) gets SHUTDOWN_GRACE, no more.
+    let stop = stop.boxed().shared();
+    let queue = futures::stream::select_all(queues).take_until(stop.clone());
+    let applied = applier(
+        |chain, ctx| Box::pin(reconcile::reconcile(chain, ctx)),
+        reconcile::error_policy,
+        ctx,
+        chains,
+        queue,
+        kube::runtime::Config::default().debounce(Duration::from_millis(200)),
+    )
+    .for_each(|result| async move {
+        match result {
+            Ok((chain, _)) => tracing::debug!(%chain, "reconciled"),
+            Err(e) => tracing::debug!(error = %e, "reconcile not run"),
+        }
+    });
+    tokio::select! {
+        _ = applied => {}
+        _ = async { stop.await; tokio::time::sleep(SHUTDOWN_GRACE).await } => {
+            tracing::warn!("reconciles did not finish within the shutdown grace; abandoning them");
+        }
+    }
+}
+
+/// How long running reconciles may take to finish once the controller is told to stop.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// How often the Lease is renewed and how long a leader may fail to renew before it steps down.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseTiming {
+    pub renew_every: Duration,
+    pub renew_deadline: Duration,
+}
+
+impl Default for LeaseTiming {
+    fn default() -> Self {
+        Self {
+            renew_every: leader::RENEW_EVERY,
+            renew_deadline: leader::RENEW_DEADLINE,
+        }
+    }
+}
+
+/// Reconciles only while this replica holds the Lease: a follower waits, a leader that loses the
+/// Lease stops reconciling (running reconciles finish) and waits again. Returns once `stop` turns
+/// true, after handing the Lease back.
+pub async fn run_when_leading(
+    client: Client,
+    config: RunConfig,
+    metrics: Metrics,
+    lock: LeaseLock,
+    timing: LeaseTiming,
+    stop: watch::Receiver<bool>,
+) {
+    let (leader_tx, leader_rx) = watch::channel(false);
+    let elector = tokio::spawn(leader::run(
+        lock,
+        timing.renew_every,
+        timing.renew_deadline,
+        leader_tx,
+        stop.clone(),
+    ));
+    loop {
+        let (mut leading, mut stopping) = (leader_rx.clone(), stop.clone());
+        let lead = tokio::select! {
+            biased;
+            _ = stopping.wait_for(|s| *s) => false,
+            // An error means the elector has ended: there is no leadership to wait for.
+            r = leading.wait_for(|l| *l) => r.is_ok(),
+        };
+        if !lead || *stop.borrow() {
+            break;
+        }
+        metrics.leader.set(1);
+        tracing::info!("leading: reconciling");
+        let (mut leading, mut stopping) = (leader_rx.clone(), stop.clone());
+        let until = async move {
+            tokio::select! {
+                _ = leading.wait_for(|l| !*l) => tracing::warn!("leadership lost: stopping reconciles"),
+                _ = stopping.wait_for(|s| *s) => {}
+            }
+        };
+        run(client.clone(), &config, metrics.clone(), until).await;
+        metrics.leader.set(0);
+        if *stop.borrow() {
+            break;
+        }
+    }
+    // The elector sees the stop too and hands the Lease back.
+    let _ = elector.await;
+}

@@ -1,0 +1,176 @@
+//! Leader election on a `coordination.k8s.io/v1` Lease, so two operator replicas can run and only
+//! one reconciles. kube 5 has no elector; this is the client-go algorithm reduced to what Sluice
+//! needs: every write is a PUT carrying the Lease's `resourceVersion`, so of two replicas racing
+//! for a free or expired Lease exactly one wins and the other gets a conflict.
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, PostParams};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// How long a Lease stays valid after its last renewal.
+pub const LEASE_DURATION: Duration = Duration::from_secs(15);
+/// How often the leader renews (and a follower retries).
+pub const RENEW_EVERY: Duration = Duration::from_secs(5);
+/// A leader that could not renew for this long steps down before anyone else may take over.
+pub const RENEW_DEADLINE: Duration = Duration::from_secs(10);
+
+pub struct LeaseLock {
+    api: Api<Lease>,
+    name: String,
+    identity: String,
+    duration: Duration,
+}
+
+fn conflict(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 409)
+}
+
+impl LeaseLock {
+    pub fn new(api: Api<Lease>, name: &str, identity: &str, duration: Duration) -> Self {
+        Self {
+            api,
+            name: name.into(),
+            identity: identity.into(),
+            duration,
+        }
+    }
+
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    fn seconds(&self) -> i32 {
+        i32::try_from(self.duration.as_secs()).unwrap_or(i32::MAX)
+    }
+
+    /// Takes the Lease if it is free or expired, renews it if this replica holds it. True when
+    /// this replica holds the Lease afterwards.
+    pub async fn try_acquire_or_renew(&self, now: Timestamp) -> Result<bool, kube::Error> {
+        let pp = PostParams::default();
+        let Some(mut lease) = self.api.get_opt(&self.name).await? else {
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(self.name.clone()),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some(self.identity.clone()),
+                    lease_duration_seconds: Some(self.seconds()),
+                    acquire_time: Some(MicroTime(now)),
+                    renew_time: Some(MicroTime(now)),
+                    lease_transitions: Some(0),
+                    ..Default::default()
+                }),
+            };
+            return match self.api.create(&pp, &lease).await {
+                Ok(_) => Ok(true),
+                Err(e) if conflict(&e) => Ok(false),
+                Err(e) => Err(e),
+            };
+        };
+        let mut spec = lease.spec.take().unwrap_or_default();
+        let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
+        if holder.as_deref() == Some(self.identity.as_str()) {
+            spec.renew_time = Some(MicroTime(now));
+            spec.lease_duration_seconds = Some(self.seconds());
+        } else {
+            let duration = spec
+                .lease_duration_seconds
+                .map(|s| SignedDuration::from_secs(s.into()))
+                .unwrap_or_else(|| SignedDuration::try_from(self.duration).unwrap_or_default());
+            let last = spec.renew_time.as_ref().or(spec.acquire_time.as_ref());
+            let expired = last.is_none_or(|t| t.0 + duration <= now);
+            if holder.is_some() && !expired {
+                return Ok(false);
+            }
+            spec.holder_identity = Some(self.identity.clone());
+            spec.lease_duration_seconds = Some(self.seconds());
+            spec.acquire_time = Some(MicroTime(now));
+            spec.renew_time = Some(MicroTime(now));
+            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+        }
+        lease.spec = Some(spec);
+        // The resourceVersion read above travels in metadata: a concurrent writer makes this a 409.
+        match self.api.replace(&self.name, &pp, &lease).await {
+            Ok(_) => Ok(true),
+            Err(e) if conflict(&e) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Hands the Lease back so a standby replica takes over at once instead of after expiry.
+    pub async fn release(&self) -> Result<(), kube::Error> {
+        let Some(mut lease) = self.api.get_opt(&self.name).await? else {
+            return Ok(());
+        };
+        let mut spec = lease.spec.take().unwrap_or_default();
+        if spec.holder_identity.as_deref() != Some(self.identity.as_str()) {
+            return Ok(());
+        }
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        lease.spec = Some(spec);
+        match self
+            .api
+            .replace(&self.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if conflict(&e) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Keeps trying to hold the Lease until `stop` turns true, publishing leadership on `leader`.
+/// On stop it releases the Lease if held.
+pub async fn run(
+    lock: LeaseLock,
+    renew_every: Duration,
+    renew_deadline: Duration,
+    leader: watch::Sender<bool>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut last_renewed: Option<Instant> = None;
+    loop {
+        match lock.try_acquire_or_renew(Timestamp::now()).await {
+            Ok(true) => {
+                last_renewed = Some(Instant::now());
+                if !*leader.borrow() {
+                    tracing::info!(identity = lock.identity(), "became leader");
+                }
+                leader.send_replace(true);
+            }
+            Ok(false) => {
+                if *leader.borrow() {
+                    tracing::warn!(
+                        identity = lock.identity(),
+                        "lost the lease to another replica"
+                    );
+                }
+                last_renewed = None;
+                leader.send_replace(false);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot reach the leader lease");
+                if last_renewed.is_none_or(|t| t.elapsed() >= renew_deadline) && *leader.borrow() {
+                    tracing::warn!("could not renew the lease in time; stepping down");
+                    leader.send_replace(false);
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(renew_every) => {}
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+    if *leader.borrow() {
+        leader.send_replace(false);
+        if let Err(e) = lock.release().await {
+            tracing::warn!(error = %e, "cannot release the leader lease");
+        }
+    }
+}

@@ -1,0 +1,18 @@
+//! Sluice operator: keeps a warm pool of gVisor sandbox pods for every HookChain, judges hook code
+//! before the pool grows, and reports what it sees in status, Events and metrics.
+//!
+//! Reading order: `build` (the objects, pure) → `pool` (the backfill decision, pure) →
+//! `expectations` (what the cache does not show yet) → `validate` and `status` (the verdict and the
+//! conditions, pure) → `reconcile` (read, validate, build, apply, status) → `controller` (the
+//! watches) → `leader` (one active replica) → `metrics`, `render`.
+
+pub mod build;
+pub mod controller;
+pub mod expectations;
+pub mod leader;
+pub mod metrics;
+pub mod pool;
+pub mod reconcile;
+pub mod render;
+pub mod status;
+pub mod validate;

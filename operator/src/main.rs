@@ -1,0 +1,219 @@
+//! `sluice-operator run` (the controller) and `sluice-operator render FILE` (what it would create).
+
+use clap::{Args, Parser, Subcommand};
+use kube::{Api, Client};
+use sluice_operator::build::{Settings, default_supervisor_image};
+use sluice_operator::controller::{self, LeaseTiming, RunConfig};
+use sluice_operator::leader::{self, LeaseLock};
+use sluice_operator::metrics::Metrics;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+use tokio::sync::watch;
+
+#[derive(Parser)]
+#[command(
+    name = "sluice-operator",
+    version,
+    about = "Keeps warm gVisor sandbox pools for Sluice HookChains"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the controller (only the replica holding the leader lease reconciles).
+    Run(RunArgs),
+    /// Print as YAML the objects the operator would create for the HookChains in FILE.
+    Render {
+        file: PathBuf,
+        #[command(flatten)]
+        pod: PodArgs,
+    },
+}
+
+#[derive(Args, Clone)]
+struct PodArgs {
+    /// RuntimeClass of every sandbox pod.
+    #[arg(long, default_value = "gvisor")]
+    runtime_class: String,
+    /// Image of the sandbox pods (the supervisor).
+    #[arg(long, default_value_t = default_supervisor_image())]
+    supervisor_image: String,
+}
+
+impl PodArgs {
+    fn settings(&self) -> Settings {
+        Settings {
+            runtime_class: self.runtime_class.clone(),
+            supervisor_image: self.supervisor_image.clone(),
+        }
+    }
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    pod: PodArgs,
+    /// Address of the /metrics and /healthz server.
+    #[arg(long, default_value = "0.0.0.0:9465")]
+    metrics: SocketAddr,
+    /// Namespace of the leader Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "sluice-system")]
+    lease_namespace: String,
+    /// Name of the leader Lease.
+    #[arg(long, default_value = "sluice-operator")]
+    lease_name: String,
+    /// Claimed pods held longer than this are deleted (300s, 5m, 1500ms).
+    #[arg(long, default_value = "300s", value_parser = parse_duration)]
+    claim_deadline: Duration,
+    /// Watch only this namespace (default: all).
+    #[arg(long)]
+    namespace: Option<String>,
+    /// This replica's identity in the Lease and in Events.
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (digits, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 300s, 5m or 1500ms"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        "h" => Ok(Duration::from_secs(n * 3600)),
+        _ => Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
+    }
+}
+
+fn identity(given: Option<String>) -> String {
+    given.filter(|s| !s.is_empty()).unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/etc/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "sluice-operator".into());
+        format!("{host}-{}", std::process::id())
+    })
+}
+
+/// Resolves on the first SIGTERM or SIGINT.
+async fn signalled() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let client = Client::try_default().await?;
+    let metrics = Metrics::new();
+    let listener = tokio::net::TcpListener::bind(args.metrics)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {}: {e}", args.metrics))?;
+    tokio::spawn(metrics.clone().serve_on(listener));
+
+    let config = RunConfig {
+        settings: args.pod.settings(),
+        claim_deadline: args.claim_deadline,
+        namespace: args.namespace,
+        identity: identity(args.identity),
+    };
+    tracing::info!(identity = %config.identity, runtime_class = %config.settings.runtime_class,
+        image = %config.settings.supervisor_image, namespace = ?config.namespace, "starting");
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        signalled().await;
+        stop_tx.send_replace(true);
+    });
+    let lock = LeaseLock::new(
+        Api::namespaced(client.clone(), &args.lease_namespace),
+        &args.lease_name,
+        &config.identity,
+        leader::LEASE_DURATION,
+    );
+    controller::run_when_leading(
+        client,
+        config,
+        metrics,
+        lock,
+        LeaseTiming::default(),
+        stop_rx,
+    )
+    .await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Render { file, pod } => {
+            let out = sluice_operator::render::render(&file, &pod.settings());
+            print!("{}", out.yaml);
+            for p in &out.problems {
+                eprintln!("{p}");
+            }
+            if out.problems.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Command::Run(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "info,kube=warn".into()),
+                )
+                .json()
+                .init();
+            let rt = match tokio::runtime::Runtime::new() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("sluice-operator: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match rt.block_on(run(args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!(error = %e, "sluice-operator failed");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("300s"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("42"), Ok(Duration::from_secs(42)));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("5d").is_err());
+    }
+}

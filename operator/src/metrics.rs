@@ -1,0 +1,147 @@
+//! Prometheus metrics of the operator (`sluice_operator_<what>_<unit>`) and the small HTTP server
+//! that serves them on `/metrics`, with `/healthz` for the liveness probe.
+
+use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use std::net::SocketAddr;
+
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    pub reconciles: IntCounter,
+    pub reconcile_errors: IntCounter,
+    pub pool_warm: IntGaugeVec,
+    pub pool_claimed: IntGaugeVec,
+    pub pods_created: IntCounter,
+    pub pods_deleted: IntCounterVec,
+    pub leader: IntGauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        // Registering fixed, distinct names in a fresh registry cannot fail.
+        fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
+            r.register(Box::new(c.clone()))
+                .expect("distinct metric names");
+            c
+        }
+        let chain = ["namespace", "chain"];
+        Self {
+            reconciles: reg(
+                &registry,
+                IntCounter::new("sluice_operator_reconciles_total", "HookChain reconciles run")
+                    .expect("valid metric"),
+            ),
+            reconcile_errors: reg(
+                &registry,
+                IntCounter::new(
+                    "sluice_operator_reconcile_errors_total",
+                    "HookChain reconciles that failed and were retried",
+                )
+                .expect("valid metric"),
+            ),
+            pool_warm: reg(
+                &registry,
+                IntGaugeVec::new(
+                    Opts::new("sluice_operator_pool_warm_pods", "Ready warm sandbox pods per chain"),
+                    &chain,
+                )
+                .expect("valid metric"),
+            ),
+            pool_claimed: reg(
+                &registry,
+                IntGaugeVec::new(
+                    Opts::new("sluice_operator_pool_claimed_pods", "Claimed sandbox pods per chain"),
+                    &chain,
+                )
+                .expect("valid metric"),
+            ),
+            pods_created: reg(
+                &registry,
+                IntCounter::new("sluice_operator_pods_created_total", "Sandbox pods created")
+                    .expect("valid metric"),
+            ),
+            pods_deleted: reg(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "sluice_operator_pods_deleted_total",
+                        "Sandbox pods deleted, by reason (finished, claim_expired, outdated, scale_down)",
+                    ),
+                    &["reason"],
+                )
+                .expect("valid metric"),
+            ),
+            leader: reg(
+                &registry,
+                IntGauge::new(
+                    "sluice_operator_leader",
+                    "1 while this replica holds the leader lease",
+                )
+                .expect("valid metric"),
+            ),
+            registry,
+        }
+    }
+
+    pub fn set_pool(&self, namespace: &str, chain: &str, warm: u32, claimed: u32) {
+        self.pool_warm
+            .with_label_values(&[namespace, chain])
+            .set(warm.into());
+        self.pool_claimed
+            .with_label_values(&[namespace, chain])
+            .set(claimed.into());
+    }
+
+    pub fn forget_pool(&self, namespace: &str, chain: &str) {
+        let _ = self.pool_warm.remove_label_values(&[namespace, chain]);
+        let _ = self.pool_claimed.remove_label_values(&[namespace, chain]);
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        let _ = prometheus::TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+
+    /// Serves `GET /metrics` and `GET /healthz` on `addr` until the process ends.
+    pub async fn serve(self, addr: SocketAddr) -> std::io::Result<()> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        tracing::info!(%addr, "metrics listening");
+        self.serve_on(listener).await
+    }
+
+    pub async fn serve_on(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        use http_body_util::Full;
+        use hyper::{Response, StatusCode, body::Bytes, service::service_fn};
+        loop {
+            let (stream, _) = listener.accept().await?;
+            let metrics = self.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let metrics = metrics.clone();
+                    async move {
+                        let (status, body) = match req.uri().path() {
+                            "/metrics" => (StatusCode::OK, metrics.render()),
+                            "/healthz" => (StatusCode::OK, "ok\n".to_string()),
+                            _ => (StatusCode::NOT_FOUND, "not found\n".to_string()),
+                        };
+                        let mut r = Response::new(Full::new(Bytes::from(body)));
+                        *r.status_mut() = status;
+                        Ok::<_, std::convert::Infallible>(r)
+                    }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, svc)
+                    .await;
+            });
+        }
+    }
+}

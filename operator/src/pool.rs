@@ -1,0 +1,691 @@
+//! The pool decision: given a chain's pool spec, the pods the cache shows and what the operator is
+//! still waiting to see (expectations), which pods to delete and how many to create. A pure
+//! function, so the backfill discipline is proven by plain unit tests:
+//!
+//! - never create while a create is not yet visible in the cache (a lagging cache would otherwise
+//!   make the operator create the same pods twice);
+//! - count terminating pods (and pods just deleted) toward `max`;
+//! - hold unschedulable pods instead of deleting and recreating them, and create no more beside them;
+//! - roll warm pods of an old template, keeping old ready ones only while new ones are not ready;
+//! - never touch a claimed pod, unless its claim is past the deadline (its gateway is gone).
+
+use crate::build::{ANNOTATION_CLAIMED_AT, LABEL_POOL, LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use std::collections::HashSet;
+
+/// What the pool needs to know about one pod.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Observed {
+    pub name: String,
+    pub resource_version: Option<String>,
+    pub template: Option<String>,
+    pub pool: PoolState,
+    /// `Failed` or `Succeeded`: the pod will never serve again.
+    pub finished: bool,
+    pub ready: bool,
+    pub terminating: bool,
+    /// The scheduler's message, when the pod is `PodScheduled=False` for reason `Unschedulable`.
+    pub unschedulable: Option<String>,
+    pub created: Option<Timestamp>,
+    /// `sluice.dev/claimed-at`, when present and a valid RFC 3339 time.
+    pub claimed_at: Option<Timestamp>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolState {
+    Warm,
+    Claimed,
+    /// A label the operator does not know: the pod is left alone but counts toward max.
+    Other,
+}
+
+impl Observed {
+    pub fn from_pod(pod: &Pod) -> Self {
+        let meta = &pod.metadata;
+        let label = |k: &str| meta.labels.as_ref().and_then(|l| l.get(k)).cloned();
+        let status = pod.status.as_ref();
+        let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or_default();
+        let conditions = status.and_then(|s| s.conditions.as_ref());
+        let condition = |t: &str| conditions.and_then(|cs| cs.iter().find(|c| c.type_ == t));
+        let ready = condition("Ready").is_some_and(|c| c.status == "True");
+        let unschedulable = condition("PodScheduled")
+            .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+            .map(|c| c.message.clone().unwrap_or_else(|| "no node fits".into()));
+        Observed {
+            name: meta.name.clone().unwrap_or_default(),
+            resource_version: meta.resource_version.clone(),
+            template: label(LABEL_TEMPLATE),
+            pool: match label(LABEL_POOL).as_deref() {
+                Some(POOL_WARM) => PoolState::Warm,
+                Some(POOL_CLAIMED) => PoolState::Claimed,
+                _ => PoolState::Other,
+            },
+            finished: matches!(phase, "Failed" | "Succeeded"),
+            ready,
+            terminating: meta.deletion_timestamp.is_some(),
+            unschedulable,
+            created: meta.creation_timestamp.as_ref().map(|t| t.0),
+            claimed_at: meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION_CLAIMED_AT))
+                .and_then(|v| v.parse::<Timestamp>().ok()),
+        }
+    }
+}
+
+/// Everything the decision depends on.
+#[derive(Clone, Debug)]
+pub struct Input<'a> {
+    pub warm: u32,
+    pub max: u32,
+    /// Template hash of the pod the chain wants now.
+    pub template: &'a str,
+    pub pods: &'a [Observed],
+    /// Pods created but not yet seen in the cache.
+    pub pending_creates: usize,
+    /// Pods deleted whose deletion the cache does not show yet.
+    pub pending_deletes: &'a HashSet<String>,
+    pub now: Timestamp,
+    pub claim_deadline: SignedDuration,
+    /// False for an invalid or deleted chain: only clean-up, no growth, no rollout.
+    pub may_grow: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeleteReason {
+    /// The pod's phase is Failed or Succeeded.
+    Finished,
+    /// Claimed longer than the claim deadline: its gateway crashed or lost it.
+    ClaimExpired,
+    /// A warm pod of an old template.
+    Outdated,
+    /// More warm pods than `spec.pool.warm`.
+    ScaleDown,
+}
+
+impl DeleteReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Finished => "finished",
+            Self::ClaimExpired => "claim_expired",
+            Self::Outdated => "outdated",
+            Self::ScaleDown => "scale_down",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deletion {
+    pub name: String,
+    pub reason: DeleteReason,
+    /// Warm pods are deleted on condition they are unchanged, so a pod a gateway claims in the
+    /// meantime survives (the delete fails with a conflict).
+    pub resource_version: Option<String>,
+}
+
+/// Why the pool is not growing to `warm`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Hold {
+    /// The chain is invalid or being deleted.
+    Invalid,
+    /// Created pods are not in the cache yet.
+    AwaitingCache,
+    /// A pod of the current template cannot be scheduled (the scheduler's message).
+    Unschedulable { pod: String, message: String },
+    /// `max` pods exist (warm, claimed, starting and terminating together).
+    AtMax,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Ready warm pods that stay (any template).
+    pub warm: u32,
+    pub claimed: u32,
+    /// Warm pods of the current template not ready yet, pending creates included.
+    pub starting: u32,
+    /// Terminating, just deleted, or deleted by this plan.
+    pub terminating: u32,
+    /// Pods with a pool label the operator does not know: left alone, counted toward max.
+    pub other: u32,
+    /// Every pod counted toward `max`.
+    pub total: u32,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub create: u32,
+    pub delete: Vec<Deletion>,
+    pub counts: Counts,
+    pub hold: Option<Hold>,
+    /// When the next claimed pod's deadline passes, so the caller can requeue for it.
+    pub next_claim_expiry: Option<Timestamp>,
+}
+
+fn u(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+pub fn plan(input: &Input) -> Plan {
+    let mut plan = Plan::default();
+    let mut counts = Counts::default();
+    let mut cur_ready: Vec<&Observed> = Vec::new();
+    let mut cur_starting: Vec<&Observed> = Vec::new();
+    let mut old_ready: Vec<&Observed> = Vec::new();
+    let mut unschedulable: Option<&Observed> = None;
+    let delete = |p: &Observed, reason: DeleteReason, precondition: bool| Deletion {
+        name: p.name.clone(),
+        reason,
+        resource_version: if precondition {
+            p.resource_version.clone()
+        } else {
+            None
+        },
+    };
+
+    let mut pods: Vec<&Observed> = input.pods.iter().collect();
+    pods.sort_by(|a, b| a.name.cmp(&b.name));
+    for p in pods {
+        if p.terminating || input.pending_deletes.contains(&p.name) {
+            counts.terminating += 1;
+            continue;
+        }
+        if p.finished {
+            plan.delete.push(delete(p, DeleteReason::Finished, false));
+            counts.terminating += 1;
+            continue;
+        }
+        match p.pool {
+            PoolState::Claimed => {
+                // A claim without claimed-at is timed from the pod's creation.
+                let since = p.claimed_at.or(p.created);
+                let expiry = since.map(|t| t + input.claim_deadline);
+                match expiry {
+                    Some(e) if e <= input.now => {
+                        plan.delete
+                            .push(delete(p, DeleteReason::ClaimExpired, false));
+                        counts.terminating += 1;
+                    }
+                    _ => {
+                        counts.claimed += 1;
+                        if let Some(e) = expiry {
+                            plan.next_claim_expiry =
+                                Some(plan.next_claim_expiry.map_or(e, |n| n.min(e)));
+                        }
+                    }
+                }
+            }
+            PoolState::Other => counts.other += 1,
+            PoolState::Warm => {
+                let current = p.template.as_deref() == Some(input.template);
+                match (current, p.ready) {
+                    (true, true) => cur_ready.push(p),
+                    (true, false) => {
+                        if unschedulable.is_none() && p.unschedulable.is_some() {
+                            unschedulable = Some(p);
+                        }
+                        cur_starting.push(p)
+                    }
+                    (false, true) => old_ready.push(p),
+                    (false, false) if input.may_grow => {
+                        // An old pod that is not serving yet is replaced at once.
+                        plan.delete.push(delete(p, DeleteReason::Outdated, true));
+                        counts.terminating += 1;
+                    }
+                    (false, false) => counts.starting += 1,
+                }
+            }
+        }
+    }
+
+    let warm = input.warm as usize;
+    let mut kept_old = old_ready.len();
+    if input.may_grow {
+        // Old ready pods keep serving only until enough new ones are ready.
+        kept_old = old_ready.len().min(warm.saturating_sub(cur_ready.len()));
+        for p in &old_ready[kept_old..] {
+            plan.delete.push(delete(p, DeleteReason::Outdated, true));
+            counts.terminating += 1;
+        }
+        // Scale down only against a settled cache: pending creates are invisible here.
+        let current = cur_ready.len() + cur_starting.len() + input.pending_creates;
+        if input.pending_creates == 0 && current > warm {
+            let mut excess = current - warm;
+            // Pods that are not serving go first, newest (last by name is arbitrary) first.
+            while excess > 0 {
+                let p = if let Some(p) = cur_starting.pop() {
+                    p
+                } else if let Some(p) = cur_ready.pop() {
+                    p
+                } else {
+                    break;
+                };
+                plan.delete.push(delete(p, DeleteReason::ScaleDown, true));
+                counts.terminating += 1;
+                excess -= 1;
+            }
+        }
+    }
+
+    counts.starting += u(cur_starting.len() + input.pending_creates);
+    counts.warm = u(cur_ready.len() + kept_old);
+    counts.total =
+        counts.warm + counts.claimed + counts.starting + counts.terminating + counts.other;
+
+    let have = cur_ready.len() + cur_starting.len() + input.pending_creates;
+    let want = u(warm.saturating_sub(have));
+    let room = input.max.saturating_sub(counts.total);
+    let freeing = counts.terminating > 0 || input.pending_creates > 0;
+    if want > 0 && room == 0 && kept_old > 0 && input.may_grow && !freeing {
+        // At max during a rollout: retire old pods one at a time to make room for new ones, and
+        // the next only once the previous one is gone.
+        let p = old_ready[kept_old - 1];
+        plan.delete.push(delete(p, DeleteReason::Outdated, true));
+        counts.warm -= 1;
+        counts.terminating += 1;
+    }
+
+    plan.hold = if !input.may_grow {
+        Some(Hold::Invalid)
+    } else if input.pending_creates > 0 {
+        Some(Hold::AwaitingCache)
+    } else if let Some(p) = unschedulable {
+        Some(Hold::Unschedulable {
+            pod: p.name.clone(),
+            message: p.unschedulable.clone().unwrap_or_default(),
+        })
+    } else if want > room {
+        Some(Hold::AtMax)
+    } else {
+        None
+    };
+    plan.create = match plan.hold {
+        None | Some(Hold::AtMax) => want.min(room),
+        _ => 0,
+    };
+    plan.counts = counts;
+    plan
+}
+
+/// Sizes of successive create batches for `n` pods: 1, 2, 4, … (slow start). A failing batch stops
+/// the rest, so a quota or admission error costs one request, not `n`.
+pub fn slow_start(n: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let (mut left, mut size) = (n, 1u32);
+    while left > 0 {
+        let b = size.min(left);
+        out.push(b);
+        left -= b;
+        size = size.saturating_mul(2);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: &str = "tmpl-new";
+
+    fn now() -> Timestamp {
+        "2026-01-01T12:00:00Z".parse().unwrap()
+    }
+
+    fn pod(name: &str) -> Observed {
+        Observed {
+            name: name.into(),
+            resource_version: Some(format!("rv-{name}")),
+            template: Some(T.into()),
+            pool: PoolState::Warm,
+            finished: false,
+            ready: true,
+            terminating: false,
+            unschedulable: None,
+            created: Some(now() - SignedDuration::from_secs(3600)),
+            claimed_at: None,
+        }
+    }
+
+    fn starting(name: &str) -> Observed {
+        Observed {
+            ready: false,
+            ..pod(name)
+        }
+    }
+
+    fn old(name: &str) -> Observed {
+        Observed {
+            template: Some("tmpl-old".into()),
+            ..pod(name)
+        }
+    }
+
+    fn claimed(name: &str, secs_ago: i64) -> Observed {
+        Observed {
+            pool: PoolState::Claimed,
+            claimed_at: Some(now() - SignedDuration::from_secs(secs_ago)),
+            ..pod(name)
+        }
+    }
+
+    struct Case {
+        warm: u32,
+        max: u32,
+        pods: Vec<Observed>,
+        pending_creates: usize,
+        pending_deletes: HashSet<String>,
+        may_grow: bool,
+    }
+
+    fn case(warm: u32, max: u32, pods: Vec<Observed>) -> Case {
+        Case {
+            warm,
+            max,
+            pods,
+            pending_creates: 0,
+            pending_deletes: HashSet::new(),
+            may_grow: true,
+        }
+    }
+
+    impl Case {
+        fn run(&self) -> Plan {
+            plan(&Input {
+                warm: self.warm,
+                max: self.max,
+                template: T,
+                pods: &self.pods,
+                pending_creates: self.pending_creates,
+                pending_deletes: &self.pending_deletes,
+                now: now(),
+                claim_deadline: SignedDuration::from_secs(300),
+                may_grow: self.may_grow,
+            })
+        }
+    }
+
+    fn deleted(p: &Plan) -> Vec<(&str, DeleteReason)> {
+        p.delete
+            .iter()
+            .map(|d| (d.name.as_str(), d.reason.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn an_empty_pool_fills_to_warm() {
+        let p = case(3, 10, vec![]).run();
+        assert_eq!((p.create, p.delete.len(), p.hold), (3, 0, None));
+    }
+
+    #[test]
+    fn a_full_pool_does_nothing() {
+        let p = case(2, 10, vec![pod("a"), pod("b")]).run();
+        assert_eq!((p.create, p.delete.len(), p.hold.clone()), (0, 0, None));
+        assert_eq!(p.counts.warm, 2);
+    }
+
+    #[test]
+    fn starting_pods_count_as_coming_warm_pods() {
+        let p = case(3, 10, vec![pod("a"), starting("b")]).run();
+        assert_eq!(p.create, 1);
+        assert_eq!((p.counts.warm, p.counts.starting), (1, 1));
+    }
+
+    #[test]
+    fn nothing_is_created_while_creates_are_not_in_the_cache() {
+        let mut c = case(3, 10, vec![]);
+        c.pending_creates = 1;
+        let p = c.run();
+        assert_eq!(p.create, 0);
+        assert_eq!(p.hold, Some(Hold::AwaitingCache));
+        assert_eq!(p.counts.starting, 1);
+    }
+
+    #[test]
+    fn claimed_and_terminating_pods_count_toward_max() {
+        let mut c = case(
+            3,
+            4,
+            vec![
+                claimed("c1", 10),
+                claimed("c2", 10),
+                Observed {
+                    terminating: true,
+                    ..pod("t")
+                },
+            ],
+        );
+        let p = c.run();
+        assert_eq!(p.create, 1, "{p:?}");
+        assert_eq!(p.hold, Some(Hold::AtMax));
+        // A pod deleted a moment ago but still plain in the cache counts as terminating too.
+        c.pods.push(pod("gone"));
+        c.pending_deletes.insert("gone".into());
+        let p = c.run();
+        assert_eq!(p.create, 0);
+        assert_eq!(p.counts.terminating, 2);
+        assert_eq!(p.counts.total, 4);
+    }
+
+    #[test]
+    fn unschedulable_pods_are_held_and_nothing_more_is_created() {
+        let stuck = Observed {
+            unschedulable: Some("0/3 nodes are available: 3 Insufficient memory.".into()),
+            ..starting("s")
+        };
+        let p = case(3, 10, vec![stuck]).run();
+        assert_eq!(p.create, 0);
+        assert!(p.delete.is_empty(), "held, not deleted: {p:?}");
+        assert_eq!(
+            p.hold,
+            Some(Hold::Unschedulable {
+                pod: "s".into(),
+                message: "0/3 nodes are available: 3 Insufficient memory.".into()
+            })
+        );
+    }
+
+    #[test]
+    fn finished_pods_are_deleted_and_replaced() {
+        let failed = Observed {
+            finished: true,
+            ready: false,
+            ..pod("f")
+        };
+        let p = case(2, 10, vec![pod("a"), failed]).run();
+        assert_eq!(deleted(&p), [("f", DeleteReason::Finished)]);
+        assert_eq!(p.create, 1);
+    }
+
+    #[test]
+    fn claims_past_the_deadline_are_deleted_others_are_never_touched() {
+        let no_annotation_old = Observed {
+            claimed_at: None,
+            ..claimed("n", 0)
+        };
+        let no_annotation_new = Observed {
+            claimed_at: None,
+            created: Some(now() - SignedDuration::from_secs(5)),
+            ..claimed("m", 0)
+        };
+        let p = case(
+            0,
+            10,
+            vec![
+                claimed("fresh", 10),
+                claimed("stale", 301),
+                no_annotation_old,
+                no_annotation_new,
+            ],
+        )
+        .run();
+        assert_eq!(
+            deleted(&p),
+            [
+                ("n", DeleteReason::ClaimExpired),
+                ("stale", DeleteReason::ClaimExpired)
+            ]
+        );
+        assert_eq!(p.counts.claimed, 2);
+        assert_eq!(
+            p.next_claim_expiry,
+            Some(now() + SignedDuration::from_secs(290)),
+            "the fresh claim expires first"
+        );
+    }
+
+    #[test]
+    fn a_template_change_keeps_old_ready_pods_until_new_ones_are_ready() {
+        // Nothing new yet: old pods keep serving, new ones are created beside them.
+        let p = case(2, 10, vec![old("o1"), old("o2")]).run();
+        assert!(p.delete.is_empty(), "{p:?}");
+        assert_eq!(p.create, 2);
+        assert_eq!(p.counts.warm, 2);
+        // One new pod ready: one old pod goes, on condition nobody claimed it meanwhile.
+        let p = case(2, 10, vec![old("o1"), old("o2"), pod("n1"), starting("n2")]).run();
+        assert_eq!(deleted(&p), [("o2", DeleteReason::Outdated)]);
+        assert_eq!(p.delete[0].resource_version.as_deref(), Some("rv-o2"));
+        assert_eq!(p.create, 0);
+        // All new ready: the rest goes. Claimed pods of the old template are never touched.
+        let p = case(
+            2,
+            10,
+            vec![
+                old("o1"),
+                pod("n1"),
+                pod("n2"),
+                Observed {
+                    template: Some("tmpl-old".into()),
+                    ..claimed("c", 5)
+                },
+            ],
+        )
+        .run();
+        assert_eq!(deleted(&p), [("o1", DeleteReason::Outdated)]);
+    }
+
+    #[test]
+    fn a_rollout_at_max_frees_room_one_old_pod_at_a_time() {
+        let p = case(2, 2, vec![old("o1"), old("o2")]).run();
+        assert_eq!(p.create, 0);
+        assert_eq!(deleted(&p), [("o2", DeleteReason::Outdated)]);
+        assert_eq!((p.counts.warm, p.counts.terminating), (1, 1));
+        // While that one terminates, the other old pod keeps serving.
+        let going = Observed {
+            terminating: true,
+            ..old("o2")
+        };
+        let p = case(2, 2, vec![old("o1"), going]).run();
+        assert_eq!((p.create, p.delete.len(), p.counts.warm), (0, 0, 1));
+        // Once there is room, new pods are created and the old one keeps serving meanwhile.
+        let p = case(2, 2, vec![old("o1")]).run();
+        assert_eq!((p.create, p.delete.len()), (1, 0));
+        let p = case(2, 3, vec![old("o1"), old("o2")]).run();
+        assert_eq!((p.create, p.delete.len()), (1, 0));
+    }
+
+    #[test]
+    fn old_pods_not_yet_ready_are_replaced_at_once() {
+        let p = case(
+            1,
+            10,
+            vec![Observed {
+                ready: false,
+                ..old("o")
+            }],
+        )
+        .run();
+        assert_eq!(deleted(&p), [("o", DeleteReason::Outdated)]);
+        assert_eq!(p.create, 1);
+    }
+
+    #[test]
+    fn scaling_down_removes_pods_that_do_not_serve_first() {
+        let p = case(1, 10, vec![pod("a"), pod("b"), starting("c")]).run();
+        assert_eq!(
+            deleted(&p),
+            [
+                ("c", DeleteReason::ScaleDown),
+                ("b", DeleteReason::ScaleDown)
+            ]
+        );
+        // Not against an unsettled cache.
+        let mut c = case(1, 10, vec![pod("a"), pod("b")]);
+        c.pending_creates = 1;
+        assert!(c.run().delete.is_empty());
+    }
+
+    #[test]
+    fn an_invalid_chain_only_cleans_up() {
+        let mut c = case(
+            3,
+            10,
+            vec![
+                old("o"),
+                Observed {
+                    finished: true,
+                    ..pod("f")
+                },
+                claimed("x", 999),
+            ],
+        );
+        c.may_grow = false;
+        let p = c.run();
+        assert_eq!(p.create, 0);
+        assert_eq!(p.hold, Some(Hold::Invalid));
+        assert_eq!(
+            deleted(&p),
+            [
+                ("f", DeleteReason::Finished),
+                ("x", DeleteReason::ClaimExpired)
+            ]
+        );
+        assert_eq!(p.counts.warm, 1, "existing warm pods are kept");
+    }
+
+    #[test]
+    fn pods_with_an_unknown_pool_label_are_left_alone_but_count_toward_max() {
+        let odd = Observed {
+            pool: PoolState::Other,
+            ..pod("odd")
+        };
+        let p = case(2, 2, vec![odd, pod("a")]).run();
+        assert_eq!((p.create, p.delete.len()), (0, 0));
+        assert_eq!(
+            (p.counts.other, p.counts.claimed, p.counts.total),
+            (1, 0, 2)
+        );
+        assert_eq!(p.hold, Some(Hold::AtMax));
+    }
+
+    #[test]
+    fn slow_start_doubles() {
+        assert_eq!(slow_start(0), Vec::<u32>::new());
+        assert_eq!(slow_start(1), [1]);
+        assert_eq!(slow_start(10), [1, 2, 4, 3]);
+    }
+
+    #[test]
+    fn observed_reads_the_pod() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "c-abcde", "resourceVersion": "7",
+                "creationTimestamp": "2026-01-01T11:00:00Z",
+                "labels": {"sluice.dev/pool": "claimed", "sluice.dev/template": "t1"},
+                "annotations": {"sluice.dev/claimed-at": "2026-01-01T11:59:00Z"}
+            },
+            "status": {"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "no gvisor node"},
+                {"type": "Ready", "status": "False"}
+            ]}
+        }))
+        .unwrap();
+        let o = Observed::from_pod(&pod);
+        assert_eq!(o.pool, PoolState::Claimed);
+        assert_eq!(o.template.as_deref(), Some("t1"));
+        assert!(!o.ready && !o.finished && !o.terminating);
+        assert_eq!(o.unschedulable.as_deref(), Some("no gvisor node"));
+        assert_eq!(o.claimed_at, Some("2026-01-01T11:59:00Z".parse().unwrap()));
+    }
+}

@@ -1,0 +1,238 @@
+//! The HookChain status the operator reports: `CodeValid`, `PoolReady` and `Ready` conditions with
+//! reasons a platform engineer can act on, the warm and claimed counts, the code hash and the
+//! generation they describe. Pure: the reconciler writes the result with server-side apply.
+
+use crate::pool::{Hold, Plan};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use sluice_crds::{HookChain, HookChainStatus};
+
+pub const CODE_VALID: &str = "CodeValid";
+pub const POOL_READY: &str = "PoolReady";
+pub const READY: &str = "Ready";
+
+/// The verdict on a chain's spec, hook code and capabilities.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// "True", "False" or "Unknown" (the checker could not run).
+    pub status: &'static str,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl Verdict {
+    pub fn is_invalid(&self) -> bool {
+        self.status == "False"
+    }
+}
+
+/// A condition whose `lastTransitionTime` stays as it was unless its status flips.
+pub fn condition(
+    previous: &[Condition],
+    type_: &str,
+    status: &str,
+    reason: &str,
+    message: String,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Condition {
+    let since = previous
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map(|c| c.last_transition_time.clone())
+        .unwrap_or(Time(now));
+    Condition {
+        type_: type_.to_string(),
+        status: status.to_string(),
+        reason: reason.to_string(),
+        message,
+        observed_generation: generation,
+        last_transition_time: since,
+    }
+}
+
+/// `PoolReady` from the pool plan: (status, reason, message).
+pub fn pool_ready(warm_target: u32, max: u32, plan: &Plan) -> (&'static str, &'static str, String) {
+    let c = &plan.counts;
+    let have = format!("{} of {} warm sandboxes ready", c.warm, warm_target);
+    if c.warm >= warm_target {
+        return ("True", "Ready", format!("{have}, {} claimed", c.claimed));
+    }
+    match &plan.hold {
+        Some(Hold::Invalid) => (
+            "False",
+            "Paused",
+            format!("{have}; no new sandboxes until CodeValid is True"),
+        ),
+        Some(Hold::Unschedulable { pod, message }) => (
+            "False",
+            "Unschedulable",
+            format!(
+                "{have}; pod {pod} cannot be scheduled: {message} (held, not recreated; check the runtime class, node capacity or spec.resources)"
+            ),
+        ),
+        Some(Hold::AtMax) if warm_target > max => (
+            "False",
+            "AtMax",
+            format!("{have}; spec.pool.warm={warm_target} is more than spec.pool.max={max}"),
+        ),
+        Some(Hold::AtMax) => (
+            "False",
+            "AtMax",
+            format!(
+                "{have}; the pool is at spec.pool.max={max} ({} claimed, {} starting, {} terminating)",
+                c.claimed, c.starting, c.terminating
+            ),
+        ),
+        Some(Hold::AwaitingCache) | None => (
+            "False",
+            "Starting",
+            format!("{have}, {} starting", c.starting),
+        ),
+    }
+}
+
+/// The whole status for `chain` from the verdict and the pool plan.
+pub fn status(
+    chain: &HookChain,
+    verdict: &Verdict,
+    plan: &Plan,
+    now: Timestamp,
+) -> HookChainStatus {
+    let previous = chain
+        .status
+        .as_ref()
+        .map(|s| s.conditions.as_slice())
+        .unwrap_or_default();
+    let generation = chain.metadata.generation;
+    let code = condition(
+        previous,
+        CODE_VALID,
+        verdict.status,
+        verdict.reason,
+        verdict.message.clone(),
+        generation,
+        now,
+    );
+    let (ps, pr, pm) = pool_ready(chain.spec.pool.warm, chain.spec.pool.max, plan);
+    let pool = condition(previous, POOL_READY, ps, pr, pm, generation, now);
+    let (rs, rr, rm) = if verdict.is_invalid() {
+        ("False", verdict.reason, verdict.message.clone())
+    } else if ps != "True" {
+        ("False", pr, pool.message.clone())
+    } else {
+        (
+            "True",
+            "Ready",
+            "the chain's code is valid and its warm pool is full".into(),
+        )
+    };
+    let ready = condition(previous, READY, rs, rr, rm, generation, now);
+    HookChainStatus {
+        observed_generation: generation,
+        warm: plan.counts.warm,
+        claimed: plan.counts.claimed,
+        code_hash: Some(chain.spec.code_hash()),
+        conditions: vec![ready, code, pool],
+    }
+}
+
+/// The status of an object that could not even be read as a HookChain.
+pub fn unreadable(
+    previous: &[Condition],
+    error: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Vec<Condition> {
+    let message = format!("the object does not match the HookChain schema: {error}");
+    vec![
+        condition(
+            previous,
+            READY,
+            "False",
+            "InvalidObject",
+            message.clone(),
+            generation,
+            now,
+        ),
+        condition(
+            previous,
+            CODE_VALID,
+            "False",
+            "InvalidObject",
+            message,
+            generation,
+            now,
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::Counts;
+
+    fn t(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn transition_time_changes_only_when_the_status_flips() {
+        let t1 = t("2026-01-01T00:00:00Z");
+        let t2 = t("2026-01-01T00:05:00Z");
+        let first = condition(&[], READY, "False", "Starting", "a".into(), Some(1), t1);
+        let same = condition(
+            std::slice::from_ref(&first),
+            READY,
+            "False",
+            "AtMax",
+            "b".into(),
+            Some(2),
+            t2,
+        );
+        assert_eq!(same.last_transition_time, Time(t1));
+        assert_eq!(
+            (same.reason.as_str(), same.message.as_str()),
+            ("AtMax", "b")
+        );
+        let flipped = condition(&[same], READY, "True", "Ready", "c".into(), Some(2), t2);
+        assert_eq!(flipped.last_transition_time, Time(t2));
+    }
+
+    #[test]
+    fn pool_ready_says_why_the_pool_is_short() {
+        let mut plan = Plan {
+            counts: Counts {
+                warm: 1,
+                claimed: 3,
+                starting: 0,
+                terminating: 1,
+                other: 0,
+                total: 5,
+            },
+            hold: Some(Hold::AtMax),
+            ..Default::default()
+        };
+        let (s, r, m) = pool_ready(2, 5, &plan);
+        assert_eq!((s, r), ("False", "AtMax"));
+        assert!(
+            m.contains("1 of 2") && m.contains("spec.pool.max=5") && m.contains("3 claimed"),
+            "{m}"
+        );
+        plan.hold = Some(Hold::Unschedulable {
+            pod: "p-1".into(),
+            message: "Insufficient cpu".into(),
+        });
+        let (_, r, m) = pool_ready(2, 5, &plan);
+        assert_eq!(r, "Unschedulable");
+        assert!(m.contains("p-1") && m.contains("Insufficient cpu"), "{m}");
+        plan.hold = Some(Hold::AtMax);
+        let (_, _, m) = pool_ready(9, 5, &plan);
+        assert!(
+            m.contains("spec.pool.warm=9 is more than spec.pool.max=5"),
+            "{m}"
+        );
+        plan.counts.warm = 2;
+        assert_eq!(pool_ready(2, 5, &plan).0, "True");
+    }
+}

@@ -1,0 +1,247 @@
+//! Judging a HookChain before its pool grows: the semantic rules of `sluice_crds::validate`, the
+//! hook code analysis `sluice check` uses (Python's `ast`, run by the host's python3 on the code as
+//! text, never executed), and the capabilities its hooks name. The result is the `CodeValid`
+//! condition.
+
+use crate::status::Verdict;
+use sluice_crds::{CapabilitySpec, HookChainSpec, validate};
+
+/// Problems per hook, as (line within the code, message).
+pub type CodeProblems = Vec<Vec<(usize, String)>>;
+
+/// The analyser's findings; `Err` when the checker cannot run.
+pub type CodeCheck = Result<CodeProblems, String>;
+
+/// Runs the code analyser. Blocking: it waits for python3.
+pub fn check_code(spec: &HookChainSpec) -> CodeCheck {
+    let hooks: Vec<(String, String)> = spec
+        .hooks
+        .iter()
+        .map(|h| (h.action.as_str().to_string(), h.code.clone()))
+        .collect();
+    sluice_gateway::authoring::check::analyse_code(&hooks)
+}
+
+/// A capability as the operator's cache shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CapabilityState {
+    Missing,
+    /// Present, but unusable: why.
+    Invalid(String),
+    Valid,
+}
+
+/// Everything wrong with a Capability, in words: the shared semantic rules and its JSON Schema.
+pub fn capability_problems(name: &str, spec: &CapabilitySpec) -> Vec<String> {
+    let mut out: Vec<String> = validate::capability(name, spec)
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+    if let Some(schema) = &spec.schema
+        && schema.is_object()
+        && let Err(e) = sluice_gateway::endpoint::check_schema(schema)
+    {
+        out.push(format!("spec.schema: not a valid JSON Schema: {e}"));
+    }
+    out
+}
+
+/// Longest condition message the operator writes; the API server allows 32 KiB.
+const MAX_MESSAGE: usize = 2000;
+
+fn bounded(mut s: String) -> String {
+    if s.len() > MAX_MESSAGE {
+        let mut cut = MAX_MESSAGE;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+/// The `CodeValid` verdict. Problems of every kind are listed; the reason names the first kind.
+pub fn verdict(
+    spec: &HookChainSpec,
+    namespace: &str,
+    code: &CodeCheck,
+    capability: impl Fn(&str) -> CapabilityState,
+) -> Verdict {
+    let mut reason: Option<&'static str> = None;
+    let mut problems: Vec<String> = Vec::new();
+    let mut note = |r: &'static str, msg: String| {
+        reason.get_or_insert(r);
+        problems.push(msg);
+    };
+    for p in validate::hookchain(spec) {
+        note("InvalidSpec", p.to_string());
+    }
+    if let Ok(per_hook) = code {
+        for (hook, found) in spec.hooks.iter().zip(per_hook) {
+            for (line, message) in found {
+                note(
+                    "InvalidCode",
+                    format!("hook {} line {line}: {message}", hook.name),
+                );
+            }
+        }
+    }
+    for hook in &spec.hooks {
+        for cap in &hook.capabilities {
+            match capability(cap) {
+                CapabilityState::Valid => {}
+                CapabilityState::Missing => note(
+                    "UnknownCapability",
+                    format!(
+                        "hook {}: capability {cap:?} is not defined in namespace {namespace}",
+                        hook.name
+                    ),
+                ),
+                CapabilityState::Invalid(why) => note(
+                    "InvalidCapability",
+                    format!("hook {}: capability {cap:?} is invalid: {why}", hook.name),
+                ),
+            }
+        }
+    }
+    if let Some(reason) = reason {
+        return Verdict {
+            status: "False",
+            reason,
+            message: bounded(problems.join("; ")),
+        };
+    }
+    match code {
+        Err(e) => Verdict {
+            status: "Unknown",
+            reason: "CheckerUnavailable",
+            message: bounded(format!("hook code could not be checked: {e}")),
+        },
+        Ok(_) => Verdict {
+            status: "True",
+            reason: "Valid",
+            message: format!(
+                "{} hook(s) checked: syntax, execute(context, settings), declared actions, capabilities",
+                spec.hooks.len()
+            ),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(code: &str, caps: &[&str]) -> HookChainSpec {
+        serde_json::from_value(serde_json::json!({
+            "target": "bot", "triggerPoint": "input",
+            "hooks": [
+                {"name": "ok", "action": "modify", "code": "def execute(context, settings):\n    return {'action': 'pass'}\n"},
+                {"name": "redact-phone", "action": "modify", "capabilities": caps, "code": code}
+            ]
+        }))
+        .unwrap()
+    }
+
+    const GOOD: &str =
+        "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': 'x'}\n";
+
+    #[test]
+    fn good_code_is_valid() {
+        let s = spec(GOOD, &[]);
+        let v = verdict(&s, "ns", &check_code(&s), |_| CapabilityState::Valid);
+        assert_eq!((v.status, v.reason), ("True", "Valid"), "{v:?}");
+    }
+
+    #[test]
+    fn a_syntax_error_names_the_hook_and_line() {
+        let s = spec(
+            "def execute(context, settings):\n    x = 1\n    return {'action': 'pass'\n",
+            &[],
+        );
+        let v = verdict(&s, "ns", &check_code(&s), |_| CapabilityState::Valid);
+        assert_eq!((v.status, v.reason), ("False", "InvalidCode"));
+        assert!(
+            v.message
+                .starts_with("hook redact-phone line 3: SyntaxError"),
+            "{}",
+            v.message
+        );
+    }
+
+    #[test]
+    fn missing_execute_and_undeclared_actions_are_reported() {
+        let s = spec("def run(c, s):\n    return {'action': 'block'}\n", &[]);
+        let v = verdict(&s, "ns", &check_code(&s), |_| CapabilityState::Valid);
+        assert!(
+            v.message.contains("does not define execute"),
+            "{}",
+            v.message
+        );
+        assert!(
+            v.message
+                .contains("returns action 'block' but the hook declares 'modify'"),
+            "{}",
+            v.message
+        );
+    }
+
+    #[test]
+    fn capabilities_must_exist_and_be_valid() {
+        let s = spec(GOOD, &["llm.run", "credit.check"]);
+        let v = verdict(&s, "team-a", &check_code(&s), |name| match name {
+            "llm.run" => CapabilityState::Missing,
+            _ => CapabilityState::Invalid("spec.endpoint: set one of grpc, http or builtin".into()),
+        });
+        assert_eq!((v.status, v.reason), ("False", "UnknownCapability"));
+        assert!(
+            v.message
+                .contains("capability \"llm.run\" is not defined in namespace team-a"),
+            "{}",
+            v.message
+        );
+        assert!(
+            v.message
+                .contains("capability \"credit.check\" is invalid: spec.endpoint"),
+            "{}",
+            v.message
+        );
+    }
+
+    #[test]
+    fn spec_problems_come_first() {
+        let mut s = spec(GOOD, &[]);
+        s.resources.memory = "1Mi".into();
+        let v = verdict(&s, "ns", &Ok(vec![vec![], vec![]]), |_| {
+            CapabilityState::Valid
+        });
+        assert_eq!(v.reason, "InvalidSpec");
+        assert!(v.message.contains("spec.resources.memory"), "{}", v.message);
+    }
+
+    #[test]
+    fn a_checker_that_cannot_run_leaves_the_verdict_unknown() {
+        let s = spec(GOOD, &[]);
+        let v = verdict(&s, "ns", &Err("cannot run python3".into()), |_| {
+            CapabilityState::Valid
+        });
+        assert_eq!((v.status, v.reason), ("Unknown", "CheckerUnavailable"));
+    }
+
+    #[test]
+    fn capability_schemas_must_be_json_schema() {
+        let spec: CapabilitySpec = serde_json::from_value(serde_json::json!({
+            "endpoint": {"builtin": "echo"},
+            "schema": {"type": "no-such-type"}
+        }))
+        .unwrap();
+        let p = capability_problems("echo", &spec);
+        assert!(p.iter().any(|p| p.starts_with("spec.schema")), "{p:?}");
+        let ok: CapabilitySpec = serde_json::from_value(
+            serde_json::json!({"endpoint": {"builtin": "echo"}, "schema": {"type": "object"}}),
+        )
+        .unwrap();
+        assert!(capability_problems("echo", &ok).is_empty());
+    }
+}

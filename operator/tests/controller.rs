@@ -1,0 +1,309 @@
+//! The whole controller (watches, caches, triggers, applier) against a mock API server: a malformed
+//! HookChain in the list does not stop the watch or the valid chain beside it, nothing is created
+//! before the pod cache has listed, and a stop lets the controller return.
+
+mod common;
+
+use common::{Call, mock_client, spawn};
+use serde_json::{Value, json};
+use sluice_operator::build::Settings;
+use sluice_operator::controller::{self, RunConfig};
+use sluice_operator::metrics::Metrics;
+use std::time::Duration;
+
+fn list(kind: &str, items: Vec<Value>) -> Value {
+    json!({"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": "100"}, "items": items})
+}
+
+fn good_chain() -> Value {
+    json!({
+        "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
+        "metadata": {"name": "good", "namespace": "team-a", "uid": "uid-good", "generation": 1, "resourceVersion": "7"},
+        "spec": {"target": "bot", "triggerPoint": "input", "pool": {"warm": 2, "max": 5},
+                 "hooks": [{"name": "h", "action": "block",
+                            "code": "def execute(context, settings):\n    return {'action': 'pass'}\n"}]}
+    })
+}
+
+fn malformed_chain() -> Value {
+    json!({
+        "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
+        "metadata": {"name": "broken", "namespace": "team-b", "uid": "uid-broken", "generation": 1, "resourceVersion": "8"},
+        "spec": {"target": "bot", "triggerPoint": "sideways", "hooks": []}
+    })
+}
+
+fn bad_capability() -> Value {
+    json!({
+        "apiVersion": "sluice.dev/v1alpha1", "kind": "Capability",
+        "metadata": {"name": "credit.check", "namespace": "team-c", "uid": "uid-cap", "resourceVersion": "9"},
+        "spec": {"endpoint": {"http": "ftp://billing"}}
+    })
+}
+
+#[tokio::test]
+async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_reported() {
+    let (client, mut api) = mock_client();
+    let config = RunConfig {
+        settings: Settings::default(),
+        claim_deadline: Duration::from_secs(300),
+        namespace: None,
+        identity: "operator-test".into(),
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = spawn(async move {
+        controller::run(client, &config, Metrics::new(), async move {
+            let _ = stop_rx.await;
+        })
+        .await
+    });
+
+    let mut watches: Vec<Call> = Vec::new();
+    let mut seen: Vec<String> = Vec::new();
+    let mut created = 0;
+    let mut pods_listed = false;
+    let mut statuses = 0;
+    let mut capability_warned = false;
+    while statuses < 2 || !capability_warned {
+        let call = api.next().await;
+        let line = format!("{} {}", call.method, call.path);
+        if call.query("watch") == Some("true") {
+            // Watches stay open and silent.
+            watches.push(call);
+            continue;
+        }
+        seen.push(line.clone());
+        match (call.method.as_str(), call.path.as_str()) {
+            ("GET", "/apis/sluice.dev/v1alpha1/hookchains") => call.reply(
+                200,
+                list("HookChainList", vec![malformed_chain(), good_chain()]),
+            ),
+            ("GET", "/api/v1/pods") => {
+                assert_eq!(
+                    call.query("labelSelector"),
+                    Some("app.kubernetes.io/managed-by=sluice-operator")
+                );
+                pods_listed = true;
+                call.reply(200, list("PodList", vec![]))
+            }
+            ("GET", "/apis/sluice.dev/v1alpha1/capabilities") => {
+                call.reply(200, list("CapabilityList", vec![bad_capability()]))
+            }
+            ("POST", "/apis/events.k8s.io/v1/namespaces/team-c/events") => {
+                assert_eq!(call.body["reason"], "InvalidCapability");
+                assert_eq!(call.body["regarding"]["kind"], "Capability");
+                let note = call.body["note"].as_str().unwrap_or_default();
+                assert!(note.contains("ftp://billing"), "{note}");
+                capability_warned = true;
+                call.echo()
+            }
+            (
+                "PATCH",
+                "/apis/networking.k8s.io/v1/namespaces/team-a/networkpolicies/sluice-good-deny-all",
+            ) => call.echo(),
+            ("POST", "/api/v1/namespaces/team-a/pods") => {
+                assert!(
+                    pods_listed,
+                    "created a pod before the pod cache listed: {seen:?}"
+                );
+                created += 1;
+                let mut pod = call.body.clone();
+                pod["metadata"]["name"] = format!("good-{created:05}").into();
+                call.reply(201, pod)
+            }
+            ("POST", "/apis/events.k8s.io/v1/namespaces/team-a/events")
+            | ("POST", "/apis/events.k8s.io/v1/namespaces/team-b/events") => call.echo(),
+            ("PATCH", "/apis/sluice.dev/v1alpha1/namespaces/team-a/hookchains/good/status") => {
+                statuses += 1;
+                let mut chain = good_chain();
+                chain["status"] = call.body["status"].clone();
+                call.reply(200, chain)
+            }
+            ("PATCH", "/apis/sluice.dev/v1alpha1/namespaces/team-b/hookchains/broken/status") => {
+                statuses += 1;
+                assert_eq!(
+                    call.body["status"]["conditions"][0]["reason"],
+                    "InvalidObject"
+                );
+                // The API server would refuse it too; the operator carries on.
+                call.reply(422, common::status_error(422, "Invalid"))
+            }
+            _ => panic!("unexpected request {call:?} after {seen:?}"),
+        }
+    }
+    assert_eq!(created, 2, "{seen:?}");
+    assert!(
+        seen.iter()
+            .any(|s| s == "POST /apis/events.k8s.io/v1/namespaces/team-b/events"),
+        "the malformed chain gets an Event: {seen:?}"
+    );
+
+    // Stop: the controller returns without further requests.
+    stop_tx.send(()).unwrap();
+    api.finish(run).await;
+    drop(watches);
+}
+
+#[tokio::test]
+async fn metrics_and_health_are_served() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let metrics = Metrics::new();
+    metrics.pods_created.inc();
+    metrics.set_pool("team-a", "good", 2, 1);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    spawn(metrics.serve_on(listener));
+    let get = |path: &'static str| async move {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let body = get("/metrics").await;
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    assert!(
+        body.contains("sluice_operator_pods_created_total 1"),
+        "{body}"
+    );
+    assert!(
+        body.contains("sluice_operator_pool_warm_pods{chain=\"good\",namespace=\"team-a\"} 2"),
+        "{body}"
+    );
+    assert!(
+        body.contains("sluice_operator_pool_claimed_pods{chain=\"good\",namespace=\"team-a\"} 1"),
+        "{body}"
+    );
+    assert!(
+        body.contains("sluice_operator_reconciles_total 0"),
+        "{body}"
+    );
+    assert!(get("/healthz").await.starts_with("HTTP/1.1 200"));
+    assert!(get("/nope").await.starts_with("HTTP/1.1 404"));
+}
+
+fn lease(holder: &str, renewed: k8s_openapi::jiff::Timestamp) -> Value {
+    json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": "sluice-operator", "namespace": "sluice-system", "resourceVersion": "5"},
+        "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15,
+                 "renewTime": renewed.to_string(), "leaseTransitions": 1}
+    })
+}
+
+#[tokio::test]
+async fn only_the_lease_holder_reconciles() {
+    use k8s_openapi::jiff::{SignedDuration, Timestamp};
+    use sluice_operator::controller::LeaseTiming;
+    use sluice_operator::leader::LeaseLock;
+    const LEASE: &str =
+        "/apis/coordination.k8s.io/v1/namespaces/sluice-system/leases/sluice-operator";
+
+    let (client, mut api) = mock_client();
+    let metrics = Metrics::new();
+    let lock = LeaseLock::new(
+        kube::Api::namespaced(client.clone(), "sluice-system"),
+        "sluice-operator",
+        "operator-a",
+        Duration::from_secs(15),
+    );
+    let config = RunConfig {
+        settings: Settings::default(),
+        claim_deadline: Duration::from_secs(300),
+        namespace: Some("team-a".into()),
+        identity: "operator-a".into(),
+    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let timing = LeaseTiming {
+        renew_every: Duration::from_millis(20),
+        renew_deadline: Duration::from_secs(10),
+    };
+    let task = spawn(sluice_operator::controller::run_when_leading(
+        client,
+        config,
+        metrics.clone(),
+        lock,
+        timing,
+        stop_rx,
+    ));
+
+    // A follower only ever asks about the Lease: the next request after a refusal is the Lease again.
+    for _ in 0..3 {
+        let call = api.next().await;
+        call.is("GET", LEASE);
+        call.reply(200, lease("operator-b", Timestamp::now()));
+    }
+    // The other replica stops renewing: take over, then the watches start (namespaced).
+    let call = api.next().await;
+    call.is("GET", LEASE);
+    call.reply(
+        200,
+        lease(
+            "operator-b",
+            Timestamp::now() - SignedDuration::from_secs(60),
+        ),
+    );
+    let call = api.next().await;
+    call.is("PUT", LEASE);
+    call.echo();
+    let mut listed = Vec::new();
+    let mut watches = Vec::new();
+    while listed.len() < 3 {
+        let call = api.next().await;
+        match (call.method.as_str(), call.path.as_str()) {
+            ("GET", LEASE) => {
+                // Still ours.
+                call.reply(200, lease("operator-a", Timestamp::now()))
+            }
+            ("PUT", LEASE) => call.echo(),
+            ("GET", path) if call.query("watch") == Some("true") => {
+                assert!(path.contains("/namespaces/team-a/"), "{call:?}");
+                watches.push(call)
+            }
+            ("GET", path) => {
+                assert!(path.contains("/namespaces/team-a/"), "{call:?}");
+                listed.push(path.to_string());
+                call.reply(200, list("List", vec![]))
+            }
+            _ => panic!("unexpected request {call:?}"),
+        }
+    }
+    assert_eq!(metrics.leader.get(), 1);
+
+    // Another replica took the Lease (say after a network partition): reconciling stops.
+    loop {
+        let call = api.next().await;
+        match (call.method.as_str(), call.path.as_str()) {
+            ("GET", LEASE) => {
+                call.reply(200, lease("operator-b", Timestamp::now()));
+                break;
+            }
+            ("PUT", LEASE) => call.echo(),
+            ("GET", _) if call.query("watch") == Some("true") => watches.push(call),
+            _ => panic!("unexpected request {call:?}"),
+        }
+    }
+    // Back to following: Lease reads only, until the gauge shows the controller has returned.
+    while metrics.leader.get() != 0 {
+        tokio::select! {
+            call = api.next() => {
+                call.is("GET", LEASE);
+                call.reply(200, lease("operator-b", Timestamp::now()));
+            }
+            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+        }
+    }
+    // Stop: a follower has no Lease to hand back.
+    stop_tx.send_replace(true);
+    while let Some(call) = api.try_next().await {
+        call.is("GET", LEASE);
+        call.reply(200, lease("operator-b", Timestamp::now()));
+    }
+    task.await.unwrap();
+    assert_eq!(metrics.leader.get(), 0);
+    drop(watches);
+}
