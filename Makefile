@@ -29,7 +29,8 @@ run: build
 	trap "kill $$services 2>/dev/null" EXIT INT TERM; \
 	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR)
 
-test: deps test-python test-manifests test-rust
+# test-manifests runs last: it validates what the built `sluice-operator render` prints.
+test: deps test-python test-rust test-manifests
 
 test-python:
 	python3 -m unittest discover -s supervisor
@@ -40,6 +41,7 @@ tools: deps
 
 # CRDs, chart, kustomize and operator output validated with real tools (deploy/tests/).
 test-manifests: tools
+	@test -x target/debug/sluice-operator || $(CARGO) build -q -p sluice-operator --bin sluice-operator
 	$(TOOLS)/bin/python -m unittest discover -s deploy/tests
 
 # deploy/base is the chart's default render: regenerate it after changing the chart.

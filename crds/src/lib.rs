@@ -5,6 +5,7 @@ mod capability;
 mod hookchain;
 pub mod manifest;
 pub mod quantity;
+pub mod sandbox_pod;
 pub mod validate;
 
 pub use capability::{Builtin, Capability, CapabilitySpec, Endpoint};

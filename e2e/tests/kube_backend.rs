@@ -191,7 +191,18 @@ async fn claimed_pod(api: &FakeApiServer) -> String {
     panic!("no pod was claimed");
 }
 
-async fn pod_dies_mid_run(policy: &str) -> (sluice_gateway::proto::RunResponse, FakeApiServer) {
+#[derive(Clone, Copy)]
+enum Fault {
+    /// The pod's container dies.
+    PodDies,
+    /// The API server restarts: every connection, the exec's included, drops.
+    ApiRestarts,
+}
+
+async fn fault_mid_run(
+    policy: &str,
+    fault: Fault,
+) -> (sluice_gateway::proto::RunResponse, FakeApiServer) {
     let chain = chain_yaml(
         "dying",
         "bot",
@@ -215,7 +226,10 @@ async fn pod_dies_mid_run(policy: &str) -> (sluice_gateway::proto::RunResponse, 
         }
         assert!(api.stdin_of("default", &pod).contains("\"chunk\""));
         tokio::time::sleep(Duration::from_millis(300)).await;
-        api.kill_pod("default", &pod).await;
+        match fault {
+            Fault::PodDies => api.kill_pod("default", &pod).await,
+            Fault::ApiRestarts => api.restart(),
+        }
     };
     let (r, ()) = tokio::join!(run, kill);
     let r = r.expect("a dying pod is a failed hook, not a failed request");
@@ -225,7 +239,7 @@ async fn pod_dies_mid_run(policy: &str) -> (sluice_gateway::proto::RunResponse, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_pod_dying_mid_run_blocks_under_closed() {
-    let (r, api) = pod_dies_mid_run("Closed").await;
+    let (r, api) = fault_mid_run("Closed", Fault::PodDies).await;
     assert_eq!(action(&r), Action::Block, "{r:?}");
     assert!(
         !r.hooks[0].error.is_empty(),
@@ -236,7 +250,7 @@ async fn a_pod_dying_mid_run_blocks_under_closed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_pod_dying_mid_run_passes_on_under_open() {
-    let (r, api) = pod_dies_mid_run("Open").await;
+    let (r, api) = fault_mid_run("Open", Fault::PodDies).await;
     // The slow hook is retried once in a fresh pod (where it meets its death or its deadline no
     // more: the test only kills the first pod), so it either passes or fails; the rest still runs.
     let mark = r
@@ -246,6 +260,16 @@ async fn a_pod_dying_mid_run_passes_on_under_open() {
         .expect("the next hook ran");
     assert!(mark.error.is_empty(), "{r:?}");
     assert_eq!(text(&r), "hello [checked]");
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_api_server_restart_mid_run_is_a_hook_failure_and_leaves_no_pod() {
+    let (r, api) = fault_mid_run("Closed", Fault::ApiRestarts).await;
+    assert_eq!(action(&r), Action::Block, "{r:?}");
+    assert!(!r.hooks[0].error.is_empty(), "{r:?}");
+    // stop_kube_and_check (inside) found no claimed pod left: the delete went through after the
+    // restart. The fake's own sandbox of that pod went with the pod.
     api.stop().await;
 }
 

@@ -13,24 +13,17 @@ use sha2::{Digest, Sha256};
 use sluice_crds::HookChain;
 use std::collections::BTreeMap;
 
-pub const FIELD_MANAGER: &str = "sluice-operator";
+pub use sluice_crds::sandbox_pod::{
+    ANNOTATION_CLAIMED_AT, ANNOTATION_CLAIMED_BY, CONTAINER, LABEL_CHAIN, LABEL_MANAGED_BY,
+    LABEL_NAME, LABEL_POOL, LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM, SANDBOX_NAME, SUPERVISOR,
+};
 
-pub const LABEL_NAME: &str = "app.kubernetes.io/name";
-pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
-pub const LABEL_CHAIN: &str = "sluice.dev/chain";
-pub const LABEL_TEMPLATE: &str = "sluice.dev/template";
-pub const LABEL_POOL: &str = "sluice.dev/pool";
-pub const ANNOTATION_CLAIMED_BY: &str = "sluice.dev/claimed-by";
-pub const ANNOTATION_CLAIMED_AT: &str = "sluice.dev/claimed-at";
+pub const FIELD_MANAGER: &str = sluice_crds::sandbox_pod::OPERATOR;
+
 /// Documents the pids limit: pod-level pids limits are a kubelet setting (podPidsLimit), and the
 /// supervisor's RLIMIT_NPROC enforces it inside the sandbox.
 pub const ANNOTATION_PIDS: &str = "sluice.dev/pids-limit";
 
-pub const SANDBOX_NAME: &str = "sluice-sandbox";
-pub const POOL_WARM: &str = "warm";
-pub const POOL_CLAIMED: &str = "claimed";
-pub const CONTAINER: &str = "supervisor";
-pub const SUPERVISOR: &str = "/opt/sluice/supervisor.py";
 /// Size of the memory-backed `/tmp` of every sandbox.
 pub const TMP_SIZE: &str = "16Mi";
 /// The user every sandbox runs as (nobody).

@@ -103,7 +103,8 @@ pub async fn upgrade(
         );
     };
     let accept = derive_accept_key(key.as_bytes());
-    tokio::spawn(async move {
+    let tracker = shared.clone();
+    let bridge_task = tokio::spawn(async move {
         match hyper::upgrade::on(req).await {
             Ok(upgraded) => {
                 let ws = WebSocketStream::from_raw_socket(
@@ -118,6 +119,7 @@ pub async fn upgrade(
             Err(e) => tracing::warn!(error = %e, "exec upgrade failed"),
         }
     });
+    tracker.track(bridge_task.abort_handle());
     Response::builder()
         .status(StatusCode::SWITCHING_PROTOCOLS)
         .header("upgrade", "websocket")

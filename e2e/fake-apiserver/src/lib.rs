@@ -77,6 +77,8 @@ struct Shared {
     log: Mutex<Vec<Logged>>,
     /// What each pod's exec received on stdin so far, by "namespace/name".
     stdin_seen: Mutex<HashMap<String, Vec<u8>>>,
+    /// Every open connection and exec bridge, so `restart` can drop them all.
+    connections: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 /// The tempdir crate is not a dependency of this crate's users; a tiny owned temp dir is enough.
@@ -123,6 +125,7 @@ impl FakeApiServer {
             protocol,
             log: Mutex::default(),
             stdin_seen: Mutex::default(),
+            connections: Mutex::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -134,8 +137,9 @@ impl FakeApiServer {
                 };
                 // As the real API server (Go) does: small exec frames must not wait for Nagle.
                 let _ = tcp.set_nodelay(true);
-                let s = s.clone();
-                tokio::spawn(async move {
+                let s2 = s.clone();
+                let conn = tokio::spawn(async move {
+                    let s = s2;
                     let service = hyper::service::service_fn(move |req| {
                         let s = s.clone();
                         async move { Ok::<_, Infallible>(s.handle(req).await) }
@@ -145,6 +149,7 @@ impl FakeApiServer {
                         .with_upgrades()
                         .await;
                 });
+                s.track(conn.abort_handle());
             }
         });
         Ok(Self {
@@ -261,6 +266,21 @@ impl FakeApiServer {
                 .unwrap_or_default(),
         )
         .into_owned()
+    }
+
+    /// What an API server restart looks like to clients: every open connection (watches, execs in
+    /// flight) drops at once; new connections are served as before.
+    pub fn restart(&self) {
+        let open: Vec<tokio::task::AbortHandle> = self
+            .shared
+            .connections
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        for c in open {
+            c.abort();
+        }
     }
 
     /// Runsc sandboxes of pods that still exist.
@@ -385,6 +405,12 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&format!("{namespace}/{name}"))
+    }
+
+    pub(crate) fn track(&self, task: tokio::task::AbortHandle) {
+        let mut open = self.connections.lock().unwrap_or_else(|p| p.into_inner());
+        open.retain(|t| !t.is_finished());
+        open.push(task);
     }
 
     fn log(&self, method: &str, path: &str, query: &str, body: &Value) {

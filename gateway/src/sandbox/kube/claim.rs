@@ -34,8 +34,8 @@ pub fn is_warm(pod: &Pod, namespace: &str, chain: &str) -> bool {
         .and_then(|s| s.phase.as_deref())
         .is_some_and(|p| p == "Running");
     meta.namespace.as_deref() == Some(namespace)
-        && label(labels::CHAIN) == Some(chain)
-        && label(labels::POOL) == Some(labels::WARM)
+        && label(labels::LABEL_CHAIN) == Some(chain)
+        && label(labels::LABEL_POOL) == Some(labels::POOL_WARM)
         && meta.deletion_timestamp.is_none()
         && ready
         && running
@@ -69,10 +69,10 @@ pub fn claim_patch(resource_version: &str, identity: &str, now: &str) -> serde_j
     serde_json::json!({
         "metadata": {
             "resourceVersion": resource_version,
-            "labels": {labels::POOL: labels::CLAIMED},
+            "labels": {labels::LABEL_POOL: labels::POOL_CLAIMED},
             "annotations": {
-                labels::CLAIMED_BY: identity,
-                labels::CLAIMED_AT: now,
+                labels::ANNOTATION_CLAIMED_BY: identity,
+                labels::ANNOTATION_CLAIMED_AT: now,
             },
         }
     })
@@ -118,8 +118,8 @@ mod tests {
                 resource_version: Some("7".into()),
                 labels: Some(
                     [
-                        (labels::CHAIN.to_string(), "redact".to_string()),
-                        (labels::POOL.to_string(), pool.to_string()),
+                        (labels::LABEL_CHAIN.to_string(), "redact".to_string()),
+                        (labels::LABEL_POOL.to_string(), pool.to_string()),
                     ]
                     .into(),
                 ),
@@ -141,11 +141,11 @@ mod tests {
     #[test]
     fn only_ready_running_warm_pods_of_the_chain_are_candidates() {
         let pods = vec![
-            pod("a", labels::WARM, true, "Running"),
-            pod("b", labels::CLAIMED, true, "Running"),
-            pod("c", labels::WARM, false, "Running"),
-            pod("d", labels::WARM, true, "Pending"),
-            pod("e", labels::WARM, true, "Running"),
+            pod("a", labels::POOL_WARM, true, "Running"),
+            pod("b", labels::POOL_CLAIMED, true, "Running"),
+            pod("c", labels::POOL_WARM, false, "Running"),
+            pod("d", labels::POOL_WARM, true, "Pending"),
+            pod("e", labels::POOL_WARM, true, "Running"),
         ];
         let mut got: Vec<String> = candidates(&pods, "team", "redact", &HashSet::new())
             .into_iter()
@@ -165,7 +165,7 @@ mod tests {
 
     #[test]
     fn a_pod_being_deleted_is_not_warm() {
-        let mut p = (*pod("a", labels::WARM, true, "Running")).clone();
+        let mut p = (*pod("a", labels::POOL_WARM, true, "Running")).clone();
         assert!(is_warm(&p, "team", "redact"));
         p.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
             jiff::Timestamp::now(),
@@ -177,10 +177,16 @@ mod tests {
     fn the_claim_patch_carries_the_precondition_and_the_label_flip() {
         let p = claim_patch("42", "gw-1", "2026-11-22T03:00:00Z");
         assert_eq!(p["metadata"]["resourceVersion"], "42");
-        assert_eq!(p["metadata"]["labels"][labels::POOL], labels::CLAIMED);
-        assert_eq!(p["metadata"]["annotations"][labels::CLAIMED_BY], "gw-1");
         assert_eq!(
-            p["metadata"]["annotations"][labels::CLAIMED_AT],
+            p["metadata"]["labels"][labels::LABEL_POOL],
+            labels::POOL_CLAIMED
+        );
+        assert_eq!(
+            p["metadata"]["annotations"][labels::ANNOTATION_CLAIMED_BY],
+            "gw-1"
+        );
+        assert_eq!(
+            p["metadata"]["annotations"][labels::ANNOTATION_CLAIMED_AT],
             "2026-11-22T03:00:00Z"
         );
     }

@@ -15,7 +15,7 @@ pub fn command(spec: &SandboxSpec) -> Vec<String> {
     [
         "python3",
         "-u",
-        labels::SUPERVISOR_PATH,
+        labels::SUPERVISOR,
         "--workers",
         &spec.workers.to_string(),
         "--memory-bytes",

@@ -21,19 +21,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-/// Names shared with the operator (see the Kubernetes contract in docs/kubernetes.md).
-pub mod labels {
-    pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
-    pub const OPERATOR: &str = "sluice-operator";
-    pub const CHAIN: &str = "sluice.dev/chain";
-    pub const POOL: &str = "sluice.dev/pool";
-    pub const WARM: &str = "warm";
-    pub const CLAIMED: &str = "claimed";
-    pub const CLAIMED_BY: &str = "sluice.dev/claimed-by";
-    pub const CLAIMED_AT: &str = "sluice.dev/claimed-at";
-    pub const CONTAINER: &str = "supervisor";
-    pub const SUPERVISOR_PATH: &str = "/opt/sluice/supervisor.py";
-}
+/// Names shared with the operator.
+pub use sluice_crds::sandbox_pod as labels;
 
 #[derive(Clone, Debug)]
 pub struct KubeConfig {
@@ -77,7 +66,7 @@ impl Drop for KubeBackend {
 }
 
 fn selector() -> String {
-    format!("{}={}", labels::MANAGED_BY, labels::OPERATOR)
+    format!("{}={}", labels::LABEL_MANAGED_BY, labels::OPERATOR)
 }
 
 impl KubeBackend {
@@ -238,8 +227,8 @@ impl SandboxBackend for KubeBackend {
         let params = ListParams::default().labels(&format!(
             "{},{}={}",
             selector(),
-            labels::POOL,
-            labels::CLAIMED
+            labels::LABEL_POOL,
+            labels::POOL_CLAIMED
         ));
         match api.list(&params).await {
             Ok(list) => {
@@ -248,7 +237,7 @@ impl SandboxBackend for KubeBackend {
                         .metadata
                         .annotations
                         .as_ref()
-                        .and_then(|a| a.get(labels::CLAIMED_BY))
+                        .and_then(|a| a.get(labels::ANNOTATION_CLAIMED_BY))
                         .is_some_and(|by| *by == self.cfg.identity);
                     if let (true, Some(ns), Some(name)) =
                         (ours, p.metadata.namespace, p.metadata.name)
