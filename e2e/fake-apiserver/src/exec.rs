@@ -170,6 +170,7 @@ async fn bridge<S>(
         }
         let _ = sink.close().await;
     });
+    shared.track(writer.abort_handle());
     // The API server announces the channels with one empty frame each.
     for ch in [STDOUT, STDERR] {
         let _ = out.send(frame(ch, &[])).await;
@@ -250,8 +251,11 @@ async fn bridge<S>(
             }
         }
     };
+    shared.track(reader.abort_handle());
     let o = tokio::spawn(pump(stdout, STDOUT, out.clone()));
     let e = tokio::spawn(pump(stderr, STDERR, out.clone()));
+    shared.track(o.abort_handle());
+    shared.track(e.abort_handle());
     let _ = tokio::join!(o, e);
     // Both outputs ended: the supervisor exited. Cleanly only if it was told to (stdin closed).
     let ok = stdin_closed.load(Ordering::SeqCst);

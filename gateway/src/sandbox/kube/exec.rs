@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams, AttachedProcess};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The command the gateway runs in a claimed pod for one trigger point.
 pub fn command(spec: &SandboxSpec) -> Vec<String> {
@@ -49,9 +49,12 @@ pub async fn start(api: &Api<Pod>, pod: &str, spec: &SandboxSpec) -> Result<Exec
         .max_stdout_buf_size(BUFFER)
         .max_stderr_buf_size(BUFFER);
     let mut process = api.exec(pod, command(spec), &params).await?;
-    let (Some(stdin), Some(mut stdout), Some(stderr)) =
-        (process.stdin(), process.stdout(), process.stderr())
-    else {
+    let (Some(stdin), Some(mut stdout), Some(mut stderr), Some(status)) = (
+        process.stdin(),
+        process.stdout(),
+        process.stderr(),
+        process.take_status(),
+    ) else {
         // AttachParams asked for all three, so kube always hands them out once.
         unreachable!("exec streams requested but not provided");
     };
@@ -59,7 +62,7 @@ pub async fn start(api: &Api<Pod>, pod: &str, spec: &SandboxSpec) -> Result<Exec
     let counter = stdout_bytes.clone();
     // Read and dropped. Past the bound nothing more is read, so the exec stream stalls and the hook
     // that keeps printing meets its deadline, exactly as in local mode.
-    tokio::spawn(async move {
+    let drain = tokio::spawn(async move {
         let mut buf = vec![0u8; 16 << 10];
         while let Ok(n) = stdout.read(&mut buf).await {
             if n == 0 {
@@ -70,13 +73,47 @@ pub async fn start(api: &Api<Pod>, pod: &str, spec: &SandboxSpec) -> Result<Exec
             }
         }
     });
+    // kube ends its output streams only when the exec ends cleanly; when the connection breaks
+    // (pod gone, API server restarted) they would stay open forever. The protocol is therefore read
+    // through a pipe of our own that is ended as soon as the exec is over, however it ended, so the
+    // supervisor conversation sees the sandbox die at once instead of at its deadline.
+    let (protocol, mut pipe) = tokio::io::simplex(BUFFER);
+    let key = format!("{}/{pod}", api.namespace().unwrap_or_default());
+    tokio::spawn(async move {
+        let ended = {
+            let copy = tokio::io::copy(&mut stderr, &mut pipe);
+            tokio::pin!(copy);
+            tokio::select! {
+                _ = &mut copy => None,
+                status = status => {
+                    // Over: what it sent is buffered already; take that, then end.
+                    let _ = tokio::time::timeout(EXIT_DRAIN, &mut copy).await;
+                    Some(status)
+                }
+            }
+        };
+        let _ = pipe.shutdown().await;
+        drain.abort();
+        match ended {
+            Some(Some(s)) if s.status.as_deref() != Some("Success") => {
+                tracing::warn!(pod = %key, message = ?s.message, reason = ?s.reason, "supervisor exited with an error")
+            }
+            Some(None) => {
+                tracing::warn!(pod = %key, "the exec connection ended without an exit status")
+            }
+            _ => {}
+        }
+    });
     Ok(Exec {
         process,
         stdin,
-        stderr,
+        stderr: protocol,
         stdout_bytes,
     })
 }
+
+/// How long the protocol already received may take to be handed on once the exec has ended.
+const EXIT_DRAIN: std::time::Duration = std::time::Duration::from_millis(200);
 
 #[cfg(test)]
 mod tests {

@@ -32,8 +32,6 @@ pub struct KubeConfig {
     pub namespace: Option<String>,
     /// How long one claim waits for a warm pod to appear.
     pub claim_timeout: Duration,
-    /// How long a deleted-after-use pod's exec may take to report its exit.
-    pub exit_grace: Duration,
 }
 
 impl KubeConfig {
@@ -42,7 +40,6 @@ impl KubeConfig {
             identity: identity.into(),
             namespace: None,
             claim_timeout: Duration::from_secs(2),
-            exit_grace: Duration::from_millis(500),
         }
     }
 }
@@ -181,7 +178,6 @@ impl SandboxBackend for KubeBackend {
             stdout_bytes: Arc::default(),
             live: self.live.clone(),
             destroyed: AtomicBool::new(false),
-            exit_grace: self.cfg.exit_grace,
         };
         match exec::start(&api, &pod, spec).await {
             Ok(e) => {
@@ -297,12 +293,11 @@ struct KubeHandle {
     stdout_bytes: Arc<AtomicU64>,
     live: Arc<Mutex<HashSet<String>>>,
     destroyed: AtomicBool,
-    exit_grace: Duration,
 }
 
 #[async_trait]
 impl SandboxHandle for KubeHandle {
-    async fn destroy(&self, force: bool) {
+    async fn destroy(&self, _force: bool) {
         if self.destroyed.swap(true, Ordering::SeqCst) {
             return;
         }
@@ -311,18 +306,9 @@ impl SandboxHandle for KubeHandle {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
-        if let Some(mut process) = process {
-            // The exit status comes on the error channel once the supervisor ends (its stdin is
-            // closed by now unless forced); it only informs the log: the pod goes either way.
-            if !force && let Some(status) = process.take_status() {
-                match tokio::time::timeout(self.exit_grace, status).await {
-                    Ok(Some(s)) if s.status.as_deref() != Some("Success") => {
-                        tracing::warn!(pod = %self.key, status = ?s.message, reason = ?s.reason, "supervisor exited with an error")
-                    }
-                    Ok(_) => {}
-                    Err(_) => tracing::debug!(pod = %self.key, "supervisor did not exit in time"),
-                }
-            }
+        // The pod is deleted either way, so there is nothing to wait for: the exec connection goes
+        // at once (its exit status, if any came, was logged by the exec's protocol reader).
+        if let Some(process) = process {
             process.abort();
         }
         if delete_pod(&self.api, &self.pod).await {
