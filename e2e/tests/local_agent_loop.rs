@@ -703,3 +703,91 @@ async fn the_baseline_runs_first_and_a_tenant_chain_cannot_bypass_it() {
     );
     h.stop_and_check_leaks().await;
 }
+
+const DROP_WRITES_BASELINE: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: platform-read-only, namespace: sluice-system}
+spec:
+  enforced: true
+  target: "*"
+  triggerPoint: before_model
+  pool: {warm: 1, max: 8}
+  hooks:
+    - name: drop-write-tools
+      action: modify
+      code: |
+        def execute(context, settings):
+            p = context["outgoing"]
+            kept = [t for t in p["tools"] if not t["name"].startswith("write")]
+            if len(kept) == len(p["tools"]):
+                return {"action": "pass"}
+            return {"action": "modify", "outgoing": dict(p, tools=kept)}
+"#;
+
+const READD_TENANT: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: sneaky, namespace: default}
+spec:
+  target: sneaky-bot
+  triggerPoint: before_model
+  pool: {warm: 1, max: 8}
+  hooks:
+    - name: readd-write-tool
+      action: modify
+      code: |
+        def execute(context, settings):
+            p = context["outgoing"]
+            names = [t["name"] for t in p["tools"]]
+            if "write_file" in names:
+                return {"action": "pass"}
+            return {"action": "modify", "outgoing": dict(p, tools=p["tools"] + [{"name": "write_file"}])}
+    - name: note
+      action: modify
+      code: |
+        def execute(context, settings):
+            p = context["outgoing"]
+            return {"action": "modify", "outgoing": dict(p, messages=p["messages"] + [{"role": "system", "content": "be brief"}])}
+"#;
+
+/// A tenant hook that puts back what the baseline took out has its output checked by the baseline
+/// again: the write tool is gone from what the model sees, and the answer says who removed it twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenant_cannot_undo_a_baseline_rewrite() {
+    let h = Harness::start(&[
+        ("baseline.yaml", DROP_WRITES_BASELINE),
+        ("tenant.yaml", READD_TENANT),
+    ])
+    .await;
+    let payload = json!({
+        "model": "m", "max_tokens": 10, "usage_so_far": {}, "turn": 1,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "read_file"}, {"name": "write_file"}],
+    });
+    let r = h
+        .run_value("sneaky-bot", "before_model", payload)
+        .await
+        .unwrap();
+    assert_eq!(action(&r), Action::Modify);
+    let out = from_proto(match &r.payload {
+        Some(sluice_gateway::proto::run_response::Payload::Value(v)) => v,
+        other => panic!("expected a value payload, got {other:?}"),
+    });
+    assert_eq!(out["tools"], json!([{"name": "read_file"}]), "{out}");
+    // The tenant's other change (an injected message) stands: only what the baseline objects to goes.
+    assert_eq!(out["messages"][1]["content"], "be brief");
+    let names: Vec<(&str, Action)> = r
+        .hooks
+        .iter()
+        .map(|o| (o.name.as_str(), Action::try_from(o.action).unwrap()))
+        .collect();
+    assert_eq!(
+        names,
+        vec![
+            ("baseline/drop-write-tools", Action::Modify),
+            ("readd-write-tool", Action::Modify),
+            ("note", Action::Modify),
+            ("baseline-recheck/drop-write-tools", Action::Modify),
+        ]
+    );
+    h.stop_and_check_leaks().await;
+}

@@ -1,9 +1,9 @@
 //! The chains one trigger point runs: the platform's enforced baseline first, then the tenant's own
 //! chain. Tighten-only: the baseline walks the payload first, under its own failure policy and in
 //! its own sandbox; when it ends the walk (block, skip, or a failure under `Closed`) the tenant's
-//! chain does not run, otherwise the tenant's chain starts from the baseline's output. A tenant chain
-//! therefore cannot remove, reorder or weaken a baseline hook: it only ever sees what the baseline
-//! let through. Each chain keeps its own state vector; the answer lists the baseline's hooks first,
+//! chain does not run, otherwise the tenant's chain starts from the baseline's output, and whatever
+//! the tenant changed is walked by the baseline once more. A tenant chain therefore cannot remove,
+//! reorder or weaken a baseline hook, nor undo what it did. Each chain keeps its own state vector; the answer lists the baseline's hooks first,
 //! named `baseline/<hook>`, then the tenant's, and `terminal_index` counts in that combined list.
 
 use crate::audit::{AuditChain, AuditEvent, AuditHostCall};
@@ -17,6 +17,8 @@ use std::sync::Arc;
 
 /// How a baseline hook's name reads in answers, the audit and metrics.
 pub const BASELINE_PREFIX: &str = "baseline/";
+/// How a baseline hook reads when it ran again on the tenant chain's output and changed or ended it.
+pub const RECHECK_PREFIX: &str = "baseline-recheck/";
 
 /// The chains that serve one (namespace, target, trigger point).
 #[derive(Clone, Debug)]
@@ -119,16 +121,41 @@ impl<'e> Pipeline<'e> {
 
     /// Runs the payload through every chain in order, each threading its own state vector (one per
     /// chain, as `Chains::fresh_states` makes them). Stops after a chain that ended the walk.
+    ///
+    /// Tighten-only holds for what the tenant's chain does to the payload as well: when the tenant
+    /// changed what the baseline let through, the baseline walks the result once more (from the state
+    /// it started this walk with, so a counter does not count twice, and with that second state
+    /// thrown away). What it would still change, it changes (listed as `baseline-recheck/<hook>`), and
+    /// what it would block stays blocked. A tenant cannot re-add a tool a baseline removed.
     pub async fn walk(&mut self, payload: Value, states: &mut [StateVector]) -> Walk {
         let mut combined = Walk::new(payload);
         let mut offset = 0;
+        let baseline_start = match self.stages.first() {
+            Some(s) if s.baseline && self.stages.len() > 1 => states.first().cloned(),
+            _ => None,
+        };
+        let mut baseline_output = None;
         for (stage, state) in self.stages.iter_mut().zip(states.iter_mut()) {
             let walk = stage.session.walk(combined.payload.clone(), state).await;
             absorb(&mut combined, walk, offset, stage.baseline);
-            if combined.is_terminal() {
-                break;
-            }
             offset += stage.session.chain.spec.hooks.len();
+            if combined.is_terminal() {
+                return combined;
+            }
+            if stage.baseline {
+                baseline_output = Some(combined.payload.clone());
+            }
+        }
+        if let (Some(mut scratch), Some(let_through)) = (baseline_start, baseline_output)
+            && combined.payload != let_through
+        {
+            let recheck = self.stages[0]
+                .session
+                .walk(combined.payload.clone(), &mut scratch)
+                .await;
+            if recheck.is_terminal() || recheck.payload != combined.payload {
+                absorb_named(&mut combined, recheck, offset, RECHECK_PREFIX);
+            }
         }
         combined
     }
@@ -165,12 +192,19 @@ impl<'e> Pipeline<'e> {
 /// shifted by the hooks of the chains before), payload carried on, and the top action re-derived
 /// over both: the terminal action when one ended the walk, else modify, else detect, else pass.
 pub fn absorb(combined: &mut Walk, walk: Walk, offset: usize, baseline: bool) {
+    absorb_named(
+        combined,
+        walk,
+        offset,
+        if baseline { BASELINE_PREFIX } else { "" },
+    )
+}
+
+fn absorb_named(combined: &mut Walk, walk: Walk, offset: usize, prefix: &str) {
     combined.payload = walk.payload;
     combined.hooks.extend(walk.hooks.into_iter().map(|mut h| {
         h.index += offset;
-        if baseline {
-            h.name = format!("{BASELINE_PREFIX}{}", h.name);
-        }
+        h.name = format!("{prefix}{}", h.name);
         h
     }));
     if let Some(t) = walk.terminal_index {
