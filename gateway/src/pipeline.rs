@@ -3,8 +3,9 @@
 //! its own sandbox; when it ends the walk (block, skip, or a failure under `Closed`) the tenant's
 //! chain does not run, otherwise the tenant's chain starts from the baseline's output, and whatever
 //! the tenant changed is walked by the baseline once more. A tenant chain therefore cannot remove,
-//! reorder or weaken a baseline hook, nor undo what it did. Each chain keeps its own state vector; the answer lists the baseline's hooks first,
-//! named `baseline/<hook>`, then the tenant's, and `terminal_index` counts in that combined list.
+//! reorder or weaken a baseline hook, nor undo what it did. Each chain keeps its own state vector;
+//! the answer lists the baseline's hooks first, named `baseline/<hook>`, then the tenant's, and
+//! `terminal_index` counts in that combined list.
 
 use crate::audit::{AuditChain, AuditEvent, AuditHostCall};
 use crate::chain::Chain;
