@@ -732,7 +732,11 @@ def warm_up():
 
 # ------------------------------------------------------------------------------ command line
 
-USAGE = "usage: supervisor.py [--hold | --probe] [--workers N] [--memory-bytes BYTES]"
+USAGE = "usage: supervisor.py [--hold | --probe] [--workers N] [--memory-bytes BYTES] [--pids N]"
+
+
+# Processes of the sandbox user that are not the chain's: the pod's holder and a readiness probe.
+PIDS_ALLOWANCE = 4
 
 
 class UsageError(Exception):
@@ -740,10 +744,10 @@ class UsageError(Exception):
 
 
 def parse_args(argv):
-    """The command line: a mode (serve, the default; hold; probe) and the two sandbox settings.
+    """The command line: a mode (serve, the default; hold; probe) and the sandbox settings.
     Hand-rolled rather than argparse: in a cluster the supervisor starts on the claim path, and every
     module read costs time inside gVisor."""
-    opts = {"mode": "serve", "workers": None, "memory_bytes": None}
+    opts = {"mode": "serve", "workers": None, "memory_bytes": None, "pids": None}
     args = list(argv)
     while args:
         arg, _, value = args.pop(0).partition("=")
@@ -751,7 +755,7 @@ def parse_args(argv):
             if opts["mode"] != "serve":
                 raise UsageError("--hold and --probe exclude each other")
             opts["mode"] = arg[2:]
-        elif arg in ("--workers", "--memory-bytes"):
+        elif arg in ("--workers", "--memory-bytes", "--pids"):
             if not value:
                 value = args.pop(0) if args else ""
             if not (value.isascii() and value.isdigit()):
@@ -841,6 +845,14 @@ def main(argv=None):
         opts["memory_bytes"] = int(memory) if memory.isdigit() else 0
     if opts["workers"] is None:
         opts["workers"] = int(prefork) if prefork.isdigit() else 0
+    if opts["pids"]:
+        import resource
+
+        # In a pod the pids cgroup is the node's (podPidsLimit), not the chain's: the chain's limit
+        # holds as RLIMIT_NPROC for the sandbox user, counted with the pod's own processes (the
+        # holder, a probe) — hence the small allowance on top.
+        limit = opts["pids"] + PIDS_ALLOWANCE
+        resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
     sys.setrecursionlimit(2000)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     Supervisor(channel, prefork=opts["workers"], memory_bytes=opts["memory_bytes"]).serve()

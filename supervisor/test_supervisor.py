@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -356,6 +357,40 @@ class CommandLineTest(unittest.TestCase):
             self.assertEqual(result["action"], "pass")
         finally:
             s.close()
+
+
+    @unittest.skipUnless(os.geteuid() == 0 and shutil.which("setpriv"), "needs root to run the supervisor as nobody")
+    def test_pids_flag_bounds_the_processes_hooks_may_start(self):
+        forker = [hook("forker", "detect", FORK_MANY)]
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        for args, bounded in ((["--pids", "2"], True), ([], False)):
+            s = Session(args=args, prefix=as_nobody)
+            try:
+                s.init(forker)
+                result, hooks = s.chunk("x")
+                if bounded:
+                    self.assertIn("BlockingIOError", hooks[0].get("error", ""), args)
+                else:
+                    self.assertNotIn("error", hooks[0], args)
+            finally:
+                s.close()
+
+
+FORK_MANY = """import os, time
+def execute(context, settings):
+    pids = []
+    try:
+        for _ in range(12):
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(0.5)
+                os._exit(0)
+            pids.append(pid)
+    finally:
+        for pid in pids:
+            os.waitpid(pid, 0)
+    return {"action": "pass"}
+"""
 
 
 def can_unshare():

@@ -22,7 +22,12 @@ fn pod(i: usize) -> Value {
                 "app.kubernetes.io/managed-by": "sluice-operator",
                 "sluice.dev/chain": "claimbench", "sluice.dev/pool": "warm",
             },
+            "ownerReferences": [{
+                "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain", "name": "claimbench",
+                "uid": "u-claimbench", "controller": true,
+            }],
         },
+        "spec": {"runtimeClassName": "gvisor", "containers": [{"name": "supervisor", "image": "x"}]},
         "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
     })
 }

@@ -210,7 +210,7 @@ class ChartTest(ManifestCase):
                 run(HELM, "lint", "--strict", CHART, *[a for v in values for a in ("--set", v)])
 
     def test_values_schema_refuses_typos_and_wrong_types(self):
-        for bad in ("operator.replica=2", "gateway.claimTimeout=soon", "image.pullPolicy=Sometimes", "gateway.replicas=0",
+        for bad in ("operator.replica=2", "gateway.claimTimeout=soon", "gateway.claimTimeout=1m", "image.pullPolicy=Sometimes", "gateway.replicas=0",
                     "networkPolicy.apiServer.ports[0]=https"):
             proc = subprocess.run([HELM, "template", "sluice", CHART, "--set", bad], capture_output=True, text=True, timeout=120)
             self.assertNotEqual(proc.returncode, 0, f"--set {bad} was accepted")
@@ -256,7 +256,8 @@ class ChartTest(ManifestCase):
             self.assertIn("limits", c["resources"])
         gateway = self.find(objs, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(gateway["args"], ["--kube", f"--platform-namespace={NAMESPACE}", "--listen=0.0.0.0:50051",
-                                           "--metrics=0.0.0.0:9464", "--claim-timeout=2s"])
+                                           "--metrics=0.0.0.0:9464", "--claim-timeout=2s",
+                                           "--runtime-class=gvisor"])
         self.assertEqual(gateway["readinessProbe"]["httpGet"]["path"], "/readyz")
         operator = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(operator["args"], ["run", "--runtime-class=gvisor",

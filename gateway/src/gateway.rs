@@ -169,7 +169,13 @@ impl KubeOptions {
 
 /// Starts a gateway serving the cluster's HookChains from warm pods the operator keeps, claimed and
 /// reached through the API server.
-pub async fn start_kube(opts: KubeOptions) -> anyhow::Result<RunningGateway> {
+pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway> {
+    // A gateway confined to some namespaces still serves the platform's baselines: it watches the
+    // platform namespace's chains, capabilities and pods too.
+    if !opts.kube.namespaces.is_empty() && !opts.kube.namespaces.contains(&opts.platform_namespace)
+    {
+        opts.kube.namespaces.push(opts.platform_namespace.clone());
+    }
     let metrics = Metrics::new();
     let backend = KubeBackend::new(
         opts.client.clone(),
@@ -196,7 +202,7 @@ pub async fn start_kube(opts: KubeOptions) -> anyhow::Result<RunningGateway> {
     let engine = engine(Arc::new(backend), opts.audit, metrics, &limits, 256);
     let source = KubeSource::start(
         opts.client.clone(),
-        opts.kube.namespace.as_deref(),
+        &opts.kube.namespaces,
         &opts.platform_namespace,
         opts.sync_timeout,
     )

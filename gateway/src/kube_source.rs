@@ -10,8 +10,10 @@ use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Resource as _, ResourceExt};
 use sluice_crds::manifest::{LoadError, Located, Object};
 use sluice_crds::{Capability, HookChain};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,8 +25,9 @@ type Guarded<K> = DeserializeGuard<K>;
 const DEBOUNCE: Duration = Duration::from_millis(50);
 
 pub struct KubeSource {
-    chains: Store<Guarded<HookChain>>,
-    capabilities: Store<Guarded<Capability>>,
+    /// One cache per watched namespace (or one for all namespaces).
+    chains: Vec<Store<Guarded<HookChain>>>,
+    capabilities: Vec<Store<Guarded<Capability>>>,
     changed: Arc<Notify>,
     platform_namespace: String,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -59,10 +62,29 @@ where
     );
     let task = tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
+        // The operator writes status (warm and claimed counts) on nearly every claim; only a change
+        // of spec (its generation), an object coming or going, or a relist is worth a rebuild.
+        let mut generations: HashMap<String, Option<i64>> = HashMap::new();
         while let Some(event) = stream.next().await {
-            match event {
-                Ok(_) => changed.notify_one(),
-                Err(e) => tracing::warn!(resource = what, error = %e, "watch failed; retrying"),
+            let relevant = match &event {
+                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                    let key = format!("{}/{}", o.namespace().unwrap_or_default(), o.name_any());
+                    generations.insert(key, o.meta().generation) != Some(o.meta().generation)
+                }
+                Ok(watcher::Event::Delete(o)) => {
+                    let key = format!("{}/{}", o.namespace().unwrap_or_default(), o.name_any());
+                    generations.remove(&key);
+                    true
+                }
+                Ok(watcher::Event::Init) => false,
+                Ok(watcher::Event::InitDone) => true,
+                Err(e) => {
+                    tracing::warn!(resource = what, error = %e, "watch failed; retrying");
+                    false
+                }
+            };
+            if relevant {
+                changed.notify_one();
             }
         }
     });
@@ -79,44 +101,55 @@ fn origin(kind: &str, meta: &kube::api::ObjectMeta) -> PathBuf {
 }
 
 impl KubeSource {
-    /// Starts both watches (in one namespace or all) and waits up to `sync_timeout` for their first
-    /// full lists.
+    /// Starts both watches (in each of `namespaces`, or in all when it is empty) and waits up to
+    /// `sync_timeout` for their first full lists.
     pub async fn start(
         client: kube::Client,
-        namespace: Option<&str>,
+        namespaces: &[String],
         platform_namespace: &str,
         sync_timeout: Duration,
     ) -> anyhow::Result<Self> {
-        fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<Guarded<K>>
+        fn apis<K>(client: &kube::Client, namespaces: &[String]) -> Vec<Api<Guarded<K>>>
         where
             K: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>,
         {
-            match namespace {
-                Some(ns) => Api::namespaced(client.clone(), ns),
-                None => Api::all(client.clone()),
+            if namespaces.is_empty() {
+                vec![Api::all(client.clone())]
+            } else {
+                namespaces
+                    .iter()
+                    .map(|ns| Api::namespaced(client.clone(), ns))
+                    .collect()
             }
         }
         let changed = Arc::new(Notify::new());
-        let (chains, t1) = watch_into(
-            api::<HookChain>(&client, namespace),
-            "hookchains",
-            changed.clone(),
-        );
-        let (capabilities, t2) = watch_into(
-            api::<Capability>(&client, namespace),
-            "capabilities",
-            changed.clone(),
-        );
+        let mut tasks = Vec::new();
+        let mut chains = Vec::new();
+        for api in apis::<HookChain>(&client, namespaces) {
+            let (store, task) = watch_into(api, "hookchains", changed.clone());
+            chains.push(store);
+            tasks.push(task);
+        }
+        let mut capabilities = Vec::new();
+        for api in apis::<Capability>(&client, namespaces) {
+            let (store, task) = watch_into(api, "capabilities", changed.clone());
+            capabilities.push(store);
+            tasks.push(task);
+        }
         let source = Self {
             chains,
             capabilities,
             changed,
             platform_namespace: platform_namespace.to_string(),
-            tasks: vec![t1, t2],
+            tasks,
         };
         let synced = async {
-            source.chains.wait_until_ready().await.ok();
-            source.capabilities.wait_until_ready().await.ok();
+            for s in &source.chains {
+                s.wait_until_ready().await.ok();
+            }
+            for s in &source.capabilities {
+                s.wait_until_ready().await.ok();
+            }
         };
         if tokio::time::timeout(sync_timeout, synced).await.is_err() {
             anyhow::bail!(
@@ -130,7 +163,7 @@ impl KubeSource {
     pub fn registry(&self) -> Registry {
         let mut objects = Vec::new();
         let mut errors = Vec::new();
-        for guarded in self.chains.state() {
+        for guarded in self.chains.iter().flat_map(|s| s.state()) {
             match &guarded.0 {
                 Ok(hc) => objects.push(Located {
                     file: origin("HookChain", &hc.metadata),
@@ -144,7 +177,7 @@ impl KubeSource {
                 }),
             }
         }
-        for guarded in self.capabilities.state() {
+        for guarded in self.capabilities.iter().flat_map(|s| s.state()) {
             match &guarded.0 {
                 Ok(cap) => {
                     let name = cap.metadata.name.clone().unwrap_or_default();

@@ -161,46 +161,57 @@ impl Metrics {
     /// Serves `GET /metrics`, `/healthz` (the process answers) and `/readyz` (ready to serve runs) on
     /// `addr` until the process ends.
     pub async fn serve(self, addr: SocketAddr) -> std::io::Result<()> {
-        use http_body_util::Full;
-        use hyper::{Response, body::Bytes, service::service_fn};
         let listener = tokio::net::TcpListener::bind(addr).await?;
         tracing::info!(%addr, "metrics listening");
-        loop {
-            let (stream, _) = listener.accept().await?;
-            let metrics = self.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let metrics = metrics.clone();
-                    async move {
-                        let ready = metrics.ready.load(std::sync::atomic::Ordering::Relaxed);
-                        let resp = if req.uri().path() == "/metrics" {
-                            Response::new(Full::new(Bytes::from(metrics.render())))
-                        } else if req.uri().path() == "/healthz" {
-                            Response::new(Full::new(Bytes::from_static(b"ok\n")))
-                        } else if req.uri().path() == "/readyz" {
-                            let mut r = Response::new(Full::new(Bytes::from_static(if ready {
-                                b"ready\n"
-                            } else {
-                                b"not ready\n"
-                            })));
-                            if !ready {
-                                *r.status_mut() = hyper::StatusCode::SERVICE_UNAVAILABLE;
-                            }
-                            r
-                        } else {
-                            let mut r =
-                                Response::new(Full::new(Bytes::from_static(b"not found\n")));
-                            *r.status_mut() = hyper::StatusCode::NOT_FOUND;
-                            r
-                        };
-                        Ok::<_, std::convert::Infallible>(resp)
-                    }
-                });
-                let io = hyper_util::rt::TokioIo::new(stream);
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(io, svc)
-                    .await;
+        serve_endpoint(listener, self.registry.clone(), Some(self.ready.clone())).await
+    }
+}
+
+/// The HTTP endpoint of a Sluice process (the gateway's and the operator's): `GET /metrics` renders
+/// `registry`, `/healthz` answers while the process runs, and `/readyz` (when `ready` is given)
+/// answers 200 only while it is set. Serves `listener` until the process ends.
+pub async fn serve_endpoint(
+    listener: tokio::net::TcpListener,
+    registry: Registry,
+    ready: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+) -> std::io::Result<()> {
+    use http_body_util::Full;
+    use hyper::{Response, StatusCode, body::Bytes, service::service_fn};
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let (registry, ready) = (registry.clone(), ready.clone());
+        tokio::spawn(async move {
+            let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let (registry, ready) = (registry.clone(), ready.clone());
+                async move {
+                    let is_ready = |r: &std::sync::atomic::AtomicBool| {
+                        r.load(std::sync::atomic::Ordering::Relaxed)
+                    };
+                    let (status, body) = match (req.uri().path(), &ready) {
+                        ("/metrics", _) => {
+                            let mut out = Vec::new();
+                            let _ =
+                                prometheus::TextEncoder::new().encode(&registry.gather(), &mut out);
+                            (StatusCode::OK, out)
+                        }
+                        ("/healthz", _) => (StatusCode::OK, b"ok\n".to_vec()),
+                        ("/readyz", Some(r)) if is_ready(r) => {
+                            (StatusCode::OK, b"ready\n".to_vec())
+                        }
+                        ("/readyz", Some(_)) => {
+                            (StatusCode::SERVICE_UNAVAILABLE, b"not ready\n".to_vec())
+                        }
+                        _ => (StatusCode::NOT_FOUND, b"not found\n".to_vec()),
+                    };
+                    let mut r = Response::new(Full::new(Bytes::from(body)));
+                    *r.status_mut() = status;
+                    Ok::<_, std::convert::Infallible>(r)
+                }
             });
-        }
+            let io = hyper_util::rt::TokioIo::new(stream);
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, svc)
+                .await;
+        });
     }
 }

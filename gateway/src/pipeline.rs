@@ -13,7 +13,7 @@ use crate::engine::{ChainSession, Engine, EngineError, Target};
 use crate::outcome::Walk;
 use crate::state_vector::StateVector;
 use serde_json::Value;
-use sluice_crds::Action;
+use sluice_crds::{Action, TriggerPoint};
 use std::sync::Arc;
 
 /// How a baseline hook's name reads in answers, the audit and metrics.
@@ -127,7 +127,9 @@ impl<'e> Pipeline<'e> {
     /// changed what the baseline let through, the baseline walks the result once more (from the state
     /// it started this walk with, so a counter does not count twice, and with that second state
     /// thrown away). What it would still change, it changes (listed as `baseline-recheck/<hook>`), and
-    /// what it would block stays blocked. A tenant cannot re-add a tool a baseline removed.
+    /// what it would block stays blocked. A tenant cannot re-add a tool a baseline removed. Before
+    /// that, the fields the application owns (`turn`, `usage_so_far`, `usage`) are put back: a tenant
+    /// cannot forge the figures a baseline's limits are judged on.
     pub async fn walk(&mut self, payload: Value, states: &mut [StateVector]) -> Walk {
         let mut combined = Walk::new(payload);
         let mut offset = 0;
@@ -147,9 +149,12 @@ impl<'e> Pipeline<'e> {
                 baseline_output = Some(combined.payload.clone());
             }
         }
-        if let (Some(mut scratch), Some(let_through)) = (baseline_start, baseline_output)
-            && combined.payload != let_through
-        {
+        if let (Some(mut scratch), Some(let_through)) = (baseline_start, baseline_output) {
+            let trigger_point = self.stages[0].session.chain.spec.trigger_point;
+            restore_app_owned(trigger_point, &mut combined.payload, &let_through);
+            if combined.payload == let_through {
+                return combined;
+            }
             let recheck = self.stages[0]
                 .session
                 .walk(combined.payload.clone(), &mut scratch)
@@ -186,6 +191,34 @@ impl<'e> Pipeline<'e> {
             }
         }
         out
+    }
+}
+
+/// Fields of a structured payload that report facts the application owns (how far the conversation
+/// is, what it has spent), not requests a hook may rewrite. Under a baseline the tenant's chain cannot
+/// change them: a baseline's limits are judged, and answered, on the true figures.
+fn app_owned(trigger_point: TriggerPoint) -> &'static [&'static str] {
+    match trigger_point {
+        TriggerPoint::BeforeModel => &["turn", "usage_so_far"],
+        TriggerPoint::AfterModel => &["usage"],
+        _ => &[],
+    }
+}
+
+/// Puts the application-owned fields of `payload` back to what the baseline let through.
+fn restore_app_owned(trigger_point: TriggerPoint, payload: &mut Value, let_through: &Value) {
+    let (Some(out), Some(truth)) = (payload.as_object_mut(), let_through.as_object()) else {
+        return;
+    };
+    for field in app_owned(trigger_point) {
+        match truth.get(*field) {
+            Some(v) => {
+                out.insert(field.to_string(), v.clone());
+            }
+            None => {
+                out.remove(*field);
+            }
+        }
     }
 }
 

@@ -29,12 +29,14 @@ const CLOSE: u8 = 255;
 
 /// The command the contract says a gateway runs: the supervisor, unbuffered, with its shape flags.
 fn command_ok(command: &[&str]) -> bool {
-    command.len() == 7
+    command.len() == 9
         && command[..3] == ["python3", "-u", "/opt/sluice/supervisor.py"]
         && command[3] == "--workers"
         && command[4].parse::<u32>().is_ok()
         && command[5] == "--memory-bytes"
         && command[6].parse::<u64>().is_ok()
+        && command[7] == "--pids"
+        && command[8].parse::<u32>().is_ok()
 }
 
 pub async fn upgrade(

@@ -372,8 +372,15 @@ impl Shared {
                     "sluice.dev/template": "fake",
                     "sluice.dev/pool": "warm",
                 },
+                "ownerReferences": [{
+                    "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain", "name": spec.chain,
+                    "uid": format!("uid-{}-{}", spec.namespace, spec.chain), "controller": true,
+                }],
             },
-            "spec": {"containers": [{"name": "supervisor", "image": "sluice-supervisor:fake"}]},
+            "spec": {
+                "runtimeClassName": "gvisor",
+                "containers": [{"name": "supervisor", "image": "sluice-supervisor:fake"}],
+            },
             "status": {
                 "phase": "Running",
                 "conditions": [{"type": "Ready", "status": "True"}],

@@ -234,7 +234,16 @@ impl Store {
         let key = key_of(resource, &object);
         object["metadata"]["namespace"] = json!(key.1);
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
-        let existed = inner.objects.contains_key(&key);
+        // As the API server does: generation starts at 1 and moves when the spec changes.
+        let previous = inner.objects.get(&key);
+        let existed = previous.is_some();
+        let generation = match previous {
+            Some(p) if p["spec"] == object["spec"] => p["metadata"]["generation"].as_i64(),
+            Some(p) => p["metadata"]["generation"].as_i64().map(|g| g + 1),
+            None => Some(1),
+        }
+        .unwrap_or(1);
+        object["metadata"]["generation"] = json!(generation);
         if object["metadata"]["uid"].is_null() {
             object["metadata"]["uid"] = json!(format!("uid-{}-{}-{rv}", key.1, key.2));
         }
@@ -284,6 +293,10 @@ impl Store {
         }
         let mut object = current.clone();
         merge(&mut object, patch);
+        if object["spec"] != current["spec"] {
+            let next = current["metadata"]["generation"].as_i64().unwrap_or(1) + 1;
+            object["metadata"]["generation"] = json!(next);
+        }
         inner.rv += 1;
         object["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
         inner.objects.insert(key, object.clone());

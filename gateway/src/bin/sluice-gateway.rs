@@ -28,9 +28,14 @@ struct Args {
     /// (in-cluster service account, or KUBECONFIG).
     #[arg(long)]
     kube: bool,
-    /// kube mode: watch and claim only in this namespace (default: all namespaces).
+    /// kube mode: watch and claim only in this namespace (default: all namespaces); the platform
+    /// namespace is watched as well, for its baselines.
     #[arg(long, requires = "kube")]
     namespace: Option<String>,
+    /// kube mode: claim only pods under this RuntimeClass (the operator's --runtime-class); empty
+    /// trusts any.
+    #[arg(long, default_value = "gvisor")]
+    runtime_class: String,
     /// kube mode: how long a run waits for a warm pod (e.g. 2s, 500ms).
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     claim_timeout: std::time::Duration,
@@ -104,8 +109,9 @@ async fn main() -> anyhow::Result<()> {
                 .or_else(|_| std::env::var("HOSTNAME"))
                 .unwrap_or_else(|_| format!("sluice-gateway-{}", std::process::id()));
             let mut cfg = KubeConfig::new(identity);
-            cfg.namespace = args.namespace.clone();
+            cfg.namespaces = args.namespace.iter().cloned().collect();
             cfg.claim_timeout = args.claim_timeout;
+            cfg.runtime_class = Some(args.runtime_class.clone()).filter(|r| !r.is_empty());
             let mut opts = KubeOptions::new(client, cfg);
             opts.listen = args.listen;
             opts.metrics = args.metrics;

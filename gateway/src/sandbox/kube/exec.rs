@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// The command the gateway runs in a claimed pod for one trigger point.
+/// The command the gateway runs in a claimed pod for one trigger point. In a pod the pids cgroup is
+/// the node's, so the chain's `pids` travels as a flag (the supervisor's RLIMIT_NPROC).
 pub fn command(spec: &SandboxSpec) -> Vec<String> {
     [
         "python3",
@@ -20,6 +21,8 @@ pub fn command(spec: &SandboxSpec) -> Vec<String> {
         &spec.workers.to_string(),
         "--memory-bytes",
         &spec.memory_bytes.to_string(),
+        "--pids",
+        &spec.pids.to_string(),
     ]
     .iter()
     .map(|s| s.to_string())
@@ -138,7 +141,9 @@ mod tests {
                 "--workers",
                 "3",
                 "--memory-bytes",
-                "134217728"
+                "134217728",
+                "--pids",
+                "64"
             ]
         );
     }

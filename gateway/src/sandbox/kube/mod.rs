@@ -28,18 +28,26 @@ pub use sluice_crds::sandbox_pod as labels;
 pub struct KubeConfig {
     /// Who claims: the gateway pod's name, recorded on every claimed pod.
     pub identity: String,
-    /// Watch and claim only in this namespace (None: all namespaces).
-    pub namespace: Option<String>,
+    /// Watch and claim only in these namespaces (empty: all namespaces).
+    pub namespaces: Vec<String>,
     /// How long one claim waits for a warm pod to appear.
     pub claim_timeout: Duration,
+    /// The RuntimeClass a pod must run under to be claimed (the operator's `--runtime-class`);
+    /// None trusts any.
+    pub runtime_class: Option<String>,
+    /// How often a held pod's `claimed-at` is renewed, so that a long stream is not taken for the
+    /// claim of a crashed gateway by the operator's claim deadline.
+    pub heartbeat: Duration,
 }
 
 impl KubeConfig {
     pub fn new(identity: impl Into<String>) -> Self {
         Self {
             identity: identity.into(),
-            namespace: None,
+            namespaces: Vec::new(),
             claim_timeout: Duration::from_secs(2),
+            runtime_class: Some("gvisor".into()),
+            heartbeat: Duration::from_secs(60),
         }
     }
 }
@@ -47,18 +55,33 @@ impl KubeConfig {
 pub struct KubeBackend {
     client: kube::Client,
     cfg: KubeConfig,
-    pods: Store<Pod>,
+    /// One watch cache per watched namespace (one in all for a cluster-wide gateway).
+    pods: Vec<Store<Pod>>,
     /// Woken on every change the pod watch sees: a claim waiting for a warm pod looks again.
     changed: Arc<Notify>,
     /// Pods this gateway claimed and has not yet seen deleted: "namespace/name".
     live: Arc<Mutex<HashSet<String>>>,
     metrics: Metrics,
-    watch: tokio::task::JoinHandle<()>,
+    watches: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for KubeBackend {
     fn drop(&mut self) {
-        self.watch.abort();
+        for w in &self.watches {
+            w.abort();
+        }
+    }
+}
+
+/// The pod API of each watched namespace, or the cluster-wide one.
+fn pod_apis(client: &kube::Client, namespaces: &[String]) -> Vec<Api<Pod>> {
+    if namespaces.is_empty() {
+        vec![Api::all(client.clone())]
+    } else {
+        namespaces
+            .iter()
+            .map(|ns| Api::namespaced(client.clone(), ns))
+            .collect()
     }
 }
 
@@ -74,31 +97,32 @@ impl KubeBackend {
         metrics: Metrics,
         sync_timeout: Duration,
     ) -> anyhow::Result<Self> {
-        let api: Api<Pod> = match &cfg.namespace {
-            Some(ns) => Api::namespaced(client.clone(), ns),
-            None => Api::all(client.clone()),
-        };
-        let (pods, writer) = reflector::store();
         let changed = Arc::new(Notify::new());
-        let stream = reflector::reflector(
-            writer,
-            watcher(api, watcher::Config::default().labels(&selector())).default_backoff(),
-        );
-        let notify = changed.clone();
-        let watch = tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            while let Some(event) = stream.next().await {
-                match event {
-                    Ok(_) => notify.notify_waiters(),
-                    Err(e) => tracing::warn!(error = %e, "pod watch failed; retrying"),
+        let mut pods = Vec::new();
+        let mut watches = Vec::new();
+        for api in pod_apis(&client, &cfg.namespaces) {
+            let (store, writer) = reflector::store();
+            let stream = reflector::reflector(
+                writer,
+                watcher(api, watcher::Config::default().labels(&selector())).default_backoff(),
+            );
+            let notify = changed.clone();
+            watches.push(tokio::spawn(async move {
+                let mut stream = std::pin::pin!(stream);
+                while let Some(event) = stream.next().await {
+                    match event {
+                        Ok(_) => notify.notify_waiters(),
+                        Err(e) => tracing::warn!(error = %e, "pod watch failed; retrying"),
+                    }
                 }
+            }));
+            pods.push(store);
+        }
+        let synced = futures::future::join_all(pods.iter().map(|s| s.wait_until_ready()));
+        if tokio::time::timeout(sync_timeout, synced).await.is_err() {
+            for w in &watches {
+                w.abort();
             }
-        });
-        if tokio::time::timeout(sync_timeout, pods.wait_until_ready())
-            .await
-            .is_err()
-        {
-            watch.abort();
             anyhow::bail!(
                 "the pod watch did not sync within {sync_timeout:?}: is the API server reachable and may this service account list pods?"
             );
@@ -110,7 +134,7 @@ impl KubeBackend {
             changed,
             live: Arc::default(),
             metrics,
-            watch,
+            watches,
         })
     }
 
@@ -123,8 +147,13 @@ impl KubeBackend {
             let changed = self.changed.notified();
             let mut changed = std::pin::pin!(changed);
             changed.as_mut().enable();
-            let pods = self.pods.state();
-            for (name, rv) in claim::candidates(&pods, &spec.namespace, &spec.chain, &lost) {
+            let pods: Vec<Arc<Pod>> = self.pods.iter().flat_map(|s| s.state()).collect();
+            let wanted = claim::Wanted {
+                namespace: &spec.namespace,
+                chain: &spec.chain,
+                runtime_class: self.cfg.runtime_class.as_deref(),
+            };
+            for (name, rv) in claim::candidates(&pods, &wanted, &lost) {
                 match claim::try_claim(&api, &name, &rv, &self.cfg.identity).await {
                     Ok(claim::Outcome::Claimed(_)) => {
                         self.metric("claimed");
@@ -175,15 +204,22 @@ impl SandboxBackend for KubeBackend {
             key: format!("{}/{pod}", spec.namespace),
             pod: pod.clone(),
             process: Mutex::new(None),
+            heartbeat: Mutex::new(None),
             stdout_bytes: Arc::default(),
             live: self.live.clone(),
             destroyed: AtomicBool::new(false),
         };
         match exec::start(&api, &pod, spec).await {
             Ok(e) => {
+                let heartbeat = tokio::spawn(claim::heartbeat(
+                    api.clone(),
+                    pod.clone(),
+                    self.cfg.heartbeat,
+                ));
                 let handle = KubeHandle {
                     process: Mutex::new(Some(e.process)),
                     stdout_bytes: e.stdout_bytes,
+                    heartbeat: Mutex::new(Some(heartbeat)),
                     ..handle
                 };
                 Ok(Sandbox {
@@ -216,33 +252,31 @@ impl SandboxBackend for KubeBackend {
                 Some((k.clone(), (ns.to_string(), name.to_string())))
             })
             .collect();
-        let api: Api<Pod> = match &self.cfg.namespace {
-            Some(ns) => Api::namespaced(self.client.clone(), ns),
-            None => Api::all(self.client.clone()),
-        };
         let params = ListParams::default().labels(&format!(
             "{},{}={}",
             selector(),
             labels::LABEL_POOL,
             labels::POOL_CLAIMED
         ));
-        match api.list(&params).await {
-            Ok(list) => {
-                for p in list.items {
-                    let ours = p
-                        .metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(labels::ANNOTATION_CLAIMED_BY))
-                        .is_some_and(|by| *by == self.cfg.identity);
-                    if let (true, Some(ns), Some(name)) =
-                        (ours, p.metadata.namespace, p.metadata.name)
-                    {
-                        victims.insert(format!("{ns}/{name}"), (ns, name));
+        for api in pod_apis(&self.client, &self.cfg.namespaces) {
+            match api.list(&params).await {
+                Ok(list) => {
+                    for p in list.items {
+                        let ours = p
+                            .metadata
+                            .annotations
+                            .as_ref()
+                            .and_then(|a| a.get(labels::ANNOTATION_CLAIMED_BY))
+                            .is_some_and(|by| *by == self.cfg.identity);
+                        if let (true, Some(ns), Some(name)) =
+                            (ours, p.metadata.namespace, p.metadata.name)
+                        {
+                            victims.insert(format!("{ns}/{name}"), (ns, name));
+                        }
                     }
                 }
+                Err(e) => tracing::warn!(error = %e, "cannot list claimed pods to clean up"),
             }
-            Err(e) => tracing::warn!(error = %e, "cannot list claimed pods to clean up"),
         }
         for (key, (ns, name)) in victims {
             let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
@@ -265,12 +299,11 @@ impl SandboxBackend for KubeBackend {
     }
 }
 
-/// Deletes a pod at once (grace 0). True when it is gone (or was already).
+/// Deletes a pod with its own (1 s) grace: a forced delete would drop it from the API while its
+/// sandbox still runs on the node, uncounted by the operator and the scheduler. True when it is
+/// gone or going (or was gone already).
 async fn delete_pod(api: &Api<Pod>, name: &str) -> bool {
-    let params = DeleteParams {
-        grace_period_seconds: Some(0),
-        ..Default::default()
-    };
+    let params = DeleteParams::default();
     for attempt in 0..3u32 {
         match api.delete(name, &params).await {
             Ok(_) => return true,
@@ -290,6 +323,7 @@ struct KubeHandle {
     pod: String,
     key: String,
     process: Mutex<Option<AttachedProcess>>,
+    heartbeat: Mutex<Option<tokio::task::JoinHandle<()>>>,
     stdout_bytes: Arc<AtomicU64>,
     live: Arc<Mutex<HashSet<String>>>,
     destroyed: AtomicBool,
@@ -306,6 +340,14 @@ impl SandboxHandle for KubeHandle {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
+        if let Some(h) = self
+            .heartbeat
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            h.abort();
+        }
         // The pod is deleted either way, so there is nothing to wait for: the exec connection goes
         // at once (its exit status, if any came, was logged by the exec's protocol reader).
         if let Some(process) = process {
