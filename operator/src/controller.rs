@@ -28,6 +28,8 @@ use tokio::sync::watch;
 pub struct RunConfig {
     pub settings: Settings,
     pub claim_deadline: Duration,
+    /// A new pod not ready this long after its creation is replaced.
+    pub start_deadline: Duration,
     /// Watch only this namespace; all when `None`.
     pub namespace: Option<String>,
     /// This replica's name, recorded in Events.
@@ -48,12 +50,33 @@ where
 type Chain = DeserializeGuard<HookChain>;
 type Queue = BoxStream<'static, Result<ReconcileRequest<Chain>, watcher::Error>>;
 
-/// Reconciles until `stop` resolves, then lets running reconciles finish and returns.
+/// Reconciles until `stop` resolves, then lets running reconciles finish (at most
+/// `SHUTDOWN_GRACE`) and returns.
 pub async fn run(
     client: Client,
     config: &RunConfig,
     metrics: Metrics,
     stop: impl Future<Output = ()> + Send + 'static,
+) {
+    let stop = stop.boxed().shared();
+    let abandon = {
+        let stop = stop.clone();
+        async move {
+            stop.await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await
+        }
+    };
+    run_until(client, config, metrics, stop, abandon).await
+}
+
+/// Reconciles until `stop` resolves, then lets running reconciles finish; when `abandon` resolves,
+/// whatever still runs is dropped at once (no further request is sent).
+pub async fn run_until(
+    client: Client,
+    config: &RunConfig,
+    metrics: Metrics,
+    stop: impl Future<Output = ()> + Send + 'static,
+    abandon: impl Future<Output = ()> + Send,
 ) {
     let (chains, chain_writer) = reflector::store::<Chain>();
     let (pods, pod_writer) = reflector::store::<Pod>();
@@ -65,16 +88,19 @@ pub async fn run(
             instance: Some(config.identity.clone()),
         },
     );
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        config.settings.clone(),
-        config.claim_deadline,
-        pods,
-        capabilities,
-        Expectations::default(),
-        recorder,
-        metrics,
-    ));
+    let ctx = Arc::new(
+        Context::new(
+            client.clone(),
+            config.settings.clone(),
+            config.claim_deadline,
+            pods,
+            capabilities,
+            Expectations::default(),
+            recorder,
+            metrics,
+        )
+        .with_start_deadline(config.start_deadline),
+    );
 
     let forget_ctx = ctx.clone();
     let chain_events = watcher(
@@ -141,9 +167,8 @@ pub async fn run(
         trigger_with(cap_events, by_capability).boxed(),
     ];
     // Ending the input lets running reconciles finish: a graceful stop. A reconcile stuck on an
-    // API server that does not answer (or a cache that never synced) gets SHUTDOWN_GRACE, no more.
-    let stop = stop.boxed().shared();
-    let queue = futures::stream::select_all(queues).take_until(stop.clone());
+    // API server that does not answer (or a cache that never synced) is dropped at `abandon`.
+    let queue = futures::stream::select_all(queues).take_until(stop);
     let applied = applier(
         |chain, ctx| Box::pin(reconcile::reconcile(chain, ctx)),
         reconcile::error_policy,
@@ -160,20 +185,23 @@ pub async fn run(
     });
     tokio::select! {
         _ = applied => {}
-        _ = async { stop.await; tokio::time::sleep(SHUTDOWN_GRACE).await } => {
-            tracing::warn!("reconciles did not finish within the shutdown grace; abandoning them");
+        _ = abandon => {
+            tracing::warn!("reconciles did not finish within the grace; abandoning them");
         }
     }
 }
 
-/// How long running reconciles may take to finish once the controller is told to stop.
+/// How long running reconciles may take to finish once the controller is told to stop (SIGTERM),
+/// while this replica still holds (and renews) the Lease.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// How often the Lease is renewed and how long a leader may fail to renew before it steps down.
+/// How often the Lease is renewed, how long a leader may fail to renew before it steps down, and
+/// how long the Lease lasts.
 #[derive(Clone, Copy, Debug)]
 pub struct LeaseTiming {
     pub renew_every: Duration,
     pub renew_deadline: Duration,
+    pub lease_duration: Duration,
 }
 
 impl Default for LeaseTiming {
@@ -181,13 +209,24 @@ impl Default for LeaseTiming {
         Self {
             renew_every: leader::RENEW_EVERY,
             renew_deadline: leader::RENEW_DEADLINE,
+            lease_duration: leader::LEASE_DURATION,
         }
     }
 }
 
+impl LeaseTiming {
+    /// How long a leader that stepped down lets running reconciles finish: half of what is left
+    /// of the Lease after the renew deadline (the rest is margin for timers and clocks), so its
+    /// last write comes before another replica may take the Lease.
+    pub fn stop_grace(&self) -> Duration {
+        self.lease_duration.saturating_sub(self.renew_deadline) / 2
+    }
+}
+
 /// Reconciles only while this replica holds the Lease: a follower waits, a leader that loses the
-/// Lease stops reconciling (running reconciles finish) and waits again. Returns once `stop` turns
-/// true, after handing the Lease back.
+/// Lease stops reconciling and abandons what still runs after `LeaseTiming::stop_grace`, then waits
+/// again. On `stop` it lets running reconciles finish (`SHUTDOWN_GRACE`, renewing the Lease
+/// meanwhile), then hands the Lease back and returns.
 pub async fn run_when_leading(
     client: Client,
     config: RunConfig,
@@ -197,13 +236,16 @@ pub async fn run_when_leading(
     stop: watch::Receiver<bool>,
 ) {
     let (leader_tx, leader_rx) = watch::channel(false);
+    // The elector hands the Lease back only once the controller has stopped writing.
+    let (release_tx, release_rx) = watch::channel(false);
     let elector = tokio::spawn(leader::run(
         lock,
         timing.renew_every,
         timing.renew_deadline,
         leader_tx,
-        stop.clone(),
+        release_rx,
     ));
+    let stop_grace = timing.stop_grace();
     loop {
         let (mut leading, mut stopping) = (leader_rx.clone(), stop.clone());
         let lead = tokio::select! {
@@ -224,12 +266,27 @@ pub async fn run_when_leading(
                 _ = stopping.wait_for(|s| *s) => {}
             }
         };
-        run(client.clone(), &config, metrics.clone(), until).await;
+        let (mut leading, mut stopping) = (leader_rx.clone(), stop.clone());
+        let abandon = async move {
+            // Whichever comes first: leadership lost (even during a shutdown) ends writes within
+            // the stop grace, a shutdown while leading within SHUTDOWN_GRACE.
+            tokio::select! {
+                _ = async {
+                    let _ = leading.wait_for(|l| !*l).await;
+                    tokio::time::sleep(stop_grace).await
+                } => {}
+                _ = async {
+                    let _ = stopping.wait_for(|s| *s).await;
+                    tokio::time::sleep(SHUTDOWN_GRACE).await
+                } => {}
+            }
+        };
+        run_until(client.clone(), &config, metrics.clone(), until, abandon).await;
         metrics.leader.set(0);
         if *stop.borrow() {
             break;
         }
     }
-    // The elector sees the stop too and hands the Lease back.
+    release_tx.send_replace(true);
     let _ = elector.await;
 }

@@ -2,6 +2,11 @@
 //! one reconciles. kube 5 has no elector; this is the client-go algorithm reduced to what Sluice
 //! needs: every write is a PUT carrying the Lease's `resourceVersion`, so of two replicas racing
 //! for a free or expired Lease exactly one wins and the other gets a conflict.
+//!
+//! Timing: every Lease call is cut off after `renew_every` (kube's own timeout is minutes), and a
+//! leader whose last successful renewal started `renew_deadline` ago steps down on a timer, whatever
+//! its calls are doing. The controller then stops writing within `LeaseTiming::stop_grace`, which
+//! ends before `LEASE_DURATION` has passed since that renewal: two leaders never write at once.
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -82,7 +87,13 @@ impl LeaseLock {
                 .map(|s| SignedDuration::from_secs(s.into()))
                 .unwrap_or_else(|| SignedDuration::try_from(self.duration).unwrap_or_default());
             let last = spec.renew_time.as_ref().or(spec.acquire_time.as_ref());
-            let expired = last.is_none_or(|t| t.0 + duration <= now);
+            // Anyone who can write the Lease writes these: a renewal "from the future" counts
+            // from now, and an expiry past the end of time never comes (no overflow panic).
+            let expired = last.is_none_or(|t| {
+                t.0.min(now)
+                    .checked_add(duration)
+                    .is_ok_and(|expiry| expiry <= now)
+            });
             if holder.is_some() && !expired {
                 return Ok(false);
             }
@@ -127,6 +138,10 @@ impl LeaseLock {
 
 /// Keeps trying to hold the Lease until `stop` turns true, publishing leadership on `leader`.
 /// On stop it releases the Lease if held.
+///
+/// Each attempt is cut off after `renew_every` (at most `renew_deadline`); while leading, a timer
+/// steps down once the last successful renewal started `renew_deadline` ago, even while a call
+/// hangs.
 pub async fn run(
     lock: LeaseLock,
     renew_every: Duration,
@@ -134,17 +149,43 @@ pub async fn run(
     leader: watch::Sender<bool>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let call_timeout = renew_every.min(renew_deadline);
+    // When the last successful renewal started: the renewTime other replicas time us from.
     let mut last_renewed: Option<Instant> = None;
+    let step_down_at = |last: Option<Instant>| {
+        let at = last.map(|t| t + renew_deadline);
+        async move {
+            match at {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        }
+    };
+    let step_down = |leader: &watch::Sender<bool>, last: &mut Option<Instant>| {
+        *last = None;
+        if *leader.borrow() {
+            tracing::warn!("could not renew the lease in time; stepping down");
+            leader.send_replace(false);
+        }
+    };
     loop {
-        match lock.try_acquire_or_renew(Timestamp::now()).await {
-            Ok(true) => {
-                last_renewed = Some(Instant::now());
+        let started = Instant::now();
+        let attempt =
+            tokio::time::timeout(call_timeout, lock.try_acquire_or_renew(Timestamp::now()));
+        let result = tokio::select! {
+            r = attempt => Some(r),
+            _ = step_down_at(last_renewed) => None,
+        };
+        match result {
+            None => step_down(&leader, &mut last_renewed),
+            Some(Ok(Ok(true))) => {
+                last_renewed = Some(started);
                 if !*leader.borrow() {
                     tracing::info!(identity = lock.identity(), "became leader");
                 }
                 leader.send_replace(true);
             }
-            Ok(false) => {
+            Some(Ok(Ok(false))) => {
                 if *leader.borrow() {
                     tracing::warn!(
                         identity = lock.identity(),
@@ -154,23 +195,27 @@ pub async fn run(
                 last_renewed = None;
                 leader.send_replace(false);
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot reach the leader lease");
-                if last_renewed.is_none_or(|t| t.elapsed() >= renew_deadline) && *leader.borrow() {
-                    tracing::warn!("could not renew the lease in time; stepping down");
-                    leader.send_replace(false);
-                }
-            }
+            Some(Ok(Err(e))) => tracing::warn!(error = %e, "cannot reach the leader lease"),
+            Some(Err(_)) => tracing::warn!(
+                timeout_ms = call_timeout.as_millis() as u64,
+                "the leader lease call did not answer in time"
+            ),
+        }
+        if last_renewed.is_some_and(|t| t.elapsed() >= renew_deadline) {
+            step_down(&leader, &mut last_renewed);
         }
         tokio::select! {
             _ = tokio::time::sleep(renew_every) => {}
+            _ = step_down_at(last_renewed) => step_down(&leader, &mut last_renewed),
             _ = stop.wait_for(|s| *s) => break,
         }
     }
     if *leader.borrow() {
         leader.send_replace(false);
-        if let Err(e) = lock.release().await {
-            tracing::warn!(error = %e, "cannot release the leader lease");
+        match tokio::time::timeout(call_timeout, lock.release()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "cannot release the leader lease"),
+            Err(_) => tracing::warn!("releasing the leader lease did not answer in time"),
         }
     }
 }

@@ -70,6 +70,10 @@ struct RunArgs {
     /// Claimed pods held longer than this are deleted (300s, 5m, 1500ms).
     #[arg(long, default_value = "300s", value_parser = parse_duration)]
     claim_deadline: Duration,
+    /// New pods not ready this long after their creation are deleted and replaced (one at a time
+    /// while they keep failing), unless the scheduler cannot place them.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    start_deadline: Duration,
     /// Watch only this namespace (default: all).
     #[arg(long)]
     namespace: Option<String>,
@@ -132,6 +136,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let config = RunConfig {
         settings: args.pod.settings(),
         claim_deadline: args.claim_deadline,
+        start_deadline: args.start_deadline,
         namespace: args.namespace,
         identity: identity(args.identity),
     };

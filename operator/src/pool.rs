@@ -7,7 +7,10 @@
 //! - count terminating pods (and pods just deleted) toward `max`;
 //! - hold unschedulable pods instead of deleting and recreating them, and create no more beside them;
 //! - roll warm pods of an old template, keeping old ready ones only while new ones are not ready;
-//! - never touch a claimed pod, unless its claim is past the deadline (its gateway is gone).
+//! - never touch a claimed pod, unless its claim is past the deadline (its gateway is gone);
+//! - replace a pod that never becomes ready within the start deadline (bad image, missing runtime
+//!   handler, failing probe), but only one at a time while the template has not proven it can
+//!   start, so a broken image does not churn.
 
 use crate::build::{ANNOTATION_CLAIMED_AT, LABEL_POOL, LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM};
 use k8s_openapi::api::core::v1::Pod;
@@ -28,8 +31,77 @@ pub struct Observed {
     /// The scheduler's message, when the pod is `PodScheduled=False` for reason `Unschedulable`.
     pub unschedulable: Option<String>,
     pub created: Option<Timestamp>,
-    /// `sluice.dev/claimed-at`, when present and a valid RFC 3339 time.
+    /// `sluice.dev/claimed-at`, when present and a valid RFC 3339 time. Anyone who can patch pods
+    /// writes it: `plan` clamps it to now and never lets it overflow.
     pub claimed_at: Option<Timestamp>,
+    /// Why a pod that is not ready is not: the container's waiting reason and message, a sandbox
+    /// that does not start, a failing readiness probe.
+    pub problem: Option<String>,
+}
+
+/// Longest pod problem quoted in conditions and Events.
+const MAX_PROBLEM: usize = 300;
+
+fn bounded(mut s: String) -> String {
+    if s.len() > MAX_PROBLEM {
+        let mut cut = MAX_PROBLEM;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+/// Why `pod` is not ready, in the words of its status.
+fn not_ready_problem(pod: &Pod) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    let conditions = status.conditions.as_deref().unwrap_or_default();
+    let condition = |t: &str| conditions.iter().find(|c| c.type_ == t);
+    let with_message = |reason: &str, message: Option<&String>| match message {
+        Some(m) if !m.is_empty() => format!("{reason}: {m}"),
+        _ => reason.to_string(),
+    };
+    let sandbox = "ContainerCreating: the pod sandbox has not started (see the pod's \
+                   FailedCreatePodSandBox events: is the runtime class handler, runsc, installed \
+                   on the node?)";
+    let sandbox_down = condition("PodReadyToStartContainers").is_some_and(|c| c.status == "False");
+    let containers = status
+        .init_container_statuses
+        .iter()
+        .flatten()
+        .chain(status.container_statuses.iter().flatten());
+    for c in containers {
+        let state = c.state.as_ref();
+        if let Some(w) = state.and_then(|s| s.waiting.as_ref()) {
+            let reason = w.reason.as_deref().unwrap_or("Waiting");
+            if matches!(reason, "ContainerCreating" | "PodInitializing") {
+                if sandbox_down {
+                    return Some(sandbox.into());
+                }
+                continue;
+            }
+            return Some(bounded(with_message(reason, w.message.as_ref())));
+        }
+        if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
+            let reason = t.reason.as_deref().unwrap_or("Terminated");
+            return Some(bounded(with_message(
+                &format!("{reason} (exit code {})", t.exit_code),
+                t.message.as_ref(),
+            )));
+        }
+        if state.and_then(|s| s.running.as_ref()).is_some() && !c.ready {
+            return Some(format!(
+                "container {} is running but its readiness probe fails",
+                c.name
+            ));
+        }
+    }
+    if sandbox_down {
+        return Some(sandbox.into());
+    }
+    None
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,11 +138,13 @@ impl Observed {
             terminating: meta.deletion_timestamp.is_some(),
             unschedulable,
             created: meta.creation_timestamp.as_ref().map(|t| t.0),
+            // Unparseable: as if absent (the claim is timed from the pod's creation).
             claimed_at: meta
                 .annotations
                 .as_ref()
                 .and_then(|a| a.get(ANNOTATION_CLAIMED_AT))
                 .and_then(|v| v.parse::<Timestamp>().ok()),
+            problem: if ready { None } else { not_ready_problem(pod) },
         }
     }
 }
@@ -89,6 +163,14 @@ pub struct Input<'a> {
     pub pending_deletes: &'a HashSet<String>,
     pub now: Timestamp,
     pub claim_deadline: SignedDuration,
+    /// A warm pod of the current template not ready this long after its creation is replaced
+    /// (unless the scheduler cannot place it: that one is held).
+    pub start_deadline: SignedDuration,
+    /// Pods of the current template that failed to start in a row (the reconciler remembers;
+    /// reset once one of the template's pods is ready).
+    pub start_failures: u32,
+    /// The last of those failures, `pod x: why`.
+    pub last_start_failure: Option<&'a str>,
     /// False for an invalid or deleted chain: only clean-up, no growth, no rollout.
     pub may_grow: bool,
 }
@@ -103,6 +185,8 @@ pub enum DeleteReason {
     Outdated,
     /// More warm pods than `spec.pool.warm`.
     ScaleDown,
+    /// Not ready within the start deadline.
+    StartTimeout,
 }
 
 impl DeleteReason {
@@ -112,6 +196,7 @@ impl DeleteReason {
             Self::ClaimExpired => "claim_expired",
             Self::Outdated => "outdated",
             Self::ScaleDown => "scale_down",
+            Self::StartTimeout => "start_timeout",
         }
     }
 }
@@ -134,6 +219,9 @@ pub enum Hold {
     AwaitingCache,
     /// A pod of the current template cannot be scheduled (the scheduler's message).
     Unschedulable { pod: String, message: String },
+    /// Pods of the current template keep failing to start (`pod x: why`): they are replaced one
+    /// at a time until one becomes ready.
+    StartFailing { message: String },
     /// `max` pods exist (warm, claimed, starting and terminating together).
     AtMax,
 }
@@ -161,6 +249,14 @@ pub struct Plan {
     pub hold: Option<Hold>,
     /// When the next claimed pod's deadline passes, so the caller can requeue for it.
     pub next_claim_expiry: Option<Timestamp>,
+    /// When the next starting pod's start deadline passes.
+    pub next_start_deadline: Option<Timestamp>,
+    /// Pods deleted by this plan for not starting in time, as (pod, why).
+    pub start_failed: Vec<(String, String)>,
+    /// Why a starting pod of the current template is not ready yet (`pod x: why`), if known.
+    pub start_problem: Option<String>,
+    /// A pod of the current template is ready: the template can start.
+    pub template_proven: bool,
 }
 
 fn u(n: usize) -> u32 {
@@ -198,9 +294,10 @@ pub fn plan(input: &Input) -> Plan {
         }
         match p.pool {
             PoolState::Claimed => {
-                // A claim without claimed-at is timed from the pod's creation.
-                let since = p.claimed_at.or(p.created);
-                let expiry = since.map(|t| t + input.claim_deadline);
+                // A claim without (a readable) claimed-at is timed from the pod's creation; a claim
+                // "from the future" counts from now; an expiry past the end of time never comes.
+                let since = p.claimed_at.or(p.created).map(|t| t.min(input.now));
+                let expiry = since.and_then(|t| t.checked_add(input.claim_deadline).ok());
                 match expiry {
                     Some(e) if e <= input.now => {
                         plan.delete
@@ -219,11 +316,38 @@ pub fn plan(input: &Input) -> Plan {
             PoolState::Other => counts.other += 1,
             PoolState::Warm => {
                 let current = p.template.as_deref() == Some(input.template);
+                let start_expiry = p
+                    .created
+                    .map(|t| t.min(input.now))
+                    .and_then(|t| t.checked_add(input.start_deadline).ok());
                 match (current, p.ready) {
                     (true, true) => cur_ready.push(p),
-                    (true, false) => {
-                        if unschedulable.is_none() && p.unschedulable.is_some() {
+                    (true, false) if p.unschedulable.is_some() => {
+                        // Held: deleting and recreating would not place it either.
+                        if unschedulable.is_none() {
                             unschedulable = Some(p);
+                        }
+                        cur_starting.push(p)
+                    }
+                    (true, false) if start_expiry.is_some_and(|e| e <= input.now) => {
+                        plan.delete
+                            .push(delete(p, DeleteReason::StartTimeout, true));
+                        counts.terminating += 1;
+                        let why = p
+                            .problem
+                            .clone()
+                            .unwrap_or_else(|| "not ready (no reason reported)".into());
+                        plan.start_failed.push((p.name.clone(), why));
+                    }
+                    (true, false) => {
+                        if let Some(e) = start_expiry {
+                            plan.next_start_deadline =
+                                Some(plan.next_start_deadline.map_or(e, |n| n.min(e)));
+                        }
+                        if plan.start_problem.is_none()
+                            && let Some(why) = &p.problem
+                        {
+                            plan.start_problem = Some(format!("pod {}: {why}", p.name));
                         }
                         cur_starting.push(p)
                     }
@@ -238,6 +362,26 @@ pub fn plan(input: &Input) -> Plan {
             }
         }
     }
+
+    plan.template_proven = !cur_ready.is_empty()
+        || input
+            .pods
+            .iter()
+            .any(|p| p.ready && !p.finished && p.template.as_deref() == Some(input.template));
+    // While the template's pods keep failing to start and none has started, replace them one at
+    // a time: a broken image or runtime handler costs one pod per start deadline, not a pool.
+    let failures = input.start_failures as usize + plan.start_failed.len();
+    let start_failing = (failures > 0 && !plan.template_proven).then(|| {
+        let message = match (plan.start_failed.first(), input.last_start_failure) {
+            (Some((pod, why)), _) => format!("pod {pod}: {why}"),
+            (None, Some(last)) => last.to_string(),
+            (None, None) => "pods of this template did not become ready".into(),
+        };
+        format!(
+            "{failures} pod(s) in a row did not become ready within {}s; last: {message}",
+            input.start_deadline.as_secs()
+        )
+    });
 
     let warm = input.warm as usize;
     let mut kept_old = old_ready.len();
@@ -288,13 +432,15 @@ pub fn plan(input: &Input) -> Plan {
 
     plan.hold = if !input.may_grow {
         Some(Hold::Invalid)
-    } else if input.pending_creates > 0 {
-        Some(Hold::AwaitingCache)
     } else if let Some(p) = unschedulable {
         Some(Hold::Unschedulable {
             pod: p.name.clone(),
             message: p.unschedulable.clone().unwrap_or_default(),
         })
+    } else if let Some(message) = start_failing {
+        Some(Hold::StartFailing { message })
+    } else if input.pending_creates > 0 {
+        Some(Hold::AwaitingCache)
     } else if want > room {
         Some(Hold::AtMax)
     } else {
@@ -302,6 +448,10 @@ pub fn plan(input: &Input) -> Plan {
     };
     plan.create = match plan.hold {
         None | Some(Hold::AtMax) => want.min(room),
+        // One pod starting at a time, pending creates included.
+        Some(Hold::StartFailing { .. }) => want
+            .min(room)
+            .min(1u32.saturating_sub(u(cur_starting.len() + input.pending_creates))),
         _ => 0,
     };
     plan.counts = counts;
@@ -344,12 +494,14 @@ mod tests {
             unschedulable: None,
             created: Some(now() - SignedDuration::from_secs(3600)),
             claimed_at: None,
+            problem: None,
         }
     }
 
     fn starting(name: &str) -> Observed {
         Observed {
             ready: false,
+            created: Some(now() - SignedDuration::from_secs(10)),
             ..pod(name)
         }
     }
@@ -376,6 +528,8 @@ mod tests {
         pending_creates: usize,
         pending_deletes: HashSet<String>,
         may_grow: bool,
+        start_failures: u32,
+        last_start_failure: Option<String>,
     }
 
     fn case(warm: u32, max: u32, pods: Vec<Observed>) -> Case {
@@ -386,6 +540,8 @@ mod tests {
             pending_creates: 0,
             pending_deletes: HashSet::new(),
             may_grow: true,
+            start_failures: 0,
+            last_start_failure: None,
         }
     }
 
@@ -400,6 +556,9 @@ mod tests {
                 pending_deletes: &self.pending_deletes,
                 now: now(),
                 claim_deadline: SignedDuration::from_secs(300),
+                start_deadline: SignedDuration::from_secs(120),
+                start_failures: self.start_failures,
+                last_start_failure: self.last_start_failure.as_deref(),
                 may_grow: self.may_grow,
             })
         }
@@ -657,6 +816,194 @@ mod tests {
             (1, 0, 2)
         );
         assert_eq!(p.hold, Some(Hold::AtMax));
+    }
+
+    #[test]
+    fn a_claim_time_from_the_future_or_the_end_of_time_does_not_crash_and_counts_from_now() {
+        let end_of_time = Observed {
+            // The latest time jiff parses: adding the deadline to it overflows.
+            claimed_at: Some("9999-12-30T21:59:59Z".parse().unwrap()),
+            ..claimed("eot", 0)
+        };
+        let future = Observed {
+            claimed_at: Some(now() + SignedDuration::from_secs(86_400)),
+            ..claimed("fut", 0)
+        };
+        let max = Observed {
+            claimed_at: Some(Timestamp::MAX),
+            ..claimed("max", 0)
+        };
+        let p = case(0, 10, vec![end_of_time, future, max]).run();
+        assert!(p.delete.is_empty(), "{p:?}");
+        assert_eq!(p.counts.claimed, 3);
+        assert_eq!(
+            p.next_claim_expiry,
+            Some(now() + SignedDuration::from_secs(300)),
+            "claimed \"from the future\": the deadline counts from now"
+        );
+        // A creation time at the end of time (no annotation) does not crash either.
+        let created = Observed {
+            claimed_at: None,
+            created: Some(Timestamp::MAX),
+            ..claimed("c", 0)
+        };
+        let p = case(0, 10, vec![created]).run();
+        assert_eq!(p.counts.claimed, 1);
+    }
+
+    #[test]
+    fn an_unparseable_claim_time_falls_back_to_the_creation_time() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "c-x", "creationTimestamp": "2026-01-01T11:00:00Z",
+                "labels": {"sluice.dev/pool": "claimed", "sluice.dev/template": T},
+                "annotations": {"sluice.dev/claimed-at": "tomorrow, probably"}
+            },
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap();
+        let o = Observed::from_pod(&pod);
+        assert_eq!(o.claimed_at, None);
+        // Created an hour before now(): past the 300 s deadline.
+        let p = case(0, 10, vec![o]).run();
+        assert_eq!(deleted(&p), [("c-x", DeleteReason::ClaimExpired)]);
+        // Past what jiff can represent: unparseable too.
+        let mut pod = pod;
+        pod.metadata.annotations = Some(
+            [(
+                ANNOTATION_CLAIMED_AT.to_string(),
+                "9999-12-31T23:59:59Z".to_string(),
+            )]
+            .into(),
+        );
+        let p = case(0, 10, vec![Observed::from_pod(&pod)]).run();
+        assert_eq!(deleted(&p), [("c-x", DeleteReason::ClaimExpired)]);
+    }
+
+    fn stuck(name: &str, secs_ago: i64, why: &str) -> Observed {
+        Observed {
+            created: Some(now() - SignedDuration::from_secs(secs_ago)),
+            problem: Some(why.into()),
+            ..starting(name)
+        }
+    }
+
+    #[test]
+    fn pods_that_never_become_ready_are_replaced_one_at_a_time() {
+        // Within the deadline: starting, the reason is surfaced, a requeue is planned.
+        let p = case(
+            3,
+            10,
+            vec![stuck("a", 30, "ImagePullBackOff: Back-off pulling image")],
+        )
+        .run();
+        assert!(p.delete.is_empty());
+        assert_eq!(p.create, 2);
+        assert_eq!(
+            p.start_problem.as_deref(),
+            Some("pod a: ImagePullBackOff: Back-off pulling image")
+        );
+        assert_eq!(
+            p.next_start_deadline,
+            Some(now() + SignedDuration::from_secs(90))
+        );
+        // Past it: deleted and replaced, but only one at a time while none has started.
+        let p = case(
+            3,
+            10,
+            vec![
+                stuck("a", 121, "ImagePullBackOff: Back-off pulling image"),
+                stuck("b", 121, "ImagePullBackOff: Back-off pulling image"),
+                stuck("c", 121, "ImagePullBackOff: Back-off pulling image"),
+            ],
+        )
+        .run();
+        assert_eq!(
+            deleted(&p),
+            [
+                ("a", DeleteReason::StartTimeout),
+                ("b", DeleteReason::StartTimeout),
+                ("c", DeleteReason::StartTimeout)
+            ]
+        );
+        assert_eq!(p.delete[0].resource_version.as_deref(), Some("rv-a"));
+        assert_eq!(p.create, 1, "{p:?}");
+        let Some(Hold::StartFailing { message }) = &p.hold else {
+            panic!("{p:?}")
+        };
+        assert!(
+            message.contains("pod a: ImagePullBackOff") && message.contains("120s"),
+            "{message}"
+        );
+        // The failures remembered, one replacement starting: nothing more is created.
+        let mut c = case(3, 10, vec![stuck("d", 10, "ContainerCreating: sandbox")]);
+        c.start_failures = 3;
+        c.last_start_failure = Some("pod c: ImagePullBackOff".into());
+        let p = c.run();
+        assert_eq!(p.create, 0, "{p:?}");
+        assert!(matches!(p.hold, Some(Hold::StartFailing { .. })), "{p:?}");
+        // Once a pod of the template is ready, the pool fills at full speed again.
+        c.pods = vec![pod("d")];
+        let p = c.run();
+        assert!(p.template_proven);
+        assert_eq!((p.create, p.hold), (2, None));
+    }
+
+    #[test]
+    fn unschedulable_pods_are_held_past_the_start_deadline() {
+        let held = Observed {
+            unschedulable: Some("0/3 nodes are available".into()),
+            ..stuck("s", 999, "Pending")
+        };
+        let p = case(2, 10, vec![held]).run();
+        assert!(p.delete.is_empty(), "{p:?}");
+        assert!(matches!(p.hold, Some(Hold::Unschedulable { .. })));
+        assert_eq!(p.create, 0);
+    }
+
+    #[test]
+    fn observed_says_why_a_pod_is_not_ready() {
+        let read = |status: serde_json::Value| {
+            let pod: Pod = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p"}, "status": status
+            }))
+            .unwrap();
+            Observed::from_pod(&pod).problem
+        };
+        let pull = read(
+            serde_json::json!({"phase": "Pending", "containerStatuses": [{
+                "name": "supervisor", "ready": false, "restartCount": 0, "image": "x", "imageID": "",
+                "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image \"x\""}}
+            }]}),
+        );
+        assert_eq!(
+            pull.as_deref(),
+            Some("ImagePullBackOff: Back-off pulling image \"x\"")
+        );
+        let sandbox = read(serde_json::json!({"phase": "Pending", "conditions": [
+            {"type": "PodReadyToStartContainers", "status": "False"},
+            {"type": "PodScheduled", "status": "True"}
+        ], "containerStatuses": [{
+            "name": "supervisor", "ready": false, "restartCount": 0, "image": "x", "imageID": "",
+            "state": {"waiting": {"reason": "ContainerCreating"}}
+        }]}));
+        assert!(
+            sandbox
+                .as_deref()
+                .unwrap()
+                .contains("FailedCreatePodSandBox"),
+            "{sandbox:?}"
+        );
+        let probe = read(
+            serde_json::json!({"phase": "Running", "containerStatuses": [{
+                "name": "supervisor", "ready": false, "restartCount": 0, "image": "x", "imageID": "",
+                "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
+            }]}),
+        );
+        assert!(
+            probe.as_deref().unwrap().contains("readiness probe"),
+            "{probe:?}"
+        );
     }
 
     #[test]

@@ -56,6 +56,18 @@ pub enum Error {
     CacheNotSynced { what: &'static str },
 }
 
+/// How long a new pod may take to become ready before it is replaced (`--start-deadline`).
+pub const DEFAULT_START_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Pods of one chain's current template that failed to start in a row.
+#[derive(Clone, Debug, Default)]
+struct StartFailures {
+    template: String,
+    count: u32,
+    /// `pod x: why`
+    last: String,
+}
+
 /// Longest a reconcile waits for the first full list of pods and capabilities.
 const SYNC_WAIT: Duration = Duration::from_secs(30);
 
@@ -64,6 +76,8 @@ pub struct Context {
     pub client: Client,
     pub settings: Settings,
     pub claim_deadline: Duration,
+    /// A pod not ready this long after its creation is replaced (see `pool::plan`).
+    pub start_deadline: Duration,
     pub pods: Store<Pod>,
     pub capabilities: Store<DeserializeGuard<Capability>>,
     pub expectations: Expectations,
@@ -73,6 +87,8 @@ pub struct Context {
     code_checks: Mutex<HashMap<String, validate::CodeProblems>>,
     /// When each chain's (by uid) NetworkPolicy was last applied.
     netpol_applied: Mutex<HashMap<String, Instant>>,
+    /// Start failures by chain (`ns/name`).
+    start_failures: Mutex<HashMap<String, StartFailures>>,
 }
 
 impl Context {
@@ -91,6 +107,7 @@ impl Context {
             client,
             settings,
             claim_deadline,
+            start_deadline: DEFAULT_START_DEADLINE,
             pods,
             capabilities,
             expectations,
@@ -98,7 +115,14 @@ impl Context {
             metrics,
             code_checks: Mutex::default(),
             netpol_applied: Mutex::default(),
+            start_failures: Mutex::default(),
         }
+    }
+
+    /// Sets how long a new pod may take to become ready before it is replaced.
+    pub fn with_start_deadline(mut self, deadline: Duration) -> Self {
+        self.start_deadline = deadline;
+        self
     }
 
     async fn code_check(&self, chain: &HookChain) -> validate::CodeCheck {
@@ -271,6 +295,9 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
         forget(ctx, &ns, &name);
         return Ok(Action::await_change());
     }
+    // A name that is not a valid label value makes every pod (and the policy's selector) invalid:
+    // the verdict says so and nothing is created.
+    let name_valid = validate::name_problem(&name).is_none();
 
     // Read, but never from a cache that has not listed everything once: an empty pod cache at
     // start-up would look like an empty pool and the operator would create a second one.
@@ -296,7 +323,7 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
 
     // Validate.
     let code = ctx.code_check(chain).await;
-    let verdict = validate::verdict(&chain.spec, &ns, &code, |cap| {
+    let verdict = validate::verdict(&name, &chain.spec, &ns, &code, |cap| {
         ctx.capability_state(&ns, cap)
     });
 
@@ -307,6 +334,11 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
 
     // Decide.
     let now = Timestamp::now();
+    let failures = lock(&ctx.start_failures)
+        .get(&key)
+        .filter(|f| f.template == template)
+        .cloned()
+        .unwrap_or_default();
     let plan = pool::plan(&pool::Input {
         warm: chain.spec.pool.warm,
         max: chain.spec.pool.max,
@@ -317,12 +349,21 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
         now,
         claim_deadline: SignedDuration::try_from(ctx.claim_deadline)
             .unwrap_or(SignedDuration::from_secs(300)),
+        start_deadline: SignedDuration::try_from(ctx.start_deadline)
+            .unwrap_or(SignedDuration::from_secs(120)),
+        start_failures: failures.count,
+        last_start_failure: (!failures.last.is_empty()).then_some(failures.last.as_str()),
         may_grow: !verdict.is_invalid(),
     });
     tracing::debug!(chain = %key, ?plan, "pool plan");
 
     // Apply.
-    apply_network_policy(chain, &policy, ctx).await?;
+    if plan.template_proven {
+        lock(&ctx.start_failures).remove(&key);
+    }
+    if name_valid {
+        apply_network_policy(chain, &policy, ctx).await?;
+    }
     let reference = chain.object_ref(&());
     let previous: &[Condition] = chain
         .status
@@ -330,7 +371,7 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
         .map(|s| s.conditions.as_slice())
         .unwrap_or_default();
     announce_verdict(ctx, &reference, previous, &verdict).await;
-    delete_pods(chain, &ns, &key, &plan, &pods, ctx).await?;
+    delete_pods(chain, &ns, &key, &plan, &pods, &template, ctx).await?;
     let created = create_pods(chain, &ns, &key, &plan, &pod, &template, ctx).await?;
     announce_hold(ctx, &reference, previous, &plan).await;
     // The status tells what exists now, the pods just created included.
@@ -366,7 +407,10 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
     if pending.creates > 0 || !pending.deletes.is_empty() {
         next = next.min(crate::expectations::DEFAULT_TIMEOUT);
     }
-    if let Some(at) = plan.next_claim_expiry {
+    for at in [plan.next_claim_expiry, plan.next_start_deadline]
+        .into_iter()
+        .flatten()
+    {
         let wait = at.duration_since(now).unsigned_abs() + Duration::from_secs(1);
         next = next.min(wait);
     }
@@ -376,6 +420,7 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
 /// Forgets a chain that is gone: its expectations and its pool gauges.
 pub fn forget(ctx: &Context, namespace: &str, name: &str) {
     ctx.expectations.forget(&format!("{namespace}/{name}"));
+    lock(&ctx.start_failures).remove(&format!("{namespace}/{name}"));
     ctx.metrics.forget_pool(namespace, name);
 }
 
@@ -418,6 +463,7 @@ async fn delete_pods(
     key: &str,
     plan: &Plan,
     pods: &[Arc<Pod>],
+    template: &str,
     ctx: &Context,
 ) -> Result<(), Error> {
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
@@ -483,6 +529,37 @@ async fn delete_pods(
                     EventType::Warning,
                     "SandboxExited",
                     format!("deleted sandbox pod {}: its supervisor exited", d.name),
+                )
+                .await;
+            }
+            DeleteReason::StartTimeout => {
+                let why = plan
+                    .start_failed
+                    .iter()
+                    .find(|(pod, _)| *pod == d.name)
+                    .map(|(_, why)| why.as_str())
+                    .unwrap_or("not ready");
+                {
+                    let mut failures = lock(&ctx.start_failures);
+                    let f = failures.entry(key.to_string()).or_default();
+                    if f.template != template {
+                        *f = StartFailures {
+                            template: template.to_string(),
+                            ..Default::default()
+                        };
+                    }
+                    f.count = f.count.saturating_add(1);
+                    f.last = format!("pod {}: {why}", d.name);
+                }
+                ctx.publish(
+                    &reference,
+                    EventType::Warning,
+                    "StartFailed",
+                    format!(
+                        "pod {}: {why}; deleted after {}s without becoming ready and replaced (one at a time until a pod of this template starts)",
+                        d.name,
+                        ctx.start_deadline.as_secs()
+                    ),
                 )
                 .await;
             }

@@ -45,12 +45,20 @@ pub fn render(file: &Path, settings: &Settings) -> Rendered {
         let name = chain.metadata.name.clone().unwrap_or_default();
         let ns = chain.metadata.namespace.clone().unwrap_or_default();
         // Capabilities live in the cluster, not necessarily in this file: they are not judged here.
-        let verdict =
-            validate::verdict(&chain.spec, &ns, &validate::check_code(&chain.spec), |_| {
-                CapabilityState::Valid
-            });
+        let verdict = validate::verdict(
+            &name,
+            &chain.spec,
+            &ns,
+            &validate::check_code(&chain.spec),
+            |_| CapabilityState::Valid,
+        );
         let mut objects = String::new();
-        let mut result = push(&mut objects, &build::network_policy(&chain));
+        // A name that is no valid label value makes the policy's selector invalid too.
+        let mut result = if validate::name_problem(&name).is_none() {
+            push(&mut objects, &build::network_policy(&chain))
+        } else {
+            Ok(())
+        };
         if verdict.is_invalid() {
             r.problems.push(format!(
                 "{}:{}: HookChain {name:?}: {} (no pods would be created)",

@@ -71,6 +71,13 @@ pub fn pool_ready(warm_target: u32, max: u32, plan: &Plan) -> (&'static str, &'s
                 "{have}; pod {pod} cannot be scheduled: {message} (held, not recreated; check the runtime class, node capacity or spec.resources)"
             ),
         ),
+        Some(Hold::StartFailing { message }) => (
+            "False",
+            "StartFailing",
+            format!(
+                "{have}; {message} (replaced one at a time until one starts; check --supervisor-image, the runtime class handler on the nodes and the readiness probe)"
+            ),
+        ),
         Some(Hold::AtMax) if warm_target > max => (
             "False",
             "AtMax",
@@ -87,7 +94,10 @@ pub fn pool_ready(warm_target: u32, max: u32, plan: &Plan) -> (&'static str, &'s
         Some(Hold::AwaitingCache) | None => (
             "False",
             "Starting",
-            format!("{have}, {} starting", c.starting),
+            match &plan.start_problem {
+                Some(why) => format!("{have}, {} starting; {why}", c.starting),
+                None => format!("{have}, {} starting", c.starting),
+            },
         ),
     }
 }

@@ -61,8 +61,31 @@ fn bounded(mut s: String) -> String {
     s
 }
 
+/// Why a HookChain's name cannot be used: it is the value of the `sluice.dev/chain` label on every
+/// pod and in the NetworkPolicy's selector, and the API server refuses invalid label values.
+pub fn name_problem(name: &str) -> Option<String> {
+    const LIMIT: &str = "HookChain names used as label values must be at most 63 characters";
+    if name.len() > 63 {
+        return Some(format!(
+            "metadata.name is {} characters: {LIMIT}",
+            name.len()
+        ));
+    }
+    let edge_ok = |c: Option<char>| c.is_none_or(|c| c.is_ascii_alphanumeric());
+    let chars_ok = name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if !chars_ok || !edge_ok(name.chars().next()) || !edge_ok(name.chars().last()) {
+        return Some(format!(
+            "metadata.name {name:?} is not a valid label value: HookChain names used as label values must begin and end with a letter or digit and contain only letters, digits, '-', '_' and '.'"
+        ));
+    }
+    None
+}
+
 /// The `CodeValid` verdict. Problems of every kind are listed; the reason names the first kind.
 pub fn verdict(
+    name: &str,
     spec: &HookChainSpec,
     namespace: &str,
     code: &CodeCheck,
@@ -74,6 +97,9 @@ pub fn verdict(
         reason.get_or_insert(r);
         problems.push(msg);
     };
+    if let Some(p) = name_problem(name) {
+        note("InvalidName", p);
+    }
     for p in validate::hookchain(spec) {
         note("InvalidSpec", p.to_string());
     }
@@ -148,9 +174,31 @@ mod tests {
         "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': 'x'}\n";
 
     #[test]
+    fn names_must_be_valid_label_values() {
+        let s = spec(GOOD, &[]);
+        let ok = Ok(vec![vec![], vec![]]);
+        let long = "a".repeat(64);
+        let v = verdict(&long, &s, "ns", &ok, |_| CapabilityState::Valid);
+        assert_eq!((v.status, v.reason), ("False", "InvalidName"), "{v:?}");
+        assert!(
+            v.message
+                .contains("HookChain names used as label values must be at most 63 characters"),
+            "{}",
+            v.message
+        );
+        assert!(name_problem(&"a".repeat(63)).is_none());
+        assert!(name_problem("redactor.v2").is_none());
+        assert!(name_problem("-x").is_some());
+        assert!(name_problem("x.").is_some());
+        assert!(name_problem("a/b").is_some());
+    }
+
+    #[test]
     fn good_code_is_valid() {
         let s = spec(GOOD, &[]);
-        let v = verdict(&s, "ns", &check_code(&s), |_| CapabilityState::Valid);
+        let v = verdict("chain", &s, "ns", &check_code(&s), |_| {
+            CapabilityState::Valid
+        });
         assert_eq!((v.status, v.reason), ("True", "Valid"), "{v:?}");
     }
 
@@ -160,7 +208,9 @@ mod tests {
             "def execute(context, settings):\n    x = 1\n    return {'action': 'pass'\n",
             &[],
         );
-        let v = verdict(&s, "ns", &check_code(&s), |_| CapabilityState::Valid);
+        let v = verdict("chain", &s, "ns", &check_code(&s), |_| {
+            CapabilityState::Valid
+        });
         assert_eq!((v.status, v.reason), ("False", "InvalidCode"));
         assert!(
             v.message
@@ -173,7 +223,9 @@ mod tests {
     #[test]
     fn missing_execute_and_undeclared_actions_are_reported() {
         let s = spec("def run(c, s):\n    return {'action': 'block'}\n", &[]);
-        let v = verdict(&s, "ns", &check_code(&s), |_| CapabilityState::Valid);
+        let v = verdict("chain", &s, "ns", &check_code(&s), |_| {
+            CapabilityState::Valid
+        });
         assert!(
             v.message.contains("does not define execute"),
             "{}",
@@ -190,7 +242,7 @@ mod tests {
     #[test]
     fn capabilities_must_exist_and_be_valid() {
         let s = spec(GOOD, &["llm.run", "credit.check"]);
-        let v = verdict(&s, "team-a", &check_code(&s), |name| match name {
+        let v = verdict("chain", &s, "team-a", &check_code(&s), |name| match name {
             "llm.run" => CapabilityState::Missing,
             _ => CapabilityState::Invalid("spec.endpoint: set one of grpc, http or builtin".into()),
         });
@@ -213,7 +265,7 @@ mod tests {
     fn spec_problems_come_first() {
         let mut s = spec(GOOD, &[]);
         s.resources.memory = "1Mi".into();
-        let v = verdict(&s, "ns", &Ok(vec![vec![], vec![]]), |_| {
+        let v = verdict("chain", &s, "ns", &Ok(vec![vec![], vec![]]), |_| {
             CapabilityState::Valid
         });
         assert_eq!(v.reason, "InvalidSpec");
@@ -223,7 +275,7 @@ mod tests {
     #[test]
     fn a_checker_that_cannot_run_leaves_the_verdict_unknown() {
         let s = spec(GOOD, &[]);
-        let v = verdict(&s, "ns", &Err("cannot run python3".into()), |_| {
+        let v = verdict("chain", &s, "ns", &Err("cannot run python3".into()), |_| {
             CapabilityState::Valid
         });
         assert_eq!((v.status, v.reason), ("Unknown", "CheckerUnavailable"));

@@ -47,6 +47,7 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
     let config = RunConfig {
         settings: Settings::default(),
         claim_deadline: Duration::from_secs(300),
+        start_deadline: Duration::from_secs(120),
         namespace: None,
         identity: "operator-test".into(),
     };
@@ -214,6 +215,7 @@ async fn only_the_lease_holder_reconciles() {
     let config = RunConfig {
         settings: Settings::default(),
         claim_deadline: Duration::from_secs(300),
+        start_deadline: Duration::from_secs(120),
         namespace: Some("team-a".into()),
         identity: "operator-a".into(),
     };
@@ -221,6 +223,7 @@ async fn only_the_lease_holder_reconciles() {
     let timing = LeaseTiming {
         renew_every: Duration::from_millis(20),
         renew_deadline: Duration::from_secs(10),
+        lease_duration: Duration::from_secs(15),
     };
     let task = spawn(sluice_operator::controller::run_when_leading(
         client,
@@ -306,4 +309,104 @@ async fn only_the_lease_holder_reconciles() {
     task.await.unwrap();
     assert_eq!(metrics.leader.get(), 0);
     drop(watches);
+}
+
+#[tokio::test]
+async fn a_leader_that_cannot_renew_abandons_a_hung_reconcile_before_the_lease_expires() {
+    use k8s_openapi::jiff::Timestamp;
+    use sluice_operator::controller::LeaseTiming;
+    use sluice_operator::leader::LeaseLock;
+    use std::time::Instant;
+    const LEASE: &str =
+        "/apis/coordination.k8s.io/v1/namespaces/sluice-system/leases/sluice-operator";
+
+    let (client, mut api) = mock_client();
+    let metrics = Metrics::new();
+    let lock = LeaseLock::new(
+        kube::Api::namespaced(client.clone(), "sluice-system"),
+        "sluice-operator",
+        "operator-a",
+        Duration::from_secs(15),
+    );
+    let config = RunConfig {
+        settings: Settings::default(),
+        claim_deadline: Duration::from_secs(300),
+        start_deadline: Duration::from_secs(120),
+        namespace: Some("team-a".into()),
+        identity: "operator-a".into(),
+    };
+    // Scaled down from 5 s / 10 s / 15 s: the grace is then 250 ms.
+    let timing = LeaseTiming {
+        renew_every: Duration::from_millis(50),
+        renew_deadline: Duration::from_millis(500),
+        lease_duration: Duration::from_millis(1000),
+    };
+    let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let task = spawn(sluice_operator::controller::run_when_leading(
+        client,
+        config,
+        metrics.clone(),
+        lock,
+        timing,
+        stop_rx,
+    ));
+
+    // Lead, list, and let the reconcile of `good` hang on its first write.
+    let mut held: Vec<Call> = Vec::new();
+    let mut last_renewal = Instant::now();
+    loop {
+        let call = api.next().await;
+        match (call.method.as_str(), call.path.as_str()) {
+            ("GET", LEASE) => call.reply(200, lease("operator-a", Timestamp::now())),
+            ("PUT", LEASE) => {
+                last_renewal = Instant::now();
+                call.echo()
+            }
+            (_, path) if path.contains("/networkpolicies/") => {
+                // The API server goes silent: this write, and every Lease call from now on.
+                held.push(call);
+                break;
+            }
+            ("GET", _) if call.query("watch") == Some("true") => held.push(call),
+            ("GET", path) if path.contains("/hookchains") => {
+                call.reply(200, list("HookChainList", vec![good_chain()]))
+            }
+            ("GET", _) => call.reply(200, list("List", vec![])),
+            _ => panic!("unexpected request {call:?}"),
+        }
+    }
+    assert_eq!(metrics.leader.get(), 1);
+    let returned = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            tokio::select! {
+                call = api.next() => {
+                    call.is("GET", LEASE);
+                    held.push(call);
+                }
+                _ = tokio::time::sleep(Duration::from_millis(5)) => {
+                    if metrics.leader.get() == 0 {
+                        break Instant::now();
+                    }
+                }
+            }
+        }
+    })
+    .await
+    .expect("a leader that cannot renew must stop reconciling");
+    // The renewal the Lease was last written with started before `last_renewal`: by the time
+    // another replica may take the Lease, this one has stopped writing.
+    let after = returned - last_renewal;
+    assert!(
+        after < timing.lease_duration - Duration::from_millis(100),
+        "stopped {after:?} after the last renewal"
+    );
+    // Only Lease reads follow: no write of the abandoned reconcile.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    while let Ok(Some(call)) = tokio::time::timeout(Duration::from_millis(50), api.try_next()).await
+    {
+        call.is("GET", LEASE);
+        held.push(call);
+    }
+    task.abort();
+    drop(held);
 }

@@ -176,3 +176,77 @@ async fn the_elector_publishes_leadership_and_releases_on_stop() {
     api.finish(elector).await;
     assert!(!*leader_rx.borrow());
 }
+
+#[tokio::test]
+async fn a_renewal_time_at_the_end_of_time_does_not_crash_and_counts_from_now() {
+    let (client, mut api) = mock_client();
+    let task = spawn(async move { lock(client).try_acquire_or_renew(now()).await });
+    let mut held = lease("operator-b", 0, 1);
+    held["spec"]["renewTime"] = "9999-12-30T21:59:59.000000Z".into();
+    held["spec"]["leaseDurationSeconds"] = i32::MAX.into();
+    api.next().await.reply(200, held);
+    // Held by a live replica as far as anyone can tell: no write.
+    assert!(!api.finish(task).await.unwrap());
+}
+
+#[tokio::test]
+async fn a_leader_whose_lease_calls_hang_steps_down_within_the_renew_deadline() {
+    use std::time::Instant;
+    let renew_every = Duration::from_millis(100);
+    let renew_deadline = Duration::from_millis(400);
+    let (client, mut api) = mock_client();
+    let (leader_tx, mut leader_rx) = tokio::sync::watch::channel(false);
+    let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let started = Instant::now();
+    let _elector = spawn(sluice_operator::leader::run(
+        lock(client),
+        renew_every,
+        renew_deadline,
+        leader_tx,
+        stop_rx,
+    ));
+    api.next().await.reply(404, status_error(404, "NotFound"));
+    api.next().await.echo();
+    leader_rx.wait_for(|l| *l).await.unwrap();
+
+    // From now on the API server takes every request and never answers.
+    let mut hung = Vec::new();
+    let stepped_down = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            tokio::select! {
+                call = api.next() => {
+                    call.is("GET", LEASE);
+                    hung.push(call);
+                }
+                r = leader_rx.wait_for(|l| !*l) => {
+                    r.unwrap();
+                    break Instant::now();
+                }
+            }
+        }
+    })
+    .await
+    .expect("a leader whose Lease calls hang must step down");
+    // The renewal that made it leader started after `started`; it steps down at that renewal plus
+    // the renew deadline, well before the Lease (15 s here, 3 x the deadline at default) expires.
+    let held = stepped_down - started;
+    assert!(
+        held >= renew_deadline - Duration::from_millis(50)
+            && held < renew_deadline + Duration::from_millis(300),
+        "stepped down after {held:?}"
+    );
+    // Each hung call was cut off after the renew interval and retried.
+    assert!(hung.len() >= 2, "{} calls", hung.len());
+}
+
+#[test]
+fn a_stepped_down_leader_stops_writing_before_the_lease_can_expire() {
+    use sluice_operator::controller::LeaseTiming;
+    let t = LeaseTiming::default();
+    assert!(t.renew_every <= t.renew_deadline);
+    assert!(
+        t.renew_deadline + t.stop_grace() < t.lease_duration,
+        "{t:?}: grace {:?}",
+        t.stop_grace()
+    );
+}

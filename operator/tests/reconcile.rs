@@ -100,12 +100,14 @@ fn template(c: &HookChain) -> String {
     build::template_hash(c, &Settings::default())
 }
 
-/// A pod of the chain as the cache would show it.
+/// A pod of the chain as the cache would show it, created a few seconds ago.
 fn pod(name: &str, template: &str, pool: &str, ready: bool) -> Pod {
+    let created =
+        k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(5);
     serde_json::from_value(json!({
         "metadata": {
             "name": name, "namespace": NS, "resourceVersion": format!("rv-{name}"),
-            "creationTimestamp": "2026-01-01T00:00:00Z",
+            "creationTimestamp": created.to_string(),
             "labels": {"sluice.dev/chain": "redactor", "sluice.dev/template": template, "sluice.dev/pool": pool,
                        "app.kubernetes.io/managed-by": "sluice-operator"}
         },
@@ -612,4 +614,138 @@ async fn a_hook_code_change_needs_no_new_pods() {
         a["lastTransitionTime"], b["lastTransitionTime"],
         "no flip, same transition time"
     );
+}
+
+#[tokio::test]
+async fn a_claim_time_at_the_end_of_time_does_not_crash_the_operator() {
+    let mut h = harness();
+    let c = chain(0, 10, GOOD);
+    let mut p = pod("redactor-c", &template(&c), "claimed", true);
+    // Anyone who can patch pods can write this; adding the claim deadline to it overflows.
+    p.metadata.annotations = Some(
+        [(
+            "sluice.dev/claimed-at".to_string(),
+            "9999-12-30T21:59:59Z".to_string(),
+        )]
+        .into(),
+    );
+    h.add(p);
+    let task = h.run(c);
+    h.expect_policy().await;
+    let status = h.expect_status().await;
+    let action = h.api.finish(task).await.unwrap();
+    assert_eq!(
+        status["claimed"], 1,
+        "a claim from the future counts from now"
+    );
+    // The claim expires in 300 s (counted from now): the usual resync comes first.
+    assert_eq!(
+        action,
+        kube::runtime::controller::Action::requeue(Duration::from_secs(300))
+    );
+}
+
+#[tokio::test]
+async fn a_pod_that_never_becomes_ready_is_replaced_one_at_a_time_and_says_why() {
+    let mut h = harness();
+    let c = chain(3, 10, GOOD);
+    let t = template(&c);
+    let mut stuck = pod("redactor-stuck", &t, "warm", false);
+    stuck.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(121),
+    ));
+    stuck.status = serde_json::from_value(json!({"phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "False"}],
+        "containerStatuses": [{"name": "supervisor", "ready": false, "restartCount": 0,
+            "image": "ghcr.io/sluice/nope:1", "imageID": "",
+            "state": {"waiting": {"reason": "ImagePullBackOff",
+                                   "message": "Back-off pulling image \"ghcr.io/sluice/nope:1\""}}}]}))
+    .unwrap();
+    h.add(stuck);
+    let task = h.run(c.clone());
+    h.expect_policy().await;
+    let body = h.expect_delete("redactor-stuck").await;
+    assert_eq!(
+        body["preconditions"]["resourceVersion"],
+        "rv-redactor-stuck"
+    );
+    let note = h.expect_event("Warning", "StartFailed").await;
+    assert!(
+        note.starts_with("pod redactor-stuck: ImagePullBackOff: Back-off pulling image"),
+        "{note}"
+    );
+    // Only one replacement while none of this template has started, not the whole pool.
+    h.expect_create(&t).await;
+    h.expect_event("Normal", "CreatedSandboxes").await;
+    let status = h.expect_status().await;
+    h.api.finish(task).await.unwrap();
+    let pool = condition(&status, "PoolReady");
+    assert_eq!(pool["reason"], "StartFailing", "{pool}");
+    assert!(
+        pool["message"]
+            .as_str()
+            .unwrap()
+            .contains("pod redactor-stuck: ImagePullBackOff"),
+        "{pool}"
+    );
+
+    // The replacement shows up, still starting: the failure is remembered and nothing more is
+    // created beside it.
+    h.pods
+        .apply_watcher_event(&Event::Delete(pod("redactor-stuck", &t, "warm", false)));
+    h.add(pod("redactor-00001", &t, "warm", false));
+    let c = with_status(c, &status);
+    let task = h.run(c.clone());
+    h.api.finish(task).await.unwrap();
+
+    // It becomes ready: the template can start, and the pool fills at full speed.
+    h.add(pod("redactor-00001", &t, "warm", true));
+    let task = h.run(c);
+    h.expect_create(&t).await;
+    h.expect_create(&t).await;
+    // The recorder updates the series of the earlier CreatedSandboxes event.
+    let call = h.api.next().await;
+    assert!(call.path.starts_with(EVENTS), "{call:?}");
+    call.echo();
+    let status = h.expect_status().await;
+    h.api.finish(task).await.unwrap();
+    assert_eq!(condition(&status, "PoolReady")["reason"], "Starting");
+}
+
+#[tokio::test]
+async fn a_chain_name_that_is_no_label_value_gets_a_verdict_and_no_pods() {
+    let mut h = harness();
+    let long = "r".repeat(64);
+    let mut c = chain(2, 10, GOOD);
+    c.metadata.name = Some(long.clone());
+    let task = h.run(c);
+    // No NetworkPolicy (its selector would carry the same label) and no pod.
+    let call = h.api.next().await;
+    call.is("POST", EVENTS);
+    assert_eq!(
+        (call.body["type"].as_str(), call.body["reason"].as_str()),
+        (Some("Warning"), Some("InvalidName"))
+    );
+    let note = call.body["note"].as_str().unwrap().to_string();
+    assert!(
+        note.contains("HookChain names used as label values must be at most 63 characters"),
+        "{note}"
+    );
+    call.echo();
+    let call = h.api.next().await;
+    call.is(
+        "PATCH",
+        &format!("/apis/sluice.dev/v1alpha1/namespaces/team-a/hookchains/{long}/status"),
+    );
+    let status = call.body["status"].clone();
+    let mut stored = serde_json::to_value(chain(1, 1, GOOD)).unwrap();
+    stored["status"] = status.clone();
+    call.reply(200, stored);
+    h.api.finish(task).await.unwrap();
+    let code = condition(&status, "CodeValid");
+    assert_eq!(
+        (code["status"].as_str(), code["reason"].as_str()),
+        (Some("False"), Some("InvalidName"))
+    );
+    assert_eq!(condition(&status, "Ready")["reason"], "InvalidName");
 }
