@@ -118,30 +118,6 @@ impl Metrics {
     }
 
     pub async fn serve_on(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-        use http_body_util::Full;
-        use hyper::{Response, StatusCode, body::Bytes, service::service_fn};
-        loop {
-            let (stream, _) = listener.accept().await?;
-            let metrics = self.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let metrics = metrics.clone();
-                    async move {
-                        let (status, body) = match req.uri().path() {
-                            "/metrics" => (StatusCode::OK, metrics.render()),
-                            "/healthz" => (StatusCode::OK, "ok\n".to_string()),
-                            _ => (StatusCode::NOT_FOUND, "not found\n".to_string()),
-                        };
-                        let mut r = Response::new(Full::new(Bytes::from(body)));
-                        *r.status_mut() = status;
-                        Ok::<_, std::convert::Infallible>(r)
-                    }
-                });
-                let io = hyper_util::rt::TokioIo::new(stream);
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(io, svc)
-                    .await;
-            });
-        }
+        sluice_gateway::metrics::serve_endpoint(listener, self.registry.clone(), None).await
     }
 }
