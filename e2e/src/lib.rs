@@ -97,6 +97,15 @@ impl Harness {
         identity: &str,
         claim_timeout: Duration,
     ) -> Self {
+        Self::start_kube_with(api, identity, claim_timeout, |_| {}).await
+    }
+
+    pub async fn start_kube_with(
+        api: &sluice_fake_apiserver::FakeApiServer,
+        identity: &str,
+        claim_timeout: Duration,
+        tweak: impl FnOnce(&mut sluice_gateway::gateway::KubeOptions),
+    ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let state = tempfile::Builder::new()
             .prefix("sluice-e2e-kube")
@@ -110,6 +119,7 @@ impl Harness {
         opts.limits.claim_timeout = claim_timeout;
         opts.limits.boot_timeout = Duration::from_secs(60);
         opts.sync_timeout = Duration::from_secs(10);
+        tweak(&mut opts);
         let gateway = sluice_gateway::gateway::start_kube(opts)
             .await
             .expect("gateway starts in kube mode");

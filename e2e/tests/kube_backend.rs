@@ -324,3 +324,53 @@ async fn no_warm_pod_in_time_is_unavailable() {
     h.stop_kube_and_check(&api).await;
     api.stop().await;
 }
+
+const PLATFORM_BASELINE: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: platform-input, namespace: sluice-system}
+spec:
+  enforced: true
+  target: "*"
+  triggerPoint: input
+  pool: {warm: 1, max: 8}
+  hooks:
+    - name: stamp
+      action: modify
+      code: |
+        def execute(context, settings):
+            # Idempotent, as baseline rewrites must be: the baseline may see its own output again.
+            if "[platform]" in context["outgoing"]:
+                return {"action": "pass"}
+            return {"action": "modify", "outgoing": context["outgoing"] + " [platform]"}
+"#;
+
+/// A gateway confined to one namespace still serves the platform's baseline: it watches the
+/// platform namespace's chains and pods too, and claims the baseline's pod there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_namespaced_gateway_still_runs_the_platform_baseline() {
+    let api = FakeApiServer::start(ExecProtocol::V5)
+        .await
+        .expect("fake API");
+    let tenant = chain_yaml("marker", "bot", "input", "", &[("mark", "modify", MARK)]);
+    api.apply(Resource::HookChains, manifest_json(&tenant));
+    api.apply(Resource::HookChains, manifest_json(PLATFORM_BASELINE));
+    api.keep_warm(sandbox_of(&tenant), 1);
+    api.keep_warm(sandbox_of(PLATFORM_BASELINE), 1);
+    let h = Harness::start_kube_with(&api, "gw-test", Duration::from_secs(30), |o| {
+        o.kube.namespaces = vec!["default".into()];
+    })
+    .await;
+    let r = h.run_text("bot", "input", "hi").await.expect("run");
+    assert_eq!(text(&r), "hi [platform] [checked]");
+    let names: Vec<&str> = r.hooks.iter().map(|o| o.name.as_str()).collect();
+    assert_eq!(names, ["baseline/stamp", "mark"]);
+    // The baseline's pod was claimed (and deleted) in the platform namespace.
+    assert!(
+        api.requests()
+            .iter()
+            .any(|q| q.method == "PATCH" && q.path.contains("/namespaces/sluice-system/pods/")),
+        "no claim in the platform namespace"
+    );
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
+}
