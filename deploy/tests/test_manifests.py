@@ -268,6 +268,7 @@ class ChartTest(ManifestCase):
         self.assertEqual({p["name"]: p["port"] for p in service["spec"]["ports"]}, {"grpc": 50051, "metrics": 9464})
         runtime_class = self.find(objs, "RuntimeClass", "gvisor")
         self.assertEqual(runtime_class["handler"], "runsc")
+        self.assertEqual(runtime_class["overhead"]["podFixed"], {"cpu": "50m", "memory": "64Mi"})
         one_ns = helm_template("watchNamespace=team-a")
         for name in ports:
             args = self.find(one_ns, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]["args"]
