@@ -4,8 +4,8 @@
 //! policies are the shipped files, with only their settings tightened for a short script.
 
 use serde_json::{Value, json};
-use sluice_agent_loop::hooks::Hooks;
-use sluice_agent_loop::model::{ScriptedModel, Usage};
+use sluice_agent_loop::hooks::{HookError, Hooks};
+use sluice_agent_loop::model::{Model, ModelReply, ModelRequest, ScriptedModel, Usage};
 use sluice_agent_loop::tools::FakeTools;
 use sluice_agent_loop::{Agent, AgentConfig, Ending};
 use sluice_e2e::{Harness, action, from_proto};
@@ -40,12 +40,7 @@ fn enforce(chain: &mut Value, name: &str) {
     chain["spec"]["target"] = json!("*");
 }
 
-async fn agent(
-    h: &Harness,
-    target: &str,
-    model: ScriptedModel,
-    config: AgentConfig,
-) -> Agent<ScriptedModel> {
+async fn agent<M: Model>(h: &Harness, target: &str, model: M, config: AgentConfig) -> Agent<M> {
     let mut hooks = Hooks::connect(
         &format!("http://{}", h.gateway().addr),
         "default",
@@ -118,29 +113,93 @@ async fn the_loop_stops_at_the_turn_limit() {
     h.stop_and_check_leaks().await;
 }
 
-/// Micro-dollars of a call's worst case before turn `k` (1-based) when every call uses `usage`.
-fn worst_case_micro(k: u64, usage: Usage, max_tokens: u64, rate_in: u64, rate_out: u64) -> u64 {
-    (k - 1) * (usage.input_tokens * rate_in + usage.output_tokens * rate_out)
-        + max_tokens * rate_out
+/// The price ceiling's input estimate, computed here independently of the hook: characters of the
+/// call's messages and tools as compact JSON / 4, rounded up.
+fn input_estimate(messages: &Value, tools: &Value) -> u64 {
+    let chars = messages.to_string().chars().count() + tools.to_string().chars().count();
+    chars.div_ceil(4) as u64
+}
+
+/// A scripted model that reports as input tokens exactly the estimate of what it was sent (a stand-in
+/// for a tokenizer), so the budget arithmetic can be checked against what was actually spent.
+struct Metered(ScriptedModel);
+
+impl Model for Metered {
+    fn complete(&mut self, request: &ModelRequest) -> ModelReply {
+        let mut reply = self.0.complete(request);
+        reply.usage.input_tokens = input_estimate(&json!(request.messages), &json!(request.tools));
+        reply
+    }
+}
+
+/// fake-model prices, in micro-dollars a token.
+const RATE_IN: u64 = 3;
+const RATE_OUT: u64 = 15;
+
+fn cost_micro(usage: &Value) -> u64 {
+    usage["input_tokens"].as_u64().unwrap_or(0) * RATE_IN
+        + usage["output_tokens"].as_u64().unwrap_or(0) * RATE_OUT
+}
+
+/// Micro-dollars of the worst case of the before_model call `sent`:
+/// spent + input estimate * input rate + max_tokens * output rate.
+fn worst_case_micro(sent: &Value) -> u64 {
+    cost_micro(&sent["usage_so_far"])
+        + input_estimate(&sent["messages"], &sent["tools"]) * RATE_IN
+        + sent["max_tokens"].as_u64().unwrap() * RATE_OUT
+}
+
+fn usd(micro: u64) -> String {
+    format!("{}.{:06}", micro / 1_000_000, micro % 1_000_000)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_price_ceiling_blocks_exactly_the_call_that_would_cross_the_budget() {
-    // fake-model costs 3 / 15 USD per million tokens; every call uses 5000 in, 500 out; max_tokens 1000.
-    // Before call k the worst case is (k-1) * 0.0225 + 0.015 USD: 0.015, 0.0375, 0.06, 0.0825.
-    let usage = Usage::new(5000, 500);
+    // fake-model costs 3 / 15 USD per million tokens; every call reads a.txt, reports 500 output
+    // tokens (max_tokens 1000) and as input tokens the estimate of what it was sent.
+    let step = || read("c", "a.txt", Usage::new(0, 500));
+
+    // First, with no chain at all, what the loop sends before each of the first four calls, and so
+    // the worst case of each: the history grows, so each call's input grows too.
+    let probe = Harness::start(&[]).await;
+    let script = Metered(ScriptedModel::new(vec![
+        step(),
+        step(),
+        step(),
+        ScriptedModel::says("Done.", Usage::new(0, 500)),
+    ]));
+    let mut a = agent(&probe, "agent-price-probe", script, AgentConfig::default()).await;
+    a.run("Read a.txt until told to stop.").await.unwrap();
+    let worst: Vec<u64> = a
+        .decisions("before_model")
+        .iter()
+        .map(|d| worst_case_micro(&d.sent))
+        .collect();
+    assert_eq!(worst.len(), 4);
+    assert!(worst.windows(2).all(|w| w[0] < w[1]), "{worst:?}");
+    probe.stop_and_check_leaks().await;
+
+    // A budget the third call can reach exactly (it goes ahead, the fourth is blocked), and one a
+    // micro-dollar under it (the third is blocked).
     let budgets = [
-        ("agent-price-exact", "0.06"),
-        ("agent-price-under", "0.0599"),
+        ("agent-price-exact", worst[2], 4u64),
+        ("agent-price-under", worst[2] - 1, 3),
     ];
+    // Without the input estimate the third call would have passed even the lower budget: the call's
+    // own input is what decides it.
+    let sent_third = a.decisions("before_model")[2].sent.clone();
+    assert!(
+        cost_micro(&sent_third["usage_so_far"]) + 1000 * RATE_OUT < worst[2],
+        "the input estimate must matter for this test"
+    );
     let mut files = Vec::new();
-    for (target, budget) in budgets {
+    for (target, budget, _) in budgets {
         files.push((
             format!("{target}.yaml"),
             policy("price-ceiling", |c| {
                 c["metadata"]["name"] = json!(target);
                 c["spec"]["target"] = json!(target);
-                settings(c)["budget_usd"] = json!(budget);
+                settings(c)["budget_usd"] = json!(usd(budget));
             }),
         ));
     }
@@ -150,15 +209,8 @@ async fn the_price_ceiling_blocks_exactly_the_call_that_would_cross_the_budget()
         .collect();
     let h = Harness::start(&files).await;
 
-    for ((target, budget), expected_blocked_turn) in budgets.into_iter().zip([4u64, 3]) {
-        // The first call whose worst case exceeds the budget, computed independently of the hook.
-        let budget_micro = (budget.parse::<f64>().unwrap() * 1e6).round() as u64;
-        let first_over = (1..)
-            .find(|k| worst_case_micro(*k, usage, 1000, 3, 15) > budget_micro)
-            .unwrap();
-        assert_eq!(first_over, expected_blocked_turn, "{target}");
-
-        let endless = ScriptedModel::repeating(read("c", "a.txt", usage));
+    for (target, budget, expected_blocked_turn) in budgets {
+        let endless = Metered(ScriptedModel::repeating(step()));
         let mut a = agent(&h, target, endless, AgentConfig::default()).await;
         let ending = a.run("Read a.txt until told to stop.").await.unwrap();
         let Ending::Stopped {
@@ -174,23 +226,44 @@ async fn the_price_ceiling_blocks_exactly_the_call_that_would_cross_the_budget()
             ("before_model", "price-ceiling")
         );
         assert!(message.starts_with("Price ceiling:"), "{message}");
+        let checks = a.decisions("before_model");
+        // The first call whose worst case exceeds the budget, computed here from what was sent.
+        let first_over = checks
+            .iter()
+            .position(|d| worst_case_micro(&d.sent) > budget)
+            .map(|i| i as u64 + 1);
+        assert_eq!(first_over, Some(expected_blocked_turn), "{target}");
         assert_eq!(
-            a.model.seen.len() as u64,
-            first_over - 1,
-            "{target}: every call up to the budget was made, not one more"
-        );
-        let blocked = a.decisions("before_model").last().copied().unwrap().clone();
-        assert_eq!(blocked.sent["turn"], json!(first_over));
-        assert_eq!(
-            blocked.sent["usage_so_far"],
-            json!({"input_tokens": 5000 * (first_over - 1), "output_tokens": 500 * (first_over - 1)})
+            checks.len() as u64,
+            expected_blocked_turn,
+            "{target}: blocked at the first call over budget, not one later"
         );
         assert!(
-            a.decisions("before_model")
+            checks[..checks.len() - 1]
                 .iter()
-                .rev()
-                .skip(1)
                 .all(|d| d.action == Action::Pass)
+                && checks.last().unwrap().action == Action::Block,
+            "{target}"
+        );
+        assert_eq!(
+            a.model.0.seen.len() as u64,
+            expected_blocked_turn - 1,
+            "{target}: every call up to the budget was made, not one more"
+        );
+        // What was actually spent (the usage the model reported) stays within the budget.
+        let blocked = checks.last().unwrap();
+        assert_eq!(blocked.sent["turn"], json!(expected_blocked_turn));
+        assert_eq!(blocked.sent["usage_so_far"], a.usage_so_far.to_json());
+        let spent = cost_micro(&a.usage_so_far.to_json());
+        assert!(
+            spent <= budget,
+            "{target}: spent {} of {}",
+            usd(spent),
+            usd(budget)
+        );
+        assert!(
+            message.contains(&format!("of ${}", usd(budget).trim_end_matches('0'))),
+            "{message}"
         );
     }
     h.stop_and_check_leaks().await;
@@ -235,17 +308,36 @@ async fn compaction_summarises_older_turns_through_llm_run_above_the_threshold()
         "http://127.0.0.1:7002",
         &format!("http://{}", services.credit_addr),
     );
-    // fake-small has a 400-token window: compaction above 320 estimated tokens; keep 4 messages.
+    // fake-small has a 400-token window: compaction above 320 estimated tokens. keep_recent 2 falls
+    // between the two results of a parallel call, and the transcript is held to 400 characters.
     let chain = policy("context-compaction", |c| {
-        settings(c)["keep_recent"] = json!(4)
+        settings(c)["keep_recent"] = json!(2);
+        settings(c)["max_prompt_chars"] = json!(400);
     });
-    let h = Harness::start(&[("caps.yaml", &caps), ("compaction.yaml", &chain)]).await;
+    // The same policy with keep_recent 0: a settings error (not a crash), and the chain fails Open.
+    let zero = policy("context-compaction", |c| {
+        c["metadata"]["name"] = json!("compaction-zero");
+        c["spec"]["target"] = json!("agent-compaction-zero");
+        settings(c)["keep_recent"] = json!(0);
+    });
+    let h = Harness::start(&[
+        ("caps.yaml", &caps),
+        ("compaction.yaml", &chain),
+        ("zero.yaml", &zero),
+    ])
+    .await;
     let u = Usage::new(100, 20);
+    let parallel = ModelReply {
+        message: json!({"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c3", "name": "read_file", "arguments": {"path": "c.txt"}},
+            {"id": "c4", "name": "read_file", "arguments": {"path": "d.txt"}},
+        ]}),
+        usage: u,
+    };
     let model = ScriptedModel::new(vec![
         read("c1", "a.txt", u),
         read("c2", "b.txt", u),
-        read("c3", "c.txt", u),
-        read("c4", "d.txt", u),
+        parallel,
         ScriptedModel::says("All four files are read.", u),
     ]);
     let config = AgentConfig {
@@ -260,43 +352,49 @@ async fn compaction_summarises_older_turns_through_llm_run_above_the_threshold()
     let actions: Vec<Action> = checks.iter().map(|d| d.action).collect();
     assert_eq!(
         actions,
-        vec![
-            Action::Pass,
-            Action::Pass,
-            Action::Pass,
-            Action::Pass,
-            Action::Modify
-        ],
+        vec![Action::Pass, Action::Pass, Action::Pass, Action::Modify],
         "compaction runs only once the conversation is over the threshold"
     );
-    assert!(estimate_tokens(&checks[3].sent["messages"]) < 320 - 15);
-    assert!(estimate_tokens(&checks[4].sent["messages"]) > 320 + 15);
+    assert!(estimate_tokens(&checks[2].sent["messages"]) < 320 - 15);
+    assert!(estimate_tokens(&checks[3].sent["messages"]) > 320 + 15);
 
-    // The fifth model call sees: the system prompt, the summary, and the last four messages verbatim.
-    let before = checks[4].sent["messages"].as_array().unwrap();
-    let seen = &a.model.seen[4].messages;
+    // The fourth model call sees: the system prompt, the task verbatim, the summary, and the parallel
+    // call with both its results (keep_recent 2 alone would have kept only the results).
+    let before = checks[3].sent["messages"].as_array().unwrap();
+    let seen = &a.model.seen[3].messages;
     assert_eq!(seen.len(), 6, "{seen:#?}");
     assert_eq!(seen[0], before[0], "leading system messages are kept");
     assert_eq!(
-        seen[1],
+        seen[1], before[1],
+        "the first user message is kept verbatim"
+    );
+    assert_eq!(
+        seen[2],
         json!({"role": "system", "content": "Summary of the earlier conversation: Summary: user: Read the four files."})
     );
     assert_eq!(
-        seen[2..],
-        before[before.len() - 4..],
+        seen[3..],
+        before[before.len() - 3..],
         "recent turns are kept as they were"
     );
     assert_eq!(
-        seen[2]["tool_calls"][0]["id"],
-        json!("c3"),
-        "a tool result keeps its call"
+        seen[3]["tool_calls"],
+        json!([
+            {"id": "c3", "name": "read_file", "arguments": {"path": "c.txt"}},
+            {"id": "c4", "name": "read_file", "arguments": {"path": "d.txt"}},
+        ]),
+        "the results keep their calls"
     );
+    for request in &a.model.seen {
+        assert_calls_and_results_together(&request.messages);
+    }
     assert!(
         !serde_json::to_string(seen)
             .unwrap()
             .contains(&"A".repeat(300))
     );
-    // The summary came from the LLM service, through the credit gate, with the older turns in the prompt.
+    // The summary came from the LLM service, through the credit gate, with the older turns in the
+    // prompt: each message shortened, the start (the task) never cut off.
     let llm: Vec<_> = services
         .calls()
         .into_iter()
@@ -304,18 +402,72 @@ async fn compaction_summarises_older_turns_through_llm_run_above_the_threshold()
         .collect();
     assert_eq!(llm.len(), 1);
     let prompt = llm[0].payload["prompt"].as_str().unwrap();
+    let transcript = prompt
+        .strip_prefix("Summarise this conversation so the assistant can continue from it: ")
+        .expect(prompt);
     assert!(
-        prompt.contains("a.txt") && prompt.contains("b.txt") && !prompt.contains("d.txt"),
-        "{prompt}"
+        transcript.starts_with("user: Read the four files. Then report.\n"),
+        "{transcript}"
+    );
+    assert!(transcript.chars().count() <= 400, "{transcript}");
+    assert!(
+        transcript.contains("a.txt")
+            && transcript.contains("b.txt")
+            && transcript.contains(" [...] ")
+            && !transcript.contains("c.txt")
+            && !transcript.contains("d.txt"),
+        "{transcript}"
     );
     assert_eq!(
         llm[0].caller.get("user_id").map(String::as_str),
         Some("user-1")
     );
     // The application keeps the compacted history.
-    assert_eq!(a.messages[1], seen[1]);
+    assert_eq!(a.messages[..3], seen[..3]);
+
+    // keep_recent 0 is refused with a clear error; failurePolicy Open lets the call go ahead as it was.
+    let r = h
+        .run_value(
+            "agent-compaction-zero",
+            "before_model",
+            checks[3].sent.clone(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(action(&r), Action::Pass);
+    assert!(
+        r.hooks[0]
+            .error
+            .contains("settings.keep_recent must be an integer of at least 1, got 0"),
+        "{:?}",
+        r.hooks
+    );
     h.stop_and_check_leaks().await;
     services.stop();
+}
+
+/// Every tool message answers a call made earlier in `messages`, and every call is answered.
+fn assert_calls_and_results_together(messages: &[Value]) {
+    for (i, m) in messages.iter().enumerate() {
+        for call in m["tool_calls"].as_array().into_iter().flatten() {
+            assert!(
+                messages[i + 1..]
+                    .iter()
+                    .any(|r| r["role"] == "tool" && r["tool_call_id"] == call["id"]),
+                "call {} has no result: {messages:#?}",
+                call["id"]
+            );
+        }
+        if m["role"] == "tool" {
+            assert!(
+                messages[..i].iter().any(|c| c["tool_calls"]
+                    .as_array()
+                    .is_some_and(|calls| calls.iter().any(|c| c["id"] == m["tool_call_id"]))),
+                "result {} has no call: {messages:#?}",
+                m["tool_call_id"]
+            );
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -432,6 +584,130 @@ async fn the_path_guard_refuses_escapes_and_the_context_warning_is_injected() {
             .unwrap()
             .contains("% of the context window is used")
     );
+    h.stop_and_check_leaks().await;
+}
+
+/// A before_tool chain that rewrites a call, and an after_model chain that breaks the reply's shape.
+const LOOP_CHAINS: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: rename, namespace: default}
+spec:
+  target: agent-rename
+  triggerPoint: before_tool
+  pool: {warm: 1, max: 8}
+  hooks:
+    - name: list-means-read
+      action: modify
+      code: |
+        def execute(context, settings):
+            call = context["outgoing"]
+            if call["name"] != "list_files":
+                return {"action": "pass"}
+            return {"action": "modify", "outgoing": {"name": "read_file", "arguments": {"path": "a.txt"}}}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: bad-message, namespace: default}
+spec:
+  target: agent-bad-message
+  triggerPoint: after_model
+  pool: {warm: 1, max: 8}
+  hooks:
+    - name: flatten
+      action: modify
+      code: |
+        def execute(context, settings):
+            return {"action": "modify", "outgoing": dict(context["outgoing"], message="just text")}
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loop_keeps_calls_with_their_results_and_can_require_chains() {
+    let h = Harness::start(&[("loop.yaml", LOOP_CHAINS)]).await;
+    let u = Usage::new(10, 5);
+    let both = |a: &str, b: &str| ModelReply {
+        message: json!({"role": "assistant", "content": "", "tool_calls": [
+            {"id": "p1", "name": a, "arguments": {"path": "a.txt"}},
+            {"id": "p2", "name": b, "arguments": {"path": "b.txt"}},
+        ]}),
+        usage: u,
+    };
+
+    // A rewritten call: the tool message carries the name of the call that actually ran.
+    let model = ScriptedModel::new(vec![
+        both("list_files", "read_file"),
+        ScriptedModel::says("Done.", u),
+    ]);
+    let mut a = agent(&h, "agent-rename", model, AgentConfig::default()).await;
+    assert_eq!(
+        a.run("Go.").await.unwrap(),
+        Ending::Answered("Done.".into())
+    );
+    let results: Vec<(&str, &str)> = a
+        .messages
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| {
+            (
+                m["tool_call_id"].as_str().unwrap(),
+                m["name"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(results, vec![("p1", "read_file"), ("p2", "read_file")]);
+    assert_eq!(a.tools.ran.len(), 2);
+    assert!(!a.tools.ran_tool("list_files"));
+    assert_calls_and_results_together(&a.messages);
+
+    // A required trigger point with no chain stops the loop; the assistant message still goes into
+    // the history together with an error result for each of its calls, and no tool ran.
+    let model = ScriptedModel::new(vec![both("read_file", "read_file")]);
+    let mut a = agent(&h, "agent-none", model, AgentConfig::default()).await;
+    a.hooks = a.hooks.clone().requiring(&["before_tool"]);
+    let err = a.run("Go.").await.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            HookError::Required { trigger_point: "before_tool", target } if target == "agent-none"
+        ),
+        "{err}"
+    );
+    assert!(a.tools.ran.is_empty());
+    let roles: Vec<&str> = a
+        .messages
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, vec!["system", "user", "assistant", "tool", "tool"]);
+    assert!(
+        a.messages[3]["content"]
+            .as_str()
+            .unwrap()
+            .contains("no chain serves before_tool"),
+        "{}",
+        a.messages[3]
+    );
+    assert_calls_and_results_together(&a.messages);
+    // Not required: the same target runs without any chain (NOT_FOUND passes).
+    let model = ScriptedModel::new(vec![ScriptedModel::says("Hi.", u)]);
+    let mut a = agent(&h, "agent-none", model, AgentConfig::default()).await;
+    assert_eq!(a.run("Go.").await.unwrap(), Ending::Answered("Hi.".into()));
+
+    // An after_model answer whose message is not an object is refused, and nothing is appended.
+    let model = ScriptedModel::new(vec![ScriptedModel::says("Hi.", u)]);
+    let mut a = agent(&h, "agent-bad-message", model, AgentConfig::default()).await;
+    let err = a.run("Go.").await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            HookError::BadField {
+                trigger_point: "after_model",
+                field: "message",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(a.messages.len(), 2, "{:?}", a.messages);
     h.stop_and_check_leaks().await;
 }
 

@@ -20,6 +20,21 @@ pub enum HookError {
     },
     #[error("the gateway answered {trigger_point} without an object payload")]
     NotAnObject { trigger_point: &'static str },
+    /// The answer is an object, but a field the loop needs has the wrong shape.
+    #[error("the gateway answered {trigger_point} with {field} that is not {expected}")]
+    BadField {
+        trigger_point: &'static str,
+        field: &'static str,
+        expected: &'static str,
+    },
+    /// No chain serves a trigger point listed in `Hooks::required`.
+    #[error(
+        "no chain serves {trigger_point} for target {target:?}, and this loop requires one there (Hooks::required)"
+    )]
+    Required {
+        trigger_point: &'static str,
+        target: String,
+    },
 }
 
 /// What the gateway decided at one trigger point.
@@ -62,6 +77,10 @@ pub struct Hooks {
     pub session_id: String,
     /// Caller context passed with every call (user id, plan...): what capability gates see.
     pub context: HashMap<String, String>,
+    /// Trigger points that must have a chain. By default (empty) a trigger point no chain serves
+    /// (`NOT_FOUND`) lets the payload through; listed here, `NOT_FOUND` is `HookError::Required`
+    /// instead, so a policy that was deleted or renamed stops the agent rather than vanishing.
+    pub required: Vec<&'static str>,
 }
 
 impl Hooks {
@@ -72,7 +91,14 @@ impl Hooks {
             target: target.into(),
             session_id: session_id.into(),
             context: HashMap::new(),
+            required: Vec::new(),
         }
+    }
+
+    /// The same client, with `NOT_FOUND` an error at these trigger points (see `required`).
+    pub fn requiring(mut self, trigger_points: &[&'static str]) -> Self {
+        self.required.extend_from_slice(trigger_points);
+        self
     }
 
     pub async fn connect(
@@ -85,7 +111,8 @@ impl Hooks {
         Ok(Self::new(channel, namespace, target, session_id))
     }
 
-    /// Runs `payload` through the chains at `trigger_point`. No chain there → the payload goes on.
+    /// Runs `payload` through the chains at `trigger_point`. No chain there → the payload goes on,
+    /// unless `trigger_point` is in `required`.
     pub async fn check(
         &self,
         trigger_point: &'static str,
@@ -102,6 +129,12 @@ impl Hooks {
         let response = match self.client.clone().run(request).await {
             Ok(r) => r.into_inner(),
             Err(s) if s.code() == tonic::Code::NotFound => {
+                if self.required.contains(&trigger_point) {
+                    return Err(HookError::Required {
+                        trigger_point,
+                        target: self.target.clone(),
+                    });
+                }
                 return Ok(Decision {
                     trigger_point,
                     sent: payload.clone(),

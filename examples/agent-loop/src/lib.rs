@@ -12,8 +12,10 @@
 //!    changes the call; then the tool runs;
 //! 5. `after_tool` `{name, result, error}`: a rewrite changes what the model sees, block withholds it.
 //!
-//! A trigger point without any chain (NOT_FOUND) lets the payload through; any other gateway error
-//! ends the loop with that error rather than running the agent without its policies.
+//! A trigger point without any chain (NOT_FOUND) lets the payload through, unless the `Hooks` list it
+//! as required; any other gateway error ends the loop with that error rather than running the agent
+//! without its policies. The history never holds a tool call without its result: the assistant
+//! message and all its results are added together (an error result for a call that was not made).
 
 pub mod hooks;
 pub mod model;
@@ -173,30 +175,62 @@ impl<M: Model> Agent<M> {
                 return Ok(Self::stopped(&d));
             }
             let message = d.payload["message"].clone();
-            self.messages.push(message.clone());
+            if !message.is_object() {
+                return Err(HookError::BadField {
+                    trigger_point: "after_model",
+                    field: "message",
+                    expected: "an object",
+                });
+            }
             let calls = message["tool_calls"]
                 .as_array()
                 .cloned()
                 .unwrap_or_default();
             if calls.is_empty() {
+                self.messages.push(message.clone());
                 return Ok(Ending::Answered(
                     message["content"].as_str().unwrap_or_default().to_string(),
                 ));
             }
-            for call in calls {
-                let content = self.tool_call(&call).await?;
-                self.messages.push(json!({
+            // The assistant message and a result for each of its calls go into the history together,
+            // so the history never holds a call without its result (which model APIs refuse). When a
+            // check fails, every call not answered yet gets an error result, and then the loop ends.
+            let mut results = Vec::with_capacity(calls.len());
+            let mut failed = None;
+            for call in &calls {
+                let (name, content) = if failed.is_some() {
+                    (
+                        call["name"].clone(),
+                        "error: no result: an earlier call of this turn failed".into(),
+                    )
+                } else {
+                    match self.tool_call(call).await {
+                        Ok(answer) => answer,
+                        Err(e) => {
+                            let content = format!("error: no result: {e}");
+                            failed = Some(e);
+                            (call["name"].clone(), content)
+                        }
+                    }
+                };
+                results.push(json!({
                     "role": "tool",
                     "tool_call_id": call["id"],
-                    "name": call["name"],
+                    "name": name,
                     "content": content,
                 }));
+            }
+            self.messages.push(message);
+            self.messages.extend(results);
+            if let Some(e) = failed {
+                return Err(e);
             }
         }
     }
 
-    /// One tool call through before_tool, the tool, and after_tool: what the model is told.
-    async fn tool_call(&mut self, call: &Value) -> Result<String, HookError> {
+    /// One tool call through before_tool, the tool, and after_tool: the name of the call as it was
+    /// made (a hook may rewrite it) and what the model is told.
+    async fn tool_call(&mut self, call: &Value) -> Result<(Value, String), HookError> {
         let d = self
             .check(
                 "before_tool",
@@ -204,18 +238,19 @@ impl<M: Model> Agent<M> {
             )
             .await?;
         let name = d.payload["name"].as_str().unwrap_or_default().to_string();
+        let named = |content: String| (Value::String(name.clone()), content);
         match d.action {
             Action::Block => {
                 self.events.push(Event::ToolRefused {
                     name: name.clone(),
                     message: d.message.clone(),
                 });
-                return Ok(format!(
+                return Ok(named(format!(
                     "error: the call was blocked by policy: {}",
                     d.message
-                ));
+                )));
             }
-            Action::Skip => return Ok(d.message),
+            Action::Skip => return Ok(named(d.message)),
             _ => {}
         }
         let arguments = d.payload["arguments"].clone();
@@ -234,16 +269,16 @@ impl<M: Model> Agent<M> {
             )
             .await?;
         if d.stops() {
-            return Ok(format!(
+            return Ok(named(format!(
                 "error: the result was withheld by policy: {}",
                 d.message
-            ));
+            )));
         }
-        Ok(match (&d.payload["error"], &d.payload["result"]) {
+        Ok(named(match (&d.payload["error"], &d.payload["result"]) {
             (Value::String(e), _) => format!("error: {e}"),
             (_, Value::String(s)) => s.clone(),
             (_, other) => other.to_string(),
-        })
+        }))
     }
 
     /// The gateway's decisions at one trigger point, in order.
