@@ -153,9 +153,7 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        let mut out = Vec::new();
-        let _ = prometheus::TextEncoder::new().encode(&self.registry.gather(), &mut out);
-        String::from_utf8(out).unwrap_or_default()
+        render(&self.registry)
     }
 
     /// Serves `GET /metrics`, `/healthz` (the process answers) and `/readyz` (ready to serve runs) on
@@ -188,12 +186,7 @@ pub async fn serve_endpoint(
                         r.load(std::sync::atomic::Ordering::Relaxed)
                     };
                     let (status, body) = match (req.uri().path(), &ready) {
-                        ("/metrics", _) => {
-                            let mut out = Vec::new();
-                            let _ =
-                                prometheus::TextEncoder::new().encode(&registry.gather(), &mut out);
-                            (StatusCode::OK, out)
-                        }
+                        ("/metrics", _) => (StatusCode::OK, render(&registry).into_bytes()),
                         ("/healthz", _) => (StatusCode::OK, b"ok\n".to_vec()),
                         ("/readyz", Some(r)) if is_ready(r) => {
                             (StatusCode::OK, b"ready\n".to_vec())
@@ -214,4 +207,11 @@ pub async fn serve_endpoint(
                 .await;
         });
     }
+}
+
+/// A registry in the Prometheus text format.
+pub fn render(registry: &Registry) -> String {
+    let mut out = Vec::new();
+    let _ = prometheus::TextEncoder::new().encode(&registry.gather(), &mut out);
+    String::from_utf8(out).unwrap_or_default()
 }

@@ -1,7 +1,7 @@
 //! Prometheus metrics of the operator (`sluice_operator_<what>_<unit>`) and the small HTTP server
 //! that serves them on `/metrics`, with `/healthz` for the liveness probe.
 
-use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use std::net::SocketAddr;
 
 #[derive(Clone)]
@@ -105,9 +105,7 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        let mut out = Vec::new();
-        let _ = prometheus::TextEncoder::new().encode(&self.registry.gather(), &mut out);
-        String::from_utf8(out).unwrap_or_default()
+        sluice_gateway::metrics::render(&self.registry)
     }
 
     /// Serves `GET /metrics` and `GET /healthz` on `addr` until the process ends.

@@ -199,7 +199,6 @@ mod tests {
                 }]),
                 ..Default::default()
             }),
-            ..Default::default()
         })
     }
 
