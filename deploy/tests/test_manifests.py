@@ -263,7 +263,8 @@ class ChartTest(ManifestCase):
         self.assertEqual(operator["args"], ["run", "--runtime-class=gvisor",
                                             "--supervisor-image=ghcr.io/sluice-dev/sluice-supervisor:0.1.0",
                                             "--metrics=0.0.0.0:9465", "--lease-namespace=$(POD_NAMESPACE)",
-                                            "--lease-name=sluice-operator", "--claim-deadline=300s"])
+                                            "--lease-name=sluice-operator", "--claim-deadline=300s",
+                                            f"--platform-namespace={NAMESPACE}"])
         service = self.find(objs, "Service", "sluice-gateway")
         self.assertEqual({p["name"]: p["port"] for p in service["spec"]["ports"]}, {"grpc": 50051, "metrics": 9464})
         runtime_class = self.find(objs, "RuntimeClass", "gvisor")

@@ -1,6 +1,12 @@
 //! Wiring: the watches (HookChains, the operator's pods, Capabilities), each reflected into a cache
 //! before it triggers anything, and the applier that runs `reconcile` for every chain they touch.
 //!
+//! With `--namespace NS` the operator also keeps the pools of the platform namespace (whose enforced
+//! chains are the gateway's baselines): one such controller (watches, caches, applier) per watched
+//! namespace, run side by side and stopped together. A reflector store mirrors exactly one watch
+//! (its relists replace the whole store), so the namespaces do not share a store; nothing else is
+//! shared either (every pool, expectation and Capability a chain depends on is of its namespace).
+//!
 //! One pod watch feeds both the cache and the triggers, so a reconcile triggered by a pod change
 //! always sees that change. Objects are read through `DeserializeGuard`: a malformed HookChain or
 //! Capability is reported on the object and cannot break a watch.
@@ -10,6 +16,7 @@ use crate::expectations::Expectations;
 use crate::leader::{self, LeaseLock};
 use crate::metrics::Metrics;
 use crate::reconcile::{self, Context};
+use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt, stream::BoxStream};
 use k8s_openapi::api::core::v1::Pod;
 use kube::core::DeserializeGuard;
@@ -30,10 +37,25 @@ pub struct RunConfig {
     pub claim_deadline: Duration,
     /// A new pod not ready this long after its creation is replaced.
     pub start_deadline: Duration,
-    /// Watch only this namespace; all when `None`.
+    /// Watch only this namespace (and `platform_namespace`); all when `None`.
     pub namespace: Option<String>,
+    /// The namespace whose enforced chains are platform baselines (the gateway's
+    /// `--platform-namespace`): watched as well when `namespace` is another one.
+    pub platform_namespace: String,
     /// This replica's name, recorded in Events.
     pub identity: String,
+}
+
+impl RunConfig {
+    /// The namespaces to watch, one controller each: `[None]` (all) without `namespace`, else
+    /// `namespace` and, when it is another one, `platform_namespace`.
+    pub fn watched_namespaces(&self) -> Vec<Option<String>> {
+        match &self.namespace {
+            None => vec![None],
+            Some(ns) if *ns == self.platform_namespace => vec![Some(ns.clone())],
+            Some(ns) => vec![Some(ns.clone()), Some(self.platform_namespace.clone())],
+        }
+    }
 }
 
 fn api<K>(client: &Client, namespace: &Option<String>) -> Api<K>
@@ -78,6 +100,34 @@ pub async fn run_until(
     stop: impl Future<Output = ()> + Send + 'static,
     abandon: impl Future<Output = ()> + Send,
 ) {
+    let stop = stop.boxed().shared();
+    let controllers = config.watched_namespaces().into_iter().map(|namespace| {
+        run_namespace(
+            client.clone(),
+            config,
+            namespace,
+            metrics.clone(),
+            stop.clone(),
+        )
+    });
+    let applied = futures::future::join_all(controllers);
+    tokio::select! {
+        _ = applied => {}
+        _ = abandon => {
+            tracing::warn!("reconciles did not finish within the grace; abandoning them");
+        }
+    }
+}
+
+/// The controller of one namespace (`None`: all): its watches, caches and applier, until `stop`
+/// resolves and its running reconciles have finished.
+async fn run_namespace(
+    client: Client,
+    config: &RunConfig,
+    namespace: Option<String>,
+    metrics: Metrics,
+    stop: Shared<BoxFuture<'static, ()>>,
+) {
     let (chains, chain_writer) = reflector::store::<Chain>();
     let (pods, pod_writer) = reflector::store::<Pod>();
     let (capabilities, cap_writer) = reflector::store::<DeserializeGuard<Capability>>();
@@ -104,7 +154,7 @@ pub async fn run_until(
 
     let forget_ctx = ctx.clone();
     let chain_events = watcher(
-        api::<Chain>(&client, &config.namespace),
+        api::<Chain>(&client, &namespace),
         watcher::Config::default(),
     )
     .default_backoff()
@@ -122,14 +172,14 @@ pub async fn run_until(
 
     let pod_config =
         watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={FIELD_MANAGER}"));
-    let pod_events = watcher(api::<Pod>(&client, &config.namespace), pod_config)
+    let pod_events = watcher(api::<Pod>(&client, &namespace), pod_config)
         .default_backoff()
         .reflect(pod_writer)
         .touched_objects();
 
     let cap_ctx = ctx.clone();
     let cap_events = watcher(
-        api::<DeserializeGuard<Capability>>(&client, &config.namespace),
+        api::<DeserializeGuard<Capability>>(&client, &namespace),
         watcher::Config::default(),
     )
     .default_backoff()
@@ -167,7 +217,8 @@ pub async fn run_until(
         trigger_with(cap_events, by_capability).boxed(),
     ];
     // Ending the input lets running reconciles finish: a graceful stop. A reconcile stuck on an
-    // API server that does not answer (or a cache that never synced) is dropped at `abandon`.
+    // API server that does not answer (or a cache that never synced) is dropped at `abandon`
+    // (`run_until`).
     let queue = futures::stream::select_all(queues).take_until(stop);
     let applied = applier(
         |chain, ctx| Box::pin(reconcile::reconcile(chain, ctx)),
@@ -183,12 +234,7 @@ pub async fn run_until(
             Err(e) => tracing::debug!(error = %e, "reconcile not run"),
         }
     });
-    tokio::select! {
-        _ = applied => {}
-        _ = abandon => {
-            tracing::warn!("reconciles did not finish within the grace; abandoning them");
-        }
-    }
+    applied.await
 }
 
 /// How long running reconciles may take to finish once the controller is told to stop (SIGTERM),

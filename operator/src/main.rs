@@ -74,9 +74,13 @@ struct RunArgs {
     /// while they keep failing), unless the scheduler cannot place them.
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     start_deadline: Duration,
-    /// Watch only this namespace (default: all).
+    /// Watch only this namespace (default: all), and the platform namespace besides.
     #[arg(long)]
     namespace: Option<String>,
+    /// The namespace whose enforced HookChains are platform baselines (as the gateway's flag):
+    /// with --namespace, its chains, Capabilities and pods are kept as well.
+    #[arg(long, default_value = sluice_crds::DEFAULT_PLATFORM_NAMESPACE)]
+    platform_namespace: String,
     /// This replica's identity in the Lease and in Events.
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
@@ -138,10 +142,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         claim_deadline: args.claim_deadline,
         start_deadline: args.start_deadline,
         namespace: args.namespace,
+        platform_namespace: args.platform_namespace,
         identity: identity(args.identity),
     };
     tracing::info!(identity = %config.identity, runtime_class = %config.settings.runtime_class,
-        image = %config.settings.supervisor_image, namespace = ?config.namespace, "starting");
+        image = %config.settings.supervisor_image, namespaces = ?config.watched_namespaces(), "starting");
 
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
@@ -220,5 +225,21 @@ mod tests {
         assert_eq!(parse_duration("42"), Ok(Duration::from_secs(42)));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("5d").is_err());
+    }
+
+    #[test]
+    fn the_platform_namespace_defaults_to_the_gateways() {
+        let run = |args: &[&str]| match Cli::try_parse_from(args).unwrap().command {
+            Command::Run(args) => (args.namespace, args.platform_namespace),
+            Command::Render { .. } => unreachable!(),
+        };
+        assert_eq!(
+            run(&["sluice-operator", "run", "--namespace", "team"]),
+            (Some("team".into()), "sluice-system".into())
+        );
+        assert_eq!(
+            run(&["sluice-operator", "run", "--platform-namespace=platform"]),
+            (None, "platform".into())
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! The whole controller (watches, caches, triggers, applier) against a mock API server: a malformed
 //! HookChain in the list does not stop the watch or the valid chain beside it, nothing is created
-//! before the pod cache has listed, and a stop lets the controller return.
+//! before the pod cache has listed, a single-namespace operator keeps the platform namespace's
+//! baselines too, and a stop lets the controller return.
 
 mod common;
 
@@ -49,6 +50,7 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
         claim_deadline: Duration::from_secs(300),
         start_deadline: Duration::from_secs(120),
         namespace: None,
+        platform_namespace: "sluice-system".into(),
         identity: "operator-test".into(),
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -145,6 +147,147 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
     drop(watches);
 }
 
+fn baseline_chain() -> Value {
+    json!({
+        "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
+        "metadata": {"name": "platform-input", "namespace": "sluice-system", "uid": "uid-baseline", "generation": 1, "resourceVersion": "11"},
+        "spec": {"enforced": true, "target": "*", "triggerPoint": "input", "pool": {"warm": 2, "max": 4},
+                 "hooks": [{"name": "turn-limit", "action": "block",
+                            "code": "def execute(context, settings):\n    return {'action': 'pass'}\n"}]}
+    })
+}
+
+#[test]
+fn the_platform_namespace_is_watched_beside_a_single_namespace_only() {
+    let config = |namespace: Option<&str>| RunConfig {
+        settings: Settings::default(),
+        claim_deadline: Duration::from_secs(300),
+        start_deadline: Duration::from_secs(120),
+        namespace: namespace.map(Into::into),
+        platform_namespace: "sluice-system".into(),
+        identity: "operator-test".into(),
+    };
+    assert_eq!(config(None).watched_namespaces(), vec![None]);
+    assert_eq!(
+        config(Some("team")).watched_namespaces(),
+        vec![Some("team".to_string()), Some("sluice-system".to_string())]
+    );
+    assert_eq!(
+        config(Some("sluice-system")).watched_namespaces(),
+        vec![Some("sluice-system".to_string())]
+    );
+}
+
+/// `--namespace team`: HookChains, pods and Capabilities are listed and watched in `team` and in the
+/// platform namespace (never cluster-wide), and the baseline chain there gets its warm pods.
+#[tokio::test]
+async fn a_single_namespace_operator_keeps_the_platform_baselines_too() {
+    let (client, mut api) = mock_client();
+    let config = RunConfig {
+        settings: Settings::default(),
+        claim_deadline: Duration::from_secs(300),
+        start_deadline: Duration::from_secs(120),
+        namespace: Some("team".into()),
+        platform_namespace: "sluice-system".into(),
+        identity: "operator-test".into(),
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = spawn(async move {
+        controller::run(client, &config, Metrics::new(), async move {
+            let _ = stop_rx.await;
+        })
+        .await
+    });
+
+    const LISTS: [&str; 6] = [
+        "/apis/sluice.dev/v1alpha1/namespaces/team/hookchains",
+        "/api/v1/namespaces/team/pods",
+        "/apis/sluice.dev/v1alpha1/namespaces/team/capabilities",
+        "/apis/sluice.dev/v1alpha1/namespaces/sluice-system/hookchains",
+        "/api/v1/namespaces/sluice-system/pods",
+        "/apis/sluice.dev/v1alpha1/namespaces/sluice-system/capabilities",
+    ];
+    let mut watches: Vec<Call> = Vec::new();
+    let mut watched: Vec<String> = Vec::new();
+    let mut listed: Vec<String> = Vec::new();
+    let mut seen: Vec<String> = Vec::new();
+    let mut created = 0;
+    let mut status_written = false;
+    while !status_written || created < 2 || watched.len() < LISTS.len() {
+        let call = api.next().await;
+        let line = format!("{} {}", call.method, call.path);
+        if call.method == "GET" && call.query("watch") == Some("true") {
+            assert!(
+                LISTS.contains(&call.path.as_str()),
+                "unexpected watch {call:?}"
+            );
+            watched.push(call.path.clone());
+            watches.push(call);
+            continue;
+        }
+        seen.push(line.clone());
+        match (call.method.as_str(), call.path.as_str()) {
+            ("GET", path) if LISTS.contains(&path) => {
+                if path.ends_with("/pods") {
+                    assert_eq!(
+                        call.query("labelSelector"),
+                        Some("app.kubernetes.io/managed-by=sluice-operator")
+                    );
+                }
+                listed.push(path.to_string());
+                let items = if path == LISTS[3] {
+                    vec![baseline_chain()]
+                } else {
+                    vec![]
+                };
+                call.reply(200, list("List", items))
+            }
+            (
+                "PATCH",
+                "/apis/networking.k8s.io/v1/namespaces/sluice-system/networkpolicies/sluice-platform-input-deny-all",
+            ) => call.echo(),
+            ("POST", "/api/v1/namespaces/sluice-system/pods") => {
+                assert!(
+                    listed.iter().any(|p| p == LISTS[4]),
+                    "created a pod before the platform pod cache listed: {seen:?}"
+                );
+                assert_eq!(call.body["metadata"]["namespace"], "sluice-system");
+                assert_eq!(
+                    call.body["metadata"]["labels"]["sluice.dev/chain"],
+                    "platform-input"
+                );
+                created += 1;
+                let mut pod = call.body.clone();
+                pod["metadata"]["name"] = format!("platform-input-{created:05}").into();
+                call.reply(201, pod)
+            }
+            ("POST", "/apis/events.k8s.io/v1/namespaces/sluice-system/events") => call.echo(),
+            (
+                "PATCH",
+                "/apis/sluice.dev/v1alpha1/namespaces/sluice-system/hookchains/platform-input/status",
+            ) => {
+                status_written = true;
+                let mut chain = baseline_chain();
+                chain["status"] = call.body["status"].clone();
+                call.reply(200, chain)
+            }
+            _ => panic!("unexpected request {call:?} after {seen:?}"),
+        }
+    }
+    listed.sort();
+    watched.sort();
+    let mut want: Vec<String> = LISTS.iter().map(|p| p.to_string()).collect();
+    want.sort();
+    assert_eq!(listed, want, "each watched once, in both namespaces");
+    assert_eq!(watched, want);
+    assert_eq!(created, 2, "{seen:?}");
+
+    // Stop: both namespaces' controllers return without further requests.
+    stop_tx.send(()).unwrap();
+    api.finish(run).await;
+    drop(watches);
+}
+
 #[tokio::test]
 async fn metrics_and_health_are_served() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -217,6 +360,7 @@ async fn only_the_lease_holder_reconciles() {
         claim_deadline: Duration::from_secs(300),
         start_deadline: Duration::from_secs(120),
         namespace: Some("team-a".into()),
+        platform_namespace: "sluice-system".into(),
         identity: "operator-a".into(),
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -255,7 +399,11 @@ async fn only_the_lease_holder_reconciles() {
     call.echo();
     let mut listed = Vec::new();
     let mut watches = Vec::new();
-    while listed.len() < 3 {
+    let ours = |path: &str| {
+        path.contains("/namespaces/team-a/") || path.contains("/namespaces/sluice-system/")
+    };
+    // Chains, pods and Capabilities, in team-a and in the platform namespace.
+    while listed.len() < 6 {
         let call = api.next().await;
         match (call.method.as_str(), call.path.as_str()) {
             ("GET", LEASE) => {
@@ -264,11 +412,11 @@ async fn only_the_lease_holder_reconciles() {
             }
             ("PUT", LEASE) => call.echo(),
             ("GET", path) if call.query("watch") == Some("true") => {
-                assert!(path.contains("/namespaces/team-a/"), "{call:?}");
+                assert!(ours(path), "{call:?}");
                 watches.push(call)
             }
             ("GET", path) => {
-                assert!(path.contains("/namespaces/team-a/"), "{call:?}");
+                assert!(ours(path), "{call:?}");
                 listed.push(path.to_string());
                 call.reply(200, list("List", vec![]))
             }
@@ -333,6 +481,7 @@ async fn a_leader_that_cannot_renew_abandons_a_hung_reconcile_before_the_lease_e
         claim_deadline: Duration::from_secs(300),
         start_deadline: Duration::from_secs(120),
         namespace: Some("team-a".into()),
+        platform_namespace: "sluice-system".into(),
         identity: "operator-a".into(),
     };
     // Scaled down from 5 s / 10 s / 15 s: the grace is then 250 ms.
@@ -368,7 +517,7 @@ async fn a_leader_that_cannot_renew_abandons_a_hung_reconcile_before_the_lease_e
                 break;
             }
             ("GET", _) if call.query("watch") == Some("true") => held.push(call),
-            ("GET", path) if path.contains("/hookchains") => {
+            ("GET", path) if path.contains("/namespaces/team-a/hookchains") => {
                 call.reply(200, list("HookChainList", vec![good_chain()]))
             }
             ("GET", _) => call.reply(200, list("List", vec![])),
