@@ -234,7 +234,11 @@ class ChartTest(ManifestCase):
                 self.assertEqual(binding["subjects"], [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}])
             if kind == "Role":
                 self.assertEqual(self.find(objs, "Role", "sluice-gateway")["metadata"]["namespace"], "team-a")
-                self.assertEqual(self.find(objs, "Role", "sluice-gateway-platform")["metadata"]["namespace"], NAMESPACE)
+                platform = self.find(objs, "Role", "sluice-gateway-platform")
+                self.assertEqual(platform["metadata"]["namespace"], NAMESPACE)
+                # Baselines' pods live there: the gateway claims, execs into and deletes them.
+                self.assertEqual(triples(*[(r["apiGroups"], r["resources"], r["verbs"]) for r in platform["rules"]]),
+                                 CONTRACT_RBAC["sluice-gateway"])
                 self.assertFalse([o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")])
 
     def test_deployments_follow_the_contract(self):
