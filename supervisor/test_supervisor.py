@@ -23,9 +23,9 @@ def hook(name, action, code, settings=None):
 class Session:
     """One supervisor process, spoken to exactly as the gateway does."""
 
-    def __init__(self, env=None, args=(), prefix=()):
+    def __init__(self, env=None, args=(), prefix=(), supervisor=SUPERVISOR):
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-I", "-S", "-u", SUPERVISOR, *args],
+            [*prefix, sys.executable, "-I", "-S", "-u", supervisor, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -427,8 +427,12 @@ class ClusterModeTest(unittest.TestCase):
     supervisor exec'd into it the way the gateway execs it into a pod."""
 
     def setUp(self):
+        # The pod's own /tmp hides the host's, so the supervisor runs from a copy outside /tmp (the
+        # checkout itself may live under /tmp).
+        self.image = tempfile.mkdtemp(prefix="sluice-pod-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+        self.supervisor = shutil.copy(SUPERVISOR, self.image)
         self.pod = subprocess.Popen(["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child", "sh", "-c",
-                                     f"mount -t tmpfs -o size=16m tmpfs /tmp && exec {sys.executable} -I -S {SUPERVISOR} --hold"])
+                                     f"mount -t tmpfs -o size=16m tmpfs /tmp && exec {sys.executable} -I -S {self.supervisor} --hold"])
         self.hold = None
         for _ in range(3000):  # up to 30 s for the namespace and the handlers
             kids = [k for pid in children(self.pod.pid) for k in [pid, *children(pid)]]
@@ -453,12 +457,13 @@ class ClusterModeTest(unittest.TestCase):
         except subprocess.TimeoutExpired:
             self.pod.kill()
             self.pod.wait()
+        shutil.rmtree(self.image, ignore_errors=True)
 
     def exec_chain(self, env):
         """Runs hook a (leaves a file in /tmp and a process) then hook b (looks around); returns
         what b saw: /tmp, the state of a's process (None when gone, "Z" when killed but not yet
         reaped), and pid 1's command line."""
-        s = Session(env=env, prefix=["nsenter", "-t", str(self.hold), "-p", "-m", "--"])
+        s = Session(env=env, prefix=["nsenter", "-t", str(self.hold), "-p", "-m", "--"], supervisor=self.supervisor)
         try:
             s.init([hook("a", "detect", LEAVE_BEHIND), hook("b", "detect", LOOK_AROUND)])
             _, hooks = s.chunk("x")
