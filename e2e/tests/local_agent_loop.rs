@@ -692,21 +692,25 @@ async fn the_loop_keeps_calls_with_their_results_and_can_require_chains() {
     let mut a = agent(&h, "agent-none", model, AgentConfig::default()).await;
     assert_eq!(a.run("Go.").await.unwrap(), Ending::Answered("Hi.".into()));
 
-    // An after_model answer whose message is not an object is refused, and nothing is appended.
+    // An after_model rewrite whose message is not an object never reaches the loop: the gateway
+    // refuses a rewrite that breaks the payload's shape, and nothing is appended. (The loop's own
+    // `HookError::BadField` check stays as a second line.)
     let model = ScriptedModel::new(vec![ScriptedModel::says("Hi.", u)]);
     let mut a = agent(&h, "agent-bad-message", model, AgentConfig::default()).await;
-    let err = a.run("Go.").await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            HookError::BadField {
-                trigger_point: "after_model",
-                field: "message",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    match a.run("Go.").await.unwrap() {
+        Ending::Stopped {
+            trigger_point,
+            message,
+            ..
+        } => {
+            assert_eq!(trigger_point, "after_model");
+            assert!(
+                message.contains("must keep \"message\" as an object"),
+                "{message}"
+            );
+        }
+        other => panic!("expected the gateway to stop the malformed rewrite, got {other:?}"),
+    }
     assert_eq!(a.messages.len(), 2, "{:?}", a.messages);
     h.stop_and_check_leaks().await;
 }

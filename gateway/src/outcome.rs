@@ -9,7 +9,7 @@ use crate::limits::Limits;
 use crate::state_vector::StateVector;
 use crate::supervisor::{SandboxFailure, WalkReport};
 use serde_json::Value;
-use sluice_crds::{Action, FailurePolicy};
+use sluice_crds::{Action, FailurePolicy, TriggerPoint};
 
 /// One hook's part in a run, as the gateway reports and audits it.
 #[derive(Clone, Debug, PartialEq)]
@@ -95,6 +95,44 @@ impl Walk {
     pub fn is_terminal(&self) -> bool {
         self.terminal_index.is_some()
     }
+}
+
+/// The keys of a structured payload the application reads back, with what they must stay: a hook
+/// rewrites their values (fewer tools, compacted messages), never their kind, so an application
+/// never receives a payload it cannot use. A key the caller did not send is not required.
+fn shape_of(trigger_point: TriggerPoint) -> &'static [(&'static str, &'static str)] {
+    match trigger_point {
+        TriggerPoint::BeforeModel => &[
+            ("model", "a string"),
+            ("messages", "an array"),
+            ("tools", "an array"),
+            ("max_tokens", "a number"),
+        ],
+        TriggerPoint::AfterModel => &[("message", "an object")],
+        TriggerPoint::BeforeTool => &[("name", "a string")],
+        TriggerPoint::AfterTool => &[("name", "a string")],
+        TriggerPoint::Input | TriggerPoint::Output => &[],
+    }
+}
+
+fn keeps_shape(trigger_point: TriggerPoint, incoming: &Value, out: &Value) -> Result<(), String> {
+    for (key, kind) in shape_of(trigger_point) {
+        let Some(was) = incoming.get(key) else {
+            continue;
+        };
+        let same = match out.get(key) {
+            Some(now) => {
+                std::mem::discriminant(was) == std::mem::discriminant(now) || was.is_null()
+            }
+            None => false,
+        };
+        if !same {
+            return Err(format!(
+                "outgoing {trigger_point} payload must keep {key:?} as {kind}"
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn json_size(v: &Value) -> usize {
@@ -184,6 +222,7 @@ pub fn fold(
                     ));
                 }
                 bounded(out, "outgoing", limits.payload_bytes, limits)?;
+                keeps_shape(chain.spec.trigger_point, &walk.payload, out)?;
             }
             if let Some(f) = &r.findings {
                 bounded(f, "findings", limits.findings_bytes, limits)?;
@@ -332,6 +371,47 @@ mod tests {
         assert_eq!(w.action, Action::Modify);
         assert_eq!(s.as_slice(), &[json!({"n": 1}), Value::Null, Value::Null]);
         assert_eq!(w.hooks.len(), 3);
+    }
+
+    #[test]
+    fn a_rewrite_that_breaks_the_payload_shape_is_refused() {
+        let hc: sluice_crds::HookChain = serde_json::from_value(json!({
+            "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
+            "metadata": {"name": "c", "namespace": "ns"},
+            "spec": {"target": "bot", "triggerPoint": "before_model", "failurePolicy": "Open",
+                     "hooks": [{"name": "a", "action": "modify", "code": "x"}]}
+        }))
+        .unwrap();
+        let c = Chain::from_resource(&hc).unwrap();
+        let incoming = json!({"model": "m", "messages": [], "tools": [], "max_tokens": 5});
+        let fold_one = |out: Value| {
+            let mut a = result(0, "a", "modify");
+            a.outgoing = Some(out);
+            let mut w = Walk::new(incoming.clone());
+            let mut s = StateVector::fresh(1);
+            fold(
+                &c,
+                0,
+                &report(vec![a], ("modify", None)),
+                &mut w,
+                &mut s,
+                &Limits::default(),
+            );
+            w
+        };
+        let fine = fold_one(
+            json!({"model": "m", "messages": [{"role": "system"}], "tools": [], "max_tokens": 5}),
+        );
+        assert_eq!(fine.action, Action::Modify);
+        for broken in [
+            json!({"model": "m", "messages": "gone", "tools": [], "max_tokens": 5}),
+            json!({"model": "m", "tools": [], "max_tokens": 5}),
+            json!({"model": "m", "messages": [], "tools": {}, "max_tokens": "5"}),
+        ] {
+            let w = fold_one(broken.clone());
+            assert_eq!(w.action, Action::Block, "{broken}");
+            assert!(w.message.contains("must keep"), "{broken}: {}", w.message);
+        }
     }
 
     #[test]
