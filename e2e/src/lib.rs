@@ -78,16 +78,7 @@ impl Harness {
                 .await,
             "pools never became warm"
         );
-        let client = GatewayClient::connect(format!("http://{}", gateway.addr))
-            .await
-            .expect("connect");
-        Self {
-            gateway: Some(gateway),
-            client,
-            dir,
-            state,
-            audit_path,
-        }
+        Self::connected(gateway, dir, state, audit_path).await
     }
 
     /// Starts a gateway in kube mode against `api` (a fake API server whose pods are local runsc
@@ -123,16 +114,7 @@ impl Harness {
         let gateway = sluice_gateway::gateway::start_kube(opts)
             .await
             .expect("gateway starts in kube mode");
-        let client = GatewayClient::connect(format!("http://{}", gateway.addr))
-            .await
-            .expect("connect");
-        Self {
-            gateway: Some(gateway),
-            client,
-            dir,
-            state,
-            audit_path,
-        }
+        Self::connected(gateway, dir, state, audit_path).await
     }
 
     /// Shuts a kube-mode gateway down and asserts it claimed nothing it did not delete.
@@ -152,6 +134,24 @@ impl Harness {
             claimed.is_empty(),
             "claimed pods left in the API: {claimed:?}"
         );
+    }
+
+    async fn connected(
+        gateway: RunningGateway,
+        dir: tempfile::TempDir,
+        state: tempfile::TempDir,
+        audit_path: PathBuf,
+    ) -> Self {
+        let client = GatewayClient::connect(format!("http://{}", gateway.addr))
+            .await
+            .expect("connect");
+        Self {
+            gateway: Some(gateway),
+            client,
+            dir,
+            state,
+            audit_path,
+        }
     }
 
     pub fn gateway(&self) -> &RunningGateway {

@@ -4,6 +4,7 @@
 //! serving, and the watch itself never breaks on it.
 
 use crate::engine::Engine;
+use crate::kube_watch::{Tasks, apis};
 use crate::registry::Registry;
 use futures::StreamExt;
 use kube::api::Api;
@@ -30,15 +31,7 @@ pub struct KubeSource {
     capabilities: Vec<Store<Guarded<Capability>>>,
     changed: Arc<Notify>,
     platform_namespace: String,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for KubeSource {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
+    _tasks: Tasks,
 }
 
 fn watch_into<K>(
@@ -109,29 +102,16 @@ impl KubeSource {
         platform_namespace: &str,
         sync_timeout: Duration,
     ) -> anyhow::Result<Self> {
-        fn apis<K>(client: &kube::Client, namespaces: &[String]) -> Vec<Api<Guarded<K>>>
-        where
-            K: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>,
-        {
-            if namespaces.is_empty() {
-                vec![Api::all(client.clone())]
-            } else {
-                namespaces
-                    .iter()
-                    .map(|ns| Api::namespaced(client.clone(), ns))
-                    .collect()
-            }
-        }
         let changed = Arc::new(Notify::new());
         let mut tasks = Vec::new();
         let mut chains = Vec::new();
-        for api in apis::<HookChain>(&client, namespaces) {
+        for api in apis::<Guarded<HookChain>>(&client, namespaces) {
             let (store, task) = watch_into(api, "hookchains", changed.clone());
             chains.push(store);
             tasks.push(task);
         }
         let mut capabilities = Vec::new();
-        for api in apis::<Capability>(&client, namespaces) {
+        for api in apis::<Guarded<Capability>>(&client, namespaces) {
             let (store, task) = watch_into(api, "capabilities", changed.clone());
             capabilities.push(store);
             tasks.push(task);
@@ -141,7 +121,7 @@ impl KubeSource {
             capabilities,
             changed,
             platform_namespace: platform_namespace.to_string(),
-            tasks,
+            _tasks: Tasks(tasks),
         };
         let synced = async {
             for s in &source.chains {

@@ -12,6 +12,7 @@ pub mod endpoint;
 pub mod engine;
 pub mod gateway;
 pub mod kube_source;
+pub mod kube_watch;
 pub mod limits;
 pub mod local_dir;
 pub mod metrics;

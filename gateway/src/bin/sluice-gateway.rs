@@ -132,7 +132,7 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `2s`, `500ms` or a bare number of milliseconds.
+/// `2s`, `500ms` or a bare number of milliseconds, at most a day.
 fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let (n, unit) = match s.strip_suffix("ms") {
         Some(n) => (n, 1),
@@ -143,6 +143,10 @@ fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     };
     n.trim()
         .parse::<u64>()
-        .map(|n| std::time::Duration::from_millis(n * unit))
-        .map_err(|_| format!("{s:?} is not a duration like 2s or 500ms"))
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        // Deadlines are added to the clock: keep them to something a clock can hold.
+        .filter(|ms| *ms <= 24 * 3600 * 1000)
+        .map(std::time::Duration::from_millis)
+        .ok_or_else(|| format!("{s:?} is not a duration like 2s or 500ms (at most 24h)"))
 }

@@ -7,6 +7,7 @@ pub mod claim;
 pub mod exec;
 
 use super::{Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError};
+use crate::kube_watch::{Tasks, apis};
 use crate::metrics::Metrics;
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -62,27 +63,7 @@ pub struct KubeBackend {
     /// Pods this gateway claimed and has not yet seen deleted: "namespace/name".
     live: Arc<Mutex<HashSet<String>>>,
     metrics: Metrics,
-    watches: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for KubeBackend {
-    fn drop(&mut self) {
-        for w in &self.watches {
-            w.abort();
-        }
-    }
-}
-
-/// The pod API of each watched namespace, or the cluster-wide one.
-fn pod_apis(client: &kube::Client, namespaces: &[String]) -> Vec<Api<Pod>> {
-    if namespaces.is_empty() {
-        vec![Api::all(client.clone())]
-    } else {
-        namespaces
-            .iter()
-            .map(|ns| Api::namespaced(client.clone(), ns))
-            .collect()
-    }
+    _watches: Tasks,
 }
 
 fn selector() -> String {
@@ -100,7 +81,7 @@ impl KubeBackend {
         let changed = Arc::new(Notify::new());
         let mut pods = Vec::new();
         let mut watches = Vec::new();
-        for api in pod_apis(&client, &cfg.namespaces) {
+        for api in apis::<Pod>(&client, &cfg.namespaces) {
             let (store, writer) = reflector::store();
             let stream = reflector::reflector(
                 writer,
@@ -134,7 +115,7 @@ impl KubeBackend {
             changed,
             live: Arc::default(),
             metrics,
-            watches,
+            _watches: Tasks(watches),
         })
     }
 
@@ -258,7 +239,7 @@ impl SandboxBackend for KubeBackend {
             labels::LABEL_POOL,
             labels::POOL_CLAIMED
         ));
-        for api in pod_apis(&self.client, &self.cfg.namespaces) {
+        for api in apis::<Pod>(&self.client, &self.cfg.namespaces) {
             match api.list(&params).await {
                 Ok(list) => {
                     for p in list.items {
