@@ -529,7 +529,10 @@ async fn a_leader_that_cannot_renew_abandons_a_hung_reconcile_before_the_lease_e
         loop {
             tokio::select! {
                 call = api.next() => {
-                    call.is("GET", LEASE);
+                    // Only Lease traffic (a read, or a renewal that was on its way when the API
+                    // went silent and is never answered).
+                    assert_eq!(call.path, LEASE, "{call:?}");
+                    assert!(matches!(call.method.as_str(), "GET" | "PUT"), "{call:?}");
                     held.push(call);
                 }
                 _ = tokio::time::sleep(Duration::from_millis(5)) => {
@@ -549,11 +552,12 @@ async fn a_leader_that_cannot_renew_abandons_a_hung_reconcile_before_the_lease_e
         after < timing.lease_duration - Duration::from_millis(100),
         "stopped {after:?} after the last renewal"
     );
-    // Only Lease reads follow: no write of the abandoned reconcile.
+    // Only Lease calls follow: no write of the abandoned reconcile.
     tokio::time::sleep(Duration::from_millis(200)).await;
     while let Ok(Some(call)) = tokio::time::timeout(Duration::from_millis(50), api.try_next()).await
     {
-        call.is("GET", LEASE);
+        assert_eq!(call.path, LEASE, "{call:?}");
+        assert!(matches!(call.method.as_str(), "GET" | "PUT"), "{call:?}");
         held.push(call);
     }
     task.abort();

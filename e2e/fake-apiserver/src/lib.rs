@@ -63,7 +63,7 @@ pub struct FakeApiServer {
     shared: Arc<Shared>,
     server: tokio::task::JoinHandle<()>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
-    _state_dir: tempfile_dir::TempDir,
+    _state_dir: tempfile::TempDir,
 }
 
 struct Shared {
@@ -81,40 +81,12 @@ struct Shared {
     connections: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
-/// The tempdir crate is not a dependency of this crate's users; a tiny owned temp dir is enough.
-mod tempfile_dir {
-    pub struct TempDir(pub std::path::PathBuf);
-    impl TempDir {
-        pub fn new() -> std::io::Result<Self> {
-            let p = std::env::temp_dir().join(format!(
-                "sluice-fake-apiserver-{}-{}",
-                std::process::id(),
-                rand_suffix()
-            ));
-            std::fs::create_dir_all(&p)?;
-            Ok(Self(p))
-        }
-    }
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    fn rand_suffix() -> u64 {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static N: AtomicU64 = AtomicU64::new(0);
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        t ^ N.fetch_add(1, Ordering::Relaxed)
-    }
-}
-
 impl FakeApiServer {
     pub async fn start(protocol: ExecProtocol) -> anyhow::Result<Self> {
-        let state_dir = tempfile_dir::TempDir::new()?;
-        let mut cfg = LocalConfig::new(&state_dir.0);
+        let state_dir = tempfile::Builder::new()
+            .prefix("sluice-fake-apiserver")
+            .tempdir()?;
+        let mut cfg = LocalConfig::new(state_dir.path());
         cfg.keep_stdout = true;
         let backend = LocalBackend::new(cfg).await?;
         let shared = Arc::new(Shared {
