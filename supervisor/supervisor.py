@@ -361,6 +361,9 @@ class Supervisor:
         self.last_ran = None
         self.inline = False
         self.tmp_mtime = None
+        # Processes of the sandbox that are not the chain's and must survive clean_up: in a pod, the
+        # exec'd relay (attach.py) whose pipes carry the protocol.
+        self.keep_pids = set()
 
     def worker(self):
         w = self.spare.pop() if self.spare else Worker(self.memory_bytes)
@@ -495,7 +498,7 @@ class Supervisor:
     def clean_up(self):
         """What a hook may leave behind is removed before the next one runs: processes other than the
         supervisor and its workers, workers with threads still running, and everything in /tmp.
-        Only inside a sandbox (see in_sandbox: its pid 1, or exec'd into a pod held by `--hold`):
+        Only inside a sandbox (see in_sandbox: the supervisor is its pid 1, in local mode and in a pod):
         anywhere else killing "every other process" and emptying /tmp would hit the host."""
         if not self.sandboxed or self.inline:
             return
@@ -504,8 +507,8 @@ class Supervisor:
             ran.worker.kill()  # threads it left could act while another hook runs
         workers = {h.worker.pid: h for h in self.hooks if h.worker is not None and not h.worker.dead}
         workers.update({w.pid: None for w in self.spare})
-        # pid 1 is us (local mode) or the pod's `--hold` process (cluster mode), which must outlive us.
-        keep = {1, os.getpid()} | {pid for pid, h in workers.items() if h is None or not h.worker.dead}
+        # pid 1 is us (local mode, and a pod's `--listen`), its relay must outlive every hook.
+        keep = {1, os.getpid()} | self.keep_pids | {pid for pid, h in workers.items() if h is None or not h.worker.dead}
         killed = False
         try:
             for entry in os.listdir("/proc"):
@@ -539,8 +542,19 @@ class Supervisor:
             except OSError:
                 self.tmp_mtime = None
 
+    def top_up(self, prefork):
+        """Replaces spare workers that died while waiting (a pod waits for its claim indefinitely)."""
+        self.reap(wait=False)
+        while len(self.spare) < prefork:
+            w = Worker(self.memory_bytes)
+            w.wait_started()
+            if w.dead:
+                return False
+            self.spare.append(w)
+        return True
+
     def reap(self, wait=True):
-        """Collects exited processes (orphans are re-parented to pid 1: us, or `--hold` in a pod) and marks
+        """Collects exited processes (orphans are re-parented to pid 1: the supervisor) and marks
         workers that died, so their hook gets a fresh one on its next call."""
         workers = {h.worker.pid for h in self.hooks if h.worker is not None} | {w.pid for w in self.spare}
         deadline = time.monotonic() + 0.2 if wait else None
@@ -559,7 +573,9 @@ class Supervisor:
                     if h.worker is not None and h.worker.pid == pid:
                         h.worker.dead = True
                         h.worker.reaped = True
-                self.spare = [w for w in self.spare if w.pid != pid]
+                for w in [w for w in self.spare if w.pid == pid]:
+                    w.kill()  # closes its pipes; already reaped
+                    self.spare.remove(w)
 
     def check_result(self, hook, ret):
         """Validates what a hook returned; raises HookError with the reason."""
@@ -665,18 +681,9 @@ class Supervisor:
 
 def in_sandbox():
     """Whether this process owns everything around it, so that clean_up may kill every other process
-    and empty /tmp: inside a sandbox (SLUICE_SANDBOX=1) as its pid 1 (local mode), or exec'd into a
-    warm pod whose pid 1 is `supervisor.py --hold` (cluster mode). Anywhere else that would hit the host."""
-    if os.environ.get("SLUICE_SANDBOX") != "1":
-        return False
-    if os.getpid() == 1:
-        return True
-    try:
-        with open("/proc/1/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return False
-    return b"--hold" in argv and any(a.endswith(b"/supervisor.py") or a == b"supervisor.py" for a in argv)
+    and empty /tmp: inside a sandbox (SLUICE_SANDBOX=1) as its pid 1, which the supervisor is both in
+    local mode and as a warm pod's main process (`--listen`). Anywhere else that would hit the host."""
+    return os.environ.get("SLUICE_SANDBOX") == "1" and os.getpid() == 1
 
 
 def json_type(value):
@@ -732,10 +739,10 @@ def warm_up():
 
 # ------------------------------------------------------------------------------ command line
 
-USAGE = "usage: supervisor.py [--hold | --probe] [--workers N] [--memory-bytes BYTES] [--pids N]"
+USAGE = "usage: supervisor.py [--listen | --probe] [--workers N] [--memory-bytes BYTES] [--pids N]"
 
 
-# Processes of the sandbox user that are not the chain's: the pod's holder and a readiness probe.
+# Processes of the sandbox user that are not the chain's: in a pod, the attach relay and a readiness probe.
 PIDS_ALLOWANCE = 4
 
 
@@ -744,16 +751,15 @@ class UsageError(Exception):
 
 
 def parse_args(argv):
-    """The command line: a mode (serve, the default; hold; probe) and the sandbox settings.
-    Hand-rolled rather than argparse: in a cluster the supervisor starts on the claim path, and every
-    module read costs time inside gVisor."""
+    """The command line: a mode (serve, the default; listen; probe) and the sandbox settings.
+    Hand-rolled rather than argparse: every module read costs time inside gVisor."""
     opts = {"mode": "serve", "workers": None, "memory_bytes": None, "pids": None}
     args = list(argv)
     while args:
         arg, _, value = args.pop(0).partition("=")
-        if arg in ("--hold", "--probe") and not value:
+        if arg in ("--listen", "--probe") and not value:
             if opts["mode"] != "serve":
-                raise UsageError("--hold and --probe exclude each other")
+                raise UsageError("--listen and --probe exclude each other")
             opts["mode"] = arg[2:]
         elif arg in ("--workers", "--memory-bytes", "--pids"):
             if not value:
@@ -766,24 +772,66 @@ def parse_args(argv):
     return opts
 
 
-def hold():
-    """A warm pod's main process (pid 1): waits, reaping the orphans that exec'd supervisors leave to
-    it, and exits 0 on SIGTERM or SIGINT (pid 1 gets no default signal handling)."""
+ATTACH_ADDRESS = "@sluice-supervisor"
 
-    def reap(*_):
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGCHLD, reap)
+def attach_address():
+    """The abstract unix socket a warm pod's supervisor listens on (attach.py has the same rule)."""
+    name = os.environ.pop("SLUICE_ATTACH", "") or ATTACH_ADDRESS
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+def listen(opts, log):
+    """A warm pod's main process (pid 1). Everything that does not depend on the chain happens before
+    the pod turns Ready: modules, warm-up, the hook workers. Then it waits for exactly one attach
+    (attach.py, exec'd by the gateway once the pod is claimed), which hands over the exec's stdin,
+    stdout and stderr; the protocol runs over them and, when the gateway closes stdin, the status goes
+    back to the relay and the supervisor exits, ending the pod. Readiness probes (`attach.py
+    --probe`) get "ready" while it waits with its workers alive. Returns the exit status."""
+    import socket
+
+    address = attach_address()
+    supervisor = Supervisor(None, prefork=opts["workers"], memory_bytes=opts["memory_bytes"])
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(address)
+    except OSError as e:
+        log(f"cannot listen on {address!r}: {e}")
+        return 1
+    server.listen(16)
+    log(f"ready: {opts['workers']} workers, waiting for the gateway's attach")
     while True:
-        signal.pause()
+        conn, _ = server.accept()
+        fds = []
+        try:
+            conn.settimeout(5)
+            request, fds, _, _ = socket.recv_fds(conn, 64, 3)
+            verb, _, pid = request.partition(b" ")
+            if request == b"probe":
+                conn.sendall(b"ready" if supervisor.top_up(opts["workers"]) else b"a hook worker could not start")
+            elif verb == b"attach" and pid.isdigit() and len(fds) == 3:
+                break
+            else:
+                conn.sendall(b"unknown request")
+        except OSError:
+            pass  # a client that went away or sent nothing in time: wait for the next one
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+    server.close()  # one attach per pod: a second exec finds no one listening
+    # The relay names its own pid (gVisor's SO_PEERCRED does not): clean_up must spare it, as its
+    # exit would end the exec. Before this attach no hook code exists here, so nothing else can ask.
+    supervisor.keep_pids.add(int(pid))
+    conn.settimeout(None)
+    proto_in, hook_out, proto_out = fds
+    os.close(hook_out)  # hooks print to /dev/null here: the exec's stdout stays empty
+    supervisor.channel = Channel(os.fdopen(proto_in, "rb", buffering=1 << 16), os.fdopen(proto_out, "wb", buffering=1 << 16))
+    supervisor.serve()
+    try:
+        conn.sendall(b"\0")
+    except OSError:
+        pass
+    return 0
 
 
 PROBE_HOOK = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'].upper()}\n"
@@ -831,14 +879,17 @@ def main(argv=None):
     except UsageError as e:
         print(f"{USAGE}\nsupervisor.py: {e}", file=sys.stderr)
         return 2
-    if opts["mode"] == "hold":
-        hold()
     if opts["mode"] == "probe":
         return probe()
-    channel = Channel.from_stdio()
+    if opts["mode"] == "listen":
+        # pid 1 gets no default signal handling: the pod's SIGTERM must end it.
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        log = pod_log()
+    else:
+        channel = Channel.from_stdio()
     preload()
     warm_up()
-    # Local mode passes these as env vars, a cluster as flags (the flags win); hooks see neither.
+    # Local mode passes these as env vars, a pod as flags (the flags win); hooks see neither.
     memory = os.environ.pop("SLUICE_MEMORY_BYTES", "")
     prefork = os.environ.pop("SLUICE_WORKERS", "")
     if opts["memory_bytes"] is None:
@@ -850,13 +901,36 @@ def main(argv=None):
 
         # In a pod the pids cgroup is the node's (podPidsLimit), not the chain's: the chain's limit
         # holds as RLIMIT_NPROC for the sandbox user, counted with the pod's own processes (the
-        # holder, a probe) — hence the small allowance on top.
+        # attach relay, a probe) — hence the small allowance on top.
         limit = opts["pids"] + PIDS_ALLOWANCE
         resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
     sys.setrecursionlimit(2000)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if opts["mode"] == "listen":
+        return listen(opts, log)
     Supervisor(channel, prefork=opts["workers"], memory_bytes=opts["memory_bytes"]).serve()
     return 0
+
+
+def pod_log():
+    """Points fds 0, 1 and 2 at /dev/null before any worker forks (what hooks print in a pod goes
+    nowhere: not into the node's container logs) and returns a logger onto the container's original
+    stderr, for the supervisor's own lines (`kubectl logs`)."""
+    original = os.dup(2)  # non-inheritable: workers never get it
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    sys.stdin = open(os.devnull, "r")
+    sys.stdout = sys.stderr = os.fdopen(os.dup(1), "w", buffering=1, errors="replace")
+
+    def log(line):
+        try:
+            os.write(original, f"sluice supervisor: {line}\n".encode("utf-8", "replace"))
+        except OSError:
+            pass
+
+    return log
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUPERVISOR = os.path.join(HERE, "supervisor.py")
+ATTACH = os.path.join(HERE, "attach.py")
 
 
 def hook(name, action, code, settings=None):
@@ -23,9 +24,9 @@ def hook(name, action, code, settings=None):
 class Session:
     """One supervisor process, spoken to exactly as the gateway does."""
 
-    def __init__(self, env=None, args=(), prefix=(), supervisor=SUPERVISOR):
+    def __init__(self, env=None, args=(), prefix=(), supervisor=SUPERVISOR, command=None):
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-I", "-S", "-u", supervisor, *args],
+            [*prefix, *(command or [sys.executable, "-I", "-S", "-u", supervisor, *args])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -256,34 +257,104 @@ def catches(pid, signum):
     return False
 
 
+PRINT_AND_UPPER = """import os, sys
+def execute(context, settings):
+    print('to stdout'); print('to stderr', file=sys.stderr); os.write(1, b'raw 1'); os.write(2, b'raw 2')
+    return {'action': 'modify', 'outgoing': context['outgoing'].upper()}
+"""
+
+
+class Pod:
+    """`supervisor.py --listen` as a warm pod's main process, on an attach address of its own."""
+
+    def __init__(self, args=("--workers", "2"), prefix=(), env=None, supervisor=SUPERVISOR, attach=ATTACH):
+        self.env = {"SLUICE_ATTACH": f"@sluice-test-{os.getpid()}-{time.monotonic_ns()}", **(env or {})}
+        self.attach = attach
+        self.log_file = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-I", "-S", "-u", supervisor, "--listen", *args],
+                                     env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log_file)
+        self.log = b""
+
+    def attach_command(self, *args):
+        # The attach address is the network namespace's: reachable from outside a pid namespace.
+        return [sys.executable, "-I", "-S", self.attach, *args]
+
+    def probe(self):
+        return subprocess.run(self.attach_command("--probe"), env=self.env, capture_output=True, timeout=30)
+
+    def __enter__(self):
+        for _ in range(3000):  # up to 30 s for the warm-up; nothing here asserts on time
+            if self.probe().returncode == 0:
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        self.__exit__()
+        raise AssertionError(f"the listening supervisor never became ready: {self.log!r}")
+
+    def __exit__(self, *_):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log_file.seek(0)
+        self.log = self.log_file.read()
+        self.log_file.close()
+
+
 class CommandLineTest(unittest.TestCase):
     def run_supervisor(self, *args, **kw):
         return subprocess.run([sys.executable, "-I", "-S", SUPERVISOR, *args], capture_output=True, timeout=30, **kw)
 
-    def hold(self, signum):
-        proc = subprocess.Popen([sys.executable, "-I", "-S", SUPERVISOR, "--hold"], stderr=subprocess.PIPE)
-        try:
-            # Signal only once the handlers are in: before that, SIGTERM would kill it by default.
-            for _ in range(3000):  # polls for up to 30 s; nothing here asserts on time
-                if catches(proc.pid, signal.SIGTERM) and catches(proc.pid, signal.SIGINT):
-                    break
-                self.assertIsNone(proc.poll(), "--hold exited on its own")
-                time.sleep(0.01)
-            self.assertIsNone(proc.poll(), "--hold exited before it was signalled")
-            proc.send_signal(signum)
-            self.assertEqual(proc.wait(10), 0)
-            self.assertEqual(proc.stderr.read(), b"")
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stderr.close()
+    def test_listen_waits_for_one_attach_and_serves_it_over_the_relays_pipes(self):
+        with Pod() as pod:
+            self.assertEqual(pod.probe().returncode, 0, "a waiting supervisor answers the probe")
+            s = Session(env=pod.env, command=pod.attach_command())
+            try:
+                self.assertEqual(s.ready["type"], "ready")
+                self.assertEqual(s.ready["pid"], pod.proc.pid, "the protocol comes from the pod's main process")
+                ack = s.init([hook("a", "modify", PRINT_AND_UPPER), hook("b", "detect", "def execute(c, s):\n    return {'action': 'detect', 'findings': {'n': 1}}\n")])
+                self.assertTrue(all(h["ok"] for h in ack["hooks"]), ack)
+                result, hooks = s.chunk("hello")
+                self.assertEqual((result["action"], hooks[0]["outgoing"]), ("modify", "HELLO"))
+                # Attached, nobody else gets in: no second session, and the probe says so.
+                second = subprocess.run(pod.attach_command(), env=pod.env, capture_output=True, timeout=30)
+                self.assertEqual(second.returncode, 1)
+                self.assertIn(b"no supervisor is waiting", second.stderr)
+                self.assertEqual(pod.probe().returncode, 1)
+                s.proc.stdin.close()
+                self.assertEqual(s.proc.stdout.read(), b"", "what hooks print reaches no one")
+                self.assertEqual(s.proc.wait(30), 0, "the relay exits with the supervisor's status")
+            finally:
+                s.close()
+            self.assertEqual(pod.proc.wait(30), 0, "one attach per pod: the supervisor ends with its session")
+        self.assertIn(b"waiting for the gateway's attach", pod.log)
 
-    def test_hold_exits_zero_on_sigterm(self):
-        self.hold(signal.SIGTERM)
+    def test_listen_exits_zero_on_sigterm_while_waiting(self):
+        with Pod() as pod:
+            pod.proc.send_signal(signal.SIGTERM)
+            self.assertEqual(pod.proc.wait(10), 0)
 
-    def test_hold_exits_zero_on_sigint(self):
-        self.hold(signal.SIGINT)
+    def test_a_relay_that_sends_nonsense_does_not_take_the_pod(self):
+        with Pod() as pod:
+            nonsense = (
+                "import os, socket, sys\n"
+                "s = socket.socket(socket.AF_UNIX)\n"
+                "s.connect('\\0' + os.environ['SLUICE_ATTACH'][1:])\n"
+                "s.sendall(b'attach')\n"  # attach without descriptors
+                "sys.exit(0 if s.recv(64) == b'unknown request' else 1)\n"
+            )
+            self.assertEqual(subprocess.run([sys.executable, "-c", nonsense], env=pod.env, timeout=30).returncode, 0)
+            self.assertEqual(pod.probe().returncode, 0, "still waiting for a real attach")
+
+    def test_attach_with_no_supervisor_fails_with_a_message(self):
+        env = {"SLUICE_ATTACH": f"@sluice-test-nobody-{os.getpid()}"}
+        for args in ([], ["--probe"]):
+            proc = subprocess.run([sys.executable, "-I", "-S", ATTACH, *args], env=env, capture_output=True, timeout=30)
+            self.assertEqual(proc.returncode, 1, args)
+            self.assertIn(b"sluice attach: no supervisor is waiting", proc.stderr)
+        proc = subprocess.run([sys.executable, "-I", "-S", ATTACH, "--bogus"], env=env, capture_output=True, timeout=30)
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn(b"usage: attach.py", proc.stderr)
 
     def test_probe_answers_zero_and_leaves_no_process_or_file(self):
         with tempfile.TemporaryDirectory() as cwd, tempfile.TemporaryDirectory() as tmp:
@@ -323,7 +394,7 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(err.getvalue(), "")
 
     def test_bad_arguments_exit_2_with_usage(self):
-        for args in (["--bogus"], ["--workers"], ["--workers", "-1"], ["--memory-bytes", "1G"], ["--hold", "--probe"]):
+        for args in (["--bogus"], ["--workers"], ["--workers", "-1"], ["--memory-bytes", "1G"], ["--listen", "--probe"]):
             proc = self.run_supervisor(*args)
             self.assertEqual(proc.returncode, 2, args)
             self.assertIn(b"usage: supervisor.py", proc.stderr)
@@ -423,78 +494,65 @@ def execute(context, settings):
 
 @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0 and can_unshare(), "needs root and unshare (pid and mount namespaces)")
 class ClusterModeTest(unittest.TestCase):
-    """A warm pod in miniature: a pid namespace whose pid 1 is `--hold`, with its own /tmp, and the
-    supervisor exec'd into it the way the gateway execs it into a pod."""
+    """A warm pod in miniature: a pid namespace whose pid 1 is `supervisor.py --listen`, with its own
+    /tmp, and the attach relay exec'd into it the way the gateway execs it into a pod."""
 
     def setUp(self):
-        # The pod's own /tmp hides the host's, so the supervisor runs from a copy outside /tmp (the
-        # checkout itself may live under /tmp).
+        # The pod's own /tmp hides the host's, so supervisor and relay run from a copy outside /tmp
+        # (the checkout itself may live under /tmp).
         self.image = tempfile.mkdtemp(prefix="sluice-pod-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
         self.supervisor = shutil.copy(SUPERVISOR, self.image)
-        self.pod = subprocess.Popen(["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child", "sh", "-c",
-                                     f"mount -t tmpfs -o size=16m tmpfs /tmp && exec {sys.executable} -I -S {self.supervisor} --hold"])
-        self.hold = None
-        for _ in range(3000):  # up to 30 s for the namespace and the handlers
-            kids = [k for pid in children(self.pod.pid) for k in [pid, *children(pid)]]
-            for pid in kids:
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if b"--hold" in f.read() and catches(pid, signal.SIGTERM):
-                            self.hold = pid
-                except OSError:
-                    pass
-            if self.hold:
-                break
-            self.assertIsNone(self.pod.poll(), "the pod's namespace did not start")
-            time.sleep(0.01)
-        self.assertIsNotNone(self.hold, "no --hold process in the namespace")
+        self.attach = shutil.copy(ATTACH, self.image)
+        self.addCleanup(shutil.rmtree, self.image, ignore_errors=True)
 
-    def tearDown(self):
-        if self.hold and self.pod.poll() is None:
-            os.kill(self.hold, signal.SIGTERM)
-        try:
-            self.pod.wait(10)
-        except subprocess.TimeoutExpired:
-            self.pod.kill()
-            self.pod.wait()
-        shutil.rmtree(self.image, ignore_errors=True)
+    def pod(self, env):
+        # unshare execs the supervisor as pid 1 of the new namespace, after mounting the pod's /tmp.
+        wrapper = ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child", "sh", "-c",
+                   'mount -t tmpfs -o size=16m tmpfs /tmp && exec "$@"', "sh"]
+        return Pod(prefix=wrapper, env=env, supervisor=self.supervisor, attach=self.attach)
 
-    def exec_chain(self, env):
-        """Runs hook a (leaves a file in /tmp and a process) then hook b (looks around); returns
-        what b saw: /tmp, the state of a's process (None when gone, "Z" when killed but not yet
-        reaped), and pid 1's command line."""
-        s = Session(env=env, prefix=["nsenter", "-t", str(self.hold), "-p", "-m", "--"], supervisor=self.supervisor)
+    def exec_chain(self, pod):
+        """Runs hook a (leaves a file in /tmp and a process) then hook b (looks around) through the
+        relay exec'd into the pod; returns what b saw: /tmp, the state of a's process (None when gone,
+        "Z" when killed but not yet reaped), and every process's command line."""
+        pid1 = next(k for c in children(pod.proc.pid) for k in [c, *children(c)] if b"--listen" in cmdline(k))
+        nsenter = ["nsenter", "-t", str(pid1), "-p", "-m", "--"]
+        s = Session(env=pod.env, command=[*nsenter, sys.executable, "-I", "-S", self.attach])
         try:
             s.init([hook("a", "detect", LEAVE_BEHIND), hook("b", "detect", LOOK_AROUND)])
             _, hooks = s.chunk("x")
         finally:
             s.close()
+        self.assertEqual(s.proc.wait(30), 0)
         for h in hooks:
             self.assertNotIn("error", h, hooks)
         child = str(hooks[0]["findings"]["child"])
         procs = hooks[1]["findings"]["procs"]
-        return hooks[1]["findings"]["tmp"], procs.get(child, [None])[0], procs["1"][1]
+        return hooks[1]["findings"]["tmp"], procs.get(child, [None])[0], [p[1] for p in procs.values()]
 
-    def test_exec_into_a_held_pod_cleans_up_between_hooks_and_spares_pid_1(self):
-        tmp, child, pid1 = self.exec_chain({"SLUICE_SANDBOX": "1", "SLUICE_WORKERS": "2"})
-        self.assertEqual(tmp, [], "hook a's /tmp file reached hook b")
-        self.assertIn(child, (None, "Z"), "hook a's process was still running when hook b ran")
-        self.assertIn("--hold", pid1, "pid 1 (--hold) was killed")
-        self.assertIsNone(self.pod.poll(), "the pod ended")
-        # Whatever the session left (killed leftovers, exited workers) is re-parented to --hold, which
-        # reaps it: in the end pid 1 has no children, not even zombies.
-        for _ in range(1000):
-            if not children(self.hold):
-                break
-            time.sleep(0.01)
-        self.assertEqual(children(self.hold), [], "--hold left zombies unreaped")
-        os.kill(self.hold, signal.SIGTERM)
-        self.assertEqual(self.pod.wait(10), 0)
+    def test_between_hooks_the_pod_is_cleaned_and_the_relay_and_pid_1_survive(self):
+        with self.pod({"SLUICE_SANDBOX": "1"}) as pod:
+            tmp, child, commands = self.exec_chain(pod)
+            self.assertEqual(tmp, [], "hook a's /tmp file reached hook b")
+            self.assertIn(child, (None, "Z"), "hook a's process was still running when hook b ran")
+            self.assertTrue(any("--listen" in c for c in commands), commands)
+            self.assertTrue(any(c.rstrip().endswith("attach.py") for c in commands), f"the relay was killed: {commands}")
+            # The session over, pid 1 exits and the namespace with it: nothing of the pod is left.
+            self.assertEqual(pod.proc.wait(30), 0)
 
     def test_without_sluice_sandbox_nothing_is_cleaned(self):
-        tmp, child, _ = self.exec_chain({"SLUICE_WORKERS": "2"})
-        self.assertEqual(tmp, ["left-by-a"])
-        self.assertNotIn(child, (None, "Z"), "hook a's process was killed outside a sandbox")
+        with self.pod({}) as pod:
+            tmp, child, _ = self.exec_chain(pod)
+            self.assertEqual(tmp, ["left-by-a"])
+            self.assertNotIn(child, (None, "Z"), "hook a's process was killed outside a sandbox")
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 //! The `kube` backend's own costs, without a cluster: a claim (watch-cache lookup + one
 //! preconditioned PATCH) against the fake API server beside one plain GET round trip to it, and a
 //! warm Run through the exec path (claim, websocket exec, channel framing, pod delete) beside the
-//! same Run from the local backend's warm pool, all measured in this run.
+//! same Run from the local backend's warm pool, all measured in this run. And what the claim path
+//! starts inside a warm pod: the attach relay (the supervisor is already waiting) beside starting the
+//! supervisor itself there, as exec'ing it per claim would.
 
 use crate::report::{Row, Table, percentile};
 use crate::{Bench, chain_yaml, text_1k};
+use anyhow::Context;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 use sluice_fake_apiserver::{ExecProtocol, FakeApiServer, Resource};
@@ -90,6 +93,10 @@ async fn claims(table: &mut Table) -> anyhow::Result<()> {
 }
 
 /// A warm Run through claim + exec + framing, beside the same Run from a local warm pool.
+const RUNS: usize = 33;
+
+const BIG_RUNS: usize = 5;
+
 async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
     let chain = chain_yaml("execbench", "bench", "input", "{warm: 2, max: 8}", "");
     let text = text_1k();
@@ -97,18 +104,17 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
     let mut hc: Value = serde_yaml::from_str(&chain)?;
     hc["metadata"]["namespace"] = "default".into();
     api.apply(Resource::HookChains, hc);
-    api.keep_warm(spec_of(&chain)?, 2);
+    // Every pod booted before the first sample: on two cores, a replacement booting beside a run
+    // (as the operator's backfill does, on other nodes, in a cluster) would be measured with it.
+    let spec = spec_of(&chain)?;
+    for _ in 0..(RUNS + BIG_RUNS) {
+        api.add_warm_pod(&spec).await?;
+    }
     let mut opts = KubeOptions::new(api.client(), KubeConfig::new("bench"));
     opts.limits.claim_timeout = Duration::from_secs(60);
     opts.kube.claim_timeout = Duration::from_secs(60);
     let gateway = start_kube(opts).await?;
     let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
-    let warm = || {
-        api.list(Resource::Pods, "default")
-            .iter()
-            .filter(|p| p["metadata"]["labels"]["sluice.dev/pool"] == "warm")
-            .count()
-    };
     let run = |text: String| {
         let mut client = client.clone();
         async move {
@@ -123,10 +129,7 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
         }
     };
     let mut samples = Vec::new();
-    for i in 0..33 {
-        while warm() < 2 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    for i in 0..RUNS {
         let began = Instant::now();
         let r = run(text.clone()).await?;
         anyhow::ensure!(
@@ -140,10 +143,7 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
     // Throughput of the framing itself: a 512 KiB payload through the same chain.
     let big = text.repeat(512);
     let mut big_samples = Vec::new();
-    for _ in 0..5 {
-        while warm() < 2 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    for _ in 0..BIG_RUNS {
         let began = Instant::now();
         run(big.clone()).await?;
         big_samples.push(began.elapsed());
@@ -186,7 +186,112 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Time from `runsc exec` to the supervisor's `ready` line inside a warm pod-shaped sandbox: through
+/// the attach relay (what a claim runs) and, as the baseline, starting a whole supervisor with three
+/// workers (what a claim would run if the pod's main process did not wait warmed up). Each sample
+/// uses a fresh sandbox, as each claim uses a fresh pod.
+async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
+    use sluice_gateway::sandbox::local::{LocalBackend, LocalConfig};
+    use sluice_gateway::sandbox::{SandboxBackend, SandboxSpec};
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+
+    let dir = tempfile::tempdir()?;
+    let mut cfg = LocalConfig::new(dir.path());
+    cfg.pod_shape = true;
+    let backend = LocalBackend::new(cfg).await?;
+    let spec = SandboxSpec {
+        namespace: "default".into(),
+        chain: "attachbench".into(),
+        cpu_millis: 1000,
+        memory_bytes: 256 << 20,
+        pids: 64,
+        workers: 3,
+    };
+    let python = backend.python().to_string_lossy().into_owned();
+    let relay = vec![
+        python.clone(),
+        "-I".into(),
+        "-S".into(),
+        "/sluice/attach.py".into(),
+    ];
+    let probe = [relay.clone(), vec!["--probe".into()]].concat();
+    let whole = [
+        python.as_str(),
+        "-I",
+        "-S",
+        "-u",
+        "/sluice/supervisor.py",
+        "--workers",
+        "3",
+    ]
+    .map(String::from)
+    .to_vec();
+    let floor = [
+        python.as_str(),
+        "-I",
+        "-S",
+        "-c",
+        "import sys; sys.stderr.write('{\"type\":\"ready\"}\\n')",
+    ]
+    .map(String::from)
+    .to_vec();
+    let (mut attach, mut start, mut bare) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..36 {
+        let sandbox = backend.start(&spec).await?;
+        let mut log = sandbox.protocol;
+        tokio::spawn(async move { while log.read(&mut [0u8; 1024]).await.unwrap_or(0) > 0 {} });
+        let mut ready = false;
+        for _ in 0..3000 {
+            if backend
+                .exec(&sandbox.id, &probe)
+                .await?
+                .wait()
+                .await?
+                .success()
+            {
+                ready = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        anyhow::ensure!(ready, "a pod-shaped sandbox never became ready");
+        let command = [&relay, &whole, &floor][i % 3];
+        let began = Instant::now();
+        let mut child = backend.exec(&sandbox.id, command).await?;
+        let stderr = child.stderr.take().context("exec without stderr")?;
+        let mut line = String::new();
+        tokio::io::BufReader::new(stderr)
+            .read_line(&mut line)
+            .await?;
+        let took = began.elapsed();
+        anyhow::ensure!(
+            line.starts_with("{\"type\":\"ready\""),
+            "exec {command:?} said {line:?}"
+        );
+        if i >= 6 {
+            [&mut attach, &mut start, &mut bare][i % 3].push(took);
+        }
+        drop(child.stdin.take());
+        let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+        sandbox.handle.destroy(false).await;
+    }
+    table.push(Row::latency(
+        "claim path in a warm pod: exec attach relay until `ready`",
+        &attach,
+    ));
+    table.push(Row::latency(
+        "  baseline: exec that starts the supervisor (3 workers) until `ready`",
+        &start,
+    ));
+    table.push(Row::latency(
+        "  floor: exec of `python3 -I -S` writing one line",
+        &bare,
+    ));
+    Ok(())
+}
+
 pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
     claims(table).await?;
-    exec_path(table).await
+    exec_path(table).await?;
+    attach_vs_start(table).await
 }

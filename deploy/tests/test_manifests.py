@@ -354,8 +354,15 @@ class OperatorRenderTest(ManifestCase):
                     self.assertFalse(spec["automountServiceAccountToken"])
                     (c,) = spec["containers"]
                     self.assertEqual(c["name"], "supervisor")
-                    self.assertEqual(c["command"], ["python3", "/opt/sluice/supervisor.py", "--hold"])
-                    self.assertEqual(c["readinessProbe"]["exec"]["command"], ["python3", "/opt/sluice/supervisor.py", "--probe"])
+                    # The supervisor itself, listening, shaped by the chain: workers = hooks (one hook: none).
+                    hooks = len(chain["spec"]["hooks"])
+                    command = c["command"]
+                    self.assertEqual(command[:4], ["python3", "-u", "/opt/sluice/supervisor.py", "--listen"])
+                    flags = dict(zip(command[4::2], command[5::2]))
+                    self.assertEqual(flags["--workers"], str(hooks if hooks > 1 else 0), name)
+                    self.assertEqual(flags["--pids"], str(chain["spec"].get("resources", {}).get("pids", 64)), name)
+                    self.assertGreater(int(flags["--memory-bytes"]), 0)
+                    self.assertEqual(c["readinessProbe"]["exec"]["command"], ["python3", "-I", "-S", "/opt/sluice/attach.py", "--probe"])
                 policy = self.find(objs, "NetworkPolicy", f"sluice-{name}-deny-all")["spec"]
                 self.assertEqual(policy["podSelector"], {"matchLabels": {"sluice.dev/chain": name}})
                 self.assertEqual(sorted(policy["policyTypes"]), ["Egress", "Ingress"])

@@ -55,12 +55,13 @@ class DockerfileTest(unittest.TestCase):
         stage = final_stage("supervisor/Dockerfile")
         self.assertTrue(stage[0].startswith("FROM python:3.11-slim"), stage[0])
         copies = instructions(stage, "COPY")
-        self.assertTrue(any(c.endswith("supervisor/supervisor.py /opt/sluice/supervisor.py") for c in copies), copies)
+        self.assertTrue(any(c.endswith("supervisor/supervisor.py supervisor/attach.py /opt/sluice/") for c in copies), copies)
         env = " ".join(instructions(stage, "ENV"))
         for var in ("PYTHONDONTWRITEBYTECODE=1", "SLUICE_SANDBOX=1"):
             self.assertIn(var, env)
-        self.assertEqual(instructions(stage, "CMD"), ['["python3", "/opt/sluice/supervisor.py", "--hold"]'])
-        self.assertTrue(os.path.exists(os.path.join(ROOT, "supervisor/supervisor.py")))
+        self.assertEqual(instructions(stage, "CMD"), ['["python3", "-u", "/opt/sluice/supervisor.py", "--listen"]'])
+        for f in ("supervisor.py", "attach.py"):
+            self.assertTrue(os.path.exists(os.path.join(ROOT, "supervisor", f)))
 
     def test_operator_and_gateway_are_multi_stage_and_run_their_binary(self):
         for name, runtime in (("operator", "FROM python:3.11-slim"), ("gateway", "FROM gcr.io/distroless/")):

@@ -102,9 +102,10 @@ async fn runs_and_streams_over(protocol: ExecProtocol) {
     }
     h.stop_kube_and_check(&api).await;
     assert_eq!(deletes_of_pods(&api), claims.len());
-    // Every exec used the contract's command and stdin, stdout and stderr, no tty.
+    // Every exec used the contract's command (the attach relay) and stdin, stdout and stderr, no tty.
     for e in api.requests().iter().filter(|r| r.path.ends_with("/exec")) {
         assert!(e.query.contains("container=supervisor"), "{e:?}");
+        assert!(e.query.contains("attach.py"), "{e:?}");
         assert!(e.query.contains("stdin=true"), "{e:?}");
         assert!(!e.query.contains("tty=true"), "{e:?}");
     }
@@ -119,6 +120,47 @@ async fn runs_and_streams_real_chains_over_exec_v5() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn runs_and_streams_real_chains_over_exec_v4() {
     runs_and_streams_over(ExecProtocol::V4).await;
+}
+
+/// Lists the sandbox's processes: the second hook runs after the clean-up that follows the first.
+const PROCESSES: &str = r#"import os
+def execute(context, settings):
+    commands = []
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            commands.append(open("/proc/" + pid + "/cmdline", "rb").read().replace(b"\0", b" ").decode())
+        except OSError:
+            pass
+    return {"action": "detect", "findings": {"commands": commands}}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_pods_supervisor_serves_through_the_relay_which_outlives_the_clean_up() {
+    let chain = chain_yaml(
+        "relay",
+        "bot",
+        "input",
+        "",
+        &[("first", "modify", REDACT), ("look", "detect", PROCESSES)],
+    );
+    let (api, h) = cluster(ExecProtocol::V5, &chain, 1).await;
+    let r = h.run_text("bot", "input", "call 555").await.expect("run");
+    assert_eq!(text(&r), "call ###");
+    let seen = sluice_e2e::from_proto(r.hooks[1].findings.as_ref().expect("findings"));
+    let commands: Vec<String> = serde_json::from_value(seen["commands"].clone()).expect("list");
+    // pid 1 is the pod's own supervisor (`--listen`), warmed up before the claim; the exec'd relay
+    // carries the protocol and must survive the clean-up between hooks, or the exec would end.
+    assert!(
+        commands
+            .iter()
+            .any(|c| c.contains("supervisor.py --listen")),
+        "{commands:?}"
+    );
+    assert!(
+        commands.iter().any(|c| c.trim_end().ends_with("attach.py")),
+        "the relay was killed between hooks: {commands:?}"
+    );
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

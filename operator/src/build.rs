@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 pub use sluice_crds::sandbox_pod::{
     ANNOTATION_CLAIMED_AT, ANNOTATION_CLAIMED_BY, CONTAINER, LABEL_CHAIN, LABEL_MANAGED_BY,
     LABEL_NAME, LABEL_POOL, LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM, SANDBOX_NAME, SUPERVISOR,
+    probe_command, supervisor_command, workers_for,
 };
 
 pub const FIELD_MANAGER: &str = sluice_crds::sandbox_pod::OPERATOR;
@@ -52,19 +53,22 @@ pub fn default_supervisor_image() -> String {
     )
 }
 
-/// Hash of everything in the pod template: image, runtime class, resources, `/tmp` size. Hook code
-/// is not in it: code is sent to the supervisor at init, so a code change needs no new pods.
+/// Hash of everything in the pod template: image, runtime class, resources, `/tmp` size and the
+/// number of hook workers the supervisor forks ahead. Hook code is not in it: code is sent to the
+/// supervisor at init, so a code change needs no new pods (adding or removing a hook rolls the pool;
+/// until then a pod forks what it lacks at init).
 pub fn template_hash(chain: &HookChain, settings: &Settings) -> String {
     let r = &chain.spec.resources;
     let parts = [
         // Bump when the shape of the pod built below changes, so running pools roll.
-        "v1",
+        "v2",
         settings.supervisor_image.as_str(),
         settings.runtime_class.as_str(),
         r.cpu.as_str(),
         r.memory.as_str(),
         &r.pids.to_string(),
         TMP_SIZE,
+        &workers_for(chain.spec.hooks.len()).to_string(),
     ];
     let mut h = Sha256::new();
     for part in parts {
@@ -111,6 +115,8 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
     labels.insert(LABEL_TEMPLATE.to_string(), template_hash(chain, settings));
     labels.insert(LABEL_POOL.to_string(), POOL_WARM.to_string());
     let r = &chain.spec.resources;
+    // Validated before any pod is built; 0 (no address-space limit, the cgroup still holds) otherwise.
+    let memory_bytes = sluice_crds::quantity::memory_bytes(&r.memory).unwrap_or(0);
     // requests = limits: a sandbox gets exactly what the chain asked for (Guaranteed QoS).
     let amounts = BTreeMap::from([
         ("cpu".to_string(), quantity(&r.cpu)),
@@ -130,18 +136,16 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
         seccomp_profile: Some(runtime_default()),
         ..Default::default()
     };
-    let python = |args: &[&str]| -> Vec<String> {
-        ["python3", SUPERVISOR]
-            .iter()
-            .chain(args)
-            .map(|s| s.to_string())
-            .collect()
-    };
     let container = Container {
         name: CONTAINER.into(),
         image: Some(settings.supervisor_image.clone()),
         image_pull_policy: Some("IfNotPresent".into()),
-        command: Some(python(&["--hold"])),
+        // The supervisor itself, ready before the pod is: a claim only attaches to it.
+        command: Some(supervisor_command(
+            workers_for(chain.spec.hooks.len()),
+            memory_bytes,
+            r.pids,
+        )),
         env: Some(vec![EnvVar {
             name: "SLUICE_SANDBOX".into(),
             value: Some("1".into()),
@@ -152,10 +156,10 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
             limits: Some(amounts),
             ..Default::default()
         }),
-        // Runs a one-hook chain through the real protocol: Ready means the supervisor answers.
+        // Ready means the supervisor answers, still waiting for its attach, its workers alive.
         readiness_probe: Some(Probe {
             exec: Some(ExecAction {
-                command: Some(python(&["--probe"])),
+                command: Some(probe_command()),
             }),
             period_seconds: Some(10),
             timeout_seconds: Some(5),
@@ -294,9 +298,22 @@ pub(crate) mod tests {
         assert_eq!(sc.run_as_non_root, Some(true));
         assert_eq!(sc.capabilities.unwrap().drop, Some(vec!["ALL".to_string()]));
         assert_eq!(sc.seccomp_profile.unwrap().type_, "RuntimeDefault");
+        // The pod's main process is the supervisor, listening for the gateway's attach: one hook
+        // runs in it (no workers), 256Mi is its address-space limit, the chain's pids its nproc.
         assert_eq!(
             c.command.clone().unwrap(),
-            ["python3", "/opt/sluice/supervisor.py", "--hold"]
+            [
+                "python3",
+                "-u",
+                "/opt/sluice/supervisor.py",
+                "--listen",
+                "--workers",
+                "0",
+                "--memory-bytes",
+                "268435456",
+                "--pids",
+                "32"
+            ]
         );
         let env = c.env.clone().unwrap();
         assert_eq!(
@@ -352,7 +369,7 @@ pub(crate) mod tests {
             .unwrap();
         assert_eq!(
             probe.exec.unwrap().command.unwrap(),
-            ["python3", "/opt/sluice/supervisor.py", "--probe"]
+            ["python3", "-I", "-S", "/opt/sluice/attach.py", "--probe"]
         );
     }
 
@@ -379,6 +396,16 @@ pub(crate) mod tests {
         let mut code = base.clone();
         code.spec.hooks[0].code = "def execute(c, s):\n    return {'action': 'modify'}\n".into();
         assert_eq!(template_hash(&code, &s), h, "code changes keep pods");
+        // A second hook changes how many workers the supervisor forks ahead: a new shape.
+        let mut two = base.clone();
+        two.spec.hooks.push(two.spec.hooks[0].clone());
+        two.spec.hooks[1].name = "b".into();
+        assert_ne!(template_hash(&two, &s), h);
+        let command = pod(&two, &s).spec.unwrap().containers[0]
+            .command
+            .clone()
+            .unwrap();
+        assert_eq!(command[4..6], ["--workers", "2"]);
         let mut mem = base.clone();
         mem.spec.resources.memory = "512Mi".into();
         assert_ne!(template_hash(&mem, &s), h);

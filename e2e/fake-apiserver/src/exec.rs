@@ -4,7 +4,7 @@
 //! closing the whole websocket. The exit `Status` goes on channel 3 before the server closes.
 
 use crate::store::{Resource, Route};
-use crate::{Body, ExecProtocol, Shared, Stdio, status};
+use crate::{Body, ExecProtocol, Shared, status};
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use http_body_util::{BodyExt, Empty};
@@ -12,7 +12,6 @@ use hyper::{Request, Response, StatusCode};
 use serde_json::json;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
@@ -27,16 +26,11 @@ const STDERR: u8 = 2;
 const STATUS: u8 = 3;
 const CLOSE: u8 = 255;
 
-/// The command the contract says a gateway runs: the supervisor, unbuffered, with its shape flags.
-fn command_ok(command: &[&str]) -> bool {
-    command.len() == 9
-        && command[..3] == ["python3", "-u", "/opt/sluice/supervisor.py"]
-        && command[3] == "--workers"
-        && command[4].parse::<u32>().is_ok()
-        && command[5] == "--memory-bytes"
-        && command[6].parse::<u64>().is_ok()
-        && command[7] == "--pids"
-        && command[8].parse::<u32>().is_ok()
+/// The commands the contract allows into a sandbox pod: the gateway's attach relay and the readiness
+/// probe. Anything else is refused, so a gateway that drifts from the contract fails here.
+fn command_ok(command: &[String]) -> bool {
+    command == sluice_crds::sandbox_pod::attach_command()
+        || command == sluice_crds::sandbox_pod::probe_command()
 }
 
 pub async fn upgrade(
@@ -115,7 +109,6 @@ pub async fn upgrade(
                     None,
                 )
                 .await;
-                let command: Vec<&str> = command.iter().map(String::as_str).collect();
                 bridge(shared, ws, &ns, &name, &command, chosen == V5).await;
             }
             Err(e) => tracing::warn!(error = %e, "exec upgrade failed"),
@@ -139,15 +132,20 @@ fn frame(channel: u8, data: &[u8]) -> Message {
     Message::binary(v)
 }
 
-fn exit_status(ok: bool, message: &str) -> Message {
-    let status = if ok {
-        json!({"metadata": {}, "status": "Success"})
-    } else {
-        json!({
+/// The exit `Status` the API server sends on channel 3: Success, or the exit code as the kubelet
+/// reports it.
+fn exit_status(code: Option<i32>, command: &[String], why: &str) -> Message {
+    let status = match code {
+        Some(0) => json!({"metadata": {}, "status": "Success"}),
+        Some(code) => json!({
             "metadata": {}, "status": "Failure", "reason": "NonZeroExitCode",
-            "message": message,
-            "details": {"causes": [{"reason": "ExitCode", "message": "137"}]},
-        })
+            "message": format!("command terminated with non-zero exit code: error executing command {command:?}, exit code {code}"),
+            "details": {"causes": [{"reason": "ExitCode", "message": code.to_string()}]},
+        }),
+        None => json!({
+            "metadata": {}, "status": "Failure", "reason": "InternalError",
+            "message": format!("error executing command {command:?}: {why}"),
+        }),
     };
     frame(STATUS, status.to_string().as_bytes())
 }
@@ -157,7 +155,7 @@ async fn bridge<S>(
     ws: WebSocketStream<S>,
     ns: &str,
     name: &str,
-    command: &[&str],
+    command: &[String],
     v5: bool,
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -177,29 +175,30 @@ async fn bridge<S>(
     for ch in [STDOUT, STDERR] {
         let _ = out.send(frame(ch, &[])).await;
     }
-    let stdio = if command_ok(command) {
-        shared.attach(ns, name)
+    let started = if command_ok(command) {
+        shared.exec(ns, name, command).await
     } else {
-        None
+        Err(format!(
+            "command {command:?} is not a command of the sandbox pod contract"
+        ))
     };
-    let Some(Stdio {
-        stdin,
-        stdout,
-        stderr,
-    }) = stdio
+    let mut child = match started {
+        Ok(child) => child,
+        Err(why) => {
+            let _ = out.send(exit_status(None, command, &why)).await;
+            drop(out);
+            let _ = writer.await;
+            return;
+        }
+    };
+    let (Some(stdin), Some(stdout), Some(stderr)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
     else {
-        let why = if command_ok(command) {
-            format!("pod {ns}/{name}: the supervisor is gone or already attached")
-        } else {
-            format!("command {command:?} is not the supervisor command of the contract")
-        };
-        let _ = out.send(exit_status(false, &why)).await;
-        drop(out);
-        let _ = writer.await;
+        let _ = out
+            .send(exit_status(None, command, "started without pipes"))
+            .await;
         return;
     };
-    let stdin_closed = Arc::new(AtomicBool::new(false));
-    let closed = stdin_closed.clone();
     let (seen_by, key) = (shared.clone(), format!("{ns}/{name}"));
     let reader = tokio::spawn(async move {
         let mut stdin = Some(stdin);
@@ -221,7 +220,6 @@ async fn bridge<S>(
                         }
                     }
                     CLOSE if v5 && b.get(1) == Some(&STDIN) => {
-                        closed.store(true, Ordering::SeqCst);
                         if let Some(mut w) = stdin.take() {
                             let _ = w.shutdown().await;
                         }
@@ -232,13 +230,12 @@ async fn bridge<S>(
                 Ok(_) => {}
             }
         }
-        // The client went away (v4's only way to end stdin): the supervisor sees EOF.
-        closed.store(true, Ordering::SeqCst);
+        // The client went away (v4's only way to end stdin): the process sees EOF.
         if let Some(mut w) = stdin.take() {
             let _ = w.shutdown().await;
         }
     });
-    let pump = |mut r: sluice_gateway::sandbox::Reader,
+    let pump = |mut r: Box<dyn tokio::io::AsyncRead + Send + Unpin>,
                 channel: u8,
                 out: tokio::sync::mpsc::Sender<Message>| async move {
         let mut buf = vec![0u8; 32 << 10];
@@ -254,29 +251,20 @@ async fn bridge<S>(
         }
     };
     shared.track(reader.abort_handle());
-    let o = tokio::spawn(pump(stdout, STDOUT, out.clone()));
-    let e = tokio::spawn(pump(stderr, STDERR, out.clone()));
+    let o = tokio::spawn(pump(Box::new(stdout), STDOUT, out.clone()));
+    let e = tokio::spawn(pump(Box::new(stderr), STDERR, out.clone()));
     shared.track(o.abort_handle());
     shared.track(e.abort_handle());
     let _ = tokio::join!(o, e);
-    // Both outputs ended: the supervisor exited. Cleanly only if it was told to (stdin closed).
-    let ok = stdin_closed.load(Ordering::SeqCst);
+    // Both outputs ended: the process exited (or its sandbox died under it).
+    let code = match child.wait().await {
+        Ok(s) => Some(s.code().unwrap_or(137)),
+        Err(_) => None,
+    };
     let _ = out
-        .send(exit_status(
-            ok,
-            "command terminated with non-zero exit code: the sandbox was killed",
-        ))
+        .send(exit_status(code, command, "the process was lost"))
         .await;
     drop(out);
     let _ = writer.await;
     reader.abort();
-    // The supervisor is done; its sandbox goes (the pod object stays until the gateway deletes it).
-    let handle = shared
-        .handles
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&format!("{ns}/{name}"));
-    if let Some(h) = handle {
-        h.destroy(true).await;
-    }
 }

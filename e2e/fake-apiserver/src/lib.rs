@@ -10,9 +10,12 @@
 //!   its CLOSE signal, or `v4.channel.k8s.io`; channel 0 stdin, 1 stdout, 2 stderr, 3 a `Status` at
 //!   exit).
 //!
-//! A pod here is a real local runsc sandbox whose supervisor waits on stdin: exec attaches the
-//! websocket to it (once), so the gateway runs real chains over real framing. Deleting or killing the
-//! pod destroys the sandbox, and an attached exec sees its process die.
+//! A pod here is a real local runsc sandbox started the way the operator's pod starts: its main
+//! process is the supervisor listening for one attach (`supervisor.py --listen`), and it is published
+//! Ready once its readiness probe (`attach.py --probe`, run with `runsc exec` as a kubelet would)
+//! passes. Exec runs the requested command in the sandbox with `runsc exec` and bridges its stdio to
+//! the websocket, so the gateway runs real chains through the real relay over real framing. Deleting
+//! or killing the pod destroys the sandbox, and an exec in flight sees its process die.
 
 mod exec;
 mod store;
@@ -23,13 +26,15 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::{Request, Response, StatusCode};
 use serde_json::{Value, json};
+use sluice_crds::sandbox_pod;
 use sluice_gateway::sandbox::local::{LocalBackend, LocalConfig};
-use sluice_gateway::sandbox::{Reader, SandboxBackend, SandboxHandle, SandboxSpec, Writer};
+use sluice_gateway::sandbox::{SandboxBackend, SandboxHandle, SandboxSpec};
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use store::Store;
+use tokio::io::AsyncReadExt;
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
@@ -51,13 +56,6 @@ pub struct Logged {
     pub body: Value,
 }
 
-/// A pod's supervisor pipes, taken by the one exec that attaches to it.
-pub(crate) struct Stdio {
-    pub stdin: Writer,
-    pub stdout: Reader,
-    pub stderr: Reader,
-}
-
 pub struct FakeApiServer {
     pub addr: SocketAddr,
     shared: Arc<Shared>,
@@ -69,16 +67,16 @@ pub struct FakeApiServer {
 struct Shared {
     store: Store,
     backend: LocalBackend,
-    /// Stdio of pods' sandboxes no exec has attached to yet, by "namespace/name".
-    waiting: Mutex<HashMap<String, Stdio>>,
-    /// Every pod's sandbox (attached or not), to destroy it with its pod.
-    handles: Mutex<HashMap<String, Arc<dyn SandboxHandle>>>,
+    /// Every pod's sandbox (its runsc id and handle), to exec into it and destroy it with its pod.
+    handles: Mutex<HashMap<String, (String, Arc<dyn SandboxHandle>)>>,
     protocol: ExecProtocol,
     log: Mutex<Vec<Logged>>,
     /// What each pod's exec received on stdin so far, by "namespace/name".
     stdin_seen: Mutex<HashMap<String, Vec<u8>>>,
     /// Every open connection and exec bridge, so `restart` can drop them all.
     connections: Mutex<Vec<tokio::task::AbortHandle>>,
+    /// Sandboxes of deleted pods still going away (a DELETE answers at once, as the real one does).
+    teardowns: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 impl FakeApiServer {
@@ -87,17 +85,17 @@ impl FakeApiServer {
             .prefix("sluice-fake-apiserver")
             .tempdir()?;
         let mut cfg = LocalConfig::new(state_dir.path());
-        cfg.keep_stdout = true;
+        cfg.pod_shape = true;
         let backend = LocalBackend::new(cfg).await?;
         let shared = Arc::new(Shared {
             store: Store::new(),
             backend,
-            waiting: Mutex::default(),
             handles: Mutex::default(),
             protocol,
             log: Mutex::default(),
             stdin_seen: Mutex::default(),
             connections: Mutex::default(),
+            teardowns: Mutex::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -255,8 +253,9 @@ impl FakeApiServer {
         }
     }
 
-    /// Runsc sandboxes of pods that still exist.
+    /// Runsc sandboxes of pods that still exist (once those of deleted pods have gone).
     pub async fn live_sandboxes(&self) -> Vec<String> {
+        self.shared.settle().await;
         self.shared.backend.live().await
     }
 
@@ -283,6 +282,7 @@ impl FakeApiServer {
                 self.shared.destroy_pod(ns, name).await;
             }
         }
+        self.shared.settle().await;
         self.shared.backend.clean_leftovers().await;
         self.server.abort();
     }
@@ -293,44 +293,35 @@ impl Shared {
         let name = format!("{}-{}", spec.chain, self.store.next_suffix());
         let key = format!("{}/{name}", spec.namespace);
         let sandbox = self.backend.start(spec).await?;
-        let Some(stdout) = sandbox.stdout else {
-            anyhow::bail!("the local backend drained stdout despite keep_stdout");
-        };
-        // Like the readiness probe, the pod is Ready (and published) once the supervisor answers:
-        // its `ready` line is read here and handed on unchanged to whoever attaches.
-        let mut stderr = tokio::io::BufReader::new(sandbox.protocol);
-        let mut ready = Vec::new();
-        let said = tokio::time::timeout(
-            std::time::Duration::from_secs(60),
-            tokio::io::AsyncBufReadExt::read_until(&mut stderr, b'\n', &mut ready),
-        )
-        .await;
-        if !matches!(said, Ok(Ok(n)) if n > 0) || !ready.starts_with(b"{\"type\":\"ready\"") {
-            sandbox.handle.destroy(true).await;
-            anyhow::bail!(
-                "the supervisor of a fake pod did not say ready: {:?}",
-                String::from_utf8_lossy(&ready)
-            );
+        // The container's log (the supervisor's own lines): read, so it never blocks.
+        let mut log = sandbox.protocol;
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            while let Ok(n) = log.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+                tracing::debug!(log = %String::from_utf8_lossy(&buf[..n]).trim_end(), "fake pod");
+            }
+        });
+        let id = sandbox.id.clone();
+        let handle: Arc<dyn SandboxHandle> = Arc::from(sandbox.handle);
+        // As the kubelet: the pod is Ready (and published) once its readiness probe passes.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let Err(last) = self.probe(&id).await else {
+                break;
+            };
+            if tokio::time::Instant::now() >= deadline {
+                handle.destroy(true).await;
+                anyhow::bail!("the readiness probe of a fake pod never passed: {last}");
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
-        let stderr: Reader = Box::pin(tokio::io::AsyncReadExt::chain(
-            std::io::Cursor::new(ready),
-            stderr,
-        ));
         self.handles
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(key.clone(), Arc::from(sandbox.handle));
-        self.waiting
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                key,
-                Stdio {
-                    stdin: sandbox.stdin,
-                    stdout,
-                    stderr,
-                },
-            );
+            .insert(key, (id, handle));
         let pod = json!({
             "apiVersion": "v1",
             "kind": "Pod",
@@ -351,7 +342,11 @@ impl Shared {
             },
             "spec": {
                 "runtimeClassName": "gvisor",
-                "containers": [{"name": "supervisor", "image": "sluice-supervisor:fake"}],
+                "containers": [{
+                    "name": "supervisor", "image": "sluice-supervisor:fake",
+                    "command": sandbox_pod::supervisor_command(spec.workers, spec.memory_bytes, spec.pids),
+                    "readinessProbe": {"exec": {"command": sandbox_pod::probe_command()}},
+                }],
             },
             "status": {
                 "phase": "Running",
@@ -363,27 +358,96 @@ impl Shared {
     }
 
     async fn destroy_pod(&self, namespace: &str, name: &str) {
-        let key = format!("{namespace}/{name}");
-        self.waiting
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&key);
-        let handle = self
+        let sandbox = self
             .handles
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&key);
-        if let Some(h) = handle {
+            .remove(&format!("{namespace}/{name}"));
+        if let Some((_, h)) = sandbox {
             h.destroy(true).await;
         }
     }
 
-    /// The pipes of a pod's supervisor, once: a second exec into the same pod finds none.
-    pub(crate) fn attach(&self, namespace: &str, name: &str) -> Option<Stdio> {
-        self.waiting
+    /// A pod deleted through the API: like a kubelet, its container gets a grace period to end (the
+    /// supervisor ends by itself once its session is over), in the background.
+    fn terminate_pod(&self, namespace: &str, name: &str) {
+        let sandbox = self
+            .handles
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&format!("{namespace}/{name}"))
+            .remove(&format!("{namespace}/{name}"));
+        if let Some((_, h)) = sandbox {
+            let task = tokio::spawn(async move { h.destroy(false).await });
+            let mut pending = self.teardowns.lock().unwrap_or_else(|p| p.into_inner());
+            pending.retain(|t| !t.is_finished());
+            pending.push(task);
+        }
+    }
+
+    /// Waits until the sandboxes of deleted pods are gone.
+    async fn settle(&self) {
+        let pending: Vec<_> = self
+            .teardowns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        for t in pending {
+            let _ = t.await;
+        }
+    }
+
+    /// Runs the pod's readiness probe command in sandbox `id`, as the kubelet runs exec probes.
+    async fn probe(&self, id: &str) -> Result<(), String> {
+        let child = self
+            .backend
+            .exec(id, &self.in_sandbox(&sandbox_pod::probe_command()))
+            .await
+            .map_err(|e| e.to_string())?;
+        let out = tokio::time::timeout(std::time::Duration::from_secs(5), child.wait_with_output())
+            .await
+            .map_err(|_| "the probe timed out".to_string())?
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+        }
+    }
+
+    /// A pod's command as it runs in a local sandbox: the image's `python3` is the backend's
+    /// interpreter, and `/opt/sluice/` of the image is `/sluice/` there.
+    fn in_sandbox(&self, command: &[String]) -> Vec<String> {
+        command
+            .iter()
+            .map(|a| match a.as_str() {
+                "python3" => self.backend.python().to_string_lossy().into_owned(),
+                a => match a.strip_prefix("/opt/sluice/") {
+                    Some(file) => format!("/sluice/{file}"),
+                    None => a.to_string(),
+                },
+            })
+            .collect()
+    }
+
+    /// Starts `command` in pod `namespace/name`'s sandbox, stdio piped: an exec.
+    pub(crate) async fn exec(
+        &self,
+        namespace: &str,
+        name: &str,
+        command: &[String],
+    ) -> Result<tokio::process::Child, String> {
+        let id = self
+            .handles
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&format!("{namespace}/{name}"))
+            .map(|(id, _)| id.clone())
+            .ok_or_else(|| format!("pod {namespace}/{name} has no running container"))?;
+        self.backend
+            .exec(&id, &self.in_sandbox(command))
+            .await
+            .map_err(|e| e.to_string())
     }
 
     pub(crate) fn track(&self, task: tokio::task::AbortHandle) {
@@ -474,7 +538,7 @@ impl Shared {
                 let ns = route.namespace.clone().unwrap_or_default();
                 let gone = self.store.delete(route.resource, &ns, name);
                 if route.resource == Resource::Pods {
-                    self.destroy_pod(&ns, name).await;
+                    self.terminate_pod(&ns, name);
                 }
                 match gone {
                     Some(o) => json_response(StatusCode::OK, &o),

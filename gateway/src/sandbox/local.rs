@@ -22,6 +22,8 @@ use tokio::sync::Mutex;
 
 /// The supervisor is compiled into the gateway so a binary and its supervisor never disagree.
 pub const SUPERVISOR_PY: &str = include_str!("../../../supervisor/supervisor.py");
+/// The attach relay a warm pod's exec runs (see `supervisor/attach.py`); mounted for the pod shape.
+pub const ATTACH_PY: &str = include_str!("../../../supervisor/attach.py");
 
 const CGROUP_PARENT: &str = "sluice";
 /// The host-side pids cgroup also holds gVisor's own threads (sentry and gofer, Go runtimes of a few
@@ -43,6 +45,10 @@ pub struct LocalConfig {
     /// Hand the supervisor's stdout to the caller (`Sandbox::stdout`) instead of draining it here:
     /// for a test harness that forwards it somewhere (the fake exec endpoint's stdout channel).
     pub keep_stdout: bool,
+    /// Start sandboxes the way a warm pod starts: the supervisor listens for one attach
+    /// (`--listen`) instead of serving its stdin, and callers reach it with [`LocalBackend::exec`].
+    /// For the fake API server, whose pods are local sandboxes.
+    pub pod_shape: bool,
 }
 
 impl LocalConfig {
@@ -54,6 +60,7 @@ impl LocalConfig {
             platform: "ptrace".into(),
             tmp_bytes: 16 << 20,
             keep_stdout: false,
+            pod_shape: false,
         }
     }
 }
@@ -102,6 +109,9 @@ impl LocalBackend {
         let supervisor = state_dir.join("supervisor.py");
         tokio::fs::write(&supervisor, SUPERVISOR_PY).await?;
         set_mode(&supervisor, 0o644)?;
+        let attach = state_dir.join("attach.py");
+        tokio::fs::write(&attach, ATTACH_PY).await?;
+        set_mode(&attach, 0o644)?;
         for d in ["tmp", "proc", "dev", "sluice", "etc"] {
             tokio::fs::create_dir_all(rootfs.join(d)).await?;
         }
@@ -116,6 +126,8 @@ impl LocalBackend {
                    "options": ["nosuid", "nodev", "noexec", "mode=1777", format!("size={}", cfg.tmp_bytes)]}),
             json!({"destination": "/sluice/supervisor.py", "type": "bind",
                    "source": supervisor, "options": ["rbind", "ro"]}),
+            json!({"destination": "/sluice/attach.py", "type": "bind",
+                   "source": attach, "options": ["rbind", "ro"]}),
         ];
         for p in host_paths {
             mounts.push(
@@ -148,24 +160,51 @@ impl LocalBackend {
         &self.prefix[..self.prefix.rfind('-').unwrap_or(self.prefix.len())]
     }
 
+    /// The environment of every process in a sandbox.
+    fn env() -> Vec<String> {
+        [
+            "PATH=/usr/bin:/bin",
+            "LANG=C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE=1",
+            "SLUICE_SANDBOX=1",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    /// A process of the sandbox user: no capabilities, no new privileges, few files, no core dumps.
+    fn process(args: Vec<serde_json::Value>, env: Vec<String>) -> serde_json::Value {
+        json!({
+            "terminal": false,
+            "user": {"uid": 65534, "gid": 65534},
+            "args": args,
+            "env": env,
+            "cwd": "/tmp",
+            "capabilities": {"bounding": [], "effective": [], "permitted": [], "inheritable": [], "ambient": []},
+            "noNewPrivileges": true,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 256, "soft": 256},
+                        {"type": "RLIMIT_CORE", "hard": 0, "soft": 0}]
+        })
+    }
+
     fn oci_spec(&self, id: &str, spec: &SandboxSpec) -> serde_json::Value {
         let period: u64 = 100_000;
+        let mut args = vec![
+            json!(self.python),
+            json!("-I"),
+            json!("-S"),
+            json!("-u"),
+            json!("/sluice/supervisor.py"),
+        ];
+        if self.cfg.pod_shape {
+            args.push(json!("--listen"));
+        }
+        let mut env = Self::env();
+        env.push(format!("SLUICE_WORKERS={}", spec.workers));
+        env.push(format!("SLUICE_MEMORY_BYTES={}", spec.memory_bytes));
         json!({
             "ociVersion": "1.0.2",
-            "process": {
-                "terminal": false,
-                "user": {"uid": 65534, "gid": 65534},
-                "args": [self.python, "-I", "-S", "-u", "/sluice/supervisor.py"],
-                "env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1",
-                        "SLUICE_SANDBOX=1".to_string(),
-                        format!("SLUICE_WORKERS={}", spec.workers),
-                        format!("SLUICE_MEMORY_BYTES={}", spec.memory_bytes)],
-                "cwd": "/tmp",
-                "capabilities": {"bounding": [], "effective": [], "permitted": [], "inheritable": [], "ambient": []},
-                "noNewPrivileges": true,
-                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 256, "soft": 256},
-                            {"type": "RLIMIT_CORE", "hard": 0, "soft": 0}]
-            },
+            "process": Self::process(args, env),
             "root": {"path": self.rootfs, "readonly": true},
             "hostname": "sandbox",
             "mounts": self.mounts,
@@ -179,6 +218,33 @@ impl LocalBackend {
                 }
             }
         })
+    }
+
+    /// Starts `args` as another process of sandbox `id` (`runsc exec`, the sandbox user, the
+    /// sandbox's environment), stdio piped: what a kubelet does for a pod's exec and exec probes.
+    /// The supervisor and its relay are at `/sluice/`, the interpreter at [`LocalBackend::python`].
+    pub async fn exec(
+        &self,
+        id: &str,
+        args: &[String],
+    ) -> Result<tokio::process::Child, StartError> {
+        // In the sandbox's bundle, which goes with the sandbox.
+        let n = self.seq.fetch_add(1, Ordering::Relaxed);
+        let file = self.bundles.join(id).join(format!("exec-{n}.json"));
+        let process = Self::process(args.iter().map(|a| json!(a)).collect(), Self::env());
+        tokio::fs::write(&file, process.to_string()).await?;
+        self.runsc()
+            .args(["--platform", &self.cfg.platform, "exec", "--process"])
+            .arg(&file)
+            .arg(id)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| runtime(format!("cannot start {:?} exec: {e}", self.cfg.runsc)))
     }
 
     async fn force_delete(runsc: &Path, root: &Path, id: &str) {
@@ -323,8 +389,9 @@ async fn python_closure(python: &Path) -> Result<BTreeSet<String>, StartError> {
 #[async_trait]
 impl SandboxBackend for LocalBackend {
     async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
+        // Fixed width: runsc resolves an id by prefix, so "…-1" would be ambiguous beside "…-10".
         let id = format!(
-            "{}-{}",
+            "{}-{:012}",
             self.prefix,
             self.seq.fetch_add(1, Ordering::Relaxed)
         );

@@ -36,7 +36,7 @@ impl SandboxSpec {
             memory_bytes: sluice_crds::quantity::memory_bytes(&r.memory)?,
             pids: r.pids,
             // A chain of one hook runs inside the supervisor itself: nothing to isolate it from.
-            workers: if hooks > 1 { hooks } else { 0 },
+            workers: sluice_crds::sandbox_pod::workers_for(hooks),
         })
     }
 }

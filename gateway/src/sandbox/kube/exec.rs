@@ -1,33 +1,15 @@
 //! Reaching the supervisor in a claimed pod through the exec API (websocket, `v5.channel.k8s.io`
-//! with a fallback to v4, `tty=false`): requests go to its stdin, the protocol comes back on its
-//! stderr, and its stdout (hooks' prints) is drained and discarded here with a bound.
+//! with a fallback to v4, `tty=false`). The exec runs the attach relay, which hands the exec's own
+//! pipes to the pod's waiting supervisor: requests go to stdin, the protocol comes back on stderr,
+//! and stdout (empty unless something goes wrong) is drained and discarded here with a bound.
 
 use super::labels;
-use crate::sandbox::{OUTPUT_LIMIT, SandboxSpec};
+use crate::sandbox::OUTPUT_LIMIT;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams, AttachedProcess};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// The command the gateway runs in a claimed pod for one trigger point. In a pod the pids cgroup is
-/// the node's, so the chain's `pids` travels as a flag (the supervisor's RLIMIT_NPROC).
-pub fn command(spec: &SandboxSpec) -> Vec<String> {
-    [
-        "python3",
-        "-u",
-        labels::SUPERVISOR,
-        "--workers",
-        &spec.workers.to_string(),
-        "--memory-bytes",
-        &spec.memory_bytes.to_string(),
-        "--pids",
-        &spec.pids.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
 
 /// Buffers between the websocket and the supervisor conversation: large enough that a protocol line
 /// of a big payload does not crawl through the default 1 KiB pipe.
@@ -38,10 +20,12 @@ pub struct Exec {
     pub stdin: tokio::io::WriteHalf<tokio::io::SimplexStream>,
     pub stderr: tokio::io::ReadHalf<tokio::io::SimplexStream>,
     pub stdout_bytes: Arc<AtomicU64>,
+    /// Set by the owner before it drops the exec on purpose, so an exit without a status is expected.
+    pub closing: Arc<AtomicBool>,
 }
 
-/// Starts the supervisor in `pod` and starts draining its stdout.
-pub async fn start(api: &Api<Pod>, pod: &str, spec: &SandboxSpec) -> Result<Exec, kube::Error> {
+/// Attaches to the supervisor waiting in `pod` and starts draining stdout.
+pub async fn start(api: &Api<Pod>, pod: &str) -> Result<Exec, kube::Error> {
     let params = AttachParams::default()
         .container(labels::CONTAINER)
         .stdin(true)
@@ -51,7 +35,7 @@ pub async fn start(api: &Api<Pod>, pod: &str, spec: &SandboxSpec) -> Result<Exec
         .max_stdin_buf_size(BUFFER)
         .max_stdout_buf_size(BUFFER)
         .max_stderr_buf_size(BUFFER);
-    let mut process = api.exec(pod, command(spec), &params).await?;
+    let mut process = api.exec(pod, labels::attach_command(), &params).await?;
     let (Some(stdin), Some(mut stdout), Some(mut stderr), Some(status)) = (
         process.stdin(),
         process.stdout(),
@@ -82,6 +66,8 @@ pub async fn start(api: &Api<Pod>, pod: &str, spec: &SandboxSpec) -> Result<Exec
     // supervisor conversation sees the sandbox die at once instead of at its deadline.
     let (protocol, mut pipe) = tokio::io::simplex(BUFFER);
     let key = format!("{}/{pod}", api.namespace().unwrap_or_default());
+    let closing = Arc::new(AtomicBool::new(false));
+    let closed_by_us = closing.clone();
     tokio::spawn(async move {
         let ended = {
             let copy = tokio::io::copy(&mut stderr, &mut pipe);
@@ -101,7 +87,7 @@ pub async fn start(api: &Api<Pod>, pod: &str, spec: &SandboxSpec) -> Result<Exec
             Some(Some(s)) if s.status.as_deref() != Some("Success") => {
                 tracing::warn!(pod = %key, message = ?s.message, reason = ?s.reason, "supervisor exited with an error")
             }
-            Some(None) => {
+            Some(None) if !closed_by_us.load(Ordering::SeqCst) => {
                 tracing::warn!(pod = %key, "the exec connection ended without an exit status")
             }
             _ => {}
@@ -112,39 +98,9 @@ pub async fn start(api: &Api<Pod>, pod: &str, spec: &SandboxSpec) -> Result<Exec
         stdin,
         stderr: protocol,
         stdout_bytes,
+        closing,
     })
 }
 
 /// How long the protocol already received may take to be handed on once the exec has ended.
 const EXIT_DRAIN: std::time::Duration = std::time::Duration::from_millis(200);
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_command_runs_the_supervisor_unbuffered_with_the_chains_shape() {
-        let spec = SandboxSpec {
-            namespace: "team".into(),
-            chain: "redact".into(),
-            cpu_millis: 250,
-            memory_bytes: 128 << 20,
-            pids: 64,
-            workers: 3,
-        };
-        assert_eq!(
-            command(&spec),
-            [
-                "python3",
-                "-u",
-                "/opt/sluice/supervisor.py",
-                "--workers",
-                "3",
-                "--memory-bytes",
-                "134217728",
-                "--pids",
-                "64"
-            ]
-        );
-    }
-}

@@ -185,12 +185,13 @@ impl SandboxBackend for KubeBackend {
             key: format!("{}/{pod}", spec.namespace),
             pod: pod.clone(),
             process: Mutex::new(None),
+            closing: Arc::default(),
             heartbeat: Mutex::new(None),
             stdout_bytes: Arc::default(),
             live: self.live.clone(),
             destroyed: AtomicBool::new(false),
         };
-        match exec::start(&api, &pod, spec).await {
+        match exec::start(&api, &pod).await {
             Ok(e) => {
                 let heartbeat = tokio::spawn(claim::heartbeat(
                     api.clone(),
@@ -199,6 +200,7 @@ impl SandboxBackend for KubeBackend {
                 ));
                 let handle = KubeHandle {
                     process: Mutex::new(Some(e.process)),
+                    closing: e.closing,
                     stdout_bytes: e.stdout_bytes,
                     heartbeat: Mutex::new(Some(heartbeat)),
                     ..handle
@@ -304,6 +306,8 @@ struct KubeHandle {
     pod: String,
     key: String,
     process: Mutex<Option<AttachedProcess>>,
+    /// Told to the exec's reader before the exec is dropped here, so that is not reported as a loss.
+    closing: Arc<AtomicBool>,
     heartbeat: Mutex<Option<tokio::task::JoinHandle<()>>>,
     stdout_bytes: Arc<AtomicU64>,
     live: Arc<Mutex<HashSet<String>>>,
@@ -332,6 +336,7 @@ impl SandboxHandle for KubeHandle {
         // The pod is deleted either way, so there is nothing to wait for: the exec connection goes
         // at once (its exit status, if any came, was logged by the exec's protocol reader).
         if let Some(process) = process {
+            self.closing.store(true, Ordering::SeqCst);
             process.abort();
         }
         if delete_pod(&self.api, &self.pod).await {
