@@ -93,6 +93,21 @@ async fn claims(table: &mut Table) -> anyhow::Result<()> {
 }
 
 /// A warm Run through claim + exec + framing, beside the same Run from a local warm pool.
+/// One Run of the bench chain on `text`.
+async fn run_text(
+    mut client: GatewayClient<tonic::transport::Channel>,
+    text: String,
+) -> Result<proto::RunResponse, tonic::Status> {
+    let req = proto::RunRequest {
+        namespace: "default".into(),
+        target: "bench".into(),
+        trigger_point: "input".into(),
+        payload: Some(proto::run_request::Payload::Text(text)),
+        ..Default::default()
+    };
+    client.run(req).await.map(|r| r.into_inner())
+}
+
 const RUNS: usize = 33;
 
 const BIG_RUNS: usize = 5;
@@ -107,7 +122,8 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
     // Every pod booted before the first sample: on two cores, a replacement booting beside a run
     // (as the operator's backfill does, on other nodes, in a cluster) would be measured with it.
     let spec = spec_of(&chain)?;
-    for _ in 0..(RUNS + BIG_RUNS) {
+    // Runs per claim, the big payloads, then runs from held pods (the first held before any run).
+    for _ in 0..(2 * RUNS + BIG_RUNS + 1) {
         api.add_warm_pod(&spec).await?;
     }
     let mut opts = KubeOptions::new(api.client(), KubeConfig::new("bench"));
@@ -115,19 +131,7 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
     opts.kube.claim_timeout = Duration::from_secs(60);
     let gateway = start_kube(opts).await?;
     let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
-    let run = |text: String| {
-        let mut client = client.clone();
-        async move {
-            let req = proto::RunRequest {
-                namespace: "default".into(),
-                target: "bench".into(),
-                trigger_point: "input".into(),
-                payload: Some(proto::run_request::Payload::Text(text)),
-                ..Default::default()
-            };
-            client.run(req).await.map(|r| r.into_inner())
-        }
-    };
+    let run = |text: String| run_text(client.clone(), text);
     let mut samples = Vec::new();
     for i in 0..RUNS {
         let began = Instant::now();
@@ -147,6 +151,38 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
         let began = Instant::now();
         run(big.clone()).await?;
         big_samples.push(began.elapsed());
+    }
+    gateway.shutdown().await;
+
+    // The same runs from a gateway holding one pod claimed and attached per chain (`--kube-hold 1`),
+    // each run starting once the replacement is held again (paced below the backfill rate, as the
+    // local warm-pool figure is).
+    let mut opts = KubeOptions::new(api.client(), KubeConfig::new("bench-held"));
+    opts.limits.claim_timeout = Duration::from_secs(60);
+    opts.kube.claim_timeout = Duration::from_secs(60);
+    opts.kube.hold = 1;
+    let gateway = start_kube(opts).await?;
+    let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
+    let run_held = |text: String| run_text(client.clone(), text);
+    let mut held_samples = Vec::new();
+    for i in 0..RUNS {
+        anyhow::ensure!(
+            gateway
+                .engine
+                .pools
+                .wait_warm(Duration::from_secs(60))
+                .await,
+            "the gateway never held a pod"
+        );
+        let began = Instant::now();
+        let r = run_held(text.clone()).await?;
+        anyhow::ensure!(
+            r.hooks.len() == 3,
+            "a held-pod run did not run the chain: {r:?}"
+        );
+        if i >= 3 {
+            held_samples.push(began.elapsed());
+        }
     }
     gateway.shutdown().await;
     api.stop().await;
@@ -169,6 +205,10 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
     table.push(Row::latency(
         "kube Run: claim + exec (v5) + 3 hooks + delete, fake API",
         &samples,
+    ));
+    table.push(Row::latency(
+        "kube Run from a held pod (--kube-hold 1): 3 hooks + delete, fake API",
+        &held_samples,
     ));
     table.push(Row::latency(
         "  baseline: same Run from the local warm pool",

@@ -261,7 +261,7 @@ class ChartTest(ManifestCase):
         gateway = self.find(objs, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(gateway["args"], ["--kube", f"--platform-namespace={NAMESPACE}", "--listen=0.0.0.0:50051",
                                            "--metrics=0.0.0.0:9464", "--claim-timeout=2s",
-                                           "--runtime-class=gvisor"])
+                                           "--kube-hold=1", "--runtime-class=gvisor"])
         self.assertEqual(gateway["readinessProbe"]["httpGet"]["path"], "/readyz")
         operator = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(operator["args"], ["run", "--runtime-class=gvisor",

@@ -163,6 +163,86 @@ async fn the_pods_supervisor_serves_through_the_relay_which_outlives_the_clean_u
     api.stop().await;
 }
 
+/// Pods this gateway holds claimed (and attached) right now.
+fn claimed_pods(api: &FakeApiServer) -> Vec<String> {
+    api.list(Resource::Pods, "default")
+        .iter()
+        .filter(|p| p["metadata"]["labels"]["sluice.dev/pool"] == "claimed")
+        .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+async fn a_held_pod_other_than(api: &FakeApiServer, seen: &[String]) -> String {
+    for _ in 0..1200 {
+        if let Some(p) = claimed_pods(api).into_iter().find(|p| !seen.contains(p)) {
+            return p;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the gateway never held a pod: {:?}", claimed_pods(api));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_used() {
+    let chain = chain_yaml(
+        "held",
+        "bot",
+        "input",
+        "pool: {warm: 2, max: 8}",
+        &[("digits", "modify", REDACT), ("look", "detect", PROCESSES)],
+    );
+    let api = FakeApiServer::start(ExecProtocol::V5)
+        .await
+        .expect("fake API server");
+    api.apply(Resource::HookChains, manifest_json(&chain));
+    api.keep_warm(sandbox_of(&chain), 2);
+    let h = Harness::start_kube_with(&api, "gw-test", Duration::from_secs(30), |o| {
+        o.kube.hold = 1
+    })
+    .await;
+    // With nothing asked yet, the gateway claims one pod and attaches to it.
+    let held = a_held_pod_other_than(&api, &[]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        claimed_pods(&api),
+        [held.clone()],
+        "exactly `hold` pods held"
+    );
+    let r = h.run_text("bot", "input", "call 555").await.expect("run");
+    assert_eq!(text(&r), "call ###");
+    // The run was served by the pod held before it began: that is the one deleted after it.
+    for _ in 0..200 {
+        if api.get(Resource::Pods, "default", &held).is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        api.get(Resource::Pods, "default", &held).is_none(),
+        "the held pod did not serve the run"
+    );
+    // The next held pod dies while it waits (evicted, its exec connection broken): the next run
+    // must not get it (under failurePolicy Closed a dead sandbox would block the run).
+    let next = a_held_pod_other_than(&api, std::slice::from_ref(&held)).await;
+    // Attached (its exec open) and, a moment later, past `ready`: waiting in the gateway's pool.
+    for _ in 0..1200 {
+        let exec = format!("/pods/{next}/exec");
+        if api.requests().iter().any(|r| r.path.ends_with(&exec)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    api.kill_pod("default", &next).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let r = h.run_text("bot", "input", "call 777").await.expect("run");
+    assert_eq!(action(&r), Action::Modify, "{r:?}");
+    assert_eq!(text(&r), "call ###");
+    assert!(r.hooks.iter().all(|o| o.error.is_empty()), "{:?}", r.hooks);
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_claimers_one_warm_pod_exactly_one_wins() {
     let api = FakeApiServer::start(ExecProtocol::V5)

@@ -272,7 +272,9 @@ async fn serve(
     let ready = {
         let (engine, health) = (engine.clone(), health.clone());
         tokio::spawn(async move {
-            while !engine.pools.wait_warm(Duration::from_secs(5)).await {
+            while engine.pools.ready_needs_warm()
+                && !engine.pools.wait_warm(Duration::from_secs(5)).await
+            {
                 tracing::info!("waiting for warm sandboxes before reporting ready");
             }
             health.set_serving::<GatewayServer<GatewayService>>().await;

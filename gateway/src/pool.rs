@@ -192,6 +192,22 @@ impl Pool {
             notified.as_mut().enable();
             {
                 let mut c = self.lock();
+                // A sandbox that died while it waited (a held pod's exec connection broke, its
+                // pod was evicted) is dropped here, never handed to a run.
+                while let Some(front) = c.warm.front_mut()
+                    && !front.still_waiting()
+                {
+                    if let Some(dead) = c.warm.pop_front() {
+                        tracing::warn!(chain = %self.name, sandbox = %dead.id, "a warm sandbox died while it waited; replacing it");
+                        c.tearing_down += 1;
+                        let pool = self.clone();
+                        tokio::spawn(async move {
+                            dead.close().await;
+                            pool.lock().tearing_down -= 1;
+                            pool.backfill();
+                        });
+                    }
+                }
                 if c.waiting.first() == Some(&ticket.id)
                     && let Some(conn) = c.warm.pop_front()
                 {
@@ -374,12 +390,12 @@ impl Pools {
                 let pool = Arc::new(Pool {
                     name: chain.qualified_name(),
                     spec: chain.sandbox.clone(),
-                    // With the kube backend the operator keeps the pods warm; the gateway claims.
-                    warm_target: if self.shared.backend.gateway_warms() {
-                        chain.spec.pool.warm as usize
-                    } else {
-                        0
-                    },
+                    // With the kube backend the operator keeps the pods warm; the gateway claims
+                    // per run, or holds a few claimed and attached when told to.
+                    warm_target: self
+                        .shared
+                        .backend
+                        .warm_target(chain.spec.pool.warm as usize),
                     max: chain.spec.pool.max.max(1) as usize,
                     counts: Mutex::default(),
                     changed: Notify::new(),
@@ -415,6 +431,11 @@ impl Pools {
         let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
         retired.extend(stale);
         retired.retain(|p| !p.drained());
+    }
+
+    /// Whether readiness waits for the warm targets (see `SandboxBackend::ready_needs_warm`).
+    pub fn ready_needs_warm(&self) -> bool {
+        self.shared.backend.ready_needs_warm()
     }
 
     /// Waits until every pool has its warm target (or `timeout` passes). For readiness and tests.

@@ -98,6 +98,15 @@ impl SupervisorConn {
         !self.broken
     }
 
+    /// Whether a sandbox waiting for `init` is still there, without waiting: a supervisor says
+    /// nothing between `ready` and `init`, so an ended stream (the sandbox died, or the connection to
+    /// it broke while it waited) or anything unasked-for means it must not be handed to a run.
+    pub fn still_waiting(&mut self) -> bool {
+        use futures::FutureExt;
+        use tokio::io::AsyncBufReadExt;
+        !self.broken && self.reader.fill_buf().now_or_never().is_none()
+    }
+
     pub fn stdout_bytes(&self) -> u64 {
         self.handle.stdout_bytes()
     }

@@ -39,6 +39,10 @@ struct Args {
     /// kube mode: how long a run waits for a warm pod (e.g. 2s, 500ms).
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     claim_timeout: std::time::Duration,
+    /// kube mode: pods per chain (at most its pool.warm) this gateway keeps claimed and attached
+    /// ahead of demand, so a run pays neither the claim nor the exec; 0 claims per run.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
+    kube_hold: u32,
     /// gRPC listen address.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
@@ -111,6 +115,7 @@ async fn main() -> anyhow::Result<()> {
             let mut cfg = KubeConfig::new(identity);
             cfg.namespaces = args.namespace.iter().cloned().collect();
             cfg.claim_timeout = args.claim_timeout;
+            cfg.hold = args.kube_hold as usize;
             cfg.runtime_class = Some(args.runtime_class.clone()).filter(|r| !r.is_empty());
             let mut opts = KubeOptions::new(client, cfg);
             opts.listen = args.listen;

@@ -90,9 +90,16 @@ pub trait SandboxBackend: Send + Sync + 'static {
     async fn clean_leftovers(&self) -> usize;
     /// Sandboxes of this backend that exist right now (for leak checks and metrics).
     async fn live(&self) -> Vec<String>;
-    /// Whether the gateway keeps its own warm pools of this backend's sandboxes. The `kube`
-    /// backend says no: the operator keeps pods warm and every claim is made when a run needs it.
-    fn gateway_warms(&self) -> bool {
+    /// How many sandboxes the gateway keeps started and waiting per chain whose `pool.warm` is
+    /// `chain_warm`. The local backend boots that many itself; the `kube` backend holds only as many
+    /// pods claimed and attached as it was told to (`--kube-hold`), the operator keeping the rest.
+    fn warm_target(&self, chain_warm: usize) -> usize {
+        chain_warm
+    }
+    /// Whether the gateway reports ready only once every chain has its warm target. True where the
+    /// gateway boots them itself; the `kube` backend's held pods come from the operator's pools and
+    /// only save latency.
+    fn ready_needs_warm(&self) -> bool {
         true
     }
 }

@@ -39,6 +39,9 @@ pub struct KubeConfig {
     /// How often a held pod's `claimed-at` is renewed, so that a long stream is not taken for the
     /// claim of a crashed gateway by the operator's claim deadline.
     pub heartbeat: Duration,
+    /// Pods per chain (at most its `pool.warm`) this gateway keeps claimed and attached ahead of
+    /// demand, so that a run pays neither the claim PATCH nor the exec handshake. 0: claim per run.
+    pub hold: usize,
 }
 
 impl KubeConfig {
@@ -49,6 +52,7 @@ impl KubeConfig {
             claim_timeout: Duration::from_secs(2),
             runtime_class: Some("gvisor".into()),
             heartbeat: Duration::from_secs(60),
+            hold: 0,
         }
     }
 }
@@ -277,7 +281,11 @@ impl SandboxBackend for KubeBackend {
         v
     }
 
-    fn gateway_warms(&self) -> bool {
+    fn warm_target(&self, chain_warm: usize) -> usize {
+        self.cfg.hold.min(chain_warm)
+    }
+
+    fn ready_needs_warm(&self) -> bool {
         false
     }
 }
