@@ -339,17 +339,9 @@ fn lease(holder: &str, renewed: k8s_openapi::jiff::Timestamp) -> Value {
     })
 }
 
-#[tokio::test]
-async fn only_the_lease_holder_reconciles() {
-    use k8s_openapi::jiff::{SignedDuration, Timestamp};
-    use sluice_operator::controller::LeaseTiming;
-    use sluice_operator::leader::LeaseLock;
-    const LEASE: &str =
-        "/apis/coordination.k8s.io/v1/namespaces/sluice-system/leases/sluice-operator";
-
-    let (client, mut api) = mock_client();
-    let metrics = Metrics::new();
-    let lock = LeaseLock::new(
+/// Replica "operator-a" of an operator confined to team-a, and its Lease lock.
+fn operator_a(client: &kube::Client) -> (sluice_operator::leader::LeaseLock, RunConfig) {
+    let lock = sluice_operator::leader::LeaseLock::new(
         kube::Api::namespaced(client.clone(), "sluice-system"),
         "sluice-operator",
         "operator-a",
@@ -363,6 +355,19 @@ async fn only_the_lease_holder_reconciles() {
         platform_namespace: "sluice-system".into(),
         identity: "operator-a".into(),
     };
+    (lock, config)
+}
+
+#[tokio::test]
+async fn only_the_lease_holder_reconciles() {
+    use k8s_openapi::jiff::{SignedDuration, Timestamp};
+    use sluice_operator::controller::LeaseTiming;
+    const LEASE: &str =
+        "/apis/coordination.k8s.io/v1/namespaces/sluice-system/leases/sluice-operator";
+
+    let (client, mut api) = mock_client();
+    let metrics = Metrics::new();
+    let (lock, config) = operator_a(&client);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let timing = LeaseTiming {
         renew_every: Duration::from_millis(20),
@@ -463,27 +468,13 @@ async fn only_the_lease_holder_reconciles() {
 async fn a_leader_that_cannot_renew_abandons_a_hung_reconcile_before_the_lease_expires() {
     use k8s_openapi::jiff::Timestamp;
     use sluice_operator::controller::LeaseTiming;
-    use sluice_operator::leader::LeaseLock;
     use std::time::Instant;
     const LEASE: &str =
         "/apis/coordination.k8s.io/v1/namespaces/sluice-system/leases/sluice-operator";
 
     let (client, mut api) = mock_client();
     let metrics = Metrics::new();
-    let lock = LeaseLock::new(
-        kube::Api::namespaced(client.clone(), "sluice-system"),
-        "sluice-operator",
-        "operator-a",
-        Duration::from_secs(15),
-    );
-    let config = RunConfig {
-        settings: Settings::default(),
-        claim_deadline: Duration::from_secs(300),
-        start_deadline: Duration::from_secs(120),
-        namespace: Some("team-a".into()),
-        platform_namespace: "sluice-system".into(),
-        identity: "operator-a".into(),
-    };
+    let (lock, config) = operator_a(&client);
     // Scaled down from 5 s / 10 s / 15 s: the grace is then 250 ms.
     let timing = LeaseTiming {
         renew_every: Duration::from_millis(50),

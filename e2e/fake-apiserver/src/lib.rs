@@ -357,13 +357,17 @@ impl Shared {
         Ok(name)
     }
 
-    async fn destroy_pod(&self, namespace: &str, name: &str) {
-        let sandbox = self
-            .handles
+    /// The pod's sandbox, no longer reachable by exec.
+    fn take_sandbox(&self, namespace: &str, name: &str) -> Option<Arc<dyn SandboxHandle>> {
+        self.handles
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&format!("{namespace}/{name}"));
-        if let Some((_, h)) = sandbox {
+            .remove(&format!("{namespace}/{name}"))
+            .map(|(_, h)| h)
+    }
+
+    async fn destroy_pod(&self, namespace: &str, name: &str) {
+        if let Some(h) = self.take_sandbox(namespace, name) {
             h.destroy(true).await;
         }
     }
@@ -371,12 +375,7 @@ impl Shared {
     /// A pod deleted through the API: like a kubelet, its container gets a grace period to end (the
     /// supervisor ends by itself once its session is over), in the background.
     fn terminate_pod(&self, namespace: &str, name: &str) {
-        let sandbox = self
-            .handles
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&format!("{namespace}/{name}"));
-        if let Some((_, h)) = sandbox {
+        if let Some(h) = self.take_sandbox(namespace, name) {
             let task = tokio::spawn(async move { h.destroy(false).await });
             let mut pending = self.teardowns.lock().unwrap_or_else(|p| p.into_inner());
             pending.retain(|t| !t.is_finished());
