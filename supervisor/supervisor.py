@@ -1,30 +1,31 @@
 """Sluice supervisor: runs one chain's hooks inside a sandbox, driven by the gateway.
 
 Standard library only. The wire protocol (supervisor/PROTOCOL.md) is newline-delimited JSON: requests
-arrive on the process's original stdin, every answer leaves on its original stderr. Before any hook
-runs, the supervisor moves both protocol descriptors out of the way and points fds 0, 1 and 2 at
+arrive on the process's original stdin, every answer leaves on its original stderr. Before anything
+else, the supervisor moves both protocol descriptors out of the way and points fds 0, 1 and 2 at
 /dev/null and the (drained, discarded) stdout, so nothing a hook prints can break framing.
 
-Each hook runs in a worker process of its own, forked before any hook code exists (so a worker holds
-nothing of another hook), holding only a private pipe to the supervisor: never the protocol
-descriptors. Globals, imported and monkeypatched modules, threads and memory of one hook are out of
-reach of every other. After each hook call the supervisor kills the processes the hook left behind,
-retires a worker that left threads running, and empties /tmp, so nothing of one hook is there when the
-next one runs.
+The supervisor never runs hook code. Every trigger point runs in a fresh **cell**: each of its hooks
+is a process of its own, forked from a clean zygote (imports done, no hook code, no payload ever
+seen), in its own user, pid, mount, ipc, net and uts namespaces, with a private /tmp and /dev/shm, its
+own /proc, no capabilities, no descriptor but its own pipe pair, and a reseeded `random`. Killing a
+hook's process (pid 1 of its pid namespace) ends everything it started, and its mounts and IPC
+objects go with the namespaces. So no hook reaches the supervisor, another hook, or anything of
+another trigger point, and a sandbox can serve trigger point after trigger point.
 
-The supervisor walks the chain itself and applies the same checks the gateway re-applies on the
-trusted side: declared action or pass, types, size and depth bounds.
+Reading order: the protocol channel → the kernel calls (ctypes) → a hook's own process → the zygote
+that makes them → the supervisor's side of a cell → the protocol loop → the command line.
 """
 
 import json
 import os
-import select
 import signal
+import socket
 import sys
 import time
 import traceback
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 ACTIONS = ("pass", "modify", "block", "skip", "detect")
 TERMINAL = ("block", "skip")
 TEXT_TRIGGER_POINTS = ("input", "output")
@@ -37,6 +38,10 @@ DEFAULT_LIMITS = {
     "host_calls": 16,
 }
 TRACEBACK_CHARS = 2000
+# A cell's processes get this long to die after SIGKILL before the sandbox is reported dirty.
+TEARDOWN_SECONDS = 2.0
+# What a hook's process may find in its environment (the sandbox's own settings are not in it).
+CELL_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
 class HostCallError(Exception):
@@ -44,7 +49,11 @@ class HostCallError(Exception):
 
 
 class HookError(Exception):
-    """A hook broke the rules (wrong return, too large, undeclared action)."""
+    """A hook broke the rules (wrong return, too large, undeclared action) or its process failed."""
+
+
+class CellError(Exception):
+    """A cell could not be made: the sandbox cannot isolate hooks, so it must not serve them."""
 
 
 class Context(dict):
@@ -59,6 +68,10 @@ class Context(dict):
             raise AttributeError(key) from None
 
 
+def dumps(msg):
+    return json.dumps(msg, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8", "surrogatepass") + b"\n"
+
+
 class Channel:
     """The protocol descriptors: newline-delimited JSON in on `reader`, out on `writer`."""
 
@@ -68,21 +81,21 @@ class Channel:
 
     @classmethod
     def from_stdio(cls):
-        """Takes the process's stdin and stderr as the protocol before any hook code runs."""
-        proto_in = os.dup(0)  # os.dup makes non-inheritable descriptors: child processes never get them
+        """Takes the process's stdin and stderr as the protocol before anything else runs."""
+        proto_in = os.dup(0)
         proto_out = os.dup(2)
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)
-        os.dup2(1, 2)  # a hook's stderr joins its stdout, which the gateway drains and discards
+        os.dup2(1, 2)  # what a hook writes to stderr joins stdout, which the gateway drains and discards
         os.close(devnull)
-        sys.stdin = open(os.devnull, "r")
-        sys.stdout = os.fdopen(os.dup(1), "w", buffering=1, errors="replace")
-        sys.stderr = sys.stdout
+        # Python's own files stay on fds 0 and 1: a file object on a descriptor of its own would be
+        # closed by the cells' fd clean-up, and its finaliser could later close a reused number.
+        sys.stdin = os.fdopen(0, "r", closefd=False)
+        sys.stdout = sys.stderr = os.fdopen(1, "w", buffering=1, errors="replace", closefd=False)
         return cls(os.fdopen(proto_in, "rb", buffering=1 << 16), os.fdopen(proto_out, "wb", buffering=1 << 16))
 
     def send(self, msg, flush=True):
-        data = json.dumps(msg, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        self.writer.write(data.encode("utf-8", "surrogatepass") + b"\n")
+        self.writer.write(dumps(msg))
         if flush:
             self.flush()
 
@@ -119,7 +132,7 @@ def bounded_json(value, what, max_bytes, max_depth):
     if depth_of(value, max_depth) > max_depth:
         raise HookError(f"{what} is nested deeper than {max_depth} levels")
     try:
-        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8", "surrogatepass"))
+        size = len(dumps(value)) - 1
     except (TypeError, ValueError) as e:
         raise HookError(f"{what} is not JSON-serializable: {e}") from None
     if size > max_bytes:
@@ -136,68 +149,77 @@ def trimmed_traceback(exc, filename):
     return text if len(text) <= TRACEBACK_CHARS else text[: TRACEBACK_CHARS - 3] + "..."
 
 
-
-class Hook:
-    """A hook as the supervisor knows it: its spec and the worker process that runs it."""
-
-    def __init__(self, index, spec):
-        self.index = index
-        self.spec = spec
-        self.name = str(spec.get("name", f"hook-{index}"))
-        self.action = spec.get("action")
-        self.worker = None
-        self.execute = None
-        self.load_sent = False
-        self.error = None
-        self.line = None
-        if self.action not in ACTIONS or self.action == "pass":
-            self.error = f"declared action {self.action!r} is not one of modify, block, skip, detect"
-
-    def ack(self):
-        out = {"name": self.name, "ok": self.error is None}
-        if self.error is not None:
-            out["error"] = self.error
-            if self.line is not None:
-                out["line"] = self.line
-        return out
+def json_type(value):
+    return {dict: "dict", list: "list", str: "str", bool: "bool", int: "int", float: "float", type(None): "None"}.get(type(value), type(value).__name__)
 
 
-# ---------------------------------------------------------------------------------------- worker
+# ------------------------------------------------------------------------------- kernel calls
 
 
-def worker_main(rfd, wfd, memory_bytes):
-    """Runs in a forked worker: loads one hook and answers calls over its private pipe. Anything
-    here may be tampered with by the hook itself; the supervisor trusts none of what comes back."""
-    try:
-        os.setpgid(0, 0)
-    except OSError:
-        pass
-    try:
+class Kernel:
+    """The Linux calls Python 3.11 lacks (unshare, mount, capset, prctl), through ctypes."""
+
+    NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x20000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
+    NAMESPACES = {"user": NEWUSER, "pid": NEWPID, "mount": NEWNS, "ipc": NEWIPC, "net": NEWNET, "uts": NEWUTS}
+    MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+    PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 24, 36, 38
+    PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+
+    def __init__(self):
         import ctypes
 
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: other hooks cannot ptrace or read our memory
-    except Exception:
-        pass
-    if memory_bytes:
-        import resource
+        self.ctypes = ctypes
+        self.libc = ctypes.CDLL(None, use_errno=True)
 
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    reader = os.fdopen(rfd, "rb", buffering=1 << 16)
-    writer = os.fdopen(wfd, "wb", buffering=1 << 16)
-    # A forked process pays for every page it touches first (copy-on-write faults are slow inside
-    # gVisor): touch them now, before the sandbox is ready, not during a hook's first call.
-    warm_up()
-    import gc
+    def check(self, what, result):
+        if result != 0:
+            errno = self.ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
-    gc.collect()
+    def unshare(self, flags):
+        self.check("unshare", self.libc.unshare(flags))
+
+    def mount(self, source, target, fstype, flags, data=None):
+        enc = lambda s: None if s is None else s.encode()  # noqa: E731
+        self.check(f"mount {target}", self.libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)))
+
+    def prctl(self, option, arg=0):
+        self.check(f"prctl {option}", self.libc.prctl(option, arg, 0, 0, 0))
+
+    def drop_capabilities(self):
+        """Empties the bounding, ambient, effective, permitted and inheritable sets: nothing the
+        process or its children run can act with privilege, even inside its own user namespace."""
+        ctypes = self.ctypes
+        for cap in range(64):
+            if self.libc.prctl(self.PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                break  # EINVAL past the last capability this kernel knows
+        self.libc.prctl(self.PR_CAP_AMBIENT, self.PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+
+        class Header(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+        class Data(ctypes.Structure):
+            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+        self.check("capset", self.libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()))
+        self.prctl(self.PR_SET_NO_NEW_PRIVS, 1)
+
+
+# ----------------------------------------------------------------------- a hook's own process
+
+
+def hook_process_main(reader, writer, opts):
+    """Runs in a hook's process, inside its cell: loads the hook's code when asked and answers calls
+    over its private pipe pair. Anything here may be tampered with by the hook itself; the
+    supervisor trusts nothing that comes back."""
 
     def send(msg):
-        writer.write(json.dumps(msg, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8", "surrogatepass") + b"\n")
+        writer.write(dumps(msg))
         writer.flush()
 
     execute = None
+    settings = "{}"
     filename = "<hook>"
-    send({"op": "ready"})
     while True:
         line = reader.readline()
         if not line:
@@ -206,6 +228,7 @@ def worker_main(rfd, wfd, memory_bytes):
         op = msg.get("op")
         if op == "load":
             filename = f"<hook {msg['name']}>"
+            settings = json.dumps(msg.get("settings") or {})
             execute, error, lineno = load_hook(msg["name"], msg.get("code", ""), filename)
             send({"op": "loaded", "error": error, "line": lineno})
         elif op == "call":
@@ -226,7 +249,7 @@ def worker_main(rfd, wfd, memory_bytes):
             ctx["hook"] = msg.get("hook")
             ctx["host_call"] = host_call
             try:
-                ret = execute(ctx, msg.get("settings") or {})
+                ret = execute(ctx, json.loads(settings))  # a fresh copy per call
                 try:
                     send({"op": "return", "value": ret})
                 except (TypeError, ValueError, RecursionError) as e:
@@ -253,48 +276,202 @@ def load_hook(name, code, filename):
     return execute, None, None
 
 
-class Worker:
-    """The supervisor's handle on one worker process."""
+# -------------------------------------------------------------------------------- the zygote
 
-    def __init__(self, memory_bytes):
-        p2c_r, p2c_w = os.pipe()
-        c2p_r, c2p_w = os.pipe()
+
+def zygote_main(control, opts):
+    """The zygote: forked from the supervisor before any request was read, so it holds no hook code
+    and has never seen a payload; it stays that way, because all it ever does is fork. For each
+    `spawn` on its control socket it makes a pipe pair, forks the hook's process (see
+    `enter_cell`) and hands the supervisor's ends back over the socket (SCM_RIGHTS)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the intermediate processes reap themselves
+    while True:
+        try:
+            request = control.recv(64)
+        except InterruptedError:
+            continue
+        if request != b"spawn":
+            os._exit(0)  # the supervisor is gone (or mad): nothing is left to fork for
+        to_hook_r, to_hook_w = os.pipe()
+        from_hook_r, from_hook_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            control.sendall(f"error fork: {e}".encode())
+            pid = None
+        if pid == 0:
+            try:
+                control.close()
+                os.close(to_hook_w)
+                os.close(from_hook_r)
+                enter_cell(to_hook_r, from_hook_w, opts)
+            finally:
+                os._exit(1)
+        if pid is not None:
+            socket.send_fds(control, [b"ok"], [to_hook_w, from_hook_r])
+        for fd in (to_hook_r, to_hook_w, from_hook_r, from_hook_w):
+            os.close(fd)
+
+
+def enter_cell(rfd, wfd, opts):
+    """In the zygote's child: unshares every namespace, maps the sandbox user onto itself, forks
+    the hook's process as pid 1 of the new pid namespace, reports that process's pid (as the
+    supervisor sees it) on the hook's pipe, and exits. Errors go the same way, as `error`."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    writer = os.fdopen(wfd, "wb", buffering=0)
+    kernel = Kernel()
+    uid, gid = os.getuid(), os.getgid()  # inside the new user namespace they read as unmapped
+    try:
+        flags = 0
+        for name in opts["namespaces"]:
+            flags |= Kernel.NAMESPACES[name]
+        kernel.unshare(flags)
+        if "user" in opts["namespaces"]:
+            try:
+                with open("/proc/self/setgroups", "w") as f:
+                    f.write("deny")
+            except OSError:
+                pass  # gVisor has no setgroups file; it maps gids without it
+            with open("/proc/self/uid_map", "w") as f:
+                f.write(f"{uid} {uid} 1")
+            with open("/proc/self/gid_map", "w") as f:
+                f.write(f"{gid} {gid} 1")
+        pid = os.fork()
+    except OSError as e:
+        writer.write(dumps({"op": "error", "error": f"cannot create a cell: {e}"}))
+        os._exit(1)
+    if pid == 0:
+        try:
+            hook_process_setup(kernel, rfd, writer, opts)
+        except BaseException as e:  # never a traceback on a descriptor the gateway reads
+            writer.write(dumps({"op": "error", "error": f"the hook's process failed: {type(e).__name__}: {e}"}))
+        os._exit(1)
+    writer.write(dumps({"op": "pid", "pid": pid}))
+    os._exit(0)
+
+
+def hook_process_setup(kernel, rfd, writer, opts):
+    """The hook's process, pid 1 of its pid namespace: private mounts, no privileges, only its own
+    descriptors, bounded memory, fresh randomness; then it serves its hook."""
+    try:
+        kernel.mount(None, "/", None, Kernel.MS_REC | Kernel.MS_PRIVATE)
+        tmp_options = f"size={opts['tmp_bytes']},mode=1777"
+        kernel.mount("tmpfs", "/tmp", "tmpfs", Kernel.MS_NOSUID | Kernel.MS_NODEV, tmp_options)
+        if os.path.isdir("/dev/shm"):
+            kernel.mount("tmpfs", "/dev/shm", "tmpfs", Kernel.MS_NOSUID | Kernel.MS_NODEV, tmp_options)
+        kernel.mount("proc", "/proc", "proc", Kernel.MS_NOSUID | Kernel.MS_NODEV | Kernel.MS_NOEXEC)
+        kernel.drop_capabilities()
+        kernel.prctl(Kernel.PR_SET_DUMPABLE, 0)
+        keep = {0, 1, 2, rfd, writer.fileno()}
+        for fd in [int(f) for f in os.listdir("/proc/self/fd")]:
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass  # the descriptor listdir itself used
+        if opts["memory_bytes"]:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (opts["memory_bytes"], opts["memory_bytes"]))
+        import random
+
+        random.seed()  # os.urandom: no two cells share a sequence
+        os.environ.clear()
+        os.environ.update(CELL_ENV)
+        os.chdir("/tmp")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except OSError as e:
+        writer.write(dumps({"op": "error", "error": f"cannot set up a cell: {e}"}))
+        os._exit(1)
+    sys.stdout = sys.stderr = os.fdopen(1, "w", buffering=1, errors="replace", closefd=False)
+    writer.write(dumps({"op": "ready"}))
+    hook_process_main(os.fdopen(rfd, "rb", buffering=1 << 16), os.fdopen(writer.fileno(), "wb", buffering=1 << 16, closefd=False), opts)
+
+
+class Zygote:
+    """The supervisor's handle on its zygote."""
+
+    def __init__(self, opts):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
             try:
-                os.close(p2c_w)
-                os.close(c2p_r)
-                # Only the private pipe and fds 0-2 survive: never the protocol descriptors.
+                ours.close()
+                # Nothing of the supervisor's but fds 0-2 and the control socket: never the protocol.
                 for fd in [int(f) for f in os.listdir("/proc/self/fd")]:
-                    if fd > 2 and fd not in (p2c_r, c2p_w):
+                    if fd > 2 and fd != theirs.fileno():
                         try:
                             os.close(fd)
                         except OSError:
                             pass
-                sys.stdout = sys.stderr = os.fdopen(1, "w", buffering=1, errors="replace", closefd=False)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                worker_main(p2c_r, c2p_w, memory_bytes)
+                zygote_main(theirs, opts)
             finally:
                 os._exit(1)
-        os.close(p2c_r)
-        os.close(c2p_w)
+        theirs.close()
         self.pid = pid
-        self.writer = os.fdopen(p2c_w, "wb", buffering=1 << 16)
-        self.reader = os.fdopen(c2p_r, "rb", buffering=1 << 16)
-        self.dead = False
-        self.started = False
+        self.control = ours
 
-    def wait_started(self):
-        """Waits for the worker's warm-up to finish."""
-        if not self.started:
-            self.started = True
-            reply = self.receive(1024)
-            if not reply or reply.get("op") != "ready":
-                self.kill()
+    def spawn(self):
+        """A new hook process: (pid, HookProcess) once it has said ready, or raises CellError."""
+        try:
+            self.control.send(b"spawn")
+            reply, fds, _, _ = socket.recv_fds(self.control, 256, 2)
+        except OSError as e:
+            raise CellError(f"the zygote is gone: {e}") from None
+        if reply != b"ok" or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            raise CellError(reply.decode("utf-8", "replace") or "the zygote is gone")
+        return HookProcess(fds[0], fds[1])
+
+    def alive(self):
+        try:
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        return pid == 0
+
+    def stop(self):
+        self.control.close()
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (OSError, ChildProcessError):
+            pass
+
+
+# ------------------------------------------------------------------ the supervisor's side of a cell
+
+
+class HookProcess:
+    """The supervisor's handle on one hook's process: its pipes and, once known, its pid."""
+
+    def __init__(self, write_fd, read_fd):
+        self.writer = os.fdopen(write_fd, "wb", buffering=1 << 16)
+        self.reader = os.fdopen(read_fd, "rb", buffering=1 << 16)
+        self.pid = None
+        self.dead = False
+
+    def handshake(self):
+        """Reads what the cell's setup reports: the process's pid and its `ready` (in either order,
+        from the intermediate process and the hook's process). Raises CellError on anything else."""
+        ready = False
+        while self.pid is None or not ready:
+            msg = self.receive(4096)
+            op = msg.get("op") if msg else None
+            if op == "pid" and isinstance(msg.get("pid"), int) and self.pid is None:
+                self.pid = msg["pid"]
+            elif op == "ready" and not ready:
+                ready = True
+            elif op == "error":
+                raise CellError(str(msg.get("error")))
+            else:
+                raise CellError(f"a hook's process died while its cell wasset up")
 
     def send(self, msg):
         try:
-            self.writer.write(json.dumps(msg, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8", "surrogatepass") + b"\n")
+            self.writer.write(dumps(msg))
             self.writer.flush()
             return True
         except (OSError, ValueError):
@@ -302,30 +479,26 @@ class Worker:
             return False
 
     def receive(self, limit):
-        """The worker's next message, or None when it died or sent something malformed or too long."""
+        """The process's next message, or None when it died; `too_long`/`malformed` when it sent
+        something the supervisor will not read."""
         try:
             line = self.reader.readline(limit + 1)
         except (OSError, ValueError):
             line = b""
-        if not line or not line.endswith(b"\n"):
-            self.kill()
-            return None if not line else {"op": "too_long"}
+        if not line:
+            self.dead = True
+            return None
+        if not line.endswith(b"\n"):
+            return {"op": "too_long"}
         try:
             msg = json.loads(line)
         except ValueError:
-            self.kill()
             return {"op": "malformed"}
         return msg if isinstance(msg, dict) else {"op": "malformed"}
 
-    def threads(self):
-        try:
-            return len(os.listdir(f"/proc/{self.pid}/task"))
-        except OSError:
-            return 1
-
     def kill(self):
-        if not self.dead:
-            self.dead = True
+        self.dead = True
+        if self.pid is not None:
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except OSError:
@@ -335,89 +508,175 @@ class Worker:
                 f.close()
             except OSError:
                 pass
-        try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            pass
 
 
-# ------------------------------------------------------------------------------------ supervisor
+class Hook:
+    """A hook of the open cell: its spec, its declared action, its process."""
+
+    def __init__(self, index, spec):
+        self.index = index
+        self.spec = spec
+        self.name = str(spec.get("name", f"hook-{index}"))
+        self.action = spec.get("action")
+        self.process = None
+        self.error = None
+        self.line = None
+        if self.action not in ACTIONS or self.action == "pass":
+            self.error = f"declared action {self.action!r} is not one of modify, block, skip, detect"
+
+    def ack(self):
+        out = {"name": self.name, "ok": self.error is None}
+        if self.error is not None:
+            out["error"] = self.error
+            if self.line is not None:
+                out["line"] = self.line
+        return out
 
 
-class Supervisor:
-    def __init__(self, channel, prefork=0, memory_bytes=0):
-        self.channel = channel
-        self.hooks = []
-        self.trigger_point = None
-        self.failure_policy = "Closed"
-        self.limits = dict(DEFAULT_LIMITS)
-        self.next_host_call = 0
-        self.memory_bytes = memory_bytes
-        self.sandboxed = in_sandbox()
-        # Workers forked before any hook code exists: the claim path never pays for a fork.
-        self.spare = [Worker(memory_bytes) for _ in range(prefork)]
-        for w in self.spare:
-            w.wait_started()
-        self.last_ran = None
-        self.inline = False
-        self.tmp_mtime = None
-        # Processes of the sandbox that are not the chain's and must survive clean_up: in a pod, the
-        # exec'd relay (attach.py) whose pipes carry the protocol.
-        self.keep_pids = set()
+class Cell:
+    """One trigger point's hooks, each in a process of its own, and what ending them found."""
 
-    def worker(self):
-        w = self.spare.pop() if self.spare else Worker(self.memory_bytes)
-        w.wait_started()
-        return w
+    def __init__(self, zygote, hooks, limits):
+        self.zygote = zygote
+        self.hooks = hooks
+        self.limits = limits
+        self.retired = []  # processes of this cell already replaced: they are ended with it
+        self.broken = None  # why the cell could not be made, when it could not
 
-    def load(self, hook):
-        """Gives the hook a worker and loads its code there (or, for a chain of one hook, here)."""
-        if self.inline:
-            hook.execute, error, line = load_hook(hook.name, hook.spec.get("code", ""), f"<hook {hook.name}>")
-            return error, line
-        self.start_load(hook)
-        return self.finish_load(hook)
+    def open(self):
+        """Spawns every hook's process (the zygote forks them one after another; their namespace
+        setup runs in parallel), then loads each hook's code. Raises CellError when the sandbox
+        cannot make cells; a hook whose code does not load carries its error."""
+        pending = [h for h in self.hooks if h.error is None]
+        for hook in pending:
+            hook.process = self.zygote.spawn()
+        for hook in pending:
+            hook.process.handshake()
+        for hook in pending:
+            self.start_load(hook)
+        for hook in pending:
+            hook.error, hook.line = self.finish_load(hook)
 
     def start_load(self, hook):
-        hook.worker = self.worker()
-        hook.load_sent = hook.worker.send({"op": "load", "name": hook.name, "code": hook.spec.get("code", "")})
+        spec = hook.spec
+        hook.process.send({"op": "load", "name": hook.name, "code": spec.get("code", ""), "settings": spec.get("settings") or {}})
 
     def finish_load(self, hook):
-        if not hook.load_sent:
-            return "the hook's process could not start", None
-        reply = hook.worker.receive(self.limits["payload_bytes"])
+        reply = hook.process.receive(self.limits["payload_bytes"])
         if not reply or reply.get("op") != "loaded":
             return "the hook's process died while loading its code", None
         return reply.get("error"), reply.get("line")
 
+    def respawn(self, hook):
+        """A hook whose process died earlier in this trigger point gets a fresh one, from the zygote
+        like every other, with its code loaded again."""
+        self.retired.append(hook.process)
+        hook.process.kill()
+        hook.process = self.zygote.spawn()
+        hook.process.handshake()
+        self.start_load(hook)
+        error, _ = self.finish_load(hook)
+        if error:
+            raise HookError(error)
+
+    def close(self):
+        """Kills every process of the cell (each the pid 1 of its namespace, so everything it started
+        dies with it) and waits for them. Returns None when all is clean, else the reason the
+        sandbox is dirty."""
+        procs = [h.process for h in self.hooks if h.process is not None] + self.retired
+        for p in procs:
+            p.kill()
+        pids = {p.pid for p in procs if p.pid is not None}
+        deadline = time.monotonic() + TEARDOWN_SECONDS
+        while pids:
+            for pid in list(pids):
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    # Not ours yet: its parent (the zygote's short-lived child) has not exited.
+                    done = 0
+                if done:
+                    pids.discard(done)
+            if not pids:
+                break
+            if time.monotonic() >= deadline:
+                return f"{len(pids)} hook process(es) did not die within {TEARDOWN_SECONDS:g} s"
+            time.sleep(0.001)
+        return None
+
+
+# ----------------------------------------------------------------------------- the supervisor
+
+
+class Supervisor:
+    """The protocol loop: `init` opens a cell, `chunk` walks it, `end` closes it with a verdict."""
+
+    def __init__(self, channel, zygote, sandboxed):
+        self.channel = channel
+        self.zygote = zygote
+        self.sandboxed = sandboxed
+        self.cell = None
+        self.trigger_point = None
+        self.failure_policy = "Closed"
+        self.limits = dict(DEFAULT_LIMITS)
+        self.next_host_call = 0
+        # Processes of the sandbox that are neither ours nor a cell's and must be left alone: in a
+        # pod, the exec'd relay (attach.py) whose pipes carry the protocol.
+        self.keep_pids = set()
+        self.tmp_mtime = tmp_mtime()
+
+    @property
+    def hooks(self):
+        return self.cell.hooks if self.cell else []
+
     def init(self, msg):
+        if self.cell is not None:
+            self.channel.send({"type": "error", "message": "init while a cell is open: end it first"})
+            return
         self.trigger_point = msg.get("trigger_point")
         self.failure_policy = msg.get("failure_policy", "Closed")
+        self.limits = dict(DEFAULT_LIMITS)
         self.limits.update(msg.get("limits") or {})
-        self.hooks = [Hook(i, spec) for i, spec in enumerate(msg.get("hooks") or [])]
-        # A chain of one hook has no other hook to be isolated from (the sandbox itself is its
-        # boundary), so it runs here without a worker's extra hop.
-        self.inline = len(self.hooks) == 1
-        if self.inline and self.memory_bytes:
-            import resource
+        hooks = [Hook(i, spec) for i, spec in enumerate(msg.get("hooks") or [])]
+        self.cell = Cell(self.zygote, hooks, self.limits)
+        try:
+            self.cell.open()
+        except CellError as e:
+            # The sandbox cannot isolate hooks: no hook of this cell may run, and the gateway is told
+            # so in the ack (every hook fails) and again by `end`, whose verdict is dirty.
+            self.cell.broken = str(e)
+            for h in hooks:
+                h.error = h.error or f"the sandbox could not start this hook: {e}"
+        self.channel.send({"type": "ack", "hooks": [h.ack() for h in hooks]})
 
-            resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
-        pending = [h for h in self.hooks if h.error is None]
-        if self.inline:
-            for hook in pending:
-                hook.error, hook.line = self.load(hook)
-        else:
-            # All workers load at once: their compiles overlap instead of queueing.
-            for hook in pending:
-                self.start_load(hook)
-            for hook in pending:
-                hook.error, hook.line = self.finish_load(hook)
-                # Module code that started a thread leaves it in this worker: retire the worker now;
-                # the hook gets a fresh one (and runs its module code again) when it is called.
-                if not hook.worker.dead and hook.worker.threads() > 1:
-                    hook.worker.kill()
-        self.clean_up()
-        self.channel.send({"type": "ack", "hooks": [h.ack() for h in self.hooks]})
+    def end(self):
+        """Closes the cell and tells the gateway whether the sandbox may serve again."""
+        reason = None
+        if self.cell is not None:
+            reason = self.cell.close() or self.cell.broken
+            self.cell = None
+        reason = reason or self.inspect()
+        self.channel.send({"type": "ended", "clean": reason is None, **({"reason": reason} if reason else {})})
+
+    def inspect(self):
+        """What must hold between trigger points: the zygote alive; inside a sandbox, no process left
+        that descends from us but is not ours, and the sandbox's own /tmp untouched."""
+        if not self.zygote.alive():
+            return "the zygote died"
+        if not self.sandboxed:
+            return None
+        me = os.getpid()
+        leftovers = []
+        for pid, ppid in processes():
+            # Hook processes cannot start one outside their pid namespace: anything re-parented to
+            # us that is not the zygote is unexpected (the zygote's own short-lived children are not).
+            if ppid == me and pid != self.zygote.pid and pid not in self.keep_pids:
+                leftovers.append(pid)
+        if leftovers:
+            return f"processes left behind: {sorted(leftovers)}"
+        if tmp_mtime() != self.tmp_mtime:
+            return "the sandbox's /tmp changed"
+        return None
 
     def host_call(self, run_id, hook, budget, name, payload):
         if budget[0] <= 0:
@@ -443,139 +702,35 @@ class Supervisor:
         raise HostCallError(str(reply.get("error") or "host_call failed"))
 
     def call(self, run_id, hook, budget, payload, state, context):
-        """Runs one hook in its worker; returns what it returned (a dict) or raises HookError."""
-        if self.inline:
-            return self.call_inline(run_id, hook, budget, payload, state, context)
-        if hook.worker is None or hook.worker.dead:
-            if hook.worker is not None:
-                hook.worker.kill()  # closes its pipes; it is already dead
-            error, _ = self.load(hook)  # its process died or was retired: a fresh one
-            if error:
-                raise HookError(error)
-        w = hook.worker
-        request = {"op": "call", "outgoing": payload, "state": state, "context": context, "hook": hook.name, "settings": hook.spec.get("settings") or {}}
-        if not w.send(request):
+        """Runs one hook in its process; returns what it returned (a dict) or raises HookError."""
+        if hook.process.dead:
+            try:
+                self.cell.respawn(hook)
+            except CellError as e:
+                raise HookError(f"the hook's process could not be restarted: {e}") from None
+        p = hook.process
+        if not p.send({"op": "call", "outgoing": payload, "state": state, "context": context, "hook": hook.name}):
             raise HookError("the hook's process died")
         limit = self.limits["payload_bytes"] * 2 + self.limits["state_bytes"] + self.limits["findings_bytes"] + 4096
         while True:
-            msg = w.receive(limit)
+            msg = p.receive(limit)
             op = msg.get("op") if msg else None
             if op == "host_call":
                 try:
                     answer = {"op": "host_result", "ok": True, "result": self.host_call(run_id, hook, budget, msg.get("name"), msg.get("payload"))}
                 except HostCallError as e:
                     answer = {"op": "host_result", "ok": False, "error": str(e)}
-                if not w.send(answer):
+                if not p.send(answer):
                     raise HookError("the hook's process died during a host_call")
             elif op == "return":
                 if msg.get("error") is not None:
                     raise HookError(str(msg["error"]))
                 return msg.get("value")
-            elif op == "too_long":
-                raise HookError(f"the hook returned more than {limit} bytes")
             elif msg is None:
                 raise HookError("the hook's process died (killed, out of memory, or it exited)")
             else:
-                w.kill()
-                raise HookError("the hook's process sent a malformed message")
-
-    def call_inline(self, run_id, hook, budget, payload, state, context):
-        ctx = Context(context)
-        ctx["outgoing"] = payload
-        ctx["state"] = state
-        ctx["hook"] = hook.name
-        ctx["host_call"] = lambda name, body=None: self.host_call(run_id, hook, budget, name, body)
-        try:
-            ret = hook.execute(ctx, json.loads(json.dumps(hook.spec.get("settings") or {})))
-        except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError: hook errors too
-            raise HookError(trimmed_traceback(e, f"<hook {hook.name}>")) from None
-        try:
-            # What crosses back is plain JSON, exactly as from a worker.
-            return json.loads(json.dumps(ret, allow_nan=False))
-        except (TypeError, ValueError, RecursionError) as e:
-            raise HookError(f"execute returned something that is not JSON-serializable: {e}") from None
-
-    def clean_up(self):
-        """What a hook may leave behind is removed before the next one runs: processes other than the
-        supervisor and its workers, workers with threads still running, and everything in /tmp.
-        Only inside a sandbox (see in_sandbox: the supervisor is its pid 1, in local mode and in a pod):
-        anywhere else killing "every other process" and emptying /tmp would hit the host."""
-        if not self.sandboxed or self.inline:
-            return
-        ran, self.last_ran = self.last_ran, None
-        if ran is not None and ran.worker is not None and not ran.worker.dead and ran.worker.threads() > 1:
-            ran.worker.kill()  # threads it left could act while another hook runs
-        workers = {h.worker.pid: h for h in self.hooks if h.worker is not None and not h.worker.dead}
-        workers.update({w.pid: None for w in self.spare})
-        # pid 1 is us (local mode, and a pod's `--listen`), its relay must outlive every hook.
-        keep = {1, os.getpid()} | self.keep_pids | {pid for pid, h in workers.items() if h is None or not h.worker.dead}
-        killed = False
-        try:
-            for entry in os.listdir("/proc"):
-                if entry.isdigit() and int(entry) not in keep:
-                    try:
-                        os.kill(int(entry), signal.SIGKILL)
-                        killed = True
-                    except OSError:
-                        pass
-        except OSError:
-            pass
-        if killed:
-            self.reap()
-        else:
-            self.reap(wait=False)  # a hook may have killed another hook's idle worker
-        # /tmp changes its mtime whenever an entry is added or removed: a stat is cheaper than a scan.
-        try:
-            mtime = os.stat("/tmp").st_mtime_ns
-        except OSError:
-            mtime = None
-        if mtime is None or mtime != self.tmp_mtime:
-            try:
-                with os.scandir("/tmp") as entries:
-                    leftovers = [e.path for e in entries]
-            except OSError:
-                leftovers = []
-            for path in leftovers:
-                remove(path)
-            try:
-                self.tmp_mtime = os.stat("/tmp").st_mtime_ns
-            except OSError:
-                self.tmp_mtime = None
-
-    def top_up(self, prefork):
-        """Replaces spare workers that died while waiting (a pod waits for its claim indefinitely)."""
-        self.reap(wait=False)
-        while len(self.spare) < prefork:
-            w = Worker(self.memory_bytes)
-            w.wait_started()
-            if w.dead:
-                return False
-            self.spare.append(w)
-        return True
-
-    def reap(self, wait=True):
-        """Collects exited processes (orphans are re-parented to pid 1: the supervisor) and marks
-        workers that died, so their hook gets a fresh one on its next call."""
-        workers = {h.worker.pid for h in self.hooks if h.worker is not None} | {w.pid for w in self.spare}
-        deadline = time.monotonic() + 0.2 if wait else None
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                if deadline is None or time.monotonic() >= deadline:
-                    return
-                time.sleep(0.001)
-                continue
-            if pid in workers:
-                for h in self.hooks:
-                    if h.worker is not None and h.worker.pid == pid:
-                        h.worker.dead = True
-                        h.worker.reaped = True
-                for w in [w for w in self.spare if w.pid == pid]:
-                    w.kill()  # closes its pipes; already reaped
-                    self.spare.remove(w)
+                p.kill()  # it can no longer be read in step: a fresh one if it is called again
+                raise HookError(f"the hook returned more than {limit} bytes" if op == "too_long" else "the hook's process sent a malformed message")
 
     def check_result(self, hook, ret):
         """Validates what a hook returned; raises HookError with the reason."""
@@ -611,6 +766,9 @@ class Supervisor:
         return out
 
     def chunk(self, msg):
+        if self.cell is None:
+            self.channel.send({"type": "error", "message": "chunk without an open cell: send init first"})
+            return
         run_id = msg.get("id")
         payload = msg.get("outgoing")
         states = msg.get("state") or []
@@ -621,17 +779,14 @@ class Supervisor:
         top = "pass"
         began = time.perf_counter()
         for hook in self.hooks[start:]:
-            # The previous hook's result goes out before this hook runs, so that if this one kills
-            # the sandbox the gateway still knows how far the walk got.
+            # The previous hook's result goes out before this hook runs, so that if this one takes
+            # the sandbox down the gateway still knows how far the walk got.
             self.channel.flush()
-            if self.last_ran is not None:
-                self.clean_up()  # what the previous hook left is gone before this one runs
             result = {"type": "hook_result", "id": run_id, "index": hook.index, "name": hook.name}
             try:
                 if hook.error is not None:
                     raise HookError(hook.error)
                 state = states[hook.index] if hook.index < len(states) else None
-                self.last_ran = hook
                 ret = self.call(run_id, hook, budget, payload, state, base)
                 result.update(self.check_result(hook, ret))
             except HookError as e:
@@ -655,10 +810,9 @@ class Supervisor:
             if action == "modify" or (action == "detect" and top == "pass"):
                 top = action
         self.channel.send({"type": "result", "id": run_id, "action": top, "terminal_index": terminal})
-        if self.last_ran is not None:
-            self.clean_up()  # after the answer is out: off the critical path, before any next chunk
 
     def serve(self):
+        """Answers requests until the gateway closes stdin or says shutdown; an open cell is ended."""
         self.channel.send({"type": "ready", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
         while True:
             try:
@@ -666,44 +820,48 @@ class Supervisor:
             except ValueError as e:
                 self.channel.send({"type": "error", "message": f"malformed request: {e}"})
                 continue
-            if msg is None:
-                return
             kind = msg.get("type") if isinstance(msg, dict) else None
+            if msg is None or kind == "shutdown":
+                break
             if kind == "init":
                 self.init(msg)
             elif kind == "chunk":
                 self.chunk(msg)
-            elif kind == "shutdown":
-                return
+            elif kind == "end":
+                self.end()
             else:
                 self.channel.send({"type": "error", "message": f"unknown request type {kind!r}"})
+        if self.cell is not None:
+            self.cell.close()
+            self.cell = None
 
 
-def in_sandbox():
-    """Whether this process owns everything around it, so that clean_up may kill every other process
-    and empty /tmp: inside a sandbox (SLUICE_SANDBOX=1) as its pid 1, which the supervisor is both in
-    local mode and as a warm pod's main process (`--listen`). Anywhere else that would hit the host."""
-    return os.environ.get("SLUICE_SANDBOX") == "1" and os.getpid() == 1
-
-
-def json_type(value):
-    return {dict: "dict", list: "list", str: "str", bool: "bool", int: "int", float: "float", type(None): "None"}.get(type(value), type(value).__name__)
-
-
-def remove(path):
+def processes():
+    """(pid, parent pid) of every process this one can see."""
+    out = []
     try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            for entry in os.listdir(path):
-                remove(os.path.join(path, entry))
-            os.rmdir(path)
-        else:
-            os.unlink(path)
+        entries = os.listdir("/proc")
     except OSError:
-        pass
+        return out
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    out.append((int(entry), int(f.read().rsplit(b")", 1)[1].split()[1])))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
 
 
-# Modules hooks commonly use, imported before `ready` (and before the workers fork) so that no
-# warm-path run pays for reading them through the sandbox's filesystem.
+def tmp_mtime():
+    try:
+        return os.stat("/tmp").st_mtime_ns
+    except OSError:
+        return None
+
+
+# Modules hooks commonly use, imported before the zygote forks so that no cell pays for reading
+# them through the sandbox's filesystem.
 PRELOAD = ("re", "unicodedata", "string", "math", "datetime", "collections", "itertools", "functools",
            "hashlib", "base64", "copy", "random", "textwrap", "difflib", "fnmatch", "decimal", "ctypes", "resource")
 
@@ -728,21 +886,70 @@ def execute(context, settings):
 
 
 def warm_up():
-    """Exercises the interpreter's code paths (compile, regex, JSON) before the workers fork, so the
-    first real trigger point finds them warm (first touches are slow inside gVisor)."""
+    """Exercises the interpreter's code paths (compile, regex, JSON) before the zygote forks, so cells
+    find them warm (first touches are slow inside gVisor)."""
     namespace = {}
     exec(compile(WARM_UP_HOOK, "<warm-up>", "exec"), namespace)
     payload = json.loads(json.dumps({"outgoing": "call 555-1234 " * 300, "state": [None]}))
     ret = namespace["execute"](Context(outgoing=payload["outgoing"], state=None), {})
     bounded_json(ret, "warm-up", 1 << 20, 32)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # what exists now is shared, untouched, by every forked cell
+
+
+def start_zygote(opts, log):
+    """Forks the zygote and proves it can make a cell (namespaces, mounts, dropped privileges): a
+    sandbox that cannot isolate hooks says so at start instead of serving. Returns the zygote, or
+    None after logging why."""
+    kernel = Kernel()
+    try:
+        kernel.prctl(Kernel.PR_SET_CHILD_SUBREAPER, 1)  # hook processes are re-parented to us
+    except OSError:
+        pass  # pid 1 of a sandbox is the reaper anyway
+    zygote = Zygote(opts)
+    cell = Cell(zygote, [Hook(0, {"name": "self-check", "action": "detect", "code": SELF_CHECK_HOOK})], dict(DEFAULT_LIMITS))
+    try:
+        cell.open()
+        hook = cell.hooks[0]
+        if hook.error:
+            raise CellError(hook.error)
+        if not hook.process.send({"op": "call", "outgoing": "", "state": None, "context": {}, "hook": "self-check"}):
+            raise CellError("the self-check process died")
+        reply = hook.process.receive(4096)
+        seen = (reply or {}).get("value") or {}
+        if seen.get("findings") != SELF_CHECK_WANT:
+            raise CellError(f"a cell is not isolated here: {json.dumps(seen.get('findings') or reply)}")
+    except CellError as e:
+        log(f"cannot create cells: {e} (cells need a gVisor release that allows unprivileged user, pid and mount namespaces inside the sandbox, such as runsc 20240729 or newer, and no seccomp filter refusing unshare or mount)")
+        cell.close()
+        zygote.stop()
+        return None
+    problem = cell.close()
+    if problem:
+        log(f"cannot create cells: {problem}")
+        zygote.stop()
+        return None
+    return zygote
+
+
+# What a hook must find in its cell: alone in its pid namespace, no capabilities, an empty /tmp.
+SELF_CHECK_HOOK = """import os
+def execute(context, settings):
+    pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+    caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')]
+    return {'action': 'detect', 'findings': {'pids': pids, 'caps': caps, 'tmp': os.listdir('/tmp')}}
+"""
+SELF_CHECK_WANT = {"pids": [1], "caps": ["0000000000000000"], "tmp": []}
 
 
 # ------------------------------------------------------------------------------ command line
 
-USAGE = "usage: supervisor.py [--listen | --probe] [--workers N] [--memory-bytes BYTES] [--pids N]"
+USAGE = "usage: supervisor.py [--listen | --probe] [--memory-bytes BYTES] [--pids N] [--cell-tmp-bytes BYTES]"
 
-
-# Processes of the sandbox user that are not the chain's: in a pod, the attach relay and a readiness probe.
+# Processes of the sandbox user that are not a hook's: the supervisor, its zygote, the attach relay
+# and a readiness probe in a pod.
 PIDS_ALLOWANCE = 4
 
 
@@ -753,7 +960,9 @@ class UsageError(Exception):
 def parse_args(argv):
     """The command line: a mode (serve, the default; listen; probe) and the sandbox settings.
     Hand-rolled rather than argparse: every module read costs time inside gVisor."""
-    opts = {"mode": "serve", "workers": None, "memory_bytes": None, "pids": None}
+    opts = {"mode": "serve", "memory_bytes": 0, "pids": 0, "tmp_bytes": 8 << 20,
+            "namespaces": ("user", "pid", "mount", "ipc", "net", "uts")}
+    names = {"--memory-bytes": "memory_bytes", "--pids": "pids", "--cell-tmp-bytes": "tmp_bytes"}
     args = list(argv)
     while args:
         arg, _, value = args.pop(0).partition("=")
@@ -761,14 +970,16 @@ def parse_args(argv):
             if opts["mode"] != "serve":
                 raise UsageError("--listen and --probe exclude each other")
             opts["mode"] = arg[2:]
-        elif arg in ("--workers", "--memory-bytes", "--pids"):
+        elif arg in names:
             if not value:
                 value = args.pop(0) if args else ""
             if not (value.isascii() and value.isdigit()):
                 raise UsageError(f"{arg} needs a non-negative integer, not {value!r}")
-            opts[arg[2:].replace("-", "_")] = int(value)
+            opts[names[arg]] = int(value)
         else:
             raise UsageError(f"unknown argument {arg!r}")
+    if opts["tmp_bytes"] == 0:
+        raise UsageError("--cell-tmp-bytes must be positive")
     return opts
 
 
@@ -781,17 +992,14 @@ def attach_address():
     return "\0" + name[1:] if name.startswith("@") else name
 
 
-def listen(opts, log):
+def listen(zygote, log):
     """A warm pod's main process (pid 1). Everything that does not depend on the chain happens before
-    the pod turns Ready: modules, warm-up, the hook workers. Then it waits for exactly one attach
-    (attach.py, exec'd by the gateway once the pod is claimed), which hands over the exec's stdin,
-    stdout and stderr; the protocol runs over them and, when the gateway closes stdin, the status goes
-    back to the relay and the supervisor exits, ending the pod. Readiness probes (`attach.py
-    --probe`) get "ready" while it waits with its workers alive. Returns the exit status."""
-    import socket
-
+    the pod turns Ready: modules, warm-up, the zygote and its self-check. Then it waits for exactly
+    one attach (attach.py, exec'd by the gateway once the pod is claimed), which hands over the exec's
+    stdin, stdout and stderr; the protocol runs over them and, when the gateway closes stdin, the
+    status goes back to the relay and the supervisor exits, ending the pod. Readiness probes
+    (`attach.py --probe`) get "ready" while it waits with its zygote alive. Returns the exit status."""
     address = attach_address()
-    supervisor = Supervisor(None, prefork=opts["workers"], memory_bytes=opts["memory_bytes"])
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         server.bind(address)
@@ -799,7 +1007,7 @@ def listen(opts, log):
         log(f"cannot listen on {address!r}: {e}")
         return 1
     server.listen(16)
-    log(f"ready: {opts['workers']} workers, waiting for the gateway's attach")
+    log("ready: cells work here, waiting for the gateway's attach")
     while True:
         conn, _ = server.accept()
         fds = []
@@ -808,7 +1016,7 @@ def listen(opts, log):
             request, fds, _, _ = socket.recv_fds(conn, 64, 3)
             verb, _, pid = request.partition(b" ")
             if request == b"probe":
-                conn.sendall(b"ready" if supervisor.top_up(opts["workers"]) else b"a hook worker could not start")
+                conn.sendall(b"ready" if zygote.alive() else b"the zygote died")
             elif verb == b"attach" and pid.isdigit() and len(fds) == 3:
                 break
             else:
@@ -819,13 +1027,13 @@ def listen(opts, log):
             os.close(fd)
         conn.close()
     server.close()  # one attach per pod: a second exec finds no one listening
-    # The relay names its own pid (gVisor's SO_PEERCRED does not): clean_up must spare it, as its
-    # exit would end the exec. Before this attach no hook code exists here, so nothing else can ask.
-    supervisor.keep_pids.add(int(pid))
     conn.settimeout(None)
     proto_in, hook_out, proto_out = fds
-    os.close(hook_out)  # hooks print to /dev/null here: the exec's stdout stays empty
-    supervisor.channel = Channel(os.fdopen(proto_in, "rb", buffering=1 << 16), os.fdopen(proto_out, "wb", buffering=1 << 16))
+    os.close(hook_out)  # hook processes print to /dev/null here: the exec's stdout stays empty
+    channel = Channel(os.fdopen(proto_in, "rb", buffering=1 << 16), os.fdopen(proto_out, "wb", buffering=1 << 16))
+    supervisor = Supervisor(channel, zygote, sandboxed=os.getpid() == 1)
+    # The relay names its own pid (gVisor's SO_PEERCRED does not): it is not a leftover of a cell.
+    supervisor.keep_pids.add(int(pid))
     supervisor.serve()
     try:
         conn.sendall(b"\0")
@@ -838,13 +1046,14 @@ PROBE_HOOK = "def execute(context, settings):\n    return {'action': 'modify', '
 
 
 def probe(code=PROBE_HOOK):
-    """Readiness: one chain of one hook through the real protocol code (Channel, init, chunk) in this
-    process, over a pair of pipes. Returns 0 when every answer is right, else 1 with the reason on
-    stderr. Leaves nothing behind: a one-hook chain runs inline (no worker), and nothing is written."""
+    """A self-test: one chain of one hook through the real protocol code (Channel, init, chunk, end)
+    and a real cell, over a pair of pipes. Returns 0 when every answer is right, else 1 with the
+    reason on stderr. Every process it starts is gone when it returns, and it writes no file."""
     requests = [
         {"type": "init", "trigger_point": "input", "failure_policy": "Closed",
          "hooks": [{"name": "probe", "action": "modify", "settings": {}, "code": code}]},
         {"type": "chunk", "id": 1, "start": 0, "outgoing": "ready?", "state": [None], "context": {}},
+        {"type": "end"},
         {"type": "shutdown"},
     ]
     want = [
@@ -852,19 +1061,29 @@ def probe(code=PROBE_HOOK):
         {"type": "ack", "hooks": [{"name": "probe", "ok": True}]},
         {"type": "hook_result", "id": 1, "index": 0, "name": "probe", "action": "modify", "outgoing": "READY?"},
         {"type": "result", "id": 1, "action": "modify", "terminal_index": None},
+        {"type": "ended", "clean": True},
     ]
+    problems = []
+    opts = parse_args([])
+    preload()
+    zygote = start_zygote(opts, problems.append)
+    if zygote is None:
+        print(f"sluice supervisor probe failed: {problems[0]}", file=sys.stderr)
+        return 1
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     try:
         with os.fdopen(req_w, "wb") as w:  # a few hundred bytes: fits in the pipe before anyone reads
             w.write(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
         with os.fdopen(req_r, "rb") as reader, os.fdopen(resp_w, "wb") as writer:
-            Supervisor(Channel(reader, writer)).serve()
+            Supervisor(Channel(reader, writer), zygote, sandboxed=False).serve()
         with os.fdopen(resp_r, "rb") as r:
             got = [json.loads(line) for line in r]
     except Exception as e:
         print(f"sluice supervisor probe failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    finally:
+        zygote.stop()
     for answer in got:
         answer.pop("latency_us", None)
     if got != want:
@@ -885,44 +1104,44 @@ def main(argv=None):
         # pid 1 gets no default signal handling: the pod's SIGTERM must end it.
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         log = pod_log()
+        channel = None
     else:
         channel = Channel.from_stdio()
+        log = None
     preload()
-    warm_up()
-    # Local mode passes these as env vars, a pod as flags (the flags win); hooks see neither.
-    memory = os.environ.pop("SLUICE_MEMORY_BYTES", "")
-    prefork = os.environ.pop("SLUICE_WORKERS", "")
-    if opts["memory_bytes"] is None:
-        opts["memory_bytes"] = int(memory) if memory.isdigit() else 0
-    if opts["workers"] is None:
-        opts["workers"] = int(prefork) if prefork.isdigit() else 0
     if opts["pids"]:
         import resource
 
         # In a pod the pids cgroup is the node's (podPidsLimit), not the chain's: the chain's limit
-        # holds as RLIMIT_NPROC for the sandbox user, counted with the pod's own processes (the
-        # attach relay, a probe) — hence the small allowance on top.
+        # holds as RLIMIT_NPROC for the sandbox user, counted with the pod's own processes.
         limit = opts["pids"] + PIDS_ALLOWANCE
         resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
     sys.setrecursionlimit(2000)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    warm_up()
+    problems = []
+    zygote = start_zygote(opts, log or problems.append)
+    if zygote is None:
+        if channel is not None:
+            channel.send({"type": "error", "message": problems[0]})
+        return 1
     if opts["mode"] == "listen":
-        return listen(opts, log)
-    Supervisor(channel, prefork=opts["workers"], memory_bytes=opts["memory_bytes"]).serve()
+        return listen(zygote, log)
+    Supervisor(channel, zygote, sandboxed=os.getpid() == 1).serve()
+    zygote.stop()
     return 0
 
 
 def pod_log():
-    """Points fds 0, 1 and 2 at /dev/null before any worker forks (what hooks print in a pod goes
+    """Points fds 0, 1 and 2 at /dev/null before the zygote forks (what hooks print in a pod goes
     nowhere: not into the node's container logs) and returns a logger onto the container's original
     stderr, for the supervisor's own lines (`kubectl logs`)."""
-    original = os.dup(2)  # non-inheritable: workers never get it
+    original = os.dup(2)  # the zygote closes it; hooks never get it
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     os.close(devnull)
-    sys.stdin = open(os.devnull, "r")
-    sys.stdout = sys.stderr = os.fdopen(os.dup(1), "w", buffering=1, errors="replace")
+    sys.stdin = os.fdopen(0, "r", closefd=False)
+    sys.stdout = sys.stderr = os.fdopen(1, "w", buffering=1, errors="replace", closefd=False)
 
     def log(line):
         try:
