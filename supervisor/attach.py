@@ -1,12 +1,12 @@
 """Sluice attach: the command the gateway execs into a warm pod, and the pod's readiness probe.
 
 A warm pod's main process is the supervisor itself (`supervisor.py --listen`): it imported and warmed
-up everything and forked its hook workers before the pod turned Ready. This relay connects to it on
+up everything and started its zygote (which forks every cell) before the pod turned Ready. This relay connects to it on
 the abstract unix socket `@sluice-supervisor` and hands it the exec's own stdin, stdout and stderr
 (SCM_RIGHTS), so the protocol runs straight over the exec's pipes: the relay copies no byte. It then
 waits until the supervisor is done and exits with the status the supervisor reports, which ends the
 exec. `--probe` asks instead whether the supervisor is still waiting for its one attach with its
-workers alive (exit 0), and attaches nothing; while the supervisor is still starting (nothing listens
+zygote alive (exit 0), and attaches nothing; while the supervisor is still starting (nothing listens
 yet) it keeps trying for up to PROBE_WAIT seconds, so the kubelet's first probe, run as the container
 starts, turns the pod Ready as soon as the supervisor is, not one probe period later.
 
@@ -70,7 +70,7 @@ def main(argv):
                 return 0
             return fail(f"the supervisor is not ready: {answer.decode('utf-8', 'replace') or 'no answer'}")
         fds = b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in (0, 1, 2))
-        # Our pid, so that the supervisor's clean-up between hooks spares us: our exit ends the exec.
+        # Our pid, so that the supervisor's check between trigger points knows we are no leftover.
         s.sendmsg([b"attach %d" % os.getpid()], [(SOL_SOCKET, SCM_RIGHTS, fds)])
         s.settimeout(None)  # the session lasts as long as the trigger point
         status = s.recv(1)

@@ -938,7 +938,8 @@ def start_zygote(opts, log):
 SELF_CHECK_HOOK = """import os
 def execute(context, settings):
     pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
-    caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')]
+    with open('/proc/self/status') as f:
+        caps = [l.split()[1] for l in f if l.startswith('CapEff')]
     return {'action': 'detect', 'findings': {'pids': pids, 'caps': caps, 'tmp': os.listdir('/tmp')}}
 """
 SELF_CHECK_WANT = {"pids": [1], "caps": ["0000000000000000"], "tmp": []}

@@ -60,6 +60,10 @@ class Session:
             else:
                 return msg, hooks
 
+    def end(self):
+        self.send({"type": "end"})
+        return self.read()
+
     def close(self):
         self.proc.stdin.close()
         self.proc.wait(5)
@@ -76,7 +80,7 @@ class SupervisorTest(unittest.TestCase):
 
     def test_ready_names_the_protocol(self):
         self.assertEqual(self.s.ready["type"], "ready")
-        self.assertEqual(self.s.ready["protocol"], 1)
+        self.assertEqual(self.s.ready["protocol"], 2)
 
     def test_every_action_and_the_walk_stops_at_the_terminal_index(self):
         ack = self.s.init([
@@ -223,7 +227,7 @@ class SupervisorTest(unittest.TestCase):
 
 class MemoryLimitTest(unittest.TestCase):
     def test_memory_bomb_is_a_hook_error(self):
-        s = Session(env={"SLUICE_MEMORY_BYTES": str(256 << 20)})
+        s = Session(args=["--memory-bytes", str(256 << 20)])
         try:
             s.init([hook("bomb", "modify", "def execute(c, s):\n    x = bytearray(1 << 30)\n    return {'action': 'pass'}\n")])
             result, hooks = s.chunk("x")
@@ -267,7 +271,7 @@ def execute(context, settings):
 class Pod:
     """`supervisor.py --listen` as a warm pod's main process, on an attach address of its own."""
 
-    def __init__(self, args=("--workers", "2"), prefix=(), env=None, supervisor=SUPERVISOR, attach=ATTACH):
+    def __init__(self, args=(), prefix=(), env=None, supervisor=SUPERVISOR, attach=ATTACH):
         self.env = {"SLUICE_ATTACH": f"@sluice-test-{os.getpid()}-{time.monotonic_ns()}", **(env or {})}
         self.attach = attach
         self.log_file = tempfile.TemporaryFile()
@@ -370,7 +374,7 @@ class CommandLineTest(unittest.TestCase):
                 "    sys.exit(rc)\n"
             )
             proc = subprocess.run([sys.executable, "-c", wrapper, SUPERVISOR], capture_output=True, timeout=30,
-                                  cwd=cwd, env={"TMPDIR": tmp, "SLUICE_SANDBOX": "1"})
+                                  cwd=cwd, env={"TMPDIR": tmp})
             self.assertEqual((proc.returncode, proc.stderr), (0, b""))
             self.assertEqual(proc.stdout, b"")
             self.assertEqual((os.listdir(cwd), os.listdir(tmp)), ([], []))
@@ -394,41 +398,38 @@ class CommandLineTest(unittest.TestCase):
         self.assertEqual(err.getvalue(), "")
 
     def test_bad_arguments_exit_2_with_usage(self):
-        for args in (["--bogus"], ["--workers"], ["--workers", "-1"], ["--memory-bytes", "1G"], ["--listen", "--probe"]):
+        for args in (["--bogus"], ["--workers", "2"], ["--memory-bytes"], ["--pids", "-1"], ["--memory-bytes", "1G"],
+                     ["--cell-tmp-bytes", "0"], ["--listen", "--probe"]):
             proc = self.run_supervisor(*args)
             self.assertEqual(proc.returncode, 2, args)
             self.assertIn(b"usage: supervisor.py", proc.stderr)
 
-    def test_workers_flag_overrides_the_env_var(self):
-        for env, args, want in [({"SLUICE_WORKERS": "2"}, [], 2),
-                                ({"SLUICE_WORKERS": "1"}, ["--workers", "3"], 3),
-                                ({}, ["--workers=2"], 2)]:
-            s = Session(env=env, args=args)
+    def test_memory_bytes_bounds_each_hook_process(self):
+        bomb = [hook("bomb", "modify", "def execute(c, s):\n    x = bytearray(1 << 30)\n    return {'action': 'pass'}\n")]
+        for args, bounded in ((["--memory-bytes", str(256 << 20)], True), (["--memory-bytes", str(4 << 30)], False)):
+            s = Session(args=args)
             try:
-                self.assertEqual(s.ready["type"], "ready")
-                self.assertEqual(len(children(s.proc.pid)), want, (env, args))
+                s.init(bomb)
+                result, hooks = s.chunk("x")
+                if bounded:
+                    self.assertIn("MemoryError", hooks[0]["error"])
+                    self.assertEqual(result["action"], "block")
+                else:
+                    self.assertNotIn("error", hooks[0])
+                    self.assertEqual(result["action"], "pass")
             finally:
                 s.close()
 
-    def test_memory_bytes_flag_overrides_the_env_var(self):
-        bomb = [hook("bomb", "modify", "def execute(c, s):\n    x = bytearray(1 << 30)\n    return {'action': 'pass'}\n")]
-        s = Session(env={"SLUICE_MEMORY_BYTES": "0"}, args=["--memory-bytes", str(256 << 20)])
+    def test_settings_come_only_from_flags(self):
+        """The sandbox's settings are flags: nothing in the environment (a hook's /proc/1/environ
+        shows the environment the zygote's ancestors were started with)."""
+        s = Session(env={"SLUICE_MEMORY_BYTES": str(256 << 20)})
         try:
-            s.init(bomb)
-            result, hooks = s.chunk("x")
-            self.assertIn("MemoryError", hooks[0]["error"])
-            self.assertEqual(result["action"], "block")
+            s.init([hook("bomb", "modify", "def execute(c, s):\n    x = bytearray(1 << 30)\n    return {'action': 'pass'}\n")])
+            _, hooks = s.chunk("x")
+            self.assertNotIn("error", hooks[0], "an env var set a limit")
         finally:
             s.close()
-        s = Session(env={"SLUICE_MEMORY_BYTES": str(256 << 20)}, args=["--memory-bytes", str(4 << 30)])
-        try:
-            s.init(bomb)
-            result, hooks = s.chunk("x")
-            self.assertNotIn("error", hooks[0])
-            self.assertEqual(result["action"], "pass")
-        finally:
-            s.close()
-
 
     @unittest.skipUnless(os.geteuid() == 0 and shutil.which("setpriv"), "needs root to run the supervisor as nobody")
     def test_pids_flag_bounds_the_processes_hooks_may_start(self):
@@ -472,27 +473,203 @@ def can_unshare():
         return False
 
 
-LEAVE_BEHIND = """import subprocess
+def cells_work():
+    """Whether this machine lets the supervisor make cells (it needs user namespaces)."""
+    return subprocess.run([sys.executable, "-I", "-S", SUPERVISOR, "--probe"], capture_output=True, timeout=60).returncode == 0
+
+
+CELLS = cells_work()
+
+# Leaves everything a hook can leave: a /tmp and a /dev/shm file, a double-forked setsid daemon, an
+# interval timer with a handler, SysV shared memory, an abstract unix socket, a lowered rlimit, an
+# environment variable, a working directory, and a consumed `random` sequence.
+LEAVE_BEHIND = r"""import ctypes, os, random, resource, signal, socket, time
 def execute(context, settings):
     open('/tmp/left-by-a', 'w').write('x')
-    child = subprocess.Popen(['sleep', '300'], start_new_session=True)
-    return {'action': 'detect', 'findings': {'child': child.pid}}
+    if os.path.isdir('/dev/shm'):
+        open('/dev/shm/left-by-a', 'w').write('x')
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(300)
+        os._exit(0)
+    os.wait()
+    signal.signal(signal.SIGALRM, lambda *_: open('/tmp/alarm', 'w').write('fired'))
+    signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+    libc = ctypes.CDLL(None, use_errno=True)
+    shm = libc.shmget(0x51c0, 4096, 0o1666)
+    global SOCK
+    SOCK = socket.socket(socket.AF_UNIX)
+    SOCK.bind('\0sluice-left-by-a')
+    SOCK.listen(1)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (17, 17))
+    os.environ['LEFT_BY_A'] = '1'
+    os.chdir('/')
+    return {'action': 'detect', 'findings': {'shm': shm, 'random': [random.random() for _ in range(3)]}}
 """
-LOOK_AROUND = """import os
+# Looks for every one of those, and at everything else it can see.
+LOOK_AROUND = r"""import ctypes, os, random, resource, socket
 def execute(context, settings):
+    fds = sorted(int(f) for f in os.listdir('/proc/self/fd'))
     procs = {}
     for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
         try:
-            state = open('/proc/' + pid + '/stat').read().rsplit(')', 1)[1].split()[0]
-            cmdline = open('/proc/' + pid + '/cmdline', 'rb').read().replace(b'\\0', b' ').decode()
-        except (OSError, ValueError, IndexError):
-            continue
-        procs[pid] = [state, cmdline]
-    return {'action': 'detect', 'findings': {'tmp': sorted(os.listdir('/tmp')), 'procs': procs}}
+            procs[pid] = open('/proc/' + pid + '/cmdline', 'rb').read().replace(b'\0', b' ').decode()
+        except OSError:
+            pass
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect('\0sluice-left-by-a')
+        sock = 'reached'
+    except OSError:
+        sock = None
+    libc = ctypes.CDLL(None, use_errno=True)
+    return {'action': 'detect', 'findings': {
+        'procs': procs,
+        'tmp': sorted(os.listdir('/tmp')),
+        'shm_dir': sorted(os.listdir('/dev/shm')) if os.path.isdir('/dev/shm') else [],
+        'sysv_shm': libc.shmget(0x51c0, 4096, 0o666),
+        'socket': sock,
+        'nofile': resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        'env': sorted(os.environ),
+        'cwd': os.getcwd(),
+        'random': [random.random() for _ in range(3)],
+        'fds': fds,
+        'caps': [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')],
+        'ppid': os.getppid(),
+    }}
 """
 
 
-@unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0 and can_unshare(), "needs root and unshare (pid and mount namespaces)")
+@unittest.skipUnless(CELLS, "this machine cannot make cells (no user namespaces): see supervisor.py --probe")
+class CellTest(unittest.TestCase):
+    """What cells guarantee, with the real namespaces (on the host here; the end-to-end suites check
+    the same inside gVisor)."""
+
+    def setUp(self):
+        self.s = Session()
+        self.addCleanup(self.s.close)
+
+    def seen(self, hooks):
+        for h in hooks:
+            self.assertNotIn("error", h, hooks)
+        return hooks[-1]["findings"]
+
+    def assert_nothing_of_a(self, seen, leftover):
+        self.assertEqual(list(seen["procs"]), ["1"], f"other processes are visible: {seen['procs']}")
+        self.assertEqual(seen["tmp"], [])
+        self.assertEqual(seen["shm_dir"], [])
+        self.assertEqual(seen["sysv_shm"], -1, "SysV shared memory of another hook is reachable")
+        self.assertIsNone(seen["socket"], "an abstract socket of another hook is reachable")
+        self.assertNotEqual(seen["nofile"], 17)
+        self.assertNotIn("LEFT_BY_A", seen["env"])
+        self.assertEqual(seen["cwd"], "/tmp")
+        self.assertNotEqual(seen["random"], leftover["random"], "two cells share a random sequence")
+
+    def test_a_hook_is_alone_without_privilege_or_descriptors(self):
+        self.s.init([hook("look", "detect", LOOK_AROUND)])
+        seen = self.seen(self.s.chunk("x")[1])
+        self.assertEqual(list(seen["procs"]), ["1"])
+        self.assertEqual(seen["ppid"], 0, "its parent is outside its pid namespace")
+        self.assertTrue(all(c == "0000000000000000" for c in seen["caps"][:3]), seen["caps"])  # inheritable, permitted, effective
+        self.assertEqual(seen["caps"][3], "0000000000000000", "bounding set")
+        # 0-2 (stdout discarded), its pipe pair, and the descriptor listdir used.
+        self.assertEqual(len(seen["fds"]), 6, seen["fds"])
+        self.assertEqual(seen["env"], ["LANG", "PATH"])
+        self.assertEqual(self.s.end(), {"type": "ended", "clean": True})
+
+    def test_the_next_hook_sees_nothing_of_the_previous_one(self):
+        self.s.init([hook("a", "detect", LEAVE_BEHIND), hook("b", "detect", LOOK_AROUND)])
+        _, hooks = self.s.chunk("x")
+        self.assert_nothing_of_a(self.seen(hooks), hooks[0]["findings"])
+        self.assertEqual(self.s.end(), {"type": "ended", "clean": True})
+
+    def test_the_next_trigger_point_sees_nothing_of_the_previous_one(self):
+        self.s.init([hook("a", "detect", LEAVE_BEHIND)])
+        _, hooks = self.s.chunk("x")
+        left = self.seen(hooks)
+        self.assertGreaterEqual(left["shm"], 0, "the hook could make a SysV segment in its own ipc namespace")
+        self.assertEqual(self.s.end(), {"type": "ended", "clean": True})
+        # The same hook name, the same code position: a fresh process all the same.
+        self.s.init([hook("a", "detect", LOOK_AROUND)])
+        self.assert_nothing_of_a(self.seen(self.s.chunk("x")[1]), left)
+        self.assertEqual(self.s.end()["clean"], True)
+
+    def test_timers_and_handlers_die_with_their_hook(self):
+        arm = ("import signal, time\ndef execute(c, s):\n"
+               "    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(SystemExit('alarm')))\n"
+               "    signal.setitimer(signal.ITIMER_REAL, 0.01, 0.01)\n    time.sleep(0.001)\n"
+               "    signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)\n    return {'action': 'pass'}\n")
+        slow = "import time\ndef execute(c, s):\n    time.sleep(0.3)\n    return {'action': 'modify', 'outgoing': 'slow done'}\n"
+        self.s.init([hook("arm", "detect", arm), hook("slow", "modify", slow)])
+        result, hooks = self.s.chunk("x")
+        self.assertEqual([h.get("error") for h in hooks], [None, None], hooks)
+        self.assertEqual((result["action"], hooks[1]["outgoing"]), ("modify", "slow done"))
+
+    def test_no_hook_can_signal_or_limit_the_supervisor(self):
+        attack = ("import os, signal, resource\ndef execute(c, s):\n"
+                  "    out = {}\n"
+                  "    for name, f in (('kill1', lambda: os.kill(1, signal.SIGKILL)), ('int1', lambda: os.kill(1, signal.SIGINT)),\n"
+                  "                    ('killall', lambda: os.kill(-1, signal.SIGKILL)),\n"
+                  "                    ('prlimit', lambda: resource.prlimit(1, resource.RLIMIT_NOFILE, (3, 3)))):\n"
+                  "        try:\n            f(); out[name] = 'done'\n        except BaseException as e:\n            out[name] = type(e).__name__\n"
+                  "    return {'action': 'detect', 'findings': out}\n")
+        self.s.init([hook("attack", "detect", attack),
+                     hook("after", "modify", "def execute(c, s): return {'action': 'modify', 'outgoing': 'still here'}")])
+        result, hooks = self.s.chunk("x")
+        # Whatever each attempt did, it hit only the hook's own namespace: the next hook runs, and
+        # the supervisor answers the next trigger point.
+        self.assertEqual(hooks[-1].get("outgoing"), "still here", hooks)
+        self.assertEqual(self.s.end()["type"], "ended")
+        self.s.init([hook("again", "modify", "def execute(c, s): return {'action': 'modify', 'outgoing': 'ok'}")])
+        self.assertEqual(self.s.chunk("x")[0]["action"], "modify")
+
+    def test_a_hook_whose_process_dies_is_blamed_alone_and_restarted_for_the_next_chunk(self):
+        dies = "import os\ndef execute(c, s):\n    if c['outgoing'] == 'die':\n        os._exit(3)\n    return {'action': 'modify', 'outgoing': c['outgoing'] + '!'}\n"
+        up = "def execute(c, s): return {'action': 'modify', 'outgoing': c['outgoing'].upper()}"
+        self.s.init([hook("dies", "modify", dies), hook("up", "modify", up)], policy="Open")
+        _, hooks = self.s.chunk("die")
+        self.assertIn("died", hooks[0]["error"])
+        self.assertEqual(hooks[1]["outgoing"], "DIE")
+        _, hooks = self.s.chunk("again")
+        self.assertEqual([h.get("outgoing") for h in hooks], ["again!", "AGAIN!"])
+        self.assertEqual(self.s.end()["clean"], True)
+
+    def test_a_dead_zygote_makes_the_sandbox_dirty(self):
+        self.s.init([hook("a", "detect", "def execute(c, s): return {'action': 'pass'}")])
+        self.s.chunk("x")
+        ns = os.readlink(f"/proc/{self.s.proc.pid}/ns/pid")
+        zygote = [p for p in children(self.s.proc.pid) if os.readlink(f"/proc/{p}/ns/pid") == ns]
+        self.assertEqual(len(zygote), 1, "the supervisor's one child in its own pid namespace: the zygote")
+        os.kill(zygote[0], signal.SIGKILL)
+        ended = self.s.end()
+        self.assertEqual((ended["clean"], ended.get("reason")), (False, "the zygote died"))
+
+    def test_requests_out_of_order_are_refused(self):
+        self.s.send({"type": "chunk", "id": 1, "outgoing": "x", "state": [], "context": {}})
+        self.assertIn("without an open cell", self.s.read()["message"])
+        self.s.init([hook("a", "detect", "def execute(c, s): return {'action': 'pass'}")])
+        self.s.send({"type": "init", "hooks": []})
+        self.assertIn("end it first", self.s.read()["message"])
+        self.assertEqual(self.s.end()["clean"], True)
+        self.assertEqual(self.s.end()["clean"], True, "end without a cell: nothing to close")
+
+    def test_a_machine_without_user_namespaces_is_refused_at_start(self):
+        if not shutil.which("unshare") or os.geteuid() != 0:
+            self.skipTest("needs root and unshare")
+        no_userns = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                     'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"', "sh"]
+        proc = subprocess.run([*no_userns, sys.executable, "-I", "-S", "-u", SUPERVISOR], input=b"",
+                              capture_output=True, timeout=30)
+        self.assertEqual(proc.returncode, 1)
+        first = json.loads(proc.stderr.splitlines()[0])
+        self.assertEqual(first["type"], "error")
+        self.assertIn("cannot create cells", first["message"])
+        self.assertIn("runsc 20240729", first["message"])
+
+
+@unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0 and can_unshare() and CELLS,
+                     "needs root, unshare (pid and mount namespaces) and cells")
 class ClusterModeTest(unittest.TestCase):
     """A warm pod in miniature: a pid namespace whose pid 1 is `supervisor.py --listen`, with its own
     /tmp, and the attach relay exec'd into it the way the gateway execs it into a pod."""
@@ -505,46 +682,32 @@ class ClusterModeTest(unittest.TestCase):
         self.attach = shutil.copy(ATTACH, self.image)
         self.addCleanup(shutil.rmtree, self.image, ignore_errors=True)
 
-    def pod(self, env):
+    def pod(self):
         # unshare execs the supervisor as pid 1 of the new namespace, after mounting the pod's /tmp.
         wrapper = ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child", "sh", "-c",
                    'mount -t tmpfs -o size=16m tmpfs /tmp && exec "$@"', "sh"]
-        return Pod(prefix=wrapper, env=env, supervisor=self.supervisor, attach=self.attach)
+        return Pod(prefix=wrapper, supervisor=self.supervisor, attach=self.attach)
 
-    def exec_chain(self, pod):
-        """Runs hook a (leaves a file in /tmp and a process) then hook b (looks around) through the
-        relay exec'd into the pod; returns what b saw: /tmp, the state of a's process (None when gone,
-        "Z" when killed but not yet reaped), and every process's command line."""
-        pid1 = next(k for c in children(pod.proc.pid) for k in [c, *children(c)] if b"--listen" in cmdline(k))
-        nsenter = ["nsenter", "-t", str(pid1), "-p", "-m", "--"]
-        s = Session(env=pod.env, command=[*nsenter, sys.executable, "-I", "-S", self.attach])
-        try:
-            s.init([hook("a", "detect", LEAVE_BEHIND), hook("b", "detect", LOOK_AROUND)])
-            _, hooks = s.chunk("x")
-        finally:
-            s.close()
-        self.assertEqual(s.proc.wait(30), 0)
-        for h in hooks:
-            self.assertNotIn("error", h, hooks)
-        child = str(hooks[0]["findings"]["child"])
-        procs = hooks[1]["findings"]["procs"]
-        return hooks[1]["findings"]["tmp"], procs.get(child, [None])[0], [p[1] for p in procs.values()]
-
-    def test_between_hooks_the_pod_is_cleaned_and_the_relay_and_pid_1_survive(self):
-        with self.pod({"SLUICE_SANDBOX": "1"}) as pod:
-            tmp, child, commands = self.exec_chain(pod)
-            self.assertEqual(tmp, [], "hook a's /tmp file reached hook b")
-            self.assertIn(child, (None, "Z"), "hook a's process was still running when hook b ran")
-            self.assertTrue(any("--listen" in c for c in commands), commands)
-            self.assertTrue(any(c.rstrip().endswith("attach.py") for c in commands), f"the relay was killed: {commands}")
+    def test_cells_in_a_pod_and_the_relay_and_pid_1_survive_them(self):
+        with self.pod() as pod:
+            pid1 = next(k for c in children(pod.proc.pid) for k in [c, *children(c)] if b"--listen" in cmdline(k))
+            nsenter = ["nsenter", "-t", str(pid1), "-p", "-m", "--"]
+            s = Session(env=pod.env, command=[*nsenter, sys.executable, "-I", "-S", self.attach])
+            try:
+                self.assertEqual(s.ready["pid"], 1, "the pod's main process speaks the protocol")
+                for _ in range(2):  # two trigger points through one attach
+                    s.init([hook("a", "detect", LEAVE_BEHIND), hook("b", "detect", LOOK_AROUND)])
+                    _, hooks = s.chunk("x")
+                    for h in hooks:
+                        self.assertNotIn("error", h, hooks)
+                    seen = hooks[1]["findings"]
+                    self.assertEqual((list(seen["procs"]), seen["tmp"]), (["1"], []))
+                    self.assertEqual(s.end(), {"type": "ended", "clean": True}, "the relay is no leftover")
+            finally:
+                s.close()
+            self.assertEqual(s.proc.wait(30), 0)
             # The session over, pid 1 exits and the namespace with it: nothing of the pod is left.
             self.assertEqual(pod.proc.wait(30), 0)
-
-    def test_without_sluice_sandbox_nothing_is_cleaned(self):
-        with self.pod({}) as pod:
-            tmp, child, _ = self.exec_chain(pod)
-            self.assertEqual(tmp, ["left-by-a"])
-            self.assertNotIn(child, (None, "Z"), "hook a's process was killed outside a sandbox")
 
 
 def cmdline(pid):
