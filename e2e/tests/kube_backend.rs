@@ -207,7 +207,7 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
         claimed_pods(&api),
-        [held.clone()],
+        std::slice::from_ref(&held),
         "exactly `hold` pods held"
     );
     let r = h.run_text("bot", "input", "call 555").await.expect("run");

@@ -64,11 +64,14 @@ pub struct FakeApiServer {
     _state_dir: tempfile::TempDir,
 }
 
+/// A pod's sandbox: its runsc id and the handle that destroys it.
+type PodSandbox = (String, Arc<dyn SandboxHandle>);
+
 struct Shared {
     store: Store,
     backend: LocalBackend,
     /// Every pod's sandbox (its runsc id and handle), to exec into it and destroy it with its pod.
-    handles: Mutex<HashMap<String, (String, Arc<dyn SandboxHandle>)>>,
+    handles: Mutex<HashMap<String, PodSandbox>>,
     protocol: ExecProtocol,
     log: Mutex<Vec<Logged>>,
     /// What each pod's exec received on stdin so far, by "namespace/name".
