@@ -11,9 +11,9 @@ use anyhow::Context;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 use sluice_fake_apiserver::{ExecProtocol, FakeApiServer, Resource};
-use sluice_gateway::gateway::{KubeOptions, start_kube};
-use sluice_gateway::proto::{self, gateway_client::GatewayClient};
-use sluice_gateway::sandbox::kube::{KubeBackend, KubeConfig};
+use sluice_gateway::{KubeOptions, start_kube};
+use sluice_proto::{self as proto, gateway_client::GatewayClient};
+use sluice_sandbox_kube::{KubeBackend, KubeConfig};
 use std::time::{Duration, Instant};
 
 fn pod(i: usize) -> Value {
@@ -35,11 +35,11 @@ fn pod(i: usize) -> Value {
     })
 }
 
-fn spec_of(yaml: &str) -> anyhow::Result<sluice_gateway::sandbox::SandboxSpec> {
+fn spec_of(yaml: &str) -> anyhow::Result<sluice_engine::SandboxSpec> {
     let hc: sluice_crds::HookChain = serde_yaml::from_str(yaml)?;
-    Ok(sluice_gateway::chain::Chain::from_resource(&hc)
-        .map_err(anyhow::Error::msg)?
-        .sandbox)
+    let namespace = sluice_crds::manifest::namespace_of(&hc.metadata);
+    let name = hc.metadata.name.clone().unwrap_or_default();
+    Ok(sluice_engine::Chain::new(&namespace, &name, &hc.spec)?.sandbox)
 }
 
 /// Claim latency (cache + PATCH), beside one GET round trip to the same server.
@@ -52,7 +52,7 @@ async fn claims(table: &mut Table) -> anyhow::Result<()> {
     let backend = KubeBackend::new(
         api.client(),
         KubeConfig::new("bench"),
-        sluice_gateway::metrics::Metrics::new(),
+        sluice_engine::Metrics::new(),
         Duration::from_secs(10),
     )
     .await?;
@@ -169,7 +169,7 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
         anyhow::ensure!(
             gateway
                 .engine
-                .pools
+                .pools()
                 .wait_warm(Duration::from_secs(60))
                 .await,
             "the gateway never held a pod"
@@ -231,8 +231,8 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
 /// workers (what a claim would run if the pod's main process did not wait warmed up). Each sample
 /// uses a fresh sandbox, as each claim uses a fresh pod.
 async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
-    use sluice_gateway::sandbox::local::{LocalBackend, LocalConfig};
-    use sluice_gateway::sandbox::{SandboxBackend, SandboxSpec};
+    use sluice_engine::{SandboxBackend, SandboxSpec};
+    use sluice_sandbox_local::{LocalBackend, LocalConfig};
     use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 
     let dir = tempfile::tempdir()?;

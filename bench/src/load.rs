@@ -96,7 +96,7 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
     bench
         .gateway
         .engine
-        .pools
+        .pools()
         .wait_warm(Duration::from_secs(30))
         .await;
     let (fds0, rss0) = (fds(), rss_kib());
@@ -121,7 +121,7 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
     ));
 
     // 60 s at the highest sustainable rate: 8 clients, each as fast as answers come.
-    let started0 = bench.gateway.engine.metrics.sandboxes_started.get();
+    let started0 = bench.gateway.engine.metrics().sandboxes_started.get();
     let cpu0 = machine_cpu_seconds();
     let began = Instant::now();
     let window = Duration::from_secs(60);
@@ -143,7 +143,7 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
     let results = futures::future::join_all(clients).await;
     let elapsed = began.elapsed().as_secs_f64();
     let cpu = machine_cpu_seconds() - cpu0;
-    let started = bench.gateway.engine.metrics.sandboxes_started.get() - started0;
+    let started = bench.gateway.engine.metrics().sandboxes_started.get() - started0;
     let lat: Vec<Duration> = results.iter().flat_map(|r| r.0.clone()).collect();
     let errors: u64 = results.iter().map(|r| r.1).sum();
     let runs = lat.len() as f64;
@@ -168,12 +168,19 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
     bench
         .gateway
         .engine
-        .pools
+        .pools()
         .wait_warm(Duration::from_secs(60))
         .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let live = bench.gateway.backend().live().await.len();
-    let warm: usize = bench.gateway.engine.pools.sizes().iter().map(|s| s.1).sum();
+    let warm: usize = bench
+        .gateway
+        .engine
+        .pools()
+        .sizes()
+        .iter()
+        .map(|s| s.1)
+        .sum();
     let (fds1, rss1) = (fds(), rss_kib());
     table.push(Row::value(
         "Leaks after soak + load",

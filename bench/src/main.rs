@@ -3,8 +3,8 @@
 //! (run, throughput, stream, host_call, load, kube).
 
 use anyhow::Context as _;
-use sluice_gateway::gateway::{LocalOptions, RunningGateway, start_local};
-use sluice_gateway::proto::{self, gateway_client::GatewayClient};
+use sluice_gateway::{LocalOptions, RunningGateway, start_local};
+use sluice_proto::{self as proto, gateway_client::GatewayClient};
 use std::time::{Duration, Instant};
 
 mod kube;
@@ -74,7 +74,7 @@ impl Bench {
         let gateway = start_local(opts).await?;
         gateway
             .engine
-            .pools
+            .pools()
             .wait_warm(Duration::from_secs(120))
             .await;
         let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
@@ -95,7 +95,7 @@ impl Bench {
     ) -> anyhow::Result<(Duration, proto::RunResponse)> {
         self.gateway
             .engine
-            .pools
+            .pools()
             .wait_warm(Duration::from_secs(30))
             .await;
         let began = Instant::now();
@@ -129,7 +129,7 @@ async fn run_latency(table: &mut Table) -> anyhow::Result<()> {
         bench
             .gateway
             .engine
-            .pools
+            .pools()
             .wait_warm(Duration::from_secs(30))
             .await;
     }

@@ -3,11 +3,11 @@
 
 use crate::HOOKS;
 use serde_json::{Value, json};
-use sluice_gateway::chain::Chain;
-use sluice_gateway::limits::Limits;
-use sluice_gateway::sandbox::local::{LocalBackend, LocalConfig};
-use sluice_gateway::sandbox::{SandboxBackend, SandboxSpec};
-use sluice_gateway::supervisor::{NoHostCalls, SupervisorConn};
+use sluice_engine::Chain;
+use sluice_engine::Limits;
+use sluice_engine::{NoHostCalls, SupervisorConn};
+use sluice_engine::{SandboxBackend, SandboxSpec};
+use sluice_sandbox_local::{LocalBackend, LocalConfig};
 use std::time::{Duration, Instant};
 
 pub async fn in_process_floor(text: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
@@ -65,7 +65,9 @@ print(json.dumps(out))
 fn bench_chain() -> anyhow::Result<Chain> {
     let yaml = crate::chain_yaml("naive", "naive", "input", "{warm: 0, max: 1}", "");
     let hc: sluice_crds::HookChain = serde_yaml_from(&yaml)?;
-    Chain::from_resource(&hc).map_err(anyhow::Error::msg)
+    let namespace = sluice_crds::manifest::namespace_of(&hc.metadata);
+    let name = hc.metadata.name.clone().unwrap_or_default();
+    Ok(Chain::new(&namespace, &name, &hc.spec)?)
 }
 
 fn serde_yaml_from(y: &str) -> anyhow::Result<sluice_crds::HookChain> {

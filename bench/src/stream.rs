@@ -2,7 +2,7 @@
 
 use crate::Bench;
 use crate::report::{Row, Table, percentile};
-use sluice_gateway::proto::{self, stream_request::Msg as In, stream_response::Msg as Out};
+use sluice_proto::{self as proto, stream_request::Msg as In, stream_response::Msg as Out};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -94,7 +94,7 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
         bench
             .gateway
             .engine
-            .pools
+            .pools()
             .wait_warm(Duration::from_secs(30))
             .await;
         let (tx, rx) = mpsc::channel(4);
@@ -153,7 +153,7 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
     bench
         .gateway
         .engine
-        .pools
+        .pools()
         .wait_warm(Duration::from_secs(30))
         .await;
     let (rate, _) = blast(&bench, &reply(200_000), 16).await?;
@@ -167,7 +167,7 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
     bench
         .gateway
         .engine
-        .pools
+        .pools()
         .wait_warm(Duration::from_secs(60))
         .await;
     let began = Instant::now();
@@ -199,12 +199,12 @@ pub async fn host_call(table: &mut Table) -> anyhow::Result<()> {
     let state = tempfile::Builder::new()
         .prefix("sluice-bench")
         .tempdir_in("/tmp")?;
-    let mut opts = sluice_gateway::gateway::LocalOptions::new(dir.path(), state.path());
+    let mut opts = sluice_gateway::LocalOptions::new(dir.path(), state.path());
     opts.limits.host_calls_per_run = 1000;
-    let gateway = sluice_gateway::gateway::start_local(opts).await?;
+    let gateway = sluice_gateway::start_local(opts).await?;
     gateway
         .engine
-        .pools
+        .pools()
         .wait_warm(Duration::from_secs(60))
         .await;
     let mut client =
@@ -213,7 +213,7 @@ pub async fn host_call(table: &mut Table) -> anyhow::Result<()> {
     for _ in 0..3 {
         gateway
             .engine
-            .pools
+            .pools()
             .wait_warm(Duration::from_secs(60))
             .await;
         let req = proto::RunRequest {
@@ -228,7 +228,7 @@ pub async fn host_call(table: &mut Table) -> anyhow::Result<()> {
             .hooks
             .first()
             .and_then(|h| h.findings.clone())
-            .map(|f| sluice_gateway::convert::from_proto(&f));
+            .map(|f| sluice_proto::convert::from_proto(&f));
         let list = findings
             .as_ref()
             .and_then(|f| f["s"].as_array().cloned())

@@ -1,5 +1,6 @@
 //! The `Capability` resource: an application function hooks may reach through `host_call`.
 
+#[cfg(feature = "kube")]
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -7,16 +8,20 @@ use serde::{Deserialize, Serialize};
 use crate::free_form;
 
 /// A Capability is an application function that hooks may call by its `metadata.name`.
-#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[kube(
-    group = "sluice.dev",
-    version = "v1alpha1",
-    kind = "Capability",
-    plural = "capabilities",
-    shortname = "cap",
-    namespaced,
-    printcolumn = r#"{"name":"Description","type":"string","jsonPath":".spec.description"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(
+    feature = "kube",
+    derive(CustomResource),
+    kube(
+        group = "sluice.dev",
+        version = "v1alpha1",
+        kind = "Capability",
+        plural = "capabilities",
+        shortname = "cap",
+        namespaced,
+        printcolumn = r#"{"name":"Description","type":"string","jsonPath":".spec.description"}"#,
+        printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+    )
 )]
 #[serde(rename_all = "camelCase")]
 pub struct CapabilitySpec {
@@ -46,8 +51,9 @@ fn default_timeout_ms() -> u32 {
 }
 
 /// Exactly one of the three fields is set.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
-#[x_kube(validation = Rule::new("[has(self.grpc), has(self.http), has(self.builtin)].filter(x, x).size() == 1").message("set exactly one of grpc, http or builtin"))]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(not(feature = "kube"), derive(JsonSchema))]
+#[cfg_attr(feature = "kube", derive(KubeSchema), x_kube(validation = Rule::new("[has(self.grpc), has(self.http), has(self.builtin)].filter(x, x).size() == 1").message("set exactly one of grpc, http or builtin")))]
 #[serde(rename_all = "camelCase")]
 pub struct Endpoint {
     /// URL of a service implementing sluice.v1.CapabilityService/Execute.

@@ -1,6 +1,8 @@
 //! The `HookChain` resource: an ordered list of Python hooks run at one trigger point of one target.
 
+#[cfg(feature = "kube")]
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+#[cfg(feature = "kube")]
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -138,23 +140,27 @@ pub enum Reuse {
 }
 
 /// A HookChain runs ordered Python hooks on every payload of one trigger point of one target.
-#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[kube(
-    group = "sluice.dev",
-    version = "v1alpha1",
-    kind = "HookChain",
-    plural = "hookchains",
-    shortname = "hc",
-    namespaced,
-    status = "HookChainStatus",
-    scale = r#"{"specReplicasPath":".spec.pool.warm","statusReplicasPath":".status.warm"}"#,
-    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
-    printcolumn = r#"{"name":"Warm","type":"integer","jsonPath":".status.warm"}"#,
-    printcolumn = r#"{"name":"Claimed","type":"integer","jsonPath":".status.claimed"}"#,
-    printcolumn = r#"{"name":"Trigger","type":"string","jsonPath":".spec.triggerPoint"}"#,
-    printcolumn = r#"{"name":"Target","type":"string","jsonPath":".spec.target"}"#,
-    printcolumn = r#"{"name":"Enforced","type":"boolean","priority":1,"jsonPath":".spec.enforced"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(
+    feature = "kube",
+    derive(CustomResource),
+    kube(
+        group = "sluice.dev",
+        version = "v1alpha1",
+        kind = "HookChain",
+        plural = "hookchains",
+        shortname = "hc",
+        namespaced,
+        status = "HookChainStatus",
+        scale = r#"{"specReplicasPath":".spec.pool.warm","statusReplicasPath":".status.warm"}"#,
+        printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+        printcolumn = r#"{"name":"Warm","type":"integer","jsonPath":".status.warm"}"#,
+        printcolumn = r#"{"name":"Claimed","type":"integer","jsonPath":".status.claimed"}"#,
+        printcolumn = r#"{"name":"Trigger","type":"string","jsonPath":".spec.triggerPoint"}"#,
+        printcolumn = r#"{"name":"Target","type":"string","jsonPath":".spec.target"}"#,
+        printcolumn = r#"{"name":"Enforced","type":"boolean","priority":1,"jsonPath":".spec.enforced"}"#,
+        printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+    )
 )]
 #[serde(rename_all = "camelCase")]
 pub struct HookChainSpec {
@@ -320,6 +326,7 @@ pub struct HookSpec {
 }
 
 /// What the operator and gateway report about a chain.
+#[cfg(feature = "kube")]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct HookChainStatus {

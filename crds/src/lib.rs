@@ -1,18 +1,36 @@
 //! Sluice's custom resources (`sluice.dev/v1alpha1`): the types, their semantic validation, and the
-//! loader that reads them from YAML files with file and line in every error.
+//! loader that reads them from YAML files with file and line in every error. Also what the operator
+//! and the gateway both judge CRD contents with: the hook code analyser and the JSON-schema check.
+//!
+//! Reading order: `hookchain` and `capability` (the types) → `validate` (semantic rules, with
+//! `quantity`) → `code` (hook code analysis) and `schema` (capability schemas) → `definition` (what
+//! the gateway serves, without the Kubernetes envelope) → `manifest` (YAML files) → `sandbox_pod`
+//! (labels and commands operator and gateway agree on).
+//!
+//! Without the default `kube` feature the crate holds only what needs no Kubernetes client: the specs,
+//! validation, code and schema checks and `definition`. The `HookChain`/`Capability` objects,
+//! `manifest` and the CRD YAML need `kube`.
 
 mod capability;
+pub mod code;
+pub mod definition;
 mod hookchain;
+#[cfg(feature = "kube")]
 pub mod manifest;
 pub mod quantity;
 pub mod sandbox_pod;
+pub mod schema;
 pub mod validate;
 
-pub use capability::{Builtin, Capability, CapabilitySpec, Endpoint};
+#[cfg(feature = "kube")]
+pub use capability::Capability;
+pub use capability::{Builtin, CapabilitySpec, Endpoint};
 pub use hookchain::{
-    ALL_TARGETS, Action, DEFAULT_PLATFORM_NAMESPACE, FailurePolicy, HookChain, HookChainSpec,
-    HookChainStatus, HookSpec, PoolSpec, ResourceSpec, Reuse, StreamingSpec, TriggerPoint,
+    ALL_TARGETS, Action, DEFAULT_PLATFORM_NAMESPACE, FailurePolicy, HookChainSpec, HookSpec,
+    PoolSpec, ResourceSpec, Reuse, StreamingSpec, TriggerPoint,
 };
+#[cfg(feature = "kube")]
+pub use hookchain::{HookChain, HookChainStatus};
 
 use schemars::Schema;
 
@@ -25,6 +43,7 @@ fn free_form(_: &mut schemars::SchemaGenerator) -> Schema {
 }
 
 /// The CRD manifests as YAML, in the order `make crds` writes them.
+#[cfg(feature = "kube")]
 pub fn crd_yaml() -> Vec<(&'static str, String)> {
     use kube::CustomResourceExt;
     let render = |crd| serde_yaml::to_string(&crd).expect("a CRD always serializes to YAML");

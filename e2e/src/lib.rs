@@ -2,14 +2,14 @@
 //! loopback port, a gRPC client, and the leak check every test ends with.
 
 use serde_json::Value;
-use sluice_gateway::audit::Audit;
-use sluice_gateway::gateway::{LocalOptions, RunningGateway, start_local};
-use sluice_gateway::proto::{self, gateway_client::GatewayClient};
+use sluice_engine::Audit;
+use sluice_gateway::{LocalOptions, RunningGateway, start_local};
+use sluice_proto::{self as proto, gateway_client::GatewayClient};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tonic::transport::Channel;
 
-pub use sluice_gateway::convert::{from_proto, to_proto};
+pub use sluice_proto::convert::{from_proto, to_proto};
 
 /// A chain file with one hook per `(name, action, code)`, serving `target` at `trigger_point`.
 pub fn chain_yaml(
@@ -73,7 +73,7 @@ impl Harness {
         assert!(
             gateway
                 .engine
-                .pools
+                .pools()
                 .wait_warm(Duration::from_secs(90))
                 .await,
             "pools never became warm"
@@ -95,7 +95,7 @@ impl Harness {
         api: &sluice_fake_apiserver::FakeApiServer,
         identity: &str,
         claim_timeout: Duration,
-        tweak: impl FnOnce(&mut sluice_gateway::gateway::KubeOptions),
+        tweak: impl FnOnce(&mut sluice_gateway::KubeOptions),
     ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let state = tempfile::Builder::new()
@@ -103,15 +103,15 @@ impl Harness {
             .tempdir_in("/tmp")
             .expect("state dir");
         let audit_path = state.path().join("audit.jsonl");
-        let mut cfg = sluice_gateway::sandbox::kube::KubeConfig::new(identity);
+        let mut cfg = sluice_sandbox_kube::KubeConfig::new(identity);
         cfg.claim_timeout = claim_timeout;
-        let mut opts = sluice_gateway::gateway::KubeOptions::new(api.client(), cfg);
+        let mut opts = sluice_gateway::KubeOptions::new(api.client(), cfg);
         opts.audit = Audit::to_file(&audit_path).expect("audit file");
         opts.limits.claim_timeout = claim_timeout;
         opts.limits.boot_timeout = Duration::from_secs(60);
         opts.sync_timeout = Duration::from_secs(10);
         tweak(&mut opts);
-        let gateway = sluice_gateway::gateway::start_kube(opts)
+        let gateway = sluice_gateway::start_kube(opts)
             .await
             .expect("gateway starts in kube mode");
         Self::connected(gateway, dir, state, audit_path).await
@@ -417,7 +417,7 @@ impl Harness {
     }
 }
 
-pub use sluice_gateway::stream::chunk_at;
+pub use sluice_engine::chunk_at;
 
 /// A YAML manifest as the JSON object the API server stores (namespace defaulted).
 pub fn manifest_json(yaml: &str) -> Value {

@@ -15,7 +15,7 @@ use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use sluice_crds::HookChain;
-use sluice_gateway::proto::{self, Action, gateway_client::GatewayClient};
+use sluice_proto::{self as proto, Action, gateway_client::GatewayClient};
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::time::{Duration, Instant};

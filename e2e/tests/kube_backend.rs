@@ -5,11 +5,11 @@
 
 use serde_json::Value;
 use sluice_e2e::{Harness, action, chain_yaml, manifest_json, text};
+use sluice_engine::SandboxBackend;
+use sluice_engine::SandboxSpec;
 use sluice_fake_apiserver::{ExecProtocol, FakeApiServer, Resource};
-use sluice_gateway::proto::Action;
-use sluice_gateway::sandbox::SandboxBackend;
-use sluice_gateway::sandbox::SandboxSpec;
-use sluice_gateway::sandbox::kube::{KubeBackend, KubeConfig};
+use sluice_proto::Action;
+use sluice_sandbox_kube::{KubeBackend, KubeConfig};
 use std::time::Duration;
 
 const REDACT: &str = r##"import re
@@ -27,7 +27,9 @@ const CHATTY: &str = r#"def execute(context, settings):
 
 fn sandbox_of(yaml: &str) -> SandboxSpec {
     let hc: sluice_crds::HookChain = serde_yaml::from_str(yaml).expect("chain YAML");
-    sluice_gateway::chain::Chain::from_resource(&hc)
+    let namespace = sluice_crds::manifest::namespace_of(&hc.metadata);
+    let name = hc.metadata.name.clone().unwrap_or_default();
+    sluice_engine::Chain::new(&namespace, &name, &hc.spec)
         .expect("valid chain")
         .sandbox
 }
@@ -205,7 +207,7 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
         claimed_pods(&api),
-        [held.clone()],
+        std::slice::from_ref(&held),
         "exactly `hold` pods held"
     );
     let r = h.run_text("bot", "input", "call 555").await.expect("run");
@@ -258,7 +260,7 @@ async fn two_claimers_one_warm_pod_exactly_one_wins() {
         KubeBackend::new(
             api.client(),
             cfg,
-            sluice_gateway::metrics::Metrics::new(),
+            sluice_engine::Metrics::new(),
             Duration::from_secs(10),
         )
     };
@@ -322,10 +324,7 @@ enum Fault {
     ApiRestarts,
 }
 
-async fn fault_mid_run(
-    policy: &str,
-    fault: Fault,
-) -> (sluice_gateway::proto::RunResponse, FakeApiServer) {
+async fn fault_mid_run(policy: &str, fault: Fault) -> (sluice_proto::RunResponse, FakeApiServer) {
     let chain = chain_yaml(
         "dying",
         "bot",

@@ -9,7 +9,7 @@ use sluice_agent_loop::model::{Model, ModelReply, ModelRequest, ScriptedModel, U
 use sluice_agent_loop::tools::FakeTools;
 use sluice_agent_loop::{Agent, AgentConfig, Ending};
 use sluice_e2e::{Harness, action, from_proto};
-use sluice_gateway::proto::Action;
+use sluice_proto::Action;
 
 /// The documents of `examples/policies/<name>/hookchain.yaml`, each passed through `tweak`, as YAML.
 fn policy(name: &str, mut tweak: impl FnMut(&mut Value)) -> String {
@@ -835,12 +835,12 @@ async fn the_baseline_runs_first_and_a_tenant_chain_cannot_bypass_it() {
     let registry = h.gateway().engine.registry();
     assert!(
         registry
-            .errors
+            .errors()
             .iter()
             .any(|e| e.message.contains("\"self-made-baseline\"")
                 && e.message.contains("only in the platform namespace")),
         "{:?}",
-        registry.errors
+        registry.errors()
     );
 
     let u = Usage::new(10, 5);
@@ -1049,7 +1049,7 @@ async fn a_tenant_cannot_undo_a_baseline_rewrite() {
         .unwrap();
     assert_eq!(action(&r), Action::Modify);
     let out = from_proto(match &r.payload {
-        Some(sluice_gateway::proto::run_response::Payload::Value(v)) => v,
+        Some(sluice_proto::run_response::Payload::Value(v)) => v,
         other => panic!("expected a value payload, got {other:?}"),
     });
     assert_eq!(out["tools"], json!([{"name": "read_file"}]), "{out}");

@@ -3,7 +3,7 @@
 
 use serde_json::json;
 use sluice_e2e::{Harness, action, from_proto};
-use sluice_gateway::proto::{Action, run_response::Payload};
+use sluice_proto::{Action, run_response::Payload};
 
 const TURN_BASELINE: &str = r#"apiVersion: sluice.dev/v1alpha1
 kind: HookChain

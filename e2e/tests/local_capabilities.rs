@@ -4,7 +4,7 @@
 use serde_json::{Value, json};
 use sluice_e2e::{Harness, action, text};
 use sluice_example_services::Services;
-use sluice_gateway::proto::{self, Action};
+use sluice_proto::{self as proto, Action};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,7 @@
 
 use serde_json::json;
 use sluice_e2e::{Harness, action, chain_yaml, text};
-use sluice_gateway::proto::{self, Action};
+use sluice_proto::{self as proto, Action};
 use std::time::{Duration, Instant};
 
 const UPPER: &str = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'].upper()}\n";
@@ -355,7 +355,11 @@ async fn hooks_cannot_reach_host_files_network_or_environment() {
     let port = listener.local_addr().unwrap().port();
     listener.set_nonblocking(true).unwrap();
     // SAFETY: set before the gateway starts its threads' work; only this test reads it.
-    unsafe { std::env::set_var("SLUICE_TEST_SECRET", "gateway-env-secret") };
+    // (set_var is unsafe since edition 2024: nothing else touches the environment meanwhile.)
+    #[allow(unsafe_code)]
+    unsafe {
+        std::env::set_var("SLUICE_TEST_SECRET", "gateway-env-secret")
+    };
 
     let code = format!(
         r#"import os, socket

@@ -3,7 +3,7 @@
 //! and at the end nothing is left behind.
 
 use sluice_e2e::{Harness, action, text};
-use sluice_gateway::proto::Action;
+use sluice_proto::Action;
 use std::time::{Duration, Instant};
 
 /// Leaves a secret in its globals, its frame and a /tmp file, then appends " [A]".
@@ -96,7 +96,11 @@ async fn hostile_hooks_never_break_honest_ones_or_the_gateway() {
     listener.set_nonblocking(true).unwrap();
     let port = listener.local_addr().unwrap().port();
     // SAFETY: set before the gateway starts; the hooks must never see it.
-    unsafe { std::env::set_var("SLUICE_TEST_SECRET", "gateway-env") };
+    // (set_var is unsafe since edition 2024: nothing else touches the environment meanwhile.)
+    #[allow(unsafe_code)]
+    unsafe {
+        std::env::set_var("SLUICE_TEST_SECRET", "gateway-env")
+    };
     let cases = cases(port);
     assert!(cases.len() >= 30, "the suite has {} cases", cases.len());
     let files: Vec<(String, String)> = cases

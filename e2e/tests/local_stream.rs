@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use sluice_e2e::{Harness, action, chain_yaml, chunk_at, text};
-use sluice_gateway::proto::{self, Action};
+use sluice_proto::{self as proto, Action};
 use std::time::Duration;
 
 /// Idempotent, deterministic redactor of 8-character phone fragments and a multi-byte word.

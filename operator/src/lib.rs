@@ -3,8 +3,9 @@
 //!
 //! Reading order: `build` (the objects, pure) → `pool` (the backfill decision, pure) →
 //! `expectations` (what the cache does not show yet) → `validate` and `status` (the verdict and the
-//! conditions, pure) → `reconcile` (read, validate, build, apply, status) → `controller` (the
-//! watches) → `leader` (one active replica) → `metrics`, `render`.
+//! conditions, pure) → `reconcile` (its stages, one module each: read → validate → build → decide →
+//! apply → status) → `controller` (the watches) → `leader` (one active replica) → `metrics`,
+//! `render`.
 
 pub mod build;
 pub mod controller;

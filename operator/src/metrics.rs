@@ -105,7 +105,7 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        sluice_gateway::metrics::render(&self.registry)
+        sluice_telemetry::render(&self.registry)
     }
 
     /// Serves `GET /metrics` and `GET /healthz` on `addr` until the process ends.
@@ -116,6 +116,6 @@ impl Metrics {
     }
 
     pub async fn serve_on(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-        sluice_gateway::metrics::serve_endpoint(listener, self.registry.clone(), None).await
+        sluice_telemetry::serve_endpoint(listener, self.registry.clone(), None).await
     }
 }

@@ -14,12 +14,11 @@ pub type CodeCheck = Result<CodeProblems, String>;
 
 /// Runs the code analyser. Blocking: it waits for python3.
 pub fn check_code(spec: &HookChainSpec) -> CodeCheck {
-    let hooks: Vec<(String, String)> = spec
-        .hooks
-        .iter()
-        .map(|h| (h.action.as_str().to_string(), h.code.clone()))
-        .collect();
-    sluice_gateway::authoring::check::analyse_code(&hooks)
+    let per_hook = sluice_crds::code::analyse(&spec.hooks).map_err(|e| e.to_string())?;
+    Ok(per_hook
+        .into_iter()
+        .map(|problems| problems.into_iter().map(|p| (p.line, p.message)).collect())
+        .collect())
 }
 
 /// A capability as the operator's cache shows it.
@@ -39,7 +38,7 @@ pub fn capability_problems(name: &str, spec: &CapabilitySpec) -> Vec<String> {
         .collect();
     if let Some(schema) = &spec.schema
         && schema.is_object()
-        && let Err(e) = sluice_gateway::endpoint::check_schema(schema)
+        && let Err(e) = sluice_crds::schema::check_schema(schema)
     {
         out.push(format!("spec.schema: not a valid JSON Schema: {e}"));
     }

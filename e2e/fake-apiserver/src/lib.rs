@@ -27,8 +27,8 @@ use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::{Request, Response, StatusCode};
 use serde_json::{Value, json};
 use sluice_crds::sandbox_pod;
-use sluice_gateway::sandbox::local::{LocalBackend, LocalConfig};
-use sluice_gateway::sandbox::{SandboxBackend, SandboxHandle, SandboxSpec};
+use sluice_engine::{SandboxBackend, SandboxHandle, SandboxSpec};
+use sluice_sandbox_local::{LocalBackend, LocalConfig};
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -64,11 +64,14 @@ pub struct FakeApiServer {
     _state_dir: tempfile::TempDir,
 }
 
+/// A pod's sandbox: its runsc id and the handle that destroys it.
+type PodSandbox = (String, Arc<dyn SandboxHandle>);
+
 struct Shared {
     store: Store,
     backend: LocalBackend,
     /// Every pod's sandbox (its runsc id and handle), to exec into it and destroy it with its pod.
-    handles: Mutex<HashMap<String, (String, Arc<dyn SandboxHandle>)>>,
+    handles: Mutex<HashMap<String, PodSandbox>>,
     protocol: ExecProtocol,
     log: Mutex<Vec<Logged>>,
     /// What each pod's exec received on stdin so far, by "namespace/name".

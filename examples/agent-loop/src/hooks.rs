@@ -2,8 +2,8 @@
 //! payload of that point, and the gateway's decision handed back in a form the loop can act on.
 
 use serde_json::Value;
-use sluice_gateway::convert::{from_proto, to_proto};
-use sluice_gateway::proto::{self, Action, gateway_client::GatewayClient};
+use sluice_proto::convert::{from_proto, to_proto};
+use sluice_proto::{self as proto, Action, gateway_client::GatewayClient};
 use std::collections::HashMap;
 use tonic::transport::Channel;
 

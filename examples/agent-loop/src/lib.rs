@@ -24,7 +24,7 @@ pub mod tools;
 use hooks::{Decision, HookError, Hooks};
 use model::{Model, ModelRequest, Usage};
 use serde_json::{Value, json};
-use sluice_gateway::proto::Action;
+use sluice_proto::Action;
 use tools::FakeTools;
 
 /// What the application asks of the model on every call.

@@ -10,8 +10,8 @@
 //! Both record every call they receive, so tests can assert the order of gate, execute and dispatch.
 
 use serde_json::{Value, json};
-use sluice_gateway::convert::{from_proto, to_proto};
-use sluice_gateway::proto::{self, capability_service_server::CapabilityService};
+use sluice_proto::convert::{from_proto, to_proto};
+use sluice_proto::{self as proto, capability_service_server::CapabilityService};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

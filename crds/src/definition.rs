@@ -1,0 +1,83 @@
+//! HookChains and Capabilities as the gateway serves them: namespace, name and spec, without the
+//! Kubernetes envelope, each with where it came from (a file and line in local mode, the object's
+//! kind and name in kube mode). What `manifest` reads and what the kube watches list both become
+//! these, so the engine that serves them needs neither YAML nor kube.
+
+use crate::{CapabilitySpec, HookChainSpec};
+use std::fmt;
+use std::path::PathBuf;
+
+/// Where a definition came from. `line` is 0 where there is no line (a cluster object).
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Origin {
+    pub file: PathBuf,
+    pub line: usize,
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.file.display(), self.line)
+    }
+}
+
+/// The spec of a served resource.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Spec {
+    HookChain(Box<HookChainSpec>),
+    Capability(Box<CapabilitySpec>),
+}
+
+/// One resource to serve.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Definition {
+    pub origin: Origin,
+    pub namespace: String,
+    /// `metadata.name`; empty when the object had none.
+    pub name: String,
+    pub spec: Spec,
+}
+
+/// A resource that is not served, with where it came from and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{origin}: {message}")]
+pub struct NotServed {
+    pub origin: Origin,
+    pub message: String,
+}
+
+#[cfg(feature = "kube")]
+mod from_manifest {
+    use super::*;
+    use crate::manifest::{LoadError, Located, Object, namespace_of};
+
+    impl From<Located<Object>> for Definition {
+        fn from(o: Located<Object>) -> Self {
+            let origin = Origin {
+                file: o.file,
+                line: o.line,
+            };
+            let (meta, spec) = match o.value {
+                Object::HookChain(hc) => (hc.metadata, Spec::HookChain(Box::new(hc.spec))),
+                Object::Capability(cap) => (cap.metadata, Spec::Capability(Box::new(cap.spec))),
+            };
+            Self {
+                origin,
+                namespace: namespace_of(&meta),
+                name: meta.name.unwrap_or_default(),
+                spec,
+            }
+        }
+    }
+
+    impl From<LoadError> for NotServed {
+        fn from(e: LoadError) -> Self {
+            Self {
+                origin: Origin {
+                    file: e.file,
+                    line: e.line,
+                },
+                message: e.message,
+            }
+        }
+    }
+}

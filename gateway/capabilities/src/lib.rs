@@ -1,0 +1,10 @@
+//! Sluice's capability runner: the engine's `Capabilities`, answering every hook's `host_call` by
+//! resolve → schema → gates → execute → dispatch, with execute going to a gRPC
+//! (`sluice.v1.CapabilityService`), HTTP or built-in endpoint.
+//!
+//! Reading order: `runner` (the steps of one host_call) → `endpoint` (where execute goes).
+
+mod endpoint;
+mod runner;
+
+pub use runner::{CallError, Runner};

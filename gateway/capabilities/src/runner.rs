@@ -1,0 +1,279 @@
+//! The capability runner: the one path from a hook into the application. For every `host_call` it
+//! always does, in order: resolve (the capability exists in the chain's namespace and the hook lists
+//! it) → validate the payload against the capability's JSON Schema → gates → execute → dispatch.
+//! `caller` comes from the engine, built on the trusted side from the run; nothing a hook sends can
+//! change it.
+
+use crate::endpoint::Transport;
+use async_trait::async_trait;
+use serde_json::{Value, json};
+use sluice_engine::{
+    AuditGate, AuditHostCall, Caller, Capabilities, CapabilityEntry, Chain, HostCallError,
+    HostCalls, Limits, Metrics, Registry,
+};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Errors a hook sees as `HostCallError` with this text.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("capability {0:?} does not exist in namespace {1:?}")]
+    Unknown(String, String),
+    #[error("hook {hook:?} may not call {name:?}: list it under the hook's capabilities")]
+    NotAllowed { hook: String, name: String },
+    #[error("payload for {name:?} does not match its schema: {reason}")]
+    Schema { name: String, reason: String },
+    #[error("{name:?} denied by gate {gate:?}: {reason}")]
+    Denied {
+        name: String,
+        gate: String,
+        reason: String,
+    },
+    #[error("{name:?} failed: {reason}")]
+    Failed { name: String, reason: String },
+    #[error("{name:?} did not answer within {ms} ms")]
+    Timeout { name: String, ms: u64 },
+}
+
+/// Shared, long-lived part of the runner: transports (connections are reused across runs).
+pub struct Runner {
+    metrics: Metrics,
+    limits: Limits,
+    transport: Transport,
+}
+
+impl Runner {
+    pub fn new(metrics: Metrics, limits: Limits) -> Self {
+        Self {
+            metrics,
+            limits,
+            transport: Transport::default(),
+        }
+    }
+}
+
+impl Capabilities for Runner {
+    /// The host_call handler of one run.
+    fn for_run(
+        &self,
+        registry: Arc<Registry>,
+        chain: Arc<Chain>,
+        caller: Caller,
+    ) -> Arc<dyn HostCalls> {
+        Arc::new(RunHostCalls {
+            registry,
+            chain,
+            caller,
+            metrics: self.metrics.clone(),
+            transport: self.transport.clone(),
+            max_result_bytes: self.limits.payload_bytes,
+            audit: Mutex::default(),
+        })
+    }
+}
+
+/// The host_calls of one run of one chain, recorded for its audit event.
+struct RunHostCalls {
+    registry: Arc<Registry>,
+    chain: Arc<Chain>,
+    caller: Caller,
+    metrics: Metrics,
+    transport: Transport,
+    max_result_bytes: usize,
+    audit: Mutex<Vec<AuditHostCall>>,
+}
+
+impl RunHostCalls {
+    fn capability(&self, name: &str) -> Result<&Arc<CapabilityEntry>, CallError> {
+        self.registry
+            .capability(&self.chain.namespace, name)
+            .ok_or_else(|| CallError::Unknown(name.to_string(), self.chain.namespace.clone()))
+    }
+
+    /// Calls one capability's endpoint within its timeout. Used for gates, execute and dispatch.
+    async fn execute(
+        &self,
+        cap: &CapabilityEntry,
+        payload: Value,
+    ) -> Result<(Value, Option<Value>), CallError> {
+        let ms = cap.spec.timeout_ms as u64;
+        let call = self
+            .transport
+            .execute(&cap.name, &cap.spec.endpoint, payload, &self.caller);
+        match tokio::time::timeout(Duration::from_millis(ms), call).await {
+            Ok(Ok((result, consumed))) => {
+                let size = serde_json::to_vec(&result)
+                    .map(|b| b.len())
+                    .unwrap_or(usize::MAX);
+                if size > self.max_result_bytes {
+                    return Err(CallError::Failed {
+                        name: cap.name.clone(),
+                        reason: format!("result is {size} bytes, over the limit"),
+                    });
+                }
+                Ok((result, consumed))
+            }
+            Ok(Err(e)) => Err(CallError::Failed {
+                name: cap.name.clone(),
+                reason: e.to_string(),
+            }),
+            Err(_) => Err(CallError::Timeout {
+                name: cap.name.clone(),
+                ms,
+            }),
+        }
+    }
+
+    async fn run(
+        &self,
+        hook: usize,
+        name: &str,
+        payload: Value,
+        record: &mut AuditHostCall,
+    ) -> Result<Value, CallError> {
+        // resolve
+        let cap = self.capability(name)?.clone();
+        let hook_spec = &self.chain.spec.hooks[hook];
+        if !hook_spec.capabilities.iter().any(|c| c == name) {
+            return Err(CallError::NotAllowed {
+                hook: hook_spec.name.clone(),
+                name: name.into(),
+            });
+        }
+        // schema
+        if let Some(schema) = &cap.spec.schema {
+            sluice_crds::schema::validate(schema, &payload).map_err(|e| CallError::Schema {
+                name: name.into(),
+                reason: e.to_string(),
+            })?;
+        }
+        // gates, each a capability answering {allow, reason}
+        for gate in &cap.spec.gates {
+            let gate_cap = self.capability(gate)?.clone();
+            let ask =
+                json!({"capability": name, "payload": payload, "caller": self.caller.to_json()});
+            let (answer, _) =
+                self.execute(&gate_cap, ask)
+                    .await
+                    .map_err(|e| CallError::Denied {
+                        name: name.into(),
+                        gate: gate.clone(),
+                        reason: format!("gate failed: {e}"),
+                    })?;
+            let allow = answer
+                .get("allow")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let reason = answer
+                .get("reason")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+            record.gates.push(AuditGate {
+                gate: gate.clone(),
+                allow,
+                reason: reason.clone(),
+            });
+            if !allow {
+                let reason = if reason.is_empty() {
+                    "no reason given".into()
+                } else {
+                    reason
+                };
+                return Err(CallError::Denied {
+                    name: name.into(),
+                    gate: gate.clone(),
+                    reason,
+                });
+            }
+        }
+        // execute
+        let (result, consumed) = match self.execute(&cap, payload.clone()).await {
+            Ok(done) => done,
+            Err(e) => {
+                // Dispatch steps still hear of it (result and consumed null, the error stated), so a
+                // gate's reservation can be released.
+                let body = json!({"capability": name, "payload": payload, "result": null, "consumed": null, "error": e.to_string(), "caller": self.caller.to_json()});
+                self.dispatch(&cap, body, record).await;
+                return Err(e);
+            }
+        };
+        record.consumed = consumed.clone();
+        // dispatch: after execute, told what was used.
+        let body = json!({"capability": name, "payload": payload, "result": result, "consumed": consumed, "caller": self.caller.to_json()});
+        self.dispatch(&cap, body, record).await;
+        Ok(result)
+    }
+
+    /// Runs the capability's dispatch steps in order. A failing step is recorded and logged; the hook
+    /// still gets its result, since the work was done and must not be repeated.
+    async fn dispatch(&self, cap: &CapabilityEntry, body: Value, record: &mut AuditHostCall) {
+        for step in &cap.spec.dispatch {
+            let step_cap = match self.capability(step) {
+                Ok(c) => c.clone(),
+                Err(e) => {
+                    tracing::error!(capability = %cap.name, step = %step, error = %e, "dispatch step missing");
+                    continue;
+                }
+            };
+            if let Err(e) = self.execute(&step_cap, body.clone()).await {
+                tracing::error!(capability = %cap.name, step = %step, error = %e, "dispatch step failed");
+                record.error = Some(format!("dispatch {step:?} failed: {e}"));
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl HostCalls for RunHostCalls {
+    async fn call(&self, hook: usize, name: &str, payload: Value) -> Result<Value, HostCallError> {
+        let began = Instant::now();
+        let hook_name = self.chain.spec.hooks.get(hook).map(|h| h.name.clone());
+        let Some(hook_name) = hook_name else {
+            return Err(HostCallError::UnknownHook(hook));
+        };
+        let mut record = AuditHostCall {
+            hook: hook_name,
+            capability: name.to_string(),
+            gates: vec![],
+            consumed: None,
+            latency_us: 0,
+            error: None,
+        };
+        let result = self.run(hook, name, payload, &mut record).await;
+        record.latency_us = began.elapsed().as_micros() as u64;
+        let outcome = match &result {
+            Ok(_) => "ok",
+            Err(CallError::Denied { .. }) => "denied",
+            Err(CallError::Unknown(..) | CallError::NotAllowed { .. }) => "refused",
+            Err(CallError::Schema { .. }) => "invalid",
+            Err(_) => "failed",
+        };
+        // Unknown names are not used as label values, so a hook cannot blow up the metric's cardinality.
+        let label = if self
+            .registry
+            .capability(&self.chain.namespace, name)
+            .is_some()
+        {
+            name
+        } else {
+            "<unknown>"
+        };
+        self.metrics
+            .host_calls
+            .with_label_values(&[label, outcome])
+            .inc();
+        if let Err(e) = &result {
+            record.error.get_or_insert_with(|| e.to_string());
+        }
+        self.audit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(record);
+        result.map_err(|e| HostCallError::Refused(Box::new(e)))
+    }
+
+    fn audit(&self) -> Vec<AuditHostCall> {
+        self.audit.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}

@@ -1,0 +1,460 @@
+//! `sluice test` and `sluice run`: chains run in the same local gVisor sandboxes the gateway uses, by
+//! an in-process gateway on a loopback port, with capabilities replaced by canned stubs.
+//!
+//! A test file (YAML):
+//!
+//! ```yaml
+//! chains: [../pii-redaction.yaml]        # relative to this file
+//! capabilities:                          # stubs: a canned result, or an error the hook sees
+//!   llm.run: {result: {text: "Summary."}}
+//!   credit.check: {error: "no credit"}
+//! cases:
+//!   - name: redacts a phone number
+//!     target: support-bot
+//!     triggerPoint: input                # default input
+//!     text: "call 010-1234-5678"         # or value: {...} for the agent-loop points
+//!     context: {user_id: u-1}
+//!     expect:
+//!       action: modify
+//!       text: "call [phone]"
+//!       contains: ["[phone]"]
+//!       message: "..."
+//!       hooks: {redact-phone: modify}
+//!   - name: streams
+//!     target: support-bot
+//!     triggerPoint: output
+//!     chunks: ["call 010-", "1234-5678 now"]
+//!     expect: {commits: ["call [phone] now"], text: "call [phone] now"}
+//! ```
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sluice_gateway::{LocalOptions, RunningGateway, start_local};
+use sluice_proto::convert::{from_proto, to_proto};
+use sluice_proto::{self as proto, gateway_client::GatewayClient};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TestFile {
+    #[serde(default)]
+    pub chains: Vec<PathBuf>,
+    #[serde(default)]
+    pub capabilities: BTreeMap<String, Stub>,
+    pub cases: Vec<Case>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stub {
+    #[serde(default)]
+    pub result: Value,
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Case {
+    pub name: String,
+    pub target: String,
+    #[serde(default = "input")]
+    pub trigger_point: String,
+    #[serde(default = "default_ns")]
+    pub namespace: String,
+    #[serde(default)]
+    pub text: Option<String>,
+    #[serde(default)]
+    pub value: Option<Value>,
+    #[serde(default)]
+    pub chunks: Option<Vec<String>>,
+    #[serde(default)]
+    pub context: BTreeMap<String, String>,
+    pub expect: Expect,
+}
+
+fn input() -> String {
+    "input".into()
+}
+fn default_ns() -> String {
+    "default".into()
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    pub action: Option<String>,
+    pub text: Option<String>,
+    pub value: Option<Value>,
+    #[serde(default)]
+    pub contains: Vec<String>,
+    #[serde(default)]
+    pub excludes: Vec<String>,
+    pub message: Option<String>,
+    #[serde(default)]
+    pub hooks: BTreeMap<String, String>,
+    /// Hook name → a piece of its expected error.
+    #[serde(default)]
+    pub errors: BTreeMap<String, String>,
+    pub commits: Option<Vec<String>>,
+    pub blocked: Option<bool>,
+}
+
+/// What one run gave back, as `sluice run` prints it and `sluice test` compares it.
+pub fn response_json(r: &proto::RunResponse) -> Value {
+    let action = |a: i32| {
+        proto::Action::try_from(a)
+            .map(|a| a.as_str_name().to_lowercase())
+            .unwrap_or_default()
+    };
+    let payload = match &r.payload {
+        Some(proto::run_response::Payload::Text(t)) => json!({"text": t}),
+        Some(proto::run_response::Payload::Value(v)) => {
+            json!({"value": from_proto(v)})
+        }
+        None => Value::Null,
+    };
+    json!({
+        "run_id": r.run_id,
+        "action": action(r.action),
+        "payload": payload,
+        "message": r.message,
+        "terminal_index": r.terminal_index,
+        "hooks": r.hooks.iter().map(|h| json!({
+            "name": h.name,
+            "action": action(h.action),
+            "message": h.message,
+            "findings": h.findings.as_ref().map(from_proto),
+            "error": h.error,
+            "latency_us": h.latency_us,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// An in-process gateway over the given chain files, with stubbed capabilities.
+pub struct Local {
+    pub gateway: RunningGateway,
+    pub client: GatewayClient<tonic::transport::Channel>,
+    _dir: tempfile::TempDir,
+    _state: tempfile::TempDir,
+    stubs: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Local {
+    pub async fn start(files: &[PathBuf], stubs: &BTreeMap<String, Stub>) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        for (i, f) in files.iter().enumerate() {
+            let text =
+                std::fs::read_to_string(f).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
+            // Capabilities with a stub are replaced by it.
+            let kept: Vec<&str> = text
+                .split("\n---")
+                .filter(|doc| {
+                    !stubs
+                        .keys()
+                        .any(|name| doc.contains("kind: Capability") && doc_names(doc, name))
+                })
+                .collect();
+            std::fs::write(dir.path().join(format!("{i:03}.yaml")), kept.join("\n---"))?;
+        }
+        let mut stub_task = None;
+        if !stubs.is_empty() {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr = listener.local_addr()?;
+            let mut yaml = String::new();
+            for name in stubs.keys() {
+                yaml.push_str(&format!(
+                    "---\napiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {{name: {name:?}, namespace: default}}\nspec: {{endpoint: {{http: \"http://{addr}/{name}\"}}, timeoutMs: 5000}}\n"
+                ));
+            }
+            std::fs::write(dir.path().join("zz-stubs.yaml"), yaml)?;
+            stub_task = Some(tokio::spawn(serve_stubs(listener, stubs.clone())));
+        }
+        let state = tempfile::Builder::new()
+            .prefix("sluice-cli")
+            .tempdir_in("/tmp")?;
+        let mut opts = LocalOptions::new(dir.path(), state.path());
+        opts.limits.claim_timeout = std::time::Duration::from_secs(60);
+        let gateway = start_local(opts).await?;
+        for e in gateway.engine.registry().errors() {
+            if !e.message.contains("will fail until it does") {
+                anyhow::bail!("{e}");
+            }
+        }
+        let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
+        Ok(Self {
+            gateway,
+            client,
+            _dir: dir,
+            _state: state,
+            stubs: stub_task,
+        })
+    }
+
+    pub async fn stop(self) {
+        self.gateway.shutdown().await;
+        if let Some(t) = self.stubs {
+            t.abort();
+        }
+    }
+
+    pub async fn run(&self, case: &Case) -> Result<Value, String> {
+        let payload = match (&case.text, &case.value) {
+            (Some(t), _) => proto::run_request::Payload::Text(t.clone()),
+            (None, Some(v)) => proto::run_request::Payload::Value(to_proto(v)),
+            (None, None) => return Err("the case needs text, value or chunks".into()),
+        };
+        let req = proto::RunRequest {
+            namespace: case.namespace.clone(),
+            target: case.target.clone(),
+            trigger_point: case.trigger_point.clone(),
+            payload: Some(payload),
+            context: case.context.clone().into_iter().collect(),
+            session_id: "sluice-test".into(),
+        };
+        let r = self
+            .client
+            .clone()
+            .run(req)
+            .await
+            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
+        Ok(response_json(&r.into_inner()))
+    }
+
+    pub async fn stream(&self, case: &Case, chunks: &[String]) -> Result<Value, String> {
+        let open = proto::StreamOpen {
+            namespace: case.namespace.clone(),
+            target: case.target.clone(),
+            trigger_point: case.trigger_point.clone(),
+            context: case.context.clone().into_iter().collect(),
+            session_id: "sluice-test".into(),
+        };
+        let mut msgs = vec![proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Open(open)),
+        }];
+        msgs.extend(chunks.iter().map(|c| proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Chunk(c.clone())),
+        }));
+        msgs.push(proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Finish(proto::StreamFinish {})),
+        });
+        let mut out = self
+            .client
+            .clone()
+            .stream(futures::stream::iter(msgs))
+            .await
+            .map_err(|s| s.message().to_string())?
+            .into_inner();
+        let (mut commits, mut blocked, mut final_) = (vec![], Value::Null, Value::Null);
+        while let Some(m) = out
+            .message()
+            .await
+            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+        {
+            match m.msg {
+                Some(proto::stream_response::Msg::Commit(c)) => commits.push(c),
+                Some(proto::stream_response::Msg::Blocked(b)) => {
+                    blocked = json!({"message": b.message, "hook": b.hook})
+                }
+                Some(proto::stream_response::Msg::Final(f)) => final_ = response_json(&f),
+                None => {}
+            }
+        }
+        Ok(json!({"commits": commits, "blocked": blocked, "final": final_}))
+    }
+}
+
+fn doc_names(doc: &str, name: &str) -> bool {
+    doc.lines().any(|l| {
+        let l = l.trim();
+        l == format!("name: {name}")
+            || l.contains(&format!("{{name: {name},"))
+            || l.contains(&format!("{{name: {name}}}"))
+            || l == format!("name: \"{name}\"")
+    })
+}
+
+async fn serve_stubs(listener: tokio::net::TcpListener, stubs: BTreeMap<String, Stub>) {
+    use http_body_util::Full;
+    use hyper::{Response, body::Bytes, service::service_fn};
+    let stubs = std::sync::Arc::new(stubs);
+    while let Ok((stream, _)) = listener.accept().await {
+        let stubs = stubs.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let stub = stubs.get(req.uri().path().trim_start_matches('/')).cloned();
+                async move {
+                    let (status, body) = match stub {
+                        Some(Stub { error: Some(e), .. }) => (500, e),
+                        Some(s) => (200, json!({"result": s.result}).to_string()),
+                        None => (404, "no such stub".to_string()),
+                    };
+                    let mut r = Response::new(Full::new(Bytes::from(body)));
+                    *r.status_mut() = hyper::StatusCode::from_u16(status)
+                        .unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+                    Ok::<_, std::convert::Infallible>(r)
+                }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+/// Compares a result with the expectation; each mismatch is one line of a readable diff.
+pub fn compare(expect: &Expect, got: &Value, streamed: bool) -> Vec<String> {
+    let mut diff = Vec::new();
+    let result = if streamed { &got["final"] } else { got };
+    let mut want = |what: &str, expected: String, actual: String| {
+        if expected != actual {
+            diff.push(format!(
+                "{what}:\n    expected: {expected}\n    got:      {actual}"
+            ));
+        }
+    };
+    if let Some(a) = &expect.action {
+        want(
+            "action",
+            a.clone(),
+            result["action"].as_str().unwrap_or_default().to_string(),
+        );
+    }
+    let text = result["payload"]["text"].as_str().map(str::to_string);
+    if let Some(t) = &expect.text {
+        want(
+            "text",
+            format!("{t:?}"),
+            format!("{:?}", text.clone().unwrap_or_default()),
+        );
+    }
+    if let Some(v) = &expect.value {
+        want(
+            "value",
+            v.to_string(),
+            result["payload"]["value"].to_string(),
+        );
+    }
+    if let Some(m) = &expect.message {
+        want(
+            "message",
+            format!("{m:?}"),
+            format!("{:?}", result["message"].as_str().unwrap_or_default()),
+        );
+    }
+    let shown = text
+        .clone()
+        .unwrap_or_else(|| result["payload"]["value"].to_string());
+    for c in &expect.contains {
+        if !shown.contains(c.as_str()) {
+            diff.push(format!("payload should contain {c:?}:\n    got: {shown:?}"));
+        }
+    }
+    for c in &expect.excludes {
+        let committed = got["commits"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect::<String>())
+            .unwrap_or_default();
+        if shown.contains(c.as_str()) || committed.contains(c.as_str()) {
+            diff.push(format!("{c:?} should not appear:\n    got: {shown:?}"));
+        }
+    }
+    let hooks = result["hooks"].as_array().cloned().unwrap_or_default();
+    for (hook, action) in &expect.hooks {
+        let got = hooks
+            .iter()
+            .find(|h| h["name"] == hook.as_str())
+            .map(|h| h["action"].as_str().unwrap_or_default().to_string());
+        diff_hook(&mut diff, hook, action, got);
+    }
+    for (hook, piece) in &expect.errors {
+        let err = hooks
+            .iter()
+            .find(|h| h["name"] == hook.as_str())
+            .map(|h| h["error"].as_str().unwrap_or_default().to_string())
+            .unwrap_or_default();
+        if !err.contains(piece.as_str()) {
+            diff.push(format!(
+                "error of hook {hook:?} should contain {piece:?}:\n    got: {err:?}"
+            ));
+        }
+    }
+    if let Some(commits) = &expect.commits {
+        let got_commits: Vec<String> = got["commits"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|c| c.as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if commits.concat() != got_commits.concat() {
+            diff.push(format!(
+                "commits (concatenated):\n    expected: {:?}\n    got:      {:?}",
+                commits.concat(),
+                got_commits.concat()
+            ));
+        }
+    }
+    if let Some(b) = expect.blocked {
+        let was = !got["blocked"].is_null();
+        if b != was {
+            diff.push(format!(
+                "blocked mid-stream:\n    expected: {b}\n    got:      {was}"
+            ));
+        }
+    }
+    diff
+}
+
+fn diff_hook(diff: &mut Vec<String>, hook: &str, expected: &str, got: Option<String>) {
+    match got {
+        Some(a) if a == expected => {}
+        Some(a) => diff.push(format!(
+            "hook {hook:?}:\n    expected: {expected}\n    got:      {a}"
+        )),
+        None => diff.push(format!(
+            "hook {hook:?}: expected {expected}, but it did not run"
+        )),
+    }
+}
+
+/// Runs every case of one test file; returns (passed, failed) and prints each case.
+pub async fn run_file(path: &Path) -> anyhow::Result<(usize, usize)> {
+    let text = std::fs::read_to_string(path)?;
+    let file: TestFile = serde_yaml::from_str(&text).map_err(|e| {
+        let line = e.location().map(|l| l.line()).unwrap_or(0);
+        anyhow::anyhow!("{}:{line}: {e}", path.display())
+    })?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    let chains: Vec<PathBuf> = file.chains.iter().map(|c| base.join(c)).collect();
+    let local = Local::start(&chains, &file.capabilities).await?;
+    let (mut passed, mut failed) = (0, 0);
+    println!("{}", path.display());
+    for case in &file.cases {
+        let streamed = case.chunks.is_some();
+        let got = match &case.chunks {
+            Some(chunks) => local.stream(case, chunks).await,
+            None => local.run(case).await,
+        };
+        let diff = match &got {
+            Ok(v) => compare(&case.expect, v, streamed),
+            Err(e) => vec![format!("the gateway refused the case: {e}")],
+        };
+        if diff.is_empty() {
+            passed += 1;
+            println!("  PASS  {}", case.name);
+        } else {
+            failed += 1;
+            println!("  FAIL  {}", case.name);
+            for d in diff {
+                for line in d.lines() {
+                    println!("        {line}");
+                }
+            }
+        }
+    }
+    local.stop().await;
+    Ok((passed, failed))
+}

@@ -1,0 +1,11 @@
+//! The authoring side of Sluice, behind the `sluice` command (`src/bin/sluice.rs`): `check` (what can
+//! be known of HookChain and Capability files without running a hook) and `hooktest` (`*.test.yaml`
+//! cases run against a local gateway with stubbed capabilities).
+//!
+//! Reading order: `bin/sluice.rs` (the commands) → `check` → `hooktest`.
+
+mod check;
+mod hooktest;
+
+pub use check::{Finding, Report, check, expand};
+pub use hooktest::{Case, Expect, Local, TestFile, compare, response_json, run_file};

@@ -1,0 +1,205 @@
+//! The audit: exactly one structured JSON line per run, failures included.
+
+use serde::Serialize;
+use serde_json::Value;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+#[derive(Debug, Serialize)]
+pub struct AuditHook {
+    pub name: String,
+    pub action: &'static str,
+    pub latency_us: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub findings: Option<Value>,
+}
+
+/// One host_call as the capability runner saw it.
+#[derive(Clone, Debug, Serialize)]
+pub struct AuditHostCall {
+    pub hook: String,
+    pub capability: String,
+    pub gates: Vec<AuditGate>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consumed: Option<Value>,
+    pub latency_us: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AuditGate {
+    pub gate: String,
+    pub allow: bool,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+}
+
+/// The enforced baseline chain that ran before the tenant's chain.
+#[derive(Clone, Debug, Serialize)]
+pub struct AuditChain {
+    pub chain: String,
+    pub code_hash: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AuditEvent {
+    pub ts: String,
+    pub run_id: String,
+    pub mode: &'static str,
+    pub namespace: String,
+    pub target: String,
+    pub trigger_point: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chain: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub code_hash: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<String>,
+    /// The platform baseline, when one ran first (its hooks are listed first, as `baseline/<hook>`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<AuditChain>,
+    pub hooks: Vec<AuditHook>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub host_calls: Vec<AuditHostCall>,
+    pub action: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub terminal_index: Option<usize>,
+    pub latency_us: u64,
+    /// Why the run did not produce a verdict (unknown chain, no sandbox, client went away...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream: Option<Value>,
+}
+
+impl AuditEvent {
+    /// The event of one run (`mode` "run" or "stream"), before anything is known of it but its id.
+    /// Whatever happens next fills it in; exactly one is written per run.
+    pub fn new(run_id: &str, mode: &'static str) -> Self {
+        Self {
+            ts: now_rfc3339(),
+            run_id: run_id.to_string(),
+            mode,
+            namespace: String::new(),
+            target: String::new(),
+            trigger_point: String::new(),
+            chain: None,
+            code_hash: None,
+            session_id: None,
+            sandbox: None,
+            baseline: None,
+            hooks: vec![],
+            host_calls: vec![],
+            action: "none",
+            terminal_index: None,
+            latency_us: 0,
+            error: None,
+            stream: None,
+        }
+    }
+
+    /// Records what the caller asked for, as it asked (before any of it is checked).
+    pub fn requested(
+        &mut self,
+        namespace: &str,
+        target: &str,
+        trigger_point: &str,
+        session_id: &str,
+    ) {
+        self.namespace = namespace.to_string();
+        self.target = target.to_string();
+        self.trigger_point = trigger_point.to_string();
+        self.session_id = (!session_id.is_empty()).then(|| session_id.to_string());
+    }
+}
+
+/// Where audit lines go. Writes are whole lines under a lock, so concurrent runs never interleave.
+#[derive(Clone)]
+pub struct Audit {
+    sink: Arc<Mutex<Box<dyn Write + Send>>>,
+}
+
+impl Audit {
+    pub fn new(sink: Box<dyn Write + Send>) -> Self {
+        Self {
+            sink: Arc::new(Mutex::new(sink)),
+        }
+    }
+
+    pub fn to_stdout() -> Self {
+        Self::new(Box::new(std::io::stdout()))
+    }
+
+    pub fn discard() -> Self {
+        Self::new(Box::new(std::io::sink()))
+    }
+
+    pub fn to_file(path: &std::path::Path) -> std::io::Result<Self> {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        Ok(Self::new(Box::new(f)))
+    }
+
+    pub fn write(&self, event: &AuditEvent) {
+        let mut line = match serde_json::to_vec(event) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, run_id = %event.run_id, "audit event did not serialize");
+                return;
+            }
+        };
+        line.push(b'\n');
+        let mut sink = self.sink.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = sink.write_all(&line).and_then(|_| sink.flush()) {
+            tracing::error!(error = %e, run_id = %event.run_id, "audit write failed");
+        }
+    }
+}
+
+/// RFC 3339 UTC timestamp with milliseconds, without a date crate.
+pub fn now_rfc3339() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let secs = now.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        now.subsec_millis()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn timestamps_are_rfc3339() {
+        let ts = super::now_rfc3339();
+        assert_eq!(ts.len(), 24, "{ts}");
+        assert!(
+            ts.starts_with("20") && ts.ends_with('Z') && &ts[10..11] == "T",
+            "{ts}"
+        );
+    }
+}

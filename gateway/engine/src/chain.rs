@@ -1,0 +1,81 @@
+//! A HookChain as the engine uses it: the spec plus what is derived from it once (code hash,
+//! sandbox limits, normalised settings), shared immutably by every run that started on it.
+
+use crate::sandbox::{ResourceError, SandboxSpec};
+use serde_json::Value;
+use sluice_crds::validate::Problem;
+use sluice_crds::{HookChainSpec, TriggerPoint};
+
+#[derive(Debug)]
+pub struct Chain {
+    pub namespace: String,
+    pub name: String,
+    pub spec: HookChainSpec,
+    pub code_hash: String,
+    pub sandbox: SandboxSpec,
+    /// Each hook's settings, `{}` where none were given.
+    pub settings: Vec<Value>,
+}
+
+/// Why a HookChain cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ChainError {
+    #[error("HookChain has no metadata.name")]
+    NoName,
+    #[error("{}", .0.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; "))]
+    Invalid(Vec<Problem>),
+    #[error(transparent)]
+    Resources(#[from] ResourceError),
+}
+
+/// Chains are found by where they run: (namespace, target, trigger point).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChainKey {
+    pub namespace: String,
+    pub target: String,
+    pub trigger_point: TriggerPoint,
+}
+
+impl Chain {
+    /// The chain `namespace/name` with this spec, if the spec passes the semantic rules.
+    pub fn new(namespace: &str, name: &str, spec: &HookChainSpec) -> Result<Self, ChainError> {
+        if name.is_empty() {
+            return Err(ChainError::NoName);
+        }
+        let problems = sluice_crds::validate::hookchain(spec);
+        if !problems.is_empty() {
+            return Err(ChainError::Invalid(problems));
+        }
+        let sandbox = SandboxSpec::for_chain(namespace, name, &spec.resources, spec.hooks.len())?;
+        let settings = spec
+            .hooks
+            .iter()
+            .map(|h| {
+                h.settings
+                    .clone()
+                    .unwrap_or_else(|| Value::Object(Default::default()))
+            })
+            .collect();
+        Ok(Self {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            code_hash: spec.code_hash(),
+            spec: spec.clone(),
+            sandbox,
+            settings,
+        })
+    }
+
+    pub fn key(&self) -> ChainKey {
+        ChainKey {
+            namespace: self.namespace.clone(),
+            target: self.spec.target.clone(),
+            trigger_point: self.spec.trigger_point,
+        }
+    }
+
+    /// "namespace/name", as chains are named in logs, metrics and the audit.
+    pub fn qualified_name(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}

@@ -1,0 +1,79 @@
+//! The chains one trigger point runs: the platform's enforced baseline at its trigger point (if any)
+//! and the tenant's own chain, and how their hooks are named in answers and the audit.
+
+use crate::audit::{AuditChain, AuditEvent};
+use crate::chain::{Chain, ChainKey};
+use crate::registry::Registry;
+use crate::request::EngineError;
+use crate::state_vector::StateVector;
+use std::sync::Arc;
+
+/// How a baseline hook's name reads in answers, the audit and metrics.
+pub const BASELINE_PREFIX: &str = "baseline/";
+/// How a baseline hook reads when it ran again on the tenant chain's output and changed or ended it.
+pub const RECHECK_PREFIX: &str = "baseline-recheck/";
+
+/// The chains that serve one (namespace, target, trigger point).
+#[derive(Clone, Debug)]
+pub struct Chains {
+    /// The platform namespace's enforced chain at this trigger point.
+    pub baseline: Option<Arc<Chain>>,
+    /// The tenant's chain for this target.
+    pub tenant: Option<Arc<Chain>>,
+}
+
+impl Chains {
+    /// In the order they run, each with whether it is the baseline.
+    pub fn ordered(&self) -> impl Iterator<Item = (&Arc<Chain>, bool)> {
+        self.baseline
+            .iter()
+            .map(|c| (c, true))
+            .chain(self.tenant.iter().map(|c| (c, false)))
+    }
+
+    /// The chain whose streaming settings and pool a stream follows: the tenant's when it has one.
+    pub fn main(&self) -> &Arc<Chain> {
+        match (&self.tenant, &self.baseline) {
+            (Some(c), _) | (None, Some(c)) => c,
+            (None, None) => unreachable!("Chains always holds at least one chain"),
+        }
+    }
+
+    /// A fresh state vector per chain, in run order.
+    pub fn fresh_states(&self) -> Vec<StateVector> {
+        self.ordered()
+            .map(|(c, _)| StateVector::fresh(c.spec.hooks.len()))
+            .collect()
+    }
+
+    /// Records which chains serve a run in its audit event.
+    pub fn describe(&self, audit: &mut AuditEvent) {
+        if let Some(t) = &self.tenant {
+            audit.chain = Some(t.qualified_name());
+            audit.code_hash = Some(t.code_hash.clone());
+        }
+        if let Some(b) = &self.baseline {
+            audit.baseline = Some(AuditChain {
+                chain: b.qualified_name(),
+                code_hash: b.code_hash.clone(),
+                sandbox: None,
+            });
+        }
+    }
+
+    /// The chains for a key: the baseline at its trigger point and the tenant's chain. Neither →
+    /// NOT_FOUND; a baseline alone is enough.
+    pub fn resolve(registry: &Registry, key: &ChainKey) -> Result<Chains, EngineError> {
+        let chains = Chains {
+            baseline: registry.baseline(key.trigger_point).cloned(),
+            tenant: registry.chain(key).cloned(),
+        };
+        if chains.baseline.is_none() && chains.tenant.is_none() {
+            return Err(EngineError::NotFound(format!(
+                "no HookChain for target {:?} at trigger point {} in namespace {:?}",
+                key.target, key.trigger_point, key.namespace
+            )));
+        }
+        Ok(chains)
+    }
+}

@@ -1,0 +1,164 @@
+//! One chain bound to one claimed sandbox for one trigger point (a Run, or a whole Stream): claim
+//! and init, then walks, re-validated by `outcome`. A sandbox failure becomes a hook error under the
+//! chain's policy; under `Open` the walk resumes after the failed hook in a fresh sandbox.
+
+use crate::audit::AuditHostCall;
+use crate::chain::Chain;
+use crate::engine::Engine;
+use crate::host_calls::{Caller, HostCalls};
+use crate::outcome::{self, Walk};
+use crate::request::{EngineError, Target};
+use crate::sandbox_pool::Claimed;
+use crate::state_vector::StateVector;
+use crate::supervisor::SandboxFailure;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A chain bound to one claimed sandbox for one trigger point (a Run, or a whole Stream).
+pub struct ClaimedChain<'e> {
+    engine: &'e Engine,
+    pub chain: Arc<Chain>,
+    claimed: Option<Claimed>,
+    context: Value,
+    host: Arc<dyn HostCalls>,
+    pub sandbox_id: String,
+    /// A failure while loading the hooks, reported by the next walk.
+    pending: Option<SandboxFailure>,
+}
+
+impl<'e> ClaimedChain<'e> {
+    /// Claims a sandbox and loads the chain into it. No sandbox in time → UNAVAILABLE.
+    pub async fn open(
+        engine: &'e Engine,
+        chain: Arc<Chain>,
+        target: &Target,
+        run_id: &str,
+    ) -> Result<Self, EngineError> {
+        let caller = Caller::new(&target.key, &target.session_id, &target.context, run_id);
+        let context = json!({
+            "namespace": target.key.namespace,
+            "target": target.key.target,
+            "trigger_point": target.key.trigger_point.as_str(),
+            "session_id": target.session_id,
+            "run_id": run_id,
+            "caller": target.context,
+        });
+        let registry = engine.registry();
+        let host = engine
+            .capabilities()
+            .for_run(registry, chain.clone(), caller);
+        let mut claimed = Self {
+            engine,
+            chain,
+            claimed: None,
+            context,
+            host,
+            sandbox_id: String::new(),
+            pending: None,
+        };
+        match claimed.claim().await {
+            Ok(()) => Ok(claimed),
+            Err(ClaimOrInit::Claim(e)) => Err(EngineError::Unavailable(e)),
+            // The sandbox died or hung while loading the hooks: the walk reports it per policy.
+            Err(ClaimOrInit::Init(f)) => {
+                claimed.pending = Some(f);
+                Ok(claimed)
+            }
+        }
+    }
+
+    async fn claim(&mut self) -> Result<(), ClaimOrInit> {
+        let pool = self.engine.pools().pool_for(&self.chain);
+        let mut claimed = pool
+            .claim(self.engine.limits().claim_timeout)
+            .await
+            .map_err(|e| ClaimOrInit::Claim(e.to_string()))?;
+        self.sandbox_id = claimed.conn().id.clone();
+        let init = claimed
+            .conn()
+            .init(&self.chain, &self.engine.limits().wire())
+            .await;
+        self.claimed = Some(claimed);
+        match init {
+            Ok(_) => Ok(()),
+            Err(f) => {
+                self.claimed = None;
+                Err(ClaimOrInit::Init(f))
+            }
+        }
+    }
+
+    /// Runs the chain on `payload`, threading `state`. Sandbox failures become hook errors under the
+    /// chain's policy; under `Open` the walk resumes after the failed hook in a fresh sandbox.
+    pub async fn walk(&mut self, payload: Value, state: &mut StateVector) -> Walk {
+        let mut walk = Walk::new(payload);
+        let mut start = 0;
+        let budget = Duration::from_millis(self.chain.spec.timeout_ms as u64);
+        let host = self.host.clone();
+        loop {
+            if self.claimed.is_none() {
+                let failure = match self.pending.take() {
+                    Some(f) => Some(f),
+                    None => match self.claim().await {
+                        Ok(()) => None,
+                        Err(ClaimOrInit::Claim(e)) => {
+                            Some(SandboxFailure::Died(format!("no replacement sandbox: {e}")))
+                        }
+                        Err(ClaimOrInit::Init(f)) => Some(f),
+                    },
+                };
+                if let Some(f) = failure {
+                    outcome::failure_before_walk(&self.chain, &f, &mut walk, start);
+                    match walk.resume_at.take() {
+                        Some(next) => {
+                            start = next;
+                            continue;
+                        }
+                        None => return walk,
+                    }
+                }
+            }
+            let Some(claimed) = self.claimed.as_mut() else {
+                return walk;
+            };
+            let conn = claimed.conn();
+            let report = conn
+                .walk(
+                    start,
+                    &walk.payload,
+                    state.as_slice(),
+                    &self.context,
+                    budget,
+                    host.as_ref(),
+                )
+                .await;
+            outcome::fold(
+                &self.chain,
+                start,
+                &report,
+                &mut walk,
+                state,
+                self.engine.limits(),
+            );
+            if !conn.healthy() || report.failure.is_some() {
+                // Dropping the claim destroys the sandbox (killed at once when broken).
+                self.claimed = None;
+            }
+            match walk.resume_at.take() {
+                Some(next) => start = next,
+                None => return walk,
+            }
+        }
+    }
+
+    /// The host_calls made so far, for the audit.
+    pub fn host_calls(&self) -> Vec<AuditHostCall> {
+        self.host.audit()
+    }
+}
+
+enum ClaimOrInit {
+    Claim(String),
+    Init(SandboxFailure),
+}

@@ -1,0 +1,93 @@
+//! The one line from a hook into the application, as the engine sees it: a hook's `host_call` is
+//! answered by a `HostCalls` made for its run by the `Capabilities` the engine was given. The
+//! capability runner (`sluice-capabilities`) implements both; tests give fakes. `Caller` is built here,
+//! on the trusted side, from the run's identity: nothing a hook sends can change it.
+
+use crate::audit::AuditHostCall;
+use crate::chain::{Chain, ChainKey};
+use crate::registry::Registry;
+use async_trait::async_trait;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Who is calling: the run's identity, never the hook's payload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Caller(pub BTreeMap<String, String>);
+
+impl Caller {
+    pub fn new(
+        key: &ChainKey,
+        session_id: &str,
+        context: &BTreeMap<String, String>,
+        run_id: &str,
+    ) -> Self {
+        // The application's context first, so the session's own fields always win over it.
+        let mut m = context.clone();
+        m.insert("namespace".into(), key.namespace.clone());
+        m.insert("target".into(), key.target.clone());
+        m.insert("trigger_point".into(), key.trigger_point.as_str().into());
+        m.insert("session_id".into(), session_id.into());
+        m.insert("run_id".into(), run_id.into());
+        Self(m)
+    }
+
+    pub fn to_json(&self) -> Value {
+        json!(self.0)
+    }
+}
+
+/// Why a host_call was not answered with a result. The hook sees the message as a raised
+/// `HostCallError`.
+#[derive(Debug, thiserror::Error)]
+pub enum HostCallError {
+    #[error("host_call from unknown hook #{0}")]
+    UnknownHook(usize),
+    #[error("capability {0:?} is not available here")]
+    Unavailable(String),
+    /// Refused or failed by whoever answers host_calls (the capability runner's own error).
+    #[error(transparent)]
+    Refused(Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// Answers the host_calls of one run.
+#[async_trait]
+pub trait HostCalls: Send + Sync {
+    async fn call(&self, hook: usize, name: &str, payload: Value) -> Result<Value, HostCallError>;
+    /// The host_calls answered so far, for the run's audit event.
+    fn audit(&self) -> Vec<AuditHostCall> {
+        Vec::new()
+    }
+}
+
+/// Makes the host_call handler of each run: what the engine knows of capabilities.
+pub trait Capabilities: Send + Sync {
+    /// The handler for one chain of one run, on the registry the run started with.
+    fn for_run(
+        &self,
+        registry: Arc<Registry>,
+        chain: Arc<Chain>,
+        caller: Caller,
+    ) -> Arc<dyn HostCalls>;
+}
+
+/// Answers every host_call with an error: for chains run where no capability is reachable.
+pub struct NoHostCalls;
+
+#[async_trait]
+impl HostCalls for NoHostCalls {
+    async fn call(
+        &self,
+        _hook: usize,
+        name: &str,
+        _payload: Value,
+    ) -> Result<Value, HostCallError> {
+        Err(HostCallError::Unavailable(name.to_string()))
+    }
+}
+
+impl Capabilities for NoHostCalls {
+    fn for_run(&self, _: Arc<Registry>, _: Arc<Chain>, _: Caller) -> Arc<dyn HostCalls> {
+        Arc::new(NoHostCalls)
+    }
+}

@@ -1,0 +1,56 @@
+//! Sluice's trusted engine: runs HookChains in sandboxes for one trigger point at a time. No gRPC, no
+//! Kubernetes, no runsc: sandboxes come from a `SandboxBackend`, host_calls go to `Capabilities`, and
+//! both are given by whoever assembles a gateway (`sluice-gateway`) or a test.
+//!
+//! Reading order:
+//! 1. `run` (`Engine::run`: one trigger point end to end) and `stream` (`Engine::stream`: an agent
+//!    reply on two paths, through `window`);
+//! 2. `pipeline` (baseline first, then the tenant's chain: `chains`) and `claimed_chain` (one chain in
+//!    one claimed sandbox, resumed in a fresh one under `Open`);
+//! 3. `supervisor` and `wire` (the conversation with a sandbox, `supervisor/PROTOCOL.md`) →
+//!    `outcome` (what the trusted side makes of it) → `state_vector`;
+//! 4. `sandbox` (the backend trait) and `sandbox_pool` (warm sandboxes per chain);
+//! 5. `host_calls` (the trait the capability runner implements), `registry` and `chain` (what is
+//!    served), `request` (checking what callers send), `engine` (what runs share: audit, metrics,
+//!    limits).
+
+mod audit;
+mod chain;
+mod chains;
+mod claimed_chain;
+mod engine;
+mod host_calls;
+mod limits;
+mod metrics;
+mod outcome;
+mod pipeline;
+mod registry;
+mod request;
+mod run;
+mod sandbox;
+mod sandbox_pool;
+mod state_vector;
+mod stream;
+mod supervisor;
+mod window;
+mod wire;
+
+pub use audit::{Audit, AuditGate, AuditHostCall};
+pub use chain::{Chain, ChainError, ChainKey};
+pub use engine::Engine;
+pub use host_calls::{Caller, Capabilities, HostCallError, HostCalls, NoHostCalls};
+pub use limits::Limits;
+pub use metrics::Metrics;
+pub use outcome::{HookOutcome, Walk};
+pub use registry::{CapabilityEntry, Registry};
+pub use request::{EngineError, RunInput};
+pub use run::RunResult;
+pub use sandbox::{
+    OUTPUT_LIMIT, Reader, ResourceError, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec,
+    StartError, Writer, discard_output,
+};
+pub use sandbox_pool::{ClaimError, Pools};
+pub use state_vector::StateVector;
+pub use stream::{ClientStreamError, StreamError, StreamInput, StreamOpen, StreamOutput};
+pub use supervisor::{SUPERVISOR_PY, SandboxFailure, SupervisorConn, WalkReport};
+pub use window::{Window, chunk_at, split_tail};

@@ -1,0 +1,486 @@
+//! The trusted side's verdict on a walk. The supervisor reports each hook's result; this module
+//! re-derives everything from those results (payload, state, top action, terminal index) and never
+//! takes the supervisor's summary on faith. A hook's own failure is handled by the chain's
+//! `failurePolicy`; a result the supervisor should have refused, or a summary that disagrees with the
+//! results, means the sandbox itself cannot be trusted, and the run ends as `block` under either policy.
+
+use crate::chain::Chain;
+use crate::limits::Limits;
+use crate::state_vector::StateVector;
+use crate::supervisor::{SandboxFailure, WalkReport};
+use serde_json::Value;
+use sluice_crds::{Action, FailurePolicy, TriggerPoint};
+
+/// One hook's part in a run, as the gateway reports and audits it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HookOutcome {
+    pub index: usize,
+    pub name: String,
+    pub action: Action,
+    pub message: String,
+    pub findings: Option<Value>,
+    pub error: Option<String>,
+    pub latency_us: u64,
+}
+
+/// Where a walk stands after folding one report.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Walk {
+    pub payload: Value,
+    pub action: Action,
+    pub message: String,
+    pub hooks: Vec<HookOutcome>,
+    pub terminal_index: Option<usize>,
+    /// Set when the sandbox failed at a hook and the policy is Open: continue from this index in a
+    /// fresh sandbox.
+    pub resume_at: Option<usize>,
+    /// Hooks already given a second chance after their sandbox failed.
+    pub retried: std::collections::BTreeSet<usize>,
+}
+
+impl Walk {
+    pub fn new(payload: Value) -> Self {
+        Self {
+            payload,
+            action: Action::Pass,
+            message: String::new(),
+            hooks: Vec::new(),
+            terminal_index: None,
+            resume_at: None,
+            retried: Default::default(),
+        }
+    }
+
+    fn end(&mut self, index: usize, action: Action, message: String) {
+        self.terminal_index = Some(index);
+        self.action = action;
+        self.message = message;
+        self.resume_at = None;
+    }
+
+    /// Applies a hook failure under the chain's policy.
+    fn hook_failed(&mut self, chain: &Chain, index: usize, error: String, latency_us: u64) {
+        let name = chain.spec.hooks[index].name.clone();
+        let reason = format!("hook {name:?} failed: {error}");
+        self.hooks.push(HookOutcome {
+            index,
+            name,
+            action: Action::Pass,
+            message: String::new(),
+            findings: None,
+            error: Some(error),
+            latency_us,
+        });
+        if chain.spec.failure_policy == FailurePolicy::Closed {
+            self.end(index, Action::Block, reason);
+        }
+    }
+
+    /// The sandbox reported something no honest supervisor would: stop, whatever the policy.
+    fn untrusted(&mut self, index: usize, why: String) {
+        self.hooks.retain(|h| h.index < index);
+        let message = format!("the sandbox returned an invalid result: {why}");
+        self.hooks.push(HookOutcome {
+            index,
+            name: String::new(),
+            action: Action::Pass,
+            message: String::new(),
+            findings: None,
+            error: Some(message.clone()),
+            latency_us: 0,
+        });
+        self.end(index, Action::Block, message);
+    }
+
+    pub fn is_terminal(&self) -> bool {
+        self.terminal_index.is_some()
+    }
+}
+
+/// The keys of a structured payload the application reads back, with what they must stay: a hook
+/// rewrites their values (fewer tools, compacted messages), never their kind, so an application
+/// never receives a payload it cannot use. A key the caller did not send is not required.
+fn shape_of(trigger_point: TriggerPoint) -> &'static [(&'static str, &'static str)] {
+    match trigger_point {
+        TriggerPoint::BeforeModel => &[
+            ("model", "a string"),
+            ("messages", "an array"),
+            ("tools", "an array"),
+            ("max_tokens", "a number"),
+        ],
+        TriggerPoint::AfterModel => &[("message", "an object")],
+        TriggerPoint::BeforeTool => &[("name", "a string")],
+        TriggerPoint::AfterTool => &[("name", "a string")],
+        TriggerPoint::Input | TriggerPoint::Output => &[],
+    }
+}
+
+fn keeps_shape(trigger_point: TriggerPoint, incoming: &Value, out: &Value) -> Result<(), String> {
+    for (key, kind) in shape_of(trigger_point) {
+        let Some(was) = incoming.get(key) else {
+            continue;
+        };
+        let same = match out.get(key) {
+            Some(now) => {
+                std::mem::discriminant(was) == std::mem::discriminant(now) || was.is_null()
+            }
+            None => false,
+        };
+        if !same {
+            return Err(format!(
+                "outgoing {trigger_point} payload must keep {key:?} as {kind}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn json_size(v: &Value) -> usize {
+    serde_json::to_vec(v).map(|b| b.len()).unwrap_or(usize::MAX)
+}
+
+fn depth(v: &Value) -> usize {
+    let mut deepest = 0;
+    let mut stack = vec![(v, 1usize)];
+    while let Some((v, d)) = stack.pop() {
+        deepest = deepest.max(d);
+        match v {
+            Value::Array(a) => stack.extend(a.iter().map(|x| (x, d + 1))),
+            Value::Object(o) => stack.extend(o.values().map(|x| (x, d + 1))),
+            _ => {}
+        }
+    }
+    deepest
+}
+
+fn bounded(v: &Value, what: &str, max_bytes: usize, limits: &Limits) -> Result<(), String> {
+    if depth(v) > limits.depth {
+        return Err(format!(
+            "{what} is nested deeper than {} levels",
+            limits.depth
+        ));
+    }
+    let size = json_size(v);
+    if size > max_bytes {
+        return Err(format!(
+            "{what} is {size} bytes, over the limit of {max_bytes}"
+        ));
+    }
+    Ok(())
+}
+
+/// Folds one walk report (hooks from `start`) into `walk`, updating `state`.
+pub fn fold(
+    chain: &Chain,
+    start: usize,
+    report: &WalkReport,
+    walk: &mut Walk,
+    state: &mut StateVector,
+    limits: &Limits,
+) {
+    let hooks = &chain.spec.hooks;
+    let text = chain.spec.trigger_point.carries_text();
+    let mut expected = start;
+    for r in &report.hooks {
+        if walk.is_terminal() {
+            return walk.untrusted(r.index, "results continued after the walk ended".into());
+        }
+        if r.index != expected || r.index >= hooks.len() || r.name != hooks[r.index].name {
+            return walk.untrusted(
+                expected,
+                format!(
+                    "result for hook #{} {:?} where #{expected} was due",
+                    r.index, r.name
+                ),
+            );
+        }
+        let hook = &hooks[r.index];
+        expected += 1;
+        if let Some(error) = &r.error {
+            walk.hook_failed(chain, r.index, error.clone(), r.latency_us);
+            continue;
+        }
+        let Some(action) = Action::parse(&r.action) else {
+            return walk.untrusted(r.index, format!("unknown action {:?}", r.action));
+        };
+        if action != Action::Pass && action != hook.action {
+            return walk.untrusted(
+                r.index,
+                format!(
+                    "hook {:?} returned {action} but declared {}",
+                    hook.name, hook.action
+                ),
+            );
+        }
+        let checked = (|| {
+            if action == Action::Modify {
+                let out = r.outgoing.as_ref().ok_or("modify without outgoing")?;
+                if text != out.is_string() || (!text && !out.is_object()) {
+                    return Err(format!(
+                        "outgoing has the wrong type for {}",
+                        chain.spec.trigger_point
+                    ));
+                }
+                bounded(out, "outgoing", limits.payload_bytes, limits)?;
+                keeps_shape(chain.spec.trigger_point, &walk.payload, out)?;
+            }
+            if let Some(f) = &r.findings {
+                bounded(f, "findings", limits.findings_bytes, limits)?;
+            }
+            if let Some(s) = &r.state {
+                bounded(s, "state", limits.state_bytes, limits)?;
+            }
+            match &r.message {
+                Some(m) if m.chars().count() > limits.message_chars => {
+                    Err(format!("message over {} characters", limits.message_chars))
+                }
+                _ => Ok(()),
+            }
+        })();
+        if let Err(why) = checked {
+            return walk.untrusted(r.index, why);
+        }
+        if let Some(s) = &r.state {
+            state.set(r.index, s.clone());
+        }
+        if let (Action::Modify, Some(out)) = (action, &r.outgoing) {
+            walk.payload = out.clone();
+        }
+        let message = r.message.clone().unwrap_or_default();
+        walk.hooks.push(HookOutcome {
+            index: r.index,
+            name: hook.name.clone(),
+            action,
+            message: message.clone(),
+            findings: r.findings.clone(),
+            error: None,
+            latency_us: r.latency_us,
+        });
+        match action {
+            Action::Block | Action::Skip => walk.end(r.index, action, message),
+            Action::Modify => walk.action = Action::Modify,
+            Action::Detect if walk.action == Action::Pass => walk.action = Action::Detect,
+            _ => {}
+        }
+    }
+    if let Some(failure) = &report.failure {
+        if walk.is_terminal() || expected >= hooks.len() {
+            // Everything that mattered arrived before the sandbox failed.
+            return;
+        }
+        // Under Open the hook due next gets one more try in a fresh sandbox before it is blamed:
+        // what killed the sandbox may have been left running by a hook before it.
+        if chain.spec.failure_policy == FailurePolicy::Open && walk.retried.insert(expected) {
+            walk.resume_at = Some(expected);
+            return;
+        }
+        walk.hook_failed(chain, expected, failure.to_string(), 0);
+        if !walk.is_terminal() && expected + 1 < hooks.len() {
+            walk.resume_at = Some(expected + 1);
+        }
+        return;
+    }
+    match &report.summary {
+        Some((action, terminal)) => {
+            let derived = (walk.action.as_str(), walk.terminal_index);
+            if (action.as_str(), *terminal) != derived {
+                walk.untrusted(
+                    expected.min(hooks.len().saturating_sub(1)),
+                    format!(
+                        "summary says {action} at {terminal:?}, results say {} at {:?}",
+                        derived.0, derived.1
+                    ),
+                );
+            } else if !walk.is_terminal() && expected < hooks.len() {
+                walk.untrusted(
+                    expected,
+                    format!("the walk stopped at hook #{expected} without a terminal action"),
+                );
+            }
+        }
+        None => walk.untrusted(
+            expected.min(hooks.len().saturating_sub(1)),
+            "no result summary".into(),
+        ),
+    }
+}
+
+/// Convenience for failures before any hook ran (init timeout, sandbox death at init).
+pub fn failure_before_walk(chain: &Chain, failure: &SandboxFailure, walk: &mut Walk, start: usize) {
+    let report = WalkReport {
+        failure: Some(failure.clone()),
+        ..Default::default()
+    };
+    let mut unused = StateVector::fresh(chain.spec.hooks.len());
+    fold(chain, start, &report, walk, &mut unused, &Limits::default());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::HookResult;
+    use serde_json::json;
+
+    fn chain(policy: &str) -> Chain {
+        let spec: sluice_crds::HookChainSpec = serde_json::from_value(json!({
+            "target": "bot", "triggerPoint": "input", "failurePolicy": policy, "hooks": [
+                {"name": "a", "action": "modify", "code": "x"},
+                {"name": "b", "action": "detect", "code": "x"},
+                {"name": "c", "action": "block", "code": "x"}
+            ]
+        }))
+        .unwrap();
+        Chain::new("ns", "c", &spec).unwrap()
+    }
+
+    fn result(index: usize, name: &str, action: &str) -> HookResult {
+        serde_json::from_value(json!({"id": 1, "index": index, "name": name, "action": action}))
+            .unwrap()
+    }
+
+    fn report(hooks: Vec<HookResult>, summary: (&str, Option<usize>)) -> WalkReport {
+        WalkReport {
+            hooks,
+            summary: Some((summary.0.into(), summary.1)),
+            ..Default::default()
+        }
+    }
+
+    fn run(c: &Chain, r: &WalkReport) -> (Walk, StateVector) {
+        let mut w = Walk::new(json!("hi"));
+        let mut s = StateVector::fresh(3);
+        fold(c, 0, r, &mut w, &mut s, &Limits::default());
+        (w, s)
+    }
+
+    #[test]
+    fn state_and_payload_are_threaded_from_results() {
+        let c = chain("Closed");
+        let mut a = result(0, "a", "modify");
+        a.outgoing = Some(json!("HI"));
+        a.state = Some(json!({"n": 1}));
+        let mut b = result(1, "b", "detect");
+        b.findings = Some(json!(["x"]));
+        let (w, s) = run(
+            &c,
+            &report(vec![a, b, result(2, "c", "pass")], ("modify", None)),
+        );
+        assert_eq!(w.payload, json!("HI"));
+        assert_eq!(w.action, Action::Modify);
+        assert_eq!(s.as_slice(), &[json!({"n": 1}), Value::Null, Value::Null]);
+        assert_eq!(w.hooks.len(), 3);
+    }
+
+    #[test]
+    fn a_rewrite_that_breaks_the_payload_shape_is_refused() {
+        let spec: sluice_crds::HookChainSpec = serde_json::from_value(json!({
+            "target": "bot", "triggerPoint": "before_model", "failurePolicy": "Open",
+            "hooks": [{"name": "a", "action": "modify", "code": "x"}]
+        }))
+        .unwrap();
+        let c = Chain::new("ns", "c", &spec).unwrap();
+        let incoming = json!({"model": "m", "messages": [], "tools": [], "max_tokens": 5});
+        let fold_one = |out: Value| {
+            let mut a = result(0, "a", "modify");
+            a.outgoing = Some(out);
+            let mut w = Walk::new(incoming.clone());
+            let mut s = StateVector::fresh(1);
+            fold(
+                &c,
+                0,
+                &report(vec![a], ("modify", None)),
+                &mut w,
+                &mut s,
+                &Limits::default(),
+            );
+            w
+        };
+        let fine = fold_one(
+            json!({"model": "m", "messages": [{"role": "system"}], "tools": [], "max_tokens": 5}),
+        );
+        assert_eq!(fine.action, Action::Modify);
+        for broken in [
+            json!({"model": "m", "messages": "gone", "tools": [], "max_tokens": 5}),
+            json!({"model": "m", "tools": [], "max_tokens": 5}),
+            json!({"model": "m", "messages": [], "tools": {}, "max_tokens": "5"}),
+        ] {
+            let w = fold_one(broken.clone());
+            assert_eq!(w.action, Action::Block, "{broken}");
+            assert!(w.message.contains("must keep"), "{broken}: {}", w.message);
+        }
+    }
+
+    #[test]
+    fn an_undeclared_action_is_refused_even_under_open() {
+        let c = chain("Open");
+        let (w, _) = run(
+            &c,
+            &report(vec![result(0, "a", "block")], ("block", Some(0))),
+        );
+        assert_eq!((w.action, w.terminal_index), (Action::Block, Some(0)));
+        assert!(w.message.contains("invalid result"), "{}", w.message);
+    }
+
+    #[test]
+    fn a_summary_that_disagrees_is_refused() {
+        let c = chain("Closed");
+        let rs = vec![
+            result(0, "a", "pass"),
+            result(1, "b", "pass"),
+            result(2, "c", "pass"),
+        ];
+        let (w, _) = run(&c, &report(rs, ("modify", None)));
+        assert_eq!(w.action, Action::Block);
+    }
+
+    #[test]
+    fn a_timeout_blocks_under_closed_and_resumes_under_open() {
+        let failure = SandboxFailure::Timeout(2000);
+        let r = WalkReport {
+            hooks: vec![result(0, "a", "pass")],
+            failure: Some(failure),
+            ..Default::default()
+        };
+        let (w, _) = run(&chain("Closed"), &r);
+        assert_eq!((w.action, w.terminal_index), (Action::Block, Some(1)));
+        assert!(
+            w.message.contains("\"b\"") && w.message.contains("timed out"),
+            "{}",
+            w.message
+        );
+        // Open: hook "b" gets a second try in a fresh sandbox, and only then is skipped.
+        let c = chain("Open");
+        let mut w = Walk::new(json!("hi"));
+        let mut s = StateVector::fresh(3);
+        fold(&c, 0, &r, &mut w, &mut s, &Limits::default());
+        assert_eq!((w.resume_at, w.hooks.len()), (Some(1), 1));
+        let again = WalkReport {
+            failure: Some(SandboxFailure::Timeout(2000)),
+            ..Default::default()
+        };
+        w.resume_at = None;
+        fold(&c, 1, &again, &mut w, &mut s, &Limits::default());
+        assert_eq!(
+            (w.action, w.terminal_index, w.resume_at),
+            (Action::Pass, None, Some(2))
+        );
+        assert_eq!(w.hooks[1].error.as_deref(), Some("timed out after 2000 ms"));
+    }
+
+    #[test]
+    fn out_of_order_results_are_refused() {
+        let c = chain("Open");
+        let (w, _) = run(&c, &report(vec![result(1, "b", "pass")], ("pass", None)));
+        assert_eq!(w.action, Action::Block);
+    }
+
+    #[test]
+    fn oversized_state_is_refused() {
+        let c = chain("Open");
+        let mut a = result(0, "a", "pass");
+        a.state = Some(json!("x".repeat(100_000)));
+        let (w, s) = run(&c, &report(vec![a], ("pass", None)));
+        assert_eq!(w.action, Action::Block);
+        assert_eq!(s.get(0), Some(&Value::Null));
+    }
+}

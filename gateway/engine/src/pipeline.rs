@@ -1,0 +1,253 @@
+//! The chains one trigger point runs: the platform's enforced baseline first, then the tenant's own
+//! chain. Tighten-only: the baseline walks the payload first, under its own failure policy and in
+//! its own sandbox; when it ends the walk (block, skip, or a failure under `Closed`) the tenant's
+//! chain does not run, otherwise the tenant's chain starts from the baseline's output, and whatever
+//! the tenant changed is walked by the baseline once more. A tenant chain therefore cannot remove,
+//! reorder or weaken a baseline hook, nor undo what it did. Each chain keeps its own state vector;
+//! the answer lists the baseline's hooks first, named `baseline/<hook>`, then the tenant's, and
+//! `terminal_index` counts in that combined list.
+
+use crate::audit::{AuditEvent, AuditHostCall};
+use crate::chains::{BASELINE_PREFIX, Chains, RECHECK_PREFIX};
+use crate::claimed_chain::ClaimedChain;
+use crate::engine::Engine;
+use crate::outcome::Walk;
+use crate::request::{EngineError, Target};
+use crate::state_vector::StateVector;
+use serde_json::Value;
+use sluice_crds::{Action, TriggerPoint};
+
+/// One chain of the pipeline, in its claimed sandbox.
+struct Stage<'e> {
+    claimed: ClaimedChain<'e>,
+    baseline: bool,
+}
+
+/// One claimed sandbox per chain, for one trigger point (a Run, or a whole Stream).
+pub struct Pipeline<'e> {
+    stages: Vec<Stage<'e>>,
+}
+
+impl<'e> Pipeline<'e> {
+    /// Claims and loads a sandbox for every chain (at the same time, so a baseline adds no claim
+    /// latency of its own). No sandbox in time for either → UNAVAILABLE.
+    pub async fn open(
+        engine: &'e Engine,
+        chains: &Chains,
+        target: &Target,
+        run_id: &str,
+    ) -> Result<Self, EngineError> {
+        let opening = chains.ordered().map(|(chain, baseline)| async move {
+            ClaimedChain::open(engine, chain.clone(), target, run_id)
+                .await
+                .map(|claimed| Stage { claimed, baseline })
+        });
+        let stages = futures::future::join_all(opening)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { stages })
+    }
+
+    /// Runs the payload through every chain in order, each threading its own state vector (one per
+    /// chain, as `Chains::fresh_states` makes them). Stops after a chain that ended the walk.
+    ///
+    /// Tighten-only holds for what the tenant's chain does to the payload as well: when the tenant
+    /// changed what the baseline let through, the baseline walks the result once more (from the state
+    /// it started this walk with, so a counter does not count twice, and with that second state
+    /// thrown away). What it would still change, it changes (listed as `baseline-recheck/<hook>`), and
+    /// what it would block stays blocked. A tenant cannot re-add a tool a baseline removed. Before
+    /// that, the fields the application owns (`turn`, `usage_so_far`, `usage`) are put back: a tenant
+    /// cannot forge the figures a baseline's limits are judged on.
+    pub async fn walk(&mut self, payload: Value, states: &mut [StateVector]) -> Walk {
+        let mut combined = Walk::new(payload);
+        let mut offset = 0;
+        let baseline_start = match self.stages.first() {
+            Some(s) if s.baseline && self.stages.len() > 1 => states.first().cloned(),
+            _ => None,
+        };
+        let mut baseline_output = None;
+        for (stage, state) in self.stages.iter_mut().zip(states.iter_mut()) {
+            let walk = stage.claimed.walk(combined.payload.clone(), state).await;
+            absorb(&mut combined, walk, offset, stage.baseline);
+            offset += stage.claimed.chain.spec.hooks.len();
+            if combined.is_terminal() {
+                return combined;
+            }
+            if stage.baseline {
+                baseline_output = Some(combined.payload.clone());
+            }
+        }
+        if let (Some(mut scratch), Some(let_through)) = (baseline_start, baseline_output) {
+            let trigger_point = self.stages[0].claimed.chain.spec.trigger_point;
+            restore_app_owned(trigger_point, &mut combined.payload, &let_through);
+            if combined.payload == let_through {
+                return combined;
+            }
+            let recheck = self.stages[0]
+                .claimed
+                .walk(combined.payload.clone(), &mut scratch)
+                .await;
+            if recheck.is_terminal() || recheck.payload != combined.payload {
+                absorb_named(&mut combined, recheck, offset, RECHECK_PREFIX);
+            }
+        }
+        combined
+    }
+
+    /// Sandbox ids for the audit: the tenant chain's (if any) and the baseline's (if any).
+    pub fn record_sandboxes(&self, audit: &mut AuditEvent) {
+        for stage in &self.stages {
+            if stage.baseline {
+                if let Some(b) = audit.baseline.as_mut() {
+                    b.sandbox = Some(stage.claimed.sandbox_id.clone());
+                }
+            } else {
+                audit.sandbox = Some(stage.claimed.sandbox_id.clone());
+            }
+        }
+    }
+
+    /// Every host_call so far, baseline hooks named as in the answer.
+    pub fn host_calls(&self) -> Vec<AuditHostCall> {
+        let mut out = Vec::new();
+        for stage in &self.stages {
+            for mut call in stage.claimed.host_calls() {
+                if stage.baseline {
+                    call.hook = format!("{BASELINE_PREFIX}{}", call.hook);
+                }
+                out.push(call);
+            }
+        }
+        out
+    }
+}
+
+/// Fields of a structured payload that report facts the application owns (how far the conversation
+/// is, what it has spent), not requests a hook may rewrite. Under a baseline the tenant's chain cannot
+/// change them: a baseline's limits are judged, and answered, on the true figures.
+fn app_owned(trigger_point: TriggerPoint) -> &'static [&'static str] {
+    match trigger_point {
+        TriggerPoint::BeforeModel => &["turn", "usage_so_far"],
+        TriggerPoint::AfterModel => &["usage"],
+        _ => &[],
+    }
+}
+
+/// Puts the application-owned fields of `payload` back to what the baseline let through.
+fn restore_app_owned(trigger_point: TriggerPoint, payload: &mut Value, let_through: &Value) {
+    let (Some(out), Some(truth)) = (payload.as_object_mut(), let_through.as_object()) else {
+        return;
+    };
+    for field in app_owned(trigger_point) {
+        match truth.get(*field) {
+            Some(v) => {
+                out.insert(field.to_string(), v.clone());
+            }
+            None => {
+                out.remove(*field);
+            }
+        }
+    }
+}
+
+/// Folds one chain's walk into the combined walk: hooks appended (baseline names prefixed, indices
+/// shifted by the hooks of the chains before), payload carried on, and the top action re-derived
+/// over both: the terminal action when one ended the walk, else modify, else detect, else pass.
+pub fn absorb(combined: &mut Walk, walk: Walk, offset: usize, baseline: bool) {
+    absorb_named(
+        combined,
+        walk,
+        offset,
+        if baseline { BASELINE_PREFIX } else { "" },
+    )
+}
+
+fn absorb_named(combined: &mut Walk, walk: Walk, offset: usize, prefix: &str) {
+    combined.payload = walk.payload;
+    combined.hooks.extend(walk.hooks.into_iter().map(|mut h| {
+        h.index += offset;
+        h.name = format!("{prefix}{}", h.name);
+        h
+    }));
+    if let Some(t) = walk.terminal_index {
+        combined.terminal_index = Some(t + offset);
+        combined.action = walk.action;
+        combined.message = walk.message;
+        return;
+    }
+    match walk.action {
+        Action::Modify => combined.action = Action::Modify,
+        Action::Detect if combined.action == Action::Pass => combined.action = Action::Detect,
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outcome::HookOutcome;
+    use serde_json::json;
+
+    fn outcome(index: usize, name: &str, action: Action) -> HookOutcome {
+        HookOutcome {
+            index,
+            name: name.into(),
+            action,
+            message: String::new(),
+            findings: None,
+            error: None,
+            latency_us: 1,
+        }
+    }
+
+    #[test]
+    fn the_tenant_sees_the_baseline_output_and_hooks_are_listed_baseline_first() {
+        let mut combined = Walk::new(json!({"n": 0}));
+        let mut base = Walk::new(json!({"n": 1}));
+        base.action = Action::Modify;
+        base.hooks = vec![
+            outcome(0, "limit", Action::Pass),
+            outcome(1, "rewrite", Action::Modify),
+        ];
+        absorb(&mut combined, base, 0, true);
+        let mut tenant = Walk::new(json!({"n": 1}));
+        tenant.action = Action::Detect;
+        tenant.hooks = vec![outcome(0, "look", Action::Detect)];
+        absorb(&mut combined, tenant, 2, false);
+        assert_eq!(combined.action, Action::Modify, "modify outranks detect");
+        assert_eq!(combined.payload, json!({"n": 1}));
+        let names: Vec<(&str, usize)> = combined
+            .hooks
+            .iter()
+            .map(|h| (h.name.as_str(), h.index))
+            .collect();
+        assert_eq!(
+            names,
+            vec![("baseline/limit", 0), ("baseline/rewrite", 1), ("look", 2)]
+        );
+        assert_eq!(combined.terminal_index, None);
+    }
+
+    #[test]
+    fn a_tenant_block_counts_its_index_after_the_baseline_hooks() {
+        let mut combined = Walk::new(json!({}));
+        let mut base = Walk::new(json!({}));
+        base.hooks = vec![outcome(0, "a", Action::Pass), outcome(1, "b", Action::Pass)];
+        absorb(&mut combined, base, 0, true);
+        let mut tenant = Walk::new(json!({}));
+        tenant.hooks = vec![outcome(0, "stop", Action::Block)];
+        tenant.action = Action::Block;
+        tenant.terminal_index = Some(0);
+        tenant.message = "no".into();
+        absorb(&mut combined, tenant, 2, false);
+        assert_eq!(
+            (
+                combined.action,
+                combined.terminal_index,
+                combined.message.as_str()
+            ),
+            (Action::Block, Some(2), "no")
+        );
+    }
+}

@@ -1,0 +1,136 @@
+//! What a caller asks for, checked before anything runs: names, trigger point, context, payload. The
+//! transports (gRPC, tests) hand requests over as these types and get `EngineError`s back.
+
+use crate::chain::ChainKey;
+use crate::limits::Limits;
+use serde_json::Value;
+use sluice_crds::TriggerPoint;
+use std::collections::BTreeMap;
+
+/// Why a request got no verdict. Each maps to one gRPC status in the server.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl EngineError {
+    /// The label of the `rejected` metric: the gRPC code's name.
+    pub(crate) fn code(&self) -> &'static str {
+        match self {
+            EngineError::InvalidArgument(_) => "invalid_argument",
+            EngineError::NotFound(_) => "not_found",
+            EngineError::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> EngineError {
+    EngineError::InvalidArgument(msg.into())
+}
+
+/// One request to run a payload through a trigger point, as the transport hands it over.
+#[derive(Clone, Debug, Default)]
+pub struct RunInput {
+    pub namespace: String,
+    pub target: String,
+    pub trigger_point: String,
+    pub payload: Option<Value>,
+    pub context: BTreeMap<String, String>,
+    pub session_id: String,
+}
+
+/// Where a run goes: validated identity of the chain and the caller.
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub key: ChainKey,
+    pub context: BTreeMap<String, String>,
+    pub session_id: String,
+}
+
+impl Target {
+    /// Checks what a caller sent: names, trigger point, context size.
+    pub fn check(
+        limits: &Limits,
+        namespace: &str,
+        target: &str,
+        trigger_point: &str,
+        context: BTreeMap<String, String>,
+        session_id: String,
+    ) -> Result<Target, EngineError> {
+        if namespace.is_empty() || namespace.len() > 253 {
+            return Err(invalid("namespace must be 1-253 characters"));
+        }
+        if target.is_empty() || target.len() > 253 {
+            return Err(invalid("target must be 1-253 characters"));
+        }
+        let Some(tp) = TriggerPoint::parse(trigger_point) else {
+            let all: Vec<&str> = TriggerPoint::ALL.iter().map(|t| t.as_str()).collect();
+            return Err(invalid(format!(
+                "trigger_point {trigger_point:?} is not one of {}",
+                all.join(", ")
+            )));
+        };
+        if context.len() > limits.context_entries {
+            return Err(invalid(format!(
+                "context has {} entries, over the limit of {}",
+                context.len(),
+                limits.context_entries
+            )));
+        }
+        let context_bytes: usize = context.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if context_bytes > 64 * 1024 {
+            return Err(invalid(format!(
+                "context is {context_bytes} bytes, over the limit of 65536"
+            )));
+        }
+        if session_id.len() > 256 {
+            return Err(invalid("session_id is over 256 characters"));
+        }
+        Ok(Target {
+            key: ChainKey {
+                namespace: namespace.into(),
+                target: target.into(),
+                trigger_point: tp,
+            },
+            context,
+            session_id,
+        })
+    }
+}
+
+/// Checks a payload against its trigger point: text for input/output, an object otherwise.
+pub fn check_payload(
+    limits: &Limits,
+    tp: TriggerPoint,
+    payload: &Option<Value>,
+) -> Result<Value, EngineError> {
+    let Some(p) = payload else {
+        return Err(invalid(format!(
+            "{tp} needs a payload ({})",
+            if tp.carries_text() { "text" } else { "value" }
+        )));
+    };
+    if tp.carries_text() && !p.is_string() {
+        return Err(invalid(format!(
+            "{tp} carries text: send the payload as text"
+        )));
+    }
+    if !tp.carries_text() && !p.is_object() {
+        return Err(invalid(format!(
+            "{tp} carries a structured payload: send an object as value"
+        )));
+    }
+    let size = serde_json::to_vec(p).map(|b| b.len()).unwrap_or(usize::MAX);
+    if size > limits.payload_bytes {
+        return Err(invalid(format!(
+            "payload is {size} bytes, over the limit of {}",
+            limits.payload_bytes
+        )));
+    }
+    Ok(p.clone())
+}

@@ -1,0 +1,71 @@
+//! `Engine::run`: one payload through one trigger point. Check the request → resolve the chains →
+//! claim a sandbox per chain → walk (baseline first) → audit. A refused request is audited too.
+
+use crate::audit::AuditEvent;
+use crate::chains::Chains;
+use crate::engine::Engine;
+use crate::outcome::Walk;
+use crate::pipeline::Pipeline;
+use crate::request::{EngineError, RunInput, Target, check_payload};
+use std::time::Instant;
+use tracing::Instrument;
+
+/// A finished run: its id (as in the audit) and the verdict.
+#[derive(Debug)]
+pub struct RunResult {
+    pub run_id: String,
+    pub walk: Walk,
+}
+
+impl Engine {
+    /// Runs one payload through one trigger point.
+    pub async fn run(&self, input: RunInput) -> Result<RunResult, EngineError> {
+        let began = Instant::now();
+        let run_id = ulid::Ulid::new().to_string();
+        let span = tracing::info_span!("run", run_id = %run_id, namespace = %input.namespace, target = %input.target, trigger_point = %input.trigger_point);
+        async {
+            let mut audit = AuditEvent::new(&run_id, "run");
+            audit.requested(
+                &input.namespace,
+                &input.target,
+                &input.trigger_point,
+                &input.session_id,
+            );
+            let prepared = (|| {
+                let target = Target::check(
+                    self.limits(),
+                    &input.namespace,
+                    &input.target,
+                    &input.trigger_point,
+                    input.context.clone(),
+                    input.session_id.clone(),
+                )?;
+                let payload =
+                    check_payload(self.limits(), target.key.trigger_point, &input.payload)?;
+                let chains = Chains::resolve(&self.registry(), &target.key)?;
+                Ok::<_, EngineError>((target, payload, chains))
+            })();
+            let (target, payload, chains) = match prepared {
+                Ok(p) => p,
+                Err(e) => return Err(self.refuse(&mut audit, e, began)),
+            };
+            chains.describe(&mut audit);
+            let mut pipeline = match Pipeline::open(self, &chains, &target, &run_id).await {
+                Ok(p) => p,
+                Err(e) => return Err(self.refuse(&mut audit, e, began)),
+            };
+            pipeline.record_sandboxes(&mut audit);
+            let mut states = chains.fresh_states();
+            let walk = pipeline.walk(payload, &mut states).await;
+            audit.host_calls = pipeline.host_calls();
+            drop(pipeline);
+            self.finish(&mut audit, &chains, &walk, began, "run");
+            Ok(RunResult {
+                run_id: run_id.clone(),
+                walk,
+            })
+        }
+        .instrument(span)
+        .await
+    }
+}

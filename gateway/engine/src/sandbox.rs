@@ -1,0 +1,126 @@
+//! The sandbox seam: a backend starts a sandbox running the supervisor and hands back its protocol
+//! pipes and a handle that destroys it. `sluice-sandbox-local` runs runsc on this machine;
+//! `sluice-sandbox-kube` claims a warm pod and reaches it over the exec API;
+//! `sluice-sandbox-process` runs the supervisor as a plain child process for tests. Everything above
+//! this trait is the same for all of them.
+
+use async_trait::async_trait;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+
+/// One sandbox's chain and limits (from the chain's `spec.resources`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SandboxSpec {
+    /// The HookChain the sandbox serves: the `kube` backend claims that chain's warm pods.
+    pub namespace: String,
+    pub chain: String,
+    pub cpu_millis: u64,
+    pub memory_bytes: u64,
+    pub pids: u32,
+    /// Hook worker processes the supervisor forks before it says ready (one per hook).
+    pub workers: usize,
+}
+
+/// A `spec.resources` quantity that cannot be read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ResourceError(String);
+
+impl SandboxSpec {
+    pub fn for_chain(
+        namespace: &str,
+        chain: &str,
+        r: &sluice_crds::ResourceSpec,
+        hooks: usize,
+    ) -> Result<Self, ResourceError> {
+        Ok(Self {
+            namespace: namespace.to_string(),
+            chain: chain.to_string(),
+            cpu_millis: sluice_crds::quantity::cpu_millis(&r.cpu).map_err(ResourceError)?,
+            memory_bytes: sluice_crds::quantity::memory_bytes(&r.memory).map_err(ResourceError)?,
+            pids: r.pids,
+            // A chain of one hook runs inside the supervisor itself: nothing to isolate it from.
+            workers: sluice_crds::sandbox_pod::workers_for(hooks),
+        })
+    }
+}
+
+/// Most bytes a sandbox's hooks may print (stdout and stderr together) before their output is no
+/// longer read: a hook that keeps printing then blocks until its deadline.
+pub const OUTPUT_LIMIT: u64 = 8 << 20;
+
+/// Reads a sandbox's stdout (hooks' prints) and drops it, counting the bytes in `counter`. Past
+/// `OUTPUT_LIMIT` nothing more is read: the writer blocks until its deadline ends it, and the failure
+/// names the output limit. Every backend drains stdout this way.
+pub async fn discard_output(mut stdout: impl AsyncRead + Unpin, counter: Arc<AtomicU64>) {
+    let mut buf = vec![0u8; 16 << 10];
+    while let Ok(n) = stdout.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        if counter.fetch_add(n as u64, Ordering::Relaxed) + n as u64 > OUTPUT_LIMIT {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+pub type Writer = Pin<Box<dyn AsyncWrite + Send>>;
+pub type Reader = Pin<Box<dyn AsyncRead + Send>>;
+
+/// A started sandbox whose supervisor reads requests from `stdin` and writes the protocol to
+/// `protocol` (its stderr). Its stdout is already being drained and discarded by the backend.
+pub struct Sandbox {
+    pub id: String,
+    pub stdin: Writer,
+    pub protocol: Reader,
+    /// The supervisor's stdout, only if the backend was asked not to drain it itself.
+    pub stdout: Option<Reader>,
+    pub handle: Box<dyn SandboxHandle>,
+}
+
+impl std::fmt::Debug for Sandbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sandbox").field("id", &self.id).finish()
+    }
+}
+
+#[async_trait]
+pub trait SandboxHandle: Send + Sync {
+    /// Ends the sandbox and removes everything it left (processes, cgroups, files). Idempotent.
+    /// Without `force` the sandbox (whose stdin the caller closed) gets a moment to exit by itself.
+    async fn destroy(&self, force: bool);
+    /// Bytes the sandbox wrote to stdout (hooks' prints), for the audit and metrics.
+    fn stdout_bytes(&self) -> u64;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("sandbox runtime failed: {0}")]
+    Runtime(String),
+    #[error("io error starting the sandbox: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+#[async_trait]
+pub trait SandboxBackend: Send + Sync + 'static {
+    /// Starts one sandbox with the supervisor running in it. The caller waits for `ready`.
+    async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError>;
+    /// Removes sandboxes left behind by an earlier process of this backend (after a crash).
+    async fn clean_leftovers(&self) -> usize;
+    /// Sandboxes of this backend that exist right now (for leak checks and metrics).
+    async fn live(&self) -> Vec<String>;
+    /// How many sandboxes the gateway keeps started and waiting per chain whose `pool.warm` is
+    /// `chain_warm`. The local backend boots that many itself; the `kube` backend holds only as many
+    /// pods claimed and attached as it was told to (`--kube-hold`), the operator keeping the rest.
+    fn warm_target(&self, chain_warm: usize) -> usize {
+        chain_warm
+    }
+    /// Whether the gateway reports ready only once every chain has its warm target. True where the
+    /// gateway boots them itself; the `kube` backend's held pods come from the operator's pools and
+    /// only save latency.
+    fn ready_needs_warm(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,331 @@
+//! The gateway's side of one supervisor conversation: ready, init, and chain walks with host_calls
+//! answered in the middle. Deadlines are enforced here; host_call time does not count against them.
+
+use crate::host_calls::HostCalls;
+use crate::sandbox::{Sandbox, SandboxHandle};
+use crate::wire::{self, AckHook, FromSupervisor, HookResult, ReadError, ToSupervisor, WireLimits};
+use serde_json::Value;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncWriteExt, BufReader};
+
+/// The supervisor's source (`supervisor/supervisor.py`), the other side of this conversation, as
+/// backends install it in their sandboxes.
+pub const SUPERVISOR_PY: &str = include_str!("../../../supervisor/supervisor.py");
+
+/// Why a conversation with the sandbox ended early. Each ends the sandbox's usefulness.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SandboxFailure {
+    #[error("timed out after {0} ms")]
+    Timeout(u64),
+    #[error("the sandbox died ({0})")]
+    Died(String),
+    #[error("the sandbox broke the protocol ({0})")]
+    Protocol(String),
+}
+
+/// What a walk brought back: the hook results received (in order), and the summary unless the walk
+/// ended in a failure.
+#[derive(Debug, Default)]
+pub struct WalkReport {
+    pub hooks: Vec<HookResult>,
+    pub summary: Option<(String, Option<usize>)>,
+    pub failure: Option<SandboxFailure>,
+    /// Time spent waiting on host_calls, excluded from the deadline.
+    pub host_call_time: Duration,
+}
+
+pub struct SupervisorConn {
+    pub id: String,
+    stdin: Option<crate::sandbox::Writer>,
+    reader: BufReader<crate::sandbox::Reader>,
+    buf: Vec<u8>,
+    handle: Box<dyn SandboxHandle>,
+    max_line: usize,
+    next_id: u64,
+    broken: bool,
+    /// Hooks of an `init` whose `ack` has not been read yet.
+    ack_pending: Option<usize>,
+}
+
+impl std::fmt::Debug for SupervisorConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SupervisorConn")
+            .field("id", &self.id)
+            .field("broken", &self.broken)
+            .finish()
+    }
+}
+
+fn died(e: ReadError) -> SandboxFailure {
+    match e {
+        ReadError::Eof => {
+            SandboxFailure::Died("killed, out of memory, or its supervisor exited".into())
+        }
+        ReadError::Io(e) => SandboxFailure::Died(e.to_string()),
+        other => SandboxFailure::Protocol(other.to_string()),
+    }
+}
+
+impl SupervisorConn {
+    pub fn new(sandbox: Sandbox, max_line: usize) -> Self {
+        Self {
+            id: sandbox.id,
+            stdin: Some(sandbox.stdin),
+            reader: BufReader::with_capacity(64 << 10, sandbox.protocol),
+            buf: Vec::with_capacity(4096),
+            handle: sandbox.handle,
+            max_line,
+            next_id: 0,
+            broken: false,
+            ack_pending: None,
+        }
+    }
+
+    /// False once a deadline passed or the sandbox misbehaved: it must not be used again.
+    pub fn healthy(&self) -> bool {
+        !self.broken
+    }
+
+    /// Whether a sandbox waiting for `init` is still there, without waiting: a supervisor says
+    /// nothing between `ready` and `init`, so an ended stream (the sandbox died, or the connection to
+    /// it broke while it waited) or anything unasked-for means it must not be handed to a run.
+    pub fn still_waiting(&mut self) -> bool {
+        use futures::FutureExt;
+        use tokio::io::AsyncBufReadExt;
+        !self.broken && self.reader.fill_buf().now_or_never().is_none()
+    }
+
+    pub fn stdout_bytes(&self) -> u64 {
+        self.handle.stdout_bytes()
+    }
+
+    async fn send(&mut self, msg: &ToSupervisor<'_>) -> Result<(), SandboxFailure> {
+        let mut line =
+            serde_json::to_vec(msg).map_err(|e| SandboxFailure::Protocol(e.to_string()))?;
+        line.push(b'\n');
+        let Some(stdin) = self.stdin.as_mut() else {
+            return Err(SandboxFailure::Died("stdin already closed".into()));
+        };
+        let written = async {
+            stdin.write_all(&line).await?;
+            stdin.flush().await
+        };
+        written.await.map_err(|e| {
+            self.broken = true;
+            SandboxFailure::Died(format!("writing to it failed: {e}"))
+        })
+    }
+
+    /// Reads one message within `budget`.
+    async fn recv(&mut self, budget: Duration) -> Result<FromSupervisor, SandboxFailure> {
+        let read = wire::read_message(&mut self.reader, &mut self.buf, self.max_line);
+        match tokio::time::timeout(budget, read).await {
+            Ok(Ok(msg)) => Ok(msg),
+            Ok(Err(e)) => {
+                self.broken = true;
+                Err(died(e))
+            }
+            Err(_) => {
+                self.broken = true;
+                Err(SandboxFailure::Timeout(budget.as_millis() as u64))
+            }
+        }
+    }
+
+    /// Waits for the supervisor's `ready`, proof that Python started inside the sandbox.
+    pub async fn wait_ready(&mut self, budget: Duration) -> Result<(), SandboxFailure> {
+        match self.recv(budget).await? {
+            FromSupervisor::Ready { protocol } if protocol == wire::PROTOCOL_VERSION => Ok(()),
+            FromSupervisor::Ready { protocol } => {
+                self.broken = true;
+                Err(SandboxFailure::Protocol(format!(
+                    "supervisor speaks protocol {protocol}, not {}",
+                    wire::PROTOCOL_VERSION
+                )))
+            }
+            other => {
+                self.broken = true;
+                Err(SandboxFailure::Protocol(format!(
+                    "expected ready, got {other:?}"
+                )))
+            }
+        }
+    }
+
+    /// Sends the chain's hooks. The supervisor's per-hook load report (`ack`) is read by the first
+    /// walk, so init and the first chunk travel together: one wake-up of the sandbox, not two.
+    pub async fn init(
+        &mut self,
+        chain: &crate::chain::Chain,
+        limits: &WireLimits,
+    ) -> Result<(), SandboxFailure> {
+        let hooks = chain
+            .spec
+            .hooks
+            .iter()
+            .zip(&chain.settings)
+            .map(|(h, settings)| wire::InitHook {
+                name: &h.name,
+                action: h.action.as_str(),
+                settings,
+                code: &h.code,
+            })
+            .collect();
+        let policy = match chain.spec.failure_policy {
+            sluice_crds::FailurePolicy::Closed => "Closed",
+            sluice_crds::FailurePolicy::Open => "Open",
+        };
+        self.send(&ToSupervisor::Init {
+            trigger_point: chain.spec.trigger_point.as_str(),
+            failure_policy: policy,
+            hooks,
+            limits,
+        })
+        .await?;
+        self.ack_pending = Some(chain.spec.hooks.len());
+        Ok(())
+    }
+
+    /// Reads the `ack` of the last `init`, if it has not been read yet.
+    pub async fn ack(&mut self, budget: Duration) -> Result<Option<Vec<AckHook>>, SandboxFailure> {
+        let Some(expected) = self.ack_pending.take() else {
+            return Ok(None);
+        };
+        match self.recv(budget).await? {
+            FromSupervisor::Ack { hooks } if hooks.len() == expected => Ok(Some(hooks)),
+            other => {
+                self.broken = true;
+                Err(SandboxFailure::Protocol(format!(
+                    "expected an ack for {expected} hooks, got {other:?}"
+                )))
+            }
+        }
+    }
+
+    /// Runs the chain from hook `start` on `outgoing` with the given state vector. Never fails as a
+    /// whole: a failure is recorded in the report next to the hook results that came before it.
+    pub async fn walk(
+        &mut self,
+        start: usize,
+        outgoing: &Value,
+        state: &[Value],
+        context: &Value,
+        budget: Duration,
+        host: &dyn HostCalls,
+    ) -> WalkReport {
+        self.next_id += 1;
+        let id = self.next_id;
+        let mut report = WalkReport::default();
+        if let Err(f) = self
+            .send(&ToSupervisor::Chunk {
+                id,
+                start,
+                outgoing,
+                state,
+                context,
+            })
+            .await
+        {
+            report.failure = Some(f);
+            return report;
+        }
+        let mut remaining = budget;
+        let began = Instant::now();
+        if let Err(f) = self.ack(budget).await {
+            report.failure = Some(match f {
+                SandboxFailure::Timeout(_) => SandboxFailure::Timeout(budget.as_millis() as u64),
+                other => other,
+            });
+            return report;
+        }
+        remaining = remaining.saturating_sub(began.elapsed());
+        loop {
+            let began = Instant::now();
+            let msg = match self.recv(remaining).await {
+                Ok(m) => m,
+                Err(SandboxFailure::Timeout(_)) => {
+                    let printed = self.handle.stdout_bytes();
+                    report.failure = Some(if printed > crate::sandbox::OUTPUT_LIMIT {
+                        SandboxFailure::Died(format!(
+                            "the hook printed more than {} bytes to stdout/stderr and was stopped at its {} ms deadline",
+                            crate::sandbox::OUTPUT_LIMIT,
+                            budget.as_millis()
+                        ))
+                    } else {
+                        SandboxFailure::Timeout(budget.as_millis() as u64)
+                    });
+                    return report;
+                }
+                Err(f) => {
+                    report.failure = Some(f);
+                    return report;
+                }
+            };
+            remaining = remaining.saturating_sub(began.elapsed());
+            match msg {
+                FromSupervisor::HookResult(h) if h.id == id => report.hooks.push(h),
+                FromSupervisor::HostCall {
+                    id: call,
+                    hook,
+                    name,
+                    payload,
+                } => {
+                    let waited = Instant::now();
+                    let answer = host.call(hook, &name, payload).await;
+                    report.host_call_time += waited.elapsed();
+                    let (ok, result, error) = match answer {
+                        Ok(v) => (true, Some(v), None),
+                        Err(e) => (false, None, Some(e.to_string())),
+                    };
+                    if let Err(f) = self
+                        .send(&ToSupervisor::HostResult {
+                            id: call,
+                            ok,
+                            result,
+                            error,
+                        })
+                        .await
+                    {
+                        report.failure = Some(f);
+                        return report;
+                    }
+                }
+                FromSupervisor::Result {
+                    id: rid,
+                    action,
+                    terminal_index,
+                } if rid == id => {
+                    report.summary = Some((action, terminal_index));
+                    return report;
+                }
+                FromSupervisor::Error { message } => {
+                    self.broken = true;
+                    report.failure = Some(SandboxFailure::Protocol(format!(
+                        "supervisor error: {message}"
+                    )));
+                    return report;
+                }
+                other => {
+                    self.broken = true;
+                    report.failure = Some(SandboxFailure::Protocol(format!(
+                        "unexpected message {other:?}"
+                    )));
+                    return report;
+                }
+            }
+        }
+    }
+
+    /// Ends the conversation and destroys the sandbox. A healthy supervisor sees stdin close and
+    /// exits by itself; a broken one is killed at once.
+    pub async fn close(mut self) {
+        let force = self.broken;
+        if !force {
+            let _ = self.send(&ToSupervisor::Shutdown).await;
+        }
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = stdin.shutdown().await;
+        }
+        self.handle.destroy(force).await;
+    }
+}

@@ -1,0 +1,102 @@
+//! Platform baselines on the real supervisor: the baseline runs first, ends the walk for the tenant
+//! when it blocks, and a tenant cannot undo what it did.
+
+mod common;
+
+use common::{Harness, baseline, py, tenant};
+use serde_json::json;
+use sluice_crds::Action;
+
+const REDACT_SECRET: &str =
+    "return {'action': 'modify', 'outgoing': context['outgoing'].replace('secret', '[x]')}";
+
+#[tokio::test]
+async fn the_baseline_runs_first_and_the_tenant_sees_its_output() {
+    let h = Harness::process(vec![
+        baseline("input", vec![py("redact", "modify", REDACT_SECRET)]),
+        tenant(
+            "input",
+            vec![py(
+                "look",
+                "detect",
+                "return {'action': 'detect', 'findings': [context['outgoing']]}",
+            )],
+            json!({}),
+        ),
+    ])
+    .await;
+    let r = h.run("input", json!("my secret")).await.unwrap();
+    let names: Vec<&str> = r.walk.hooks.iter().map(|h| h.name.as_str()).collect();
+    assert_eq!(names, ["baseline/redact", "look"]);
+    assert_eq!(r.walk.hooks[1].findings, Some(json!(["my [x]"])));
+    assert_eq!(r.walk.action, Action::Modify);
+    let events = h.audit.events();
+    assert_eq!(events[0]["baseline"]["chain"], "sluice-system/baseline");
+}
+
+#[tokio::test]
+async fn a_baseline_block_means_the_tenant_never_runs() {
+    let h = Harness::process(vec![
+        baseline(
+            "input",
+            vec![py(
+                "deny",
+                "block",
+                "return {'action': 'block', 'message': 'platform says no'}",
+            )],
+        ),
+        tenant(
+            "input",
+            vec![py(
+                "never",
+                "modify",
+                "return {'action': 'modify', 'outgoing': 'ran'}",
+            )],
+            json!({}),
+        ),
+    ])
+    .await;
+    let r = h.run("input", json!("hi")).await.unwrap();
+    assert_eq!(
+        (r.walk.action, r.walk.terminal_index),
+        (Action::Block, Some(0))
+    );
+    assert_eq!(r.walk.message, "platform says no");
+    assert_eq!(r.walk.hooks.len(), 1);
+}
+
+#[tokio::test]
+async fn a_tenant_cannot_undo_what_the_baseline_did() {
+    let h = Harness::process(vec![
+        baseline("input", vec![py("redact", "modify", REDACT_SECRET)]),
+        tenant(
+            "input",
+            vec![py("undo", "modify", "return {'action': 'modify', 'outgoing': context['outgoing'].replace('[x]', 'secret')}")],
+            json!({}),
+        ),
+    ])
+    .await;
+    let r = h.run("input", json!("my secret")).await.unwrap();
+    assert_eq!(
+        r.walk.payload,
+        json!("my [x]"),
+        "the baseline re-checks the tenant's output"
+    );
+    let names: Vec<&str> = r.walk.hooks.iter().map(|h| h.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["baseline/redact", "undo", "baseline-recheck/redact"]
+    );
+}
+
+#[tokio::test]
+async fn a_baseline_alone_serves_a_target_without_a_chain() {
+    let h = Harness::process(vec![baseline(
+        "input",
+        vec![py("redact", "modify", REDACT_SECRET)],
+    )])
+    .await;
+    let r = h.run("input", json!("a secret")).await.unwrap();
+    assert_eq!(r.walk.payload, json!("a [x]"));
+    assert_eq!(r.walk.hooks[0].name, "baseline/redact");
+}

@@ -1,0 +1,342 @@
+//! What the engine tests share: an engine on the process backend (the real supervisor as a plain
+//! child process) or on a scripted one, chains written as JSON specs, a fake `Capabilities`, and the
+//! audit lines the engine wrote.
+
+#![allow(dead_code)]
+
+pub mod scripted;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use sluice_crds::definition::{Definition, Origin, Spec};
+use sluice_engine::{
+    Audit, AuditHostCall, Caller, Capabilities, Chain, ClientStreamError, Engine, EngineError,
+    HostCallError, HostCalls, Limits, Metrics, Pools, Registry, RunInput, RunResult,
+    SandboxBackend, StreamError, StreamInput, StreamOpen, StreamOutput,
+};
+use sluice_sandbox_process::ProcessBackend;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub const NS: &str = "team";
+pub const TARGET: &str = "bot";
+pub const PLATFORM: &str = "sluice-system";
+
+/// A hook of a chain spec.
+pub fn hook(name: &str, action: &str, code: &str) -> Value {
+    json!({"name": name, "action": action, "code": code})
+}
+
+/// A hook whose `execute` is `body` (indented by four spaces).
+pub fn py(name: &str, action: &str, body: &str) -> Value {
+    let code = format!(
+        "def execute(context, settings):\n{}",
+        body.lines()
+            .map(|l| format!("    {l}\n"))
+            .collect::<String>()
+    );
+    hook(name, action, &code)
+}
+
+/// A tenant chain of `NS` for `TARGET`; `extra` fields are merged into its spec.
+pub fn tenant(trigger_point: &str, hooks: Vec<Value>, extra: Value) -> Definition {
+    chain(NS, "tenant", TARGET, trigger_point, hooks, extra)
+}
+
+/// An enforced baseline of the platform namespace.
+pub fn baseline(trigger_point: &str, hooks: Vec<Value>) -> Definition {
+    chain(
+        PLATFORM,
+        "baseline",
+        "*",
+        trigger_point,
+        hooks,
+        json!({"enforced": true}),
+    )
+}
+
+pub fn chain(
+    namespace: &str,
+    name: &str,
+    target: &str,
+    trigger_point: &str,
+    hooks: Vec<Value>,
+    extra: Value,
+) -> Definition {
+    let mut spec = json!({
+        "target": target, "triggerPoint": trigger_point, "hooks": hooks,
+        "pool": {"warm": 1, "max": 8}, "timeoutMs": 5000,
+    });
+    if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            s.insert(k.clone(), v.clone());
+        }
+    }
+    Definition {
+        origin: Origin {
+            file: format!("{name}.yaml").into(),
+            line: 1,
+        },
+        namespace: namespace.into(),
+        name: name.into(),
+        spec: Spec::HookChain(Box::new(
+            serde_json::from_value(spec).expect("a valid HookChain spec"),
+        )),
+    }
+}
+
+/// Audit lines as the engine wrote them.
+#[derive(Clone, Default)]
+pub struct AuditLines(Arc<Mutex<Vec<u8>>>);
+
+impl Write for AuditLines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl AuditLines {
+    pub fn events(&self) -> Vec<Value> {
+        let bytes = self.0.lock().unwrap().clone();
+        String::from_utf8(bytes)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("audit lines are JSON"))
+            .collect()
+    }
+}
+
+/// One host_call as the fake saw it.
+#[derive(Clone, Debug)]
+pub struct SeenCall {
+    pub chain: String,
+    pub hook: usize,
+    pub name: String,
+    pub payload: Value,
+    pub caller: Caller,
+}
+
+/// Capabilities for tests: `echo` answers `{"echo": payload}`, `deny` refuses, anything else is
+/// unknown. Every call is recorded.
+#[derive(Clone, Default)]
+pub struct FakeCapabilities {
+    pub seen: Arc<Mutex<Vec<SeenCall>>>,
+}
+
+struct FakeRun {
+    chain: Arc<Chain>,
+    caller: Caller,
+    seen: Arc<Mutex<Vec<SeenCall>>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("denied by the test: {0}")]
+struct Denied(String);
+
+#[async_trait]
+impl HostCalls for FakeRun {
+    async fn call(&self, hook: usize, name: &str, payload: Value) -> Result<Value, HostCallError> {
+        self.seen.lock().unwrap().push(SeenCall {
+            chain: self.chain.qualified_name(),
+            hook,
+            name: name.into(),
+            payload: payload.clone(),
+            caller: self.caller.clone(),
+        });
+        match name {
+            "echo" => Ok(json!({"echo": payload})),
+            "deny" => Err(HostCallError::Refused(Box::new(Denied(name.into())))),
+            other => Err(HostCallError::Unavailable(other.into())),
+        }
+    }
+
+    fn audit(&self) -> Vec<AuditHostCall> {
+        Vec::new()
+    }
+}
+
+impl Capabilities for FakeCapabilities {
+    fn for_run(
+        &self,
+        _registry: Arc<Registry>,
+        chain: Arc<Chain>,
+        caller: Caller,
+    ) -> Arc<dyn HostCalls> {
+        Arc::new(FakeRun {
+            chain,
+            caller,
+            seen: self.seen.clone(),
+        })
+    }
+}
+
+pub struct Harness {
+    pub engine: Arc<Engine>,
+    pub audit: AuditLines,
+    pub capabilities: FakeCapabilities,
+}
+
+/// Limits for tests: a sandbox should always be there quickly.
+pub fn limits() -> Limits {
+    Limits {
+        claim_timeout: Duration::from_secs(20),
+        boot_timeout: Duration::from_secs(20),
+        stream_idle: Duration::from_secs(20),
+        ..Limits::default()
+    }
+}
+
+impl Harness {
+    /// An engine serving `definitions` from supervisors run as child processes.
+    pub async fn process(definitions: Vec<Definition>) -> Self {
+        let backend = ProcessBackend::new().expect("a temporary directory");
+        Self::with_backend(Arc::new(backend), definitions, limits()).await
+    }
+
+    pub async fn with_backend(
+        backend: Arc<dyn SandboxBackend>,
+        definitions: Vec<Definition>,
+        limits: Limits,
+    ) -> Self {
+        let metrics = Metrics::new();
+        let audit = AuditLines::default();
+        let capabilities = FakeCapabilities::default();
+        let pools = Pools::new(backend, limits.clone(), metrics.clone(), 4);
+        let engine = Arc::new(Engine::new(
+            pools,
+            Audit::new(Box::new(audit.clone())),
+            metrics,
+            limits,
+            Arc::new(capabilities.clone()),
+        ));
+        let registry = Registry::build_for(PLATFORM, definitions, vec![]);
+        // Capabilities are the fake's, not the registry's: hooks listing them are reported, and served.
+        let errors: Vec<_> = registry
+            .errors()
+            .iter()
+            .filter(|e| !e.message.contains("will fail until it does"))
+            .collect();
+        assert!(errors.is_empty(), "{errors:?}");
+        engine.set_registry(registry).await;
+        Self {
+            engine,
+            audit,
+            capabilities,
+        }
+    }
+
+    /// Runs `payload` through the tenant target at `trigger_point`.
+    pub async fn run(&self, trigger_point: &str, payload: Value) -> Result<RunResult, EngineError> {
+        self.engine
+            .run(RunInput {
+                namespace: NS.into(),
+                target: TARGET.into(),
+                trigger_point: trigger_point.into(),
+                payload: Some(payload),
+                context: [("user_id".to_string(), "u-1".to_string())].into(),
+                session_id: "s-1".into(),
+            })
+            .await
+    }
+
+    /// Streams `chunks` at `output` and collects everything the engine answered.
+    pub async fn stream(&self, chunks: &[&str]) -> Streamed {
+        let mut inputs = vec![StreamInput::Open(self.open("output"))];
+        inputs.extend(chunks.iter().map(|c| StreamInput::Chunk(c.to_string())));
+        inputs.push(StreamInput::Finish);
+        self.stream_inputs(inputs).await
+    }
+
+    pub fn open(&self, trigger_point: &str) -> StreamOpen {
+        StreamOpen {
+            namespace: NS.into(),
+            target: TARGET.into(),
+            trigger_point: trigger_point.into(),
+            context: Default::default(),
+            session_id: "s-1".into(),
+        }
+    }
+
+    /// Streams `inputs` as a client slower than the chain: each message is run before the next
+    /// arrives (no two chunks share a flush unless the window asks for more).
+    pub async fn stream_inputs(&self, inputs: Vec<StreamInput>) -> Streamed {
+        collect(self.engine.stream(Paced::new(inputs))).await
+    }
+
+    /// Streams `inputs` as a client ahead of the chain: everything is waiting from the start.
+    pub async fn stream_all_at_once(&self, inputs: Vec<StreamInput>) -> Streamed {
+        let inputs = futures::stream::iter(inputs.into_iter().map(Ok::<_, ClientStreamError>));
+        collect(self.engine.stream(inputs)).await
+    }
+}
+
+/// A client that is slower than the chain: each message is not there on the first look (the
+/// engine's "is more already waiting?"), only when the engine waits for it.
+pub struct Paced {
+    items: std::collections::VecDeque<StreamInput>,
+    armed: bool,
+}
+
+impl Paced {
+    pub fn new(items: Vec<StreamInput>) -> Self {
+        Self {
+            items: items.into(),
+            armed: false,
+        }
+    }
+}
+
+impl futures::Stream for Paced {
+    type Item = Result<StreamInput, ClientStreamError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        if !self.armed {
+            self.armed = true;
+            cx.waker().wake_by_ref();
+            return std::task::Poll::Pending;
+        }
+        self.armed = false;
+        std::task::Poll::Ready(self.items.pop_front().map(Ok))
+    }
+}
+
+/// Everything one stream answered, in order.
+#[derive(Debug, Default)]
+pub struct Streamed {
+    pub commits: Vec<String>,
+    pub blocked: Option<(String, String)>,
+    /// Commits that arrived after the block (there must be none).
+    pub commits_after_block: usize,
+    pub final_: Option<RunResult>,
+    pub error: Option<StreamError>,
+}
+
+pub async fn collect(
+    outputs: impl futures::Stream<Item = Result<StreamOutput, StreamError>>,
+) -> Streamed {
+    let mut s = Streamed::default();
+    let mut outputs = std::pin::pin!(outputs);
+    while let Some(out) = outputs.next().await {
+        match out {
+            Ok(StreamOutput::Commit(c)) => {
+                if s.blocked.is_some() {
+                    s.commits_after_block += 1;
+                }
+                s.commits.push(c);
+            }
+            Ok(StreamOutput::Blocked { message, hook }) => s.blocked = Some((message, hook)),
+            Ok(StreamOutput::Final(r)) => s.final_ = Some(r),
+            Err(e) => s.error = Some(e),
+        }
+    }
+    s
+}

@@ -1,0 +1,139 @@
+//! A scripted sandbox backend: an in-process task speaking `supervisor/PROTOCOL.md` over in-memory
+//! pipes, answering each `chunk` with whatever lines a script returns. It stands in for a supervisor
+//! that misbehaves (results the real one would refuse, summaries that disagree) and for a fast,
+//! deterministic chain in property tests.
+
+use async_trait::async_trait;
+use serde_json::{Value, json};
+use sluice_engine::{Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+/// What a script is asked to answer: one `chunk` of a chain.
+pub struct Chunk<'a> {
+    pub id: u64,
+    pub start: usize,
+    pub outgoing: &'a Value,
+    pub state: &'a [Value],
+    /// The chain's hooks, as `init` sent them.
+    pub hooks: &'a [Value],
+}
+
+/// Returns the lines to send for one chunk (`hook_result`s and the `result`).
+pub type Script = Arc<dyn Fn(&Chunk) -> Vec<Value> + Send + Sync>;
+
+pub struct ScriptedBackend {
+    script: Script,
+    seq: AtomicU64,
+}
+
+impl ScriptedBackend {
+    pub fn new(script: Script) -> Self {
+        Self {
+            script,
+            seq: AtomicU64::new(0),
+        }
+    }
+}
+
+/// The lines an honest supervisor sends for a chain of hooks that each map `outgoing` through `f`
+/// (modify when it changed the text, pass otherwise).
+pub fn honest(chunk: &Chunk, f: impl Fn(&str) -> String) -> Vec<Value> {
+    let mut text = chunk.outgoing.as_str().unwrap_or_default().to_string();
+    let mut lines = Vec::new();
+    let mut top = "pass";
+    for (index, hook) in chunk.hooks.iter().enumerate().skip(chunk.start) {
+        let out = f(&text);
+        let name = hook["name"].clone();
+        if out != text {
+            top = "modify";
+            text = out;
+            lines.push(json!({"type": "hook_result", "id": chunk.id, "index": index, "name": name, "action": "modify", "outgoing": text}));
+        } else {
+            lines.push(json!({"type": "hook_result", "id": chunk.id, "index": index, "name": name, "action": "pass"}));
+        }
+    }
+    lines.push(json!({"type": "result", "id": chunk.id, "action": top, "terminal_index": null}));
+    lines
+}
+
+struct Handle(tokio::task::JoinHandle<()>);
+
+#[async_trait]
+impl SandboxHandle for Handle {
+    async fn destroy(&self, _force: bool) {
+        self.0.abort();
+    }
+    fn stdout_bytes(&self) -> u64 {
+        0
+    }
+}
+
+#[async_trait]
+impl SandboxBackend for ScriptedBackend {
+    async fn start(&self, _spec: &SandboxSpec) -> Result<Sandbox, StartError> {
+        let id = format!("scripted-{}", self.seq.fetch_add(1, Ordering::Relaxed));
+        let (stdin, requests) = tokio::io::duplex(1 << 20);
+        let (mut answers, protocol) = tokio::io::duplex(1 << 20);
+        let script = self.script.clone();
+        let task = tokio::spawn(async move {
+            let mut send = async |v: Value| {
+                let mut line = serde_json::to_vec(&v).expect("JSON");
+                line.push(b'\n');
+                answers.write_all(&line).await.is_ok()
+            };
+            if !send(json!({"type": "ready", "protocol": 1})).await {
+                return;
+            }
+            let mut hooks: Vec<Value> = Vec::new();
+            let mut lines = BufReader::new(requests).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let msg: Value = serde_json::from_str(&line).expect("the engine sends JSON");
+                match msg["type"].as_str() {
+                    Some("init") => {
+                        hooks = msg["hooks"].as_array().cloned().unwrap_or_default();
+                        let acks: Vec<Value> = hooks
+                            .iter()
+                            .map(|h| json!({"name": h["name"], "ok": true}))
+                            .collect();
+                        if !send(json!({"type": "ack", "hooks": acks})).await {
+                            return;
+                        }
+                    }
+                    Some("chunk") => {
+                        let state = msg["state"].as_array().cloned().unwrap_or_default();
+                        let chunk = Chunk {
+                            id: msg["id"].as_u64().unwrap_or_default(),
+                            start: msg["start"].as_u64().unwrap_or_default() as usize,
+                            outgoing: &msg["outgoing"],
+                            state: &state,
+                            hooks: &hooks,
+                        };
+                        for answer in script(&chunk) {
+                            if !send(answer).await {
+                                return;
+                            }
+                        }
+                    }
+                    _ => return,
+                }
+            }
+        });
+        Ok(Sandbox {
+            id,
+            stdin: Box::pin(stdin),
+            protocol: Box::pin(protocol),
+            stdout: None,
+            handle: Box::new(Handle(task)),
+        })
+    }
+
+    async fn clean_leftovers(&self) -> usize {
+        0
+    }
+
+    async fn live(&self) -> Vec<String> {
+        Vec::new()
+    }
+}

@@ -1,0 +1,415 @@
+//! `Engine::run` on the real supervisor (run as a plain child process): every action, the terminal
+//! index, the failure policies, deadlines, host_calls, state, request checks and the audit.
+
+mod common;
+
+use common::{Harness, hook, py, tenant};
+use serde_json::{Value, json};
+use sluice_crds::Action;
+use sluice_engine::EngineError;
+
+const PASS: &str = "return {'action': 'pass'}";
+const UPPER: &str = "return {'action': 'modify', 'outgoing': context['outgoing'].upper()}";
+
+#[tokio::test]
+async fn a_pass_hook_leaves_the_payload_alone() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![py("noop", "modify", PASS)],
+        json!({}),
+    )])
+    .await;
+    let r = h.run("input", json!("hello")).await.unwrap();
+    assert_eq!(r.walk.action, Action::Pass);
+    assert_eq!(r.walk.payload, json!("hello"));
+    assert_eq!(r.walk.hooks.len(), 1);
+    assert_eq!(r.walk.hooks[0].name, "noop");
+    assert_eq!(r.walk.terminal_index, None);
+}
+
+#[tokio::test]
+async fn a_modify_hook_rewrites_the_payload() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![py("up", "modify", UPPER)],
+        json!({}),
+    )])
+    .await;
+    let r = h.run("input", json!("hello")).await.unwrap();
+    assert_eq!(r.walk.action, Action::Modify);
+    assert_eq!(r.walk.payload, json!("HELLO"));
+}
+
+#[tokio::test]
+async fn a_block_ends_the_walk_at_its_index_with_its_message() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![
+            py("up", "modify", UPPER),
+            py(
+                "stop",
+                "block",
+                "return {'action': 'block', 'message': 'not today'}",
+            ),
+            py(
+                "never",
+                "modify",
+                "return {'action': 'modify', 'outgoing': 'ran'}",
+            ),
+        ],
+        json!({}),
+    )])
+    .await;
+    let r = h.run("input", json!("hi")).await.unwrap();
+    assert_eq!(r.walk.action, Action::Block);
+    assert_eq!(r.walk.terminal_index, Some(1));
+    assert_eq!(r.walk.message, "not today");
+    let names: Vec<&str> = r.walk.hooks.iter().map(|h| h.name.as_str()).collect();
+    assert_eq!(names, ["up", "stop"], "the hook after the block never runs");
+}
+
+#[tokio::test]
+async fn a_skip_is_terminal_and_carries_its_answer() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![
+            py(
+                "faq",
+                "skip",
+                "return {'action': 'skip', 'message': 'see the FAQ'}",
+            ),
+            py(
+                "never",
+                "modify",
+                "return {'action': 'modify', 'outgoing': 'ran'}",
+            ),
+        ],
+        json!({}),
+    )])
+    .await;
+    let r = h.run("input", json!("where is my order?")).await.unwrap();
+    assert_eq!(
+        (
+            r.walk.action,
+            r.walk.terminal_index,
+            r.walk.message.as_str()
+        ),
+        (Action::Skip, Some(0), "see the FAQ")
+    );
+    assert_eq!(r.walk.payload, json!("where is my order?"));
+}
+
+#[tokio::test]
+async fn a_detect_reports_findings_and_changes_nothing() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![py(
+            "look",
+            "detect",
+            "return {'action': 'detect', 'findings': {'words': len(context['outgoing'].split())}}",
+        )],
+        json!({}),
+    )])
+    .await;
+    let r = h.run("input", json!("one two three")).await.unwrap();
+    assert_eq!(r.walk.action, Action::Detect);
+    assert_eq!(r.walk.payload, json!("one two three"));
+    assert_eq!(r.walk.hooks[0].findings, Some(json!({"words": 3})));
+}
+
+#[tokio::test]
+async fn modify_outranks_detect_and_each_hook_sees_the_last_output() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![
+            py(
+                "look",
+                "detect",
+                "return {'action': 'detect', 'findings': [context['outgoing']]}",
+            ),
+            py("up", "modify", UPPER),
+            py(
+                "seen",
+                "detect",
+                "return {'action': 'detect', 'findings': [context['outgoing']]}",
+            ),
+        ],
+        json!({}),
+    )])
+    .await;
+    let r = h.run("input", json!("abc")).await.unwrap();
+    assert_eq!(r.walk.action, Action::Modify);
+    assert_eq!(r.walk.hooks[0].findings, Some(json!(["abc"])));
+    assert_eq!(r.walk.hooks[2].findings, Some(json!(["ABC"])));
+}
+
+#[tokio::test]
+async fn an_exception_under_closed_blocks_at_the_failing_hook() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![
+            py("up", "modify", UPPER),
+            py("boom", "modify", "raise RuntimeError('broken hook')"),
+            py(
+                "never",
+                "modify",
+                "return {'action': 'modify', 'outgoing': 'ran'}",
+            ),
+        ],
+        json!({"failurePolicy": "Closed"}),
+    )])
+    .await;
+    let r = h.run("input", json!("hi")).await.unwrap();
+    assert_eq!(
+        (r.walk.action, r.walk.terminal_index),
+        (Action::Block, Some(1))
+    );
+    assert!(r.walk.message.contains("\"boom\""), "{}", r.walk.message);
+    let error = r.walk.hooks[1].error.as_deref().unwrap_or_default();
+    assert!(error.contains("RuntimeError: broken hook"), "{error}");
+    assert_eq!(r.walk.hooks.len(), 2);
+}
+
+#[tokio::test]
+async fn an_exception_under_open_passes_the_payload_on() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![
+            py("up", "modify", UPPER),
+            py("boom", "modify", "raise RuntimeError('broken hook')"),
+            py(
+                "exclaim",
+                "modify",
+                "return {'action': 'modify', 'outgoing': context['outgoing'] + '!'}",
+            ),
+        ],
+        json!({"failurePolicy": "Open"}),
+    )])
+    .await;
+    let r = h.run("input", json!("hi")).await.unwrap();
+    assert_eq!(
+        (r.walk.action, r.walk.terminal_index),
+        (Action::Modify, None)
+    );
+    assert_eq!(
+        r.walk.payload,
+        json!("HI!"),
+        "the failed hook changed nothing"
+    );
+    assert!(r.walk.hooks[1].error.is_some());
+    assert_eq!(r.walk.hooks.len(), 3);
+}
+
+#[tokio::test]
+async fn an_undeclared_action_is_a_hook_error() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![py(
+            "sneaky",
+            "detect",
+            "return {'action': 'block', 'message': 'no'}",
+        )],
+        json!({"failurePolicy": "Closed"}),
+    )])
+    .await;
+    let r = h.run("input", json!("hi")).await.unwrap();
+    assert_eq!(r.walk.action, Action::Block);
+    let error = r.walk.hooks[0].error.as_deref().unwrap_or_default();
+    assert!(error.contains("block"), "{error}");
+    assert_ne!(
+        r.walk.message, "no",
+        "the hook's own message is not what the user sees"
+    );
+}
+
+#[tokio::test]
+async fn a_hook_past_its_deadline_is_killed_and_closed_blocks() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![
+            py("up", "modify", UPPER),
+            hook(
+                "slow",
+                "modify",
+                "import time\ndef execute(context, settings):\n    time.sleep(30)\n",
+            ),
+        ],
+        json!({"failurePolicy": "Closed", "timeoutMs": 300}),
+    )])
+    .await;
+    let began = std::time::Instant::now();
+    let r = h.run("input", json!("hi")).await.unwrap();
+    assert!(began.elapsed() < std::time::Duration::from_secs(10));
+    assert_eq!(
+        (r.walk.action, r.walk.terminal_index),
+        (Action::Block, Some(1))
+    );
+    assert_eq!(
+        r.walk.hooks[1].error.as_deref(),
+        Some("timed out after 300 ms")
+    );
+}
+
+#[tokio::test]
+async fn under_open_a_walk_resumes_after_a_killed_hook_in_a_fresh_sandbox() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![
+            py("up", "modify", UPPER),
+            hook(
+                "slow",
+                "modify",
+                "import time\ndef execute(context, settings):\n    time.sleep(30)\n",
+            ),
+            py(
+                "exclaim",
+                "modify",
+                "return {'action': 'modify', 'outgoing': context['outgoing'] + '!'}",
+            ),
+        ],
+        json!({"failurePolicy": "Open", "timeoutMs": 300}),
+    )])
+    .await;
+    let r = h.run("input", json!("hi")).await.unwrap();
+    assert_eq!(
+        (r.walk.action, r.walk.terminal_index),
+        (Action::Modify, None)
+    );
+    assert_eq!(
+        r.walk.payload,
+        json!("HI!"),
+        "the hook after the killed one ran"
+    );
+    let names: Vec<&str> = r.walk.hooks.iter().map(|h| h.name.as_str()).collect();
+    assert_eq!(names, ["up", "slow", "exclaim"]);
+    assert_eq!(
+        r.walk.hooks[1].error.as_deref(),
+        Some("timed out after 300 ms")
+    );
+    // The killed sandbox is never reused: the resumed walk (and the retry before it) booted others.
+    assert!(h.engine.metrics().sandboxes_started.get() >= 3);
+}
+
+#[tokio::test]
+async fn host_calls_reach_the_capabilities_with_the_trusted_caller() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![json!({"name": "ask", "action": "modify", "capabilities": ["echo"], "code":
+            "def execute(context, settings):\n    r = context.host_call('echo', {'q': context['outgoing']})\n    return {'action': 'modify', 'outgoing': r['echo']['q'] + '?'}\n"})],
+        json!({}),
+    )])
+    .await;
+    let r = h.run("input", json!("hi")).await.unwrap();
+    assert_eq!(r.walk.payload, json!("hi?"));
+    let seen = h.capabilities.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    assert_eq!((seen[0].hook, seen[0].name.as_str()), (0, "echo"));
+    assert_eq!(seen[0].payload, json!({"q": "hi"}));
+    let caller = &seen[0].caller.0;
+    assert_eq!(caller["namespace"], "team");
+    assert_eq!(caller["user_id"], "u-1");
+    assert_eq!(caller["run_id"], r.run_id);
+}
+
+#[tokio::test]
+async fn a_refused_host_call_raises_in_the_hook_with_the_reason() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![json!({"name": "ask", "action": "modify", "capabilities": ["deny"], "code":
+            "def execute(context, settings):\n    try:\n        context.host_call('deny', {})\n    except HostCallError as e:\n        return {'action': 'modify', 'outgoing': str(e)}\n    return {'action': 'pass'}\n"})],
+        json!({}),
+    )])
+    .await;
+    let r = h.run("input", json!("hi")).await.unwrap();
+    assert_eq!(r.walk.payload, json!("denied by the test: deny"));
+}
+
+#[tokio::test]
+async fn each_hook_gets_its_own_state_slot_and_a_run_starts_fresh() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![
+            py("a", "detect", "return {'action': 'detect', 'findings': {'saw': context['state']}, 'state': {'a': 1}}"),
+            py("b", "detect", "return {'action': 'detect', 'findings': {'saw': context['state']}, 'state': {'b': 2}}"),
+        ],
+        json!({}),
+    )])
+    .await;
+    for _ in 0..2 {
+        let r = h.run("input", json!("hi")).await.unwrap();
+        assert_eq!(r.walk.hooks[0].findings, Some(json!({"saw": null})));
+        assert_eq!(
+            r.walk.hooks[1].findings,
+            Some(json!({"saw": null})),
+            "hook b never sees hook a's slot"
+        );
+    }
+}
+
+#[tokio::test]
+async fn payloads_of_the_wrong_type_or_size_are_refused() {
+    let h = Harness::process(vec![
+        tenant("input", vec![py("noop", "modify", PASS)], json!({})),
+        common::chain(
+            "team",
+            "tools",
+            "bot",
+            "before_tool",
+            vec![py("noop", "modify", PASS)],
+            json!({}),
+        ),
+    ])
+    .await;
+    let refused = |r: Result<sluice_engine::RunResult, EngineError>| match r {
+        Err(EngineError::InvalidArgument(m)) => m,
+        other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
+    };
+    let m = refused(h.run("input", json!({"text": "hi"})).await);
+    assert!(m.contains("carries text"), "{m}");
+    let m = refused(h.run("before_tool", json!("a string")).await);
+    assert!(m.contains("structured payload"), "{m}");
+    let big = "x".repeat(h.engine.limits().payload_bytes + 1);
+    let m = refused(h.run("input", Value::String(big)).await);
+    assert!(m.contains("over the limit"), "{m}");
+    let m = refused(h.run("sideways", json!("hi")).await);
+    assert!(m.contains("is not one of"), "{m}");
+}
+
+#[tokio::test]
+async fn an_unknown_chain_is_not_found() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![py("noop", "modify", PASS)],
+        json!({}),
+    )])
+    .await;
+    match h.run("output", json!("hi")).await {
+        Err(EngineError::NotFound(m)) => assert!(m.contains("\"bot\""), "{m}"),
+        other => panic!("expected NOT_FOUND, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn every_run_writes_exactly_one_audit_event_refusals_included() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![py("up", "modify", UPPER)],
+        json!({}),
+    )])
+    .await;
+    let r = h.run("input", json!("hi")).await.unwrap();
+    let _ = h.run("output", json!("hi")).await.unwrap_err();
+    let events = h.audit.events();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0]["run_id"], json!(r.run_id));
+    assert_eq!(events[0]["action"], "modify");
+    assert_eq!(events[0]["chain"], "team/tenant");
+    assert_eq!(events[0]["hooks"][0]["name"], "up");
+    assert_eq!(events[1]["action"], "none");
+    assert!(
+        events[1]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no HookChain")
+    );
+}

@@ -1,0 +1,118 @@
+//! Property tests of the stream path over random texts and random chunkings, through the real
+//! `Engine::stream` and its window, with a scripted sandbox whose chain is a deterministic,
+//! idempotent redactor. (The same guarantees are checked against runsc sandboxes in
+//! e2e/tests/local_stream.rs.)
+
+mod common;
+
+use common::scripted::{Chunk, ScriptedBackend, honest};
+use common::{Harness, hook};
+use proptest::prelude::*;
+use serde_json::json;
+use sluice_crds::Action;
+use sluice_engine::{StreamInput, StreamOpen, chunk_at};
+use std::sync::{Arc, OnceLock};
+
+/// Patterns no longer than the lookback; the mask contains none of their characters.
+const PATTERNS: [&str; 4] = ["010-1234", "secret", "Ωμέγα", "a\r\nb"];
+const MASK: &str = "[x]";
+const LOOKBACK: usize = 8;
+const FLUSHES: std::ops::Range<usize> = 1..24;
+
+fn redact(text: &str) -> String {
+    let mut out = text.to_string();
+    for p in PATTERNS {
+        out = out.replace(p, MASK);
+    }
+    out
+}
+
+/// One engine for every case, with a chain per flush size (target `f<flush>`).
+fn engine() -> &'static (tokio::runtime::Runtime, Harness) {
+    static ENGINE: OnceLock<(tokio::runtime::Runtime, Harness)> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        let rt = tokio::runtime::Runtime::new().expect("a runtime");
+        let chains = FLUSHES
+            .map(|flush| {
+                common::chain(
+                    common::NS,
+                    &format!("f{flush}"),
+                    &format!("f{flush}"),
+                    "output",
+                    vec![hook("redact", "modify", "x")],
+                    json!({"streaming": {"flushChars": flush, "lookbackChars": LOOKBACK}}),
+                )
+            })
+            .collect();
+        let backend = ScriptedBackend::new(Arc::new(|c: &Chunk| honest(c, redact)));
+        let harness = rt.block_on(Harness::with_backend(
+            Arc::new(backend),
+            chains,
+            common::limits(),
+        ));
+        (rt, harness)
+    })
+}
+
+/// Streams `chunks` through the chain of flush size `flush` (`paced`: a client slower than the
+/// chain; otherwise every chunk is waiting from the start): the commits and the final payload.
+fn stream(chunks: &[String], flush: usize, paced: bool) -> (Vec<String>, String) {
+    let (rt, h) = engine();
+    let mut inputs = vec![StreamInput::Open(StreamOpen {
+        namespace: common::NS.into(),
+        target: format!("f{flush}"),
+        trigger_point: "output".into(),
+        ..Default::default()
+    })];
+    inputs.extend(chunks.iter().cloned().map(StreamInput::Chunk));
+    inputs.push(StreamInput::Finish);
+    let s = rt.block_on(async {
+        if paced {
+            h.stream_inputs(inputs).await
+        } else {
+            h.stream_all_at_once(inputs).await
+        }
+    });
+    assert!(s.error.is_none(), "{:?}", s.error);
+    let f = s.final_.expect("a final");
+    assert_ne!(f.walk.action, Action::Block);
+    let final_ = f.walk.payload.as_str().unwrap_or_default().to_string();
+    (s.commits, final_)
+}
+
+fn text_strategy() -> impl Strategy<Value = String> {
+    let piece = prop_oneof![
+        Just("010-1234".to_string()),
+        Just("secret".to_string()),
+        Just("Ωμέγα".to_string()),
+        Just("a\r\nb".to_string()),
+        "[a-z0-9 \\-]{1,6}",
+        Just("日本".to_string()),
+        Just("\r\n".to_string()),
+    ];
+    prop::collection::vec(piece, 0..40).prop_map(|v| v.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    #[test]
+    fn commits_never_show_a_pattern_and_equal_the_final(text in text_strategy(), cuts in prop::collection::vec(0usize..400, 0..60), flush in FLUSHES, paced in any::<bool>()) {
+        let chunks = chunk_at(&text, &cuts);
+        let (commits, final_) = stream(&chunks, flush, paced);
+        let shown = commits.concat();
+        for p in PATTERNS {
+            prop_assert!(!shown.contains(p), "{p:?} shown in {shown:?}");
+        }
+        prop_assert_eq!(&final_, &redact(&text));
+        prop_assert_eq!(&shown, &final_);
+    }
+
+    #[test]
+    fn one_character_chunks(text in text_strategy()) {
+        let chunks: Vec<String> = text.chars().map(String::from).collect();
+        let (commits, final_) = stream(&chunks, 1, true);
+        prop_assert_eq!(commits.concat(), redact(&text));
+        prop_assert_eq!(final_, redact(&text));
+    }
+}

@@ -1,0 +1,357 @@
+//! The `kube` sandbox backend: the operator keeps warm gVisor pods per HookChain; for each trigger
+//! point the gateway claims one (`claim.rs`), runs the supervisor in it over the exec API
+//! (`exec.rs`) and deletes the pod afterwards. Pods are found through a watch cache of the pods the
+//! operator manages; the claim itself never trusts the cache (see `claim.rs`).
+
+use crate::claim;
+use crate::exec;
+use crate::labels;
+use crate::watch::{Tasks, apis};
+use async_trait::async_trait;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, AttachedProcess, DeleteParams, ListParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use sluice_engine::{Metrics, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct KubeConfig {
+    /// Who claims: the gateway pod's name, recorded on every claimed pod.
+    pub identity: String,
+    /// Watch and claim only in these namespaces (empty: all namespaces).
+    pub namespaces: Vec<String>,
+    /// How long one claim waits for a warm pod to appear.
+    pub claim_timeout: Duration,
+    /// The RuntimeClass a pod must run under to be claimed (the operator's `--runtime-class`);
+    /// None trusts any.
+    pub runtime_class: Option<String>,
+    /// How often a held pod's `claimed-at` is renewed, so that a long stream is not taken for the
+    /// claim of a crashed gateway by the operator's claim deadline.
+    pub heartbeat: Duration,
+    /// Pods per chain (at most its `pool.warm`) this gateway keeps claimed and attached ahead of
+    /// demand, so that a run pays neither the claim PATCH nor the exec handshake. 0: claim per run.
+    pub hold: usize,
+}
+
+impl KubeConfig {
+    pub fn new(identity: impl Into<String>) -> Self {
+        Self {
+            identity: identity.into(),
+            namespaces: Vec::new(),
+            claim_timeout: Duration::from_secs(2),
+            runtime_class: Some("gvisor".into()),
+            heartbeat: Duration::from_secs(60),
+            hold: 0,
+        }
+    }
+}
+
+pub struct KubeBackend {
+    client: kube::Client,
+    cfg: KubeConfig,
+    /// One watch cache per watched namespace (one in all for a cluster-wide gateway).
+    pods: Vec<Store<Pod>>,
+    /// Woken on every change the pod watch sees: a claim waiting for a warm pod looks again.
+    changed: Arc<Notify>,
+    /// Pods this gateway claimed and has not yet seen deleted: "namespace/name".
+    live: Arc<Mutex<HashSet<String>>>,
+    metrics: Metrics,
+    _watches: Tasks,
+}
+
+fn selector() -> String {
+    format!("{}={}", labels::LABEL_MANAGED_BY, labels::OPERATOR)
+}
+
+impl KubeBackend {
+    /// Starts the pod watch and waits (up to `sync_timeout`) for its first full list.
+    pub async fn new(
+        client: kube::Client,
+        cfg: KubeConfig,
+        metrics: Metrics,
+        sync_timeout: Duration,
+    ) -> anyhow::Result<Self> {
+        let changed = Arc::new(Notify::new());
+        let mut pods = Vec::new();
+        let mut watches = Vec::new();
+        for api in apis::<Pod>(&client, &cfg.namespaces) {
+            let (store, writer) = reflector::store();
+            let stream = reflector::reflector(
+                writer,
+                watcher(api, watcher::Config::default().labels(&selector())).default_backoff(),
+            );
+            let notify = changed.clone();
+            watches.push(tokio::spawn(async move {
+                let mut stream = std::pin::pin!(stream);
+                while let Some(event) = stream.next().await {
+                    match event {
+                        Ok(_) => notify.notify_waiters(),
+                        Err(e) => tracing::warn!(error = %e, "pod watch failed; retrying"),
+                    }
+                }
+            }));
+            pods.push(store);
+        }
+        let synced = futures::future::join_all(pods.iter().map(|s| s.wait_until_ready()));
+        if tokio::time::timeout(sync_timeout, synced).await.is_err() {
+            for w in &watches {
+                w.abort();
+            }
+            anyhow::bail!(
+                "the pod watch did not sync within {sync_timeout:?}: is the API server reachable and may this service account list pods?"
+            );
+        }
+        Ok(Self {
+            client,
+            cfg,
+            pods,
+            changed,
+            live: Arc::default(),
+            metrics,
+            _watches: Tasks(watches),
+        })
+    }
+
+    /// Claims a warm pod of the spec's chain, waiting up to the claim timeout for one.
+    pub async fn claim(&self, spec: &SandboxSpec) -> Result<(Api<Pod>, String), StartError> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &spec.namespace);
+        let deadline = Instant::now() + self.cfg.claim_timeout;
+        let mut lost = HashSet::new();
+        loop {
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            let pods: Vec<Arc<Pod>> = self.pods.iter().flat_map(|s| s.state()).collect();
+            let wanted = claim::Wanted {
+                namespace: &spec.namespace,
+                chain: &spec.chain,
+                runtime_class: self.cfg.runtime_class.as_deref(),
+            };
+            for (name, rv) in claim::candidates(&pods, &wanted, &lost) {
+                match claim::try_claim(&api, &name, &rv, &self.cfg.identity).await {
+                    Ok(claim::Outcome::Claimed) => {
+                        self.metric("claimed");
+                        self.live().insert(format!("{}/{name}", spec.namespace));
+                        return Ok((api, name));
+                    }
+                    Ok(claim::Outcome::Lost) => {
+                        self.metric("conflict");
+                        lost.insert((name, rv));
+                    }
+                    Err(e) => {
+                        self.metric("error");
+                        return Err(StartError::Runtime(format!(
+                            "claiming pod {}/{name}: {e}",
+                            spec.namespace
+                        )));
+                    }
+                }
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                self.metric("none");
+                return Err(StartError::Runtime(format!(
+                    "no warm pod of HookChain {}/{} within {} ms (is the operator running and the pool Ready? `kubectl get hc -n {}`)",
+                    spec.namespace,
+                    spec.chain,
+                    self.cfg.claim_timeout.as_millis(),
+                    spec.namespace
+                )));
+            }
+        }
+    }
+
+    fn metric(&self, result: &str) {
+        self.metrics.pod_claims.with_label_values(&[result]).inc();
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[async_trait]
+impl SandboxBackend for KubeBackend {
+    async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
+        let (api, pod) = self.claim(spec).await?;
+        let handle = KubeHandle {
+            api: api.clone(),
+            key: format!("{}/{pod}", spec.namespace),
+            pod: pod.clone(),
+            process: Mutex::new(None),
+            closing: Arc::default(),
+            heartbeat: Mutex::new(None),
+            stdout_bytes: Arc::default(),
+            live: self.live.clone(),
+            destroyed: AtomicBool::new(false),
+        };
+        match exec::start(&api, &pod).await {
+            Ok(e) => {
+                let heartbeat = tokio::spawn(claim::heartbeat(
+                    api.clone(),
+                    pod.clone(),
+                    self.cfg.heartbeat,
+                ));
+                let handle = KubeHandle {
+                    process: Mutex::new(Some(e.process)),
+                    closing: e.closing,
+                    stdout_bytes: e.stdout_bytes,
+                    heartbeat: Mutex::new(Some(heartbeat)),
+                    ..handle
+                };
+                Ok(Sandbox {
+                    id: handle.key.clone(),
+                    stdin: Box::pin(e.stdin),
+                    protocol: Box::pin(e.stderr),
+                    stdout: None,
+                    handle: Box::new(handle),
+                })
+            }
+            Err(e) => {
+                // The pod is ours now: it goes, whatever state it is in.
+                handle.destroy(true).await;
+                Err(StartError::Runtime(format!(
+                    "exec into pod {}/{pod}: {e}",
+                    spec.namespace
+                )))
+            }
+        }
+    }
+
+    async fn clean_leftovers(&self) -> usize {
+        let mut gone = 0;
+        // Our own claims still open, and pods an earlier process under our name claimed.
+        let mut victims: HashMap<String, (String, String)> = self
+            .live()
+            .iter()
+            .filter_map(|k| {
+                let (ns, name) = k.split_once('/')?;
+                Some((k.clone(), (ns.to_string(), name.to_string())))
+            })
+            .collect();
+        let params = ListParams::default().labels(&format!(
+            "{},{}={}",
+            selector(),
+            labels::LABEL_POOL,
+            labels::POOL_CLAIMED
+        ));
+        for api in apis::<Pod>(&self.client, &self.cfg.namespaces) {
+            match api.list(&params).await {
+                Ok(list) => {
+                    for p in list.items {
+                        let ours = p
+                            .metadata
+                            .annotations
+                            .as_ref()
+                            .and_then(|a| a.get(labels::ANNOTATION_CLAIMED_BY))
+                            .is_some_and(|by| *by == self.cfg.identity);
+                        if let (true, Some(ns), Some(name)) =
+                            (ours, p.metadata.namespace, p.metadata.name)
+                        {
+                            victims.insert(format!("{ns}/{name}"), (ns, name));
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot list claimed pods to clean up"),
+            }
+        }
+        for (key, (ns, name)) in victims {
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+            if delete_pod(&api, &name).await {
+                gone += 1;
+                self.live().remove(&key);
+            }
+        }
+        gone
+    }
+
+    async fn live(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.live().iter().cloned().collect();
+        v.sort();
+        v
+    }
+
+    fn warm_target(&self, chain_warm: usize) -> usize {
+        self.cfg.hold.min(chain_warm)
+    }
+
+    fn ready_needs_warm(&self) -> bool {
+        false
+    }
+}
+
+/// Deletes a pod with its own (1 s) grace: a forced delete would drop it from the API while its
+/// sandbox still runs on the node, uncounted by the operator and the scheduler. True when it is
+/// gone or going (or was gone already).
+async fn delete_pod(api: &Api<Pod>, name: &str) -> bool {
+    let params = DeleteParams::default();
+    for attempt in 0..3u32 {
+        match api.delete(name, &params).await {
+            Ok(_) => return true,
+            Err(kube::Error::Api(s)) if s.code == 404 => return true,
+            Err(e) => {
+                tracing::warn!(pod = %name, error = %e, attempt, "deleting a used pod failed");
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+        }
+    }
+    // The operator deletes claimed pods past their deadline: the pod does not outlive that.
+    false
+}
+
+struct KubeHandle {
+    api: Api<Pod>,
+    pod: String,
+    key: String,
+    process: Mutex<Option<AttachedProcess>>,
+    /// Told to the exec's reader before the exec is dropped here, so that is not reported as a loss.
+    closing: Arc<AtomicBool>,
+    heartbeat: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    stdout_bytes: Arc<AtomicU64>,
+    live: Arc<Mutex<HashSet<String>>>,
+    destroyed: AtomicBool,
+}
+
+#[async_trait]
+impl SandboxHandle for KubeHandle {
+    async fn destroy(&self, _force: bool) {
+        if self.destroyed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let process = self
+            .process
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(h) = self
+            .heartbeat
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            h.abort();
+        }
+        // The pod is deleted either way, so there is nothing to wait for: the exec connection goes
+        // at once (its exit status, if any came, was logged by the exec's protocol reader).
+        if let Some(process) = process {
+            self.closing.store(true, Ordering::SeqCst);
+            process.abort();
+        }
+        if delete_pod(&self.api, &self.pod).await {
+            self.live
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&self.key);
+        }
+    }
+
+    fn stdout_bytes(&self) -> u64 {
+        self.stdout_bytes.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,285 @@
+//! Claiming a warm pod: pick among the chain's Ready warm pods from the watch cache, then flip its
+//! pool label with one PATCH preconditioned on the `resourceVersion` we saw. Two gateways racing for
+//! one pod both send that PATCH; the API server applies the first and answers the second 409, which
+//! then tries another pod. Nothing here trusts the cache to be fresh: the precondition is the lock.
+
+use crate::labels;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, Patch, PatchParams};
+use rand::seq::SliceRandom;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Field manager of the claim patch, so `managedFields` tell who flipped the label.
+pub const FIELD_MANAGER: &str = "sluice-gateway";
+
+/// What a run needs of a pod: its chain's, and (when set) under the right RuntimeClass.
+pub struct Wanted<'a> {
+    pub namespace: &'a str,
+    pub chain: &'a str,
+    pub runtime_class: Option<&'a str>,
+}
+
+/// True if `pod` is a warm pod a run may claim now: labelled warm, Running, Ready, not being
+/// deleted, controlled by its HookChain and under the expected RuntimeClass. Labels alone are not
+/// trusted: anyone who may create pods in the namespace can set them, and a pod that is not the
+/// operator's (no gVisor, a network) must never receive hooks.
+pub fn is_warm(pod: &Pod, wanted: &Wanted) -> bool {
+    let meta = &pod.metadata;
+    let label = |k: &str| {
+        meta.labels
+            .as_ref()
+            .and_then(|l| l.get(k))
+            .map(String::as_str)
+    };
+    let ready = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    let running = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|p| p == "Running");
+    let owned = meta.owner_references.as_ref().is_some_and(|refs| {
+        refs.iter().any(|r| {
+            r.controller == Some(true)
+                && r.kind == "HookChain"
+                && r.api_version.starts_with("sluice.dev/")
+                && r.name == wanted.chain
+        })
+    });
+    let runtime = match wanted.runtime_class {
+        None => true,
+        Some(want) => {
+            pod.spec
+                .as_ref()
+                .and_then(|s| s.runtime_class_name.as_deref())
+                == Some(want)
+        }
+    };
+    meta.namespace.as_deref() == Some(wanted.namespace)
+        && label(labels::LABEL_CHAIN) == Some(wanted.chain)
+        && label(labels::LABEL_POOL) == Some(labels::POOL_WARM)
+        && meta.deletion_timestamp.is_none()
+        && ready
+        && running
+        && owned
+        && runtime
+}
+
+/// The warm pods of a chain worth trying, in random order (so replicas spread over the pool instead
+/// of all racing for the first), leaving out pods whose version we already lost a race on.
+pub fn candidates(
+    pods: &[Arc<Pod>],
+    wanted: &Wanted,
+    lost: &HashSet<(String, String)>,
+) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = pods
+        .iter()
+        .filter(|p| is_warm(p, wanted))
+        .filter_map(|p| {
+            let name = p.metadata.name.clone()?;
+            let rv = p.metadata.resource_version.clone()?;
+            Some((name, rv))
+        })
+        .filter(|k| !lost.contains(k))
+        .collect();
+    out.shuffle(&mut rand::rng());
+    out
+}
+
+/// Renews a held pod's `claimed-at` every `every` until aborted (when the pod is let go).
+pub async fn heartbeat(api: Api<Pod>, name: String, every: Duration) {
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    loop {
+        tokio::time::sleep(every).await;
+        let now = jiff::Timestamp::now().to_string();
+        let patch = serde_json::json!({
+            "metadata": {"annotations": {labels::ANNOTATION_CLAIMED_AT: now}}
+        });
+        if let Err(e) = api.patch(&name, &params, &Patch::Merge(&patch)).await {
+            tracing::warn!(pod = %name, error = %e, "renewing a held pod's claim failed");
+        }
+    }
+}
+
+/// The merge patch that claims a pod: the label flip and who claimed it when, valid only if the pod
+/// is still at `resource_version`.
+pub fn claim_patch(resource_version: &str, identity: &str, now: &str) -> serde_json::Value {
+    serde_json::json!({
+        "metadata": {
+            "resourceVersion": resource_version,
+            "labels": {labels::LABEL_POOL: labels::POOL_CLAIMED},
+            "annotations": {
+                labels::ANNOTATION_CLAIMED_BY: identity,
+                labels::ANNOTATION_CLAIMED_AT: now,
+            },
+        }
+    })
+}
+
+pub enum Outcome {
+    /// The pod is ours now.
+    Claimed,
+    /// Someone else changed or took the pod first (409), or it is gone (404).
+    Lost,
+}
+
+/// One claim attempt on one pod.
+pub async fn try_claim(
+    api: &Api<Pod>,
+    name: &str,
+    resource_version: &str,
+    identity: &str,
+) -> Result<Outcome, kube::Error> {
+    let now = jiff::Timestamp::now().to_string();
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    let patch = claim_patch(resource_version, identity, &now);
+    match api.patch(name, &params, &Patch::Merge(&patch)).await {
+        Ok(_) => Ok(Outcome::Claimed),
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(Outcome::Lost),
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+    use kube::api::ObjectMeta;
+
+    const WANTED: Wanted = Wanted {
+        namespace: "team",
+        chain: "redact",
+        runtime_class: Some("gvisor"),
+    };
+
+    fn pod(name: &str, pool: &str, ready: bool, phase: &str) -> Arc<Pod> {
+        Arc::new(Pod {
+            spec: Some(k8s_openapi::api::core::v1::PodSpec {
+                runtime_class_name: Some("gvisor".into()),
+                ..Default::default()
+            }),
+            metadata: ObjectMeta {
+                owner_references: Some(vec![OwnerReference {
+                    api_version: "sluice.dev/v1alpha1".into(),
+                    kind: "HookChain".into(),
+                    name: "redact".into(),
+                    uid: "u-1".into(),
+                    controller: Some(true),
+                    ..Default::default()
+                }]),
+                name: Some(name.into()),
+                namespace: Some("team".into()),
+                resource_version: Some("7".into()),
+                labels: Some(
+                    [
+                        (labels::LABEL_CHAIN.to_string(), "redact".to_string()),
+                        (labels::LABEL_POOL.to_string(), pool.to_string()),
+                    ]
+                    .into(),
+                ),
+                ..Default::default()
+            },
+            status: Some(PodStatus {
+                phase: Some(phase.into()),
+                conditions: Some(vec![PodCondition {
+                    type_: "Ready".into(),
+                    status: if ready { "True" } else { "False" }.into(),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+        })
+    }
+
+    #[test]
+    fn only_ready_running_warm_pods_of_the_chain_are_candidates() {
+        let pods = vec![
+            pod("a", labels::POOL_WARM, true, "Running"),
+            pod("b", labels::POOL_CLAIMED, true, "Running"),
+            pod("c", labels::POOL_WARM, false, "Running"),
+            pod("d", labels::POOL_WARM, true, "Pending"),
+            pod("e", labels::POOL_WARM, true, "Running"),
+        ];
+        let mut got: Vec<String> = candidates(&pods, &WANTED, &HashSet::new())
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        got.sort();
+        assert_eq!(got, ["a", "e"]);
+        let elsewhere = Wanted {
+            namespace: "other",
+            ..WANTED
+        };
+        assert!(candidates(&pods, &elsewhere, &HashSet::new()).is_empty());
+        let other_chain = Wanted {
+            chain: "other",
+            ..WANTED
+        };
+        assert!(candidates(&pods, &other_chain, &HashSet::new()).is_empty());
+        let lost = HashSet::from([("a".to_string(), "7".to_string())]);
+        let got: Vec<String> = candidates(&pods, &WANTED, &lost)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(got, ["e"]);
+    }
+
+    #[test]
+    fn a_pod_being_deleted_is_not_warm() {
+        let mut p = (*pod("a", labels::POOL_WARM, true, "Running")).clone();
+        assert!(is_warm(&p, &WANTED));
+        p.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            jiff::Timestamp::now(),
+        ));
+        assert!(!is_warm(&p, &WANTED));
+    }
+
+    #[test]
+    fn a_pod_with_the_labels_but_not_the_operators_is_never_claimed() {
+        let good = (*pod("a", labels::POOL_WARM, true, "Running")).clone();
+        let mut runc = good.clone();
+        runc.spec.as_mut().unwrap().runtime_class_name = None;
+        assert!(!is_warm(&runc, &WANTED), "not under gVisor");
+        let mut orphan = good.clone();
+        orphan.metadata.owner_references = None;
+        assert!(!is_warm(&orphan, &WANTED), "not controlled by the chain");
+        let mut foreign = good.clone();
+        foreign.metadata.owner_references.as_mut().unwrap()[0].name = "other".into();
+        assert!(!is_warm(&foreign, &WANTED), "controlled by another chain");
+        let any_runtime = Wanted {
+            runtime_class: None,
+            ..WANTED
+        };
+        assert!(is_warm(&runc, &any_runtime));
+    }
+
+    #[test]
+    fn the_claim_patch_carries_the_precondition_and_the_label_flip() {
+        let p = claim_patch("42", "gw-1", "2026-11-22T03:00:00Z");
+        assert_eq!(p["metadata"]["resourceVersion"], "42");
+        assert_eq!(
+            p["metadata"]["labels"][labels::LABEL_POOL],
+            labels::POOL_CLAIMED
+        );
+        assert_eq!(
+            p["metadata"]["annotations"][labels::ANNOTATION_CLAIMED_BY],
+            "gw-1"
+        );
+        assert_eq!(
+            p["metadata"]["annotations"][labels::ANNOTATION_CLAIMED_AT],
+            "2026-11-22T03:00:00Z"
+        );
+    }
+}

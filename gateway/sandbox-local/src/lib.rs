@@ -1,0 +1,584 @@
+//! The `local` backend: one gVisor (runsc) container per sandbox on this machine.
+//!
+//! Each sandbox gets an OCI bundle whose root filesystem is an empty, read-only skeleton; the only
+//! things of the host in it are bind mounts (read-only) of the Python binary, its shared libraries,
+//! its standard library and the supervisor. No network, a size-limited tmpfs `/tmp`, cgroup limits from
+//! the chain's resources, no capabilities, uid 65534. All state lives under one directory per gateway
+//! (`state_dir`): the runsc root, the bundles and the supervisor, so leftovers of a crashed gateway
+//! are found and removed at the next start.
+//!
+//! One file: `LocalConfig` → `LocalBackend` (bundle, OCI spec, runsc run) → `LocalHandle` (teardown).
+
+use async_trait::async_trait;
+use serde_json::json;
+use sluice_engine::{
+    Reader, SUPERVISOR_PY, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError,
+    discard_output,
+};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::process::{Child, Command};
+use tokio::sync::Mutex;
+
+/// The attach relay a warm pod's exec runs (see `supervisor/attach.py`); mounted for the pod shape.
+pub const ATTACH_PY: &str = include_str!("../../../supervisor/attach.py");
+
+const CGROUP_PARENT: &str = "sluice";
+/// The host-side pids cgroup also holds gVisor's own threads (sentry and gofer, Go runtimes of a few
+/// dozen threads each), so the chain's `pids` is granted on top of this allowance.
+const RUNTIME_THREADS: u64 = 256;
+const CGROUP_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "cpuacct"];
+
+#[derive(Clone, Debug)]
+pub struct LocalConfig {
+    /// Directory owned by this gateway: runsc root, bundles, rootfs skeleton, supervisor.
+    pub state_dir: PathBuf,
+    pub runsc: PathBuf,
+    /// Python interpreter whose binary, libraries and stdlib are mounted into each sandbox.
+    pub python: PathBuf,
+    /// gVisor platform: `ptrace` works everywhere; `systrap`/`kvm` where the runsc release and host allow.
+    pub platform: String,
+    /// Size of each sandbox's `/tmp`.
+    pub tmp_bytes: u64,
+    /// Hand the supervisor's stdout to the caller (`Sandbox::stdout`) instead of draining it here:
+    /// for a test harness that forwards it somewhere (the fake exec endpoint's stdout channel).
+    pub keep_stdout: bool,
+    /// Start sandboxes the way a warm pod starts: the supervisor listens for one attach
+    /// (`--listen`) instead of serving its stdin, and callers reach it with [`LocalBackend::exec`].
+    /// For the fake API server, whose pods are local sandboxes.
+    pub pod_shape: bool,
+}
+
+impl LocalConfig {
+    pub fn new(state_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            state_dir: state_dir.into(),
+            runsc: PathBuf::from("runsc"),
+            python: PathBuf::from("/usr/bin/python3"),
+            platform: "ptrace".into(),
+            tmp_bytes: 16 << 20,
+            keep_stdout: false,
+            pod_shape: false,
+        }
+    }
+}
+
+pub struct LocalBackend {
+    cfg: LocalConfig,
+    runsc_root: PathBuf,
+    bundles: PathBuf,
+    rootfs: PathBuf,
+    python: PathBuf,
+    mounts: Vec<serde_json::Value>,
+    /// Container ids start with this, so leftovers of this state dir are recognisable.
+    prefix: String,
+    seq: AtomicU64,
+}
+
+fn runtime(msg: impl Into<String>) -> StartError {
+    StartError::Runtime(msg.into())
+}
+
+impl LocalBackend {
+    /// Prepares the state directory and the read-only root filesystem. Fails with a clear message
+    /// when runsc or Python is missing.
+    pub async fn new(cfg: LocalConfig) -> Result<Self, StartError> {
+        let state_dir = std::path::absolute(&cfg.state_dir)?;
+        let runsc_root = state_dir.join("runsc");
+        let bundles = state_dir.join("bundles");
+        let rootfs = state_dir.join("rootfs");
+        for d in [&state_dir, &runsc_root, &bundles, &rootfs] {
+            tokio::fs::create_dir_all(d).await?;
+        }
+        set_mode(&state_dir, 0o755)?;
+        let version = Command::new(&cfg.runsc)
+            .arg("--version")
+            .output()
+            .await
+            .map_err(|e| {
+                runtime(format!(
+                    "cannot run {:?} ({e}); install gVisor: apt-get install -y runsc",
+                    cfg.runsc
+                ))
+            })?;
+        if !version.status.success() {
+            return Err(runtime(format!("{:?} --version failed", cfg.runsc)));
+        }
+        let supervisor = state_dir.join("supervisor.py");
+        tokio::fs::write(&supervisor, SUPERVISOR_PY).await?;
+        set_mode(&supervisor, 0o644)?;
+        let attach = state_dir.join("attach.py");
+        tokio::fs::write(&attach, ATTACH_PY).await?;
+        set_mode(&attach, 0o644)?;
+        for d in ["tmp", "proc", "dev", "sluice", "etc"] {
+            tokio::fs::create_dir_all(rootfs.join(d)).await?;
+        }
+        set_mode(&rootfs, 0o755)?;
+        let python = tokio::fs::canonicalize(&cfg.python)
+            .await
+            .map_err(|e| runtime(format!("python {:?} not found: {e}", cfg.python)))?;
+        let host_paths = python_closure(&python).await?;
+        let mut mounts = vec![
+            json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+            json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+                   "options": ["nosuid", "nodev", "noexec", "mode=1777", format!("size={}", cfg.tmp_bytes)]}),
+            json!({"destination": "/sluice/supervisor.py", "type": "bind",
+                   "source": supervisor, "options": ["rbind", "ro"]}),
+            json!({"destination": "/sluice/attach.py", "type": "bind",
+                   "source": attach, "options": ["rbind", "ro"]}),
+        ];
+        for p in host_paths {
+            mounts.push(
+                json!({"destination": p, "type": "bind", "source": p, "options": ["rbind", "ro"]}),
+            );
+        }
+        let tag = short_hash(state_dir.to_string_lossy().as_bytes());
+        let backend = Self {
+            cfg,
+            runsc_root,
+            bundles,
+            rootfs,
+            python,
+            mounts,
+            prefix: format!("sluice-{tag}-{}", std::process::id()),
+            seq: AtomicU64::new(0),
+        };
+        Ok(backend)
+    }
+
+    fn runsc(&self) -> Command {
+        let mut c = Command::new(&self.cfg.runsc);
+        c.arg("--root").arg(&self.runsc_root);
+        c
+    }
+
+    /// The prefix shared by every container of this state directory, whichever process made it.
+    fn dir_prefix(&self) -> &str {
+        // "sluice-<tag>-<pid>": the part before the pid.
+        &self.prefix[..self.prefix.rfind('-').unwrap_or(self.prefix.len())]
+    }
+
+    /// The environment of every process in a sandbox.
+    fn env() -> Vec<String> {
+        [
+            "PATH=/usr/bin:/bin",
+            "LANG=C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE=1",
+            "SLUICE_SANDBOX=1",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    /// A process of the sandbox user: no capabilities, no new privileges, few files, no core dumps.
+    fn process(args: Vec<serde_json::Value>, env: Vec<String>) -> serde_json::Value {
+        json!({
+            "terminal": false,
+            "user": {"uid": 65534, "gid": 65534},
+            "args": args,
+            "env": env,
+            "cwd": "/tmp",
+            "capabilities": {"bounding": [], "effective": [], "permitted": [], "inheritable": [], "ambient": []},
+            "noNewPrivileges": true,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 256, "soft": 256},
+                        {"type": "RLIMIT_CORE", "hard": 0, "soft": 0}]
+        })
+    }
+
+    fn oci_spec(&self, id: &str, spec: &SandboxSpec) -> serde_json::Value {
+        let period: u64 = 100_000;
+        let mut args = vec![
+            json!(self.python),
+            json!("-I"),
+            json!("-S"),
+            json!("-u"),
+            json!("/sluice/supervisor.py"),
+        ];
+        if self.cfg.pod_shape {
+            args.push(json!("--listen"));
+        }
+        let mut env = Self::env();
+        env.push(format!("SLUICE_WORKERS={}", spec.workers));
+        env.push(format!("SLUICE_MEMORY_BYTES={}", spec.memory_bytes));
+        json!({
+            "ociVersion": "1.0.2",
+            "process": Self::process(args, env),
+            "root": {"path": self.rootfs, "readonly": true},
+            "hostname": "sandbox",
+            "mounts": self.mounts,
+            "linux": {
+                "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
+                "cgroupsPath": format!("/{CGROUP_PARENT}/{id}"),
+                "resources": {
+                    "memory": {"limit": spec.memory_bytes},
+                    "pids": {"limit": spec.pids as u64 + RUNTIME_THREADS},
+                    "cpu": {"quota": (spec.cpu_millis * period / 1000).max(1000), "period": period}
+                }
+            }
+        })
+    }
+
+    /// Starts `args` as another process of sandbox `id` (`runsc exec`, the sandbox user, the
+    /// sandbox's environment), stdio piped: what a kubelet does for a pod's exec and exec probes.
+    /// The supervisor and its relay are at `/sluice/`, the interpreter at [`LocalBackend::python`].
+    pub async fn exec(
+        &self,
+        id: &str,
+        args: &[String],
+    ) -> Result<tokio::process::Child, StartError> {
+        // In the sandbox's bundle, which goes with the sandbox.
+        let n = self.seq.fetch_add(1, Ordering::Relaxed);
+        let file = self.bundles.join(id).join(format!("exec-{n}.json"));
+        let process = Self::process(args.iter().map(|a| json!(a)).collect(), Self::env());
+        tokio::fs::write(&file, process.to_string()).await?;
+        self.runsc()
+            .args(["--platform", &self.cfg.platform, "exec", "--process"])
+            .arg(&file)
+            .arg(id)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| runtime(format!("cannot start {:?} exec: {e}", self.cfg.runsc)))
+    }
+
+    async fn force_delete(runsc: &Path, root: &Path, id: &str) {
+        match runsc_delete(runsc, root, id).await {
+            Ok(true) => return,
+            Ok(false) => {}
+            Err(e) => tracing::warn!(sandbox = id, error = %e, "runsc delete failed"),
+        }
+        // A wedged sandbox (a fork bomb, say) can outlast `runsc delete`: kill its processes
+        // directly, then let runsc forget it.
+        let killed = kill_processes_of(id);
+        if killed > 0 {
+            tracing::warn!(
+                sandbox = id,
+                killed,
+                "killed the processes of a sandbox runsc could not delete"
+            );
+            let _ = runsc_delete(runsc, root, id).await;
+        }
+    }
+}
+
+/// `runsc delete --force ID`, bounded in time: Ok(true) when runsc reports success.
+async fn runsc_delete(runsc: &Path, root: &Path, id: &str) -> Result<bool, String> {
+    let status = Command::new(runsc)
+        .arg("--root")
+        .arg(root)
+        .args(["delete", "--force", id])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .status();
+    match tokio::time::timeout(RUNSC_COMMAND, status).await {
+        Ok(Ok(s)) => Ok(s.success()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!(
+            "hung for {} s and was killed",
+            RUNSC_COMMAND.as_secs()
+        )),
+    }
+}
+
+/// SIGKILLs every host process whose command line names sandbox `id` (its runsc, sandbox and gofer
+/// processes). Returns how many it signalled.
+fn kill_processes_of(id: &str) -> usize {
+    let mut killed = 0;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let suffix = format!("/{id}");
+        if cmdline
+            .split(|b| *b == 0)
+            .any(|arg| arg == id.as_bytes() || arg.ends_with(suffix.as_bytes()))
+        {
+            // SAFETY: plain kill(2) on a pid read from /proc; at worst the pid is already gone.
+            // The one unsafe call of the workspace: std has no way to signal a process it did not
+            // spawn.
+            #[allow(unsafe_code)]
+            let sent = unsafe { libc::kill(pid, libc::SIGKILL) } == 0;
+            if sent {
+                killed += 1;
+            }
+        }
+    }
+    killed
+}
+
+fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
+fn short_hash(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(&sha2::Sha256::digest(bytes)[..4])
+}
+
+/// The host paths a sandbox needs to run `python` with its stdlib: the binary, its standard library
+/// and every shared library the binary and the stdlib's extension modules load.
+async fn python_closure(python: &Path) -> Result<BTreeSet<String>, StartError> {
+    let out = Command::new(python)
+        .args(["-I", "-S", "-c", "import sysconfig,sys;p=sysconfig.get_paths();print(p['stdlib']);print(p['platstdlib']);print(sys.prefix)"])
+        .output()
+        .await
+        .map_err(|e| runtime(format!("cannot run {python:?}: {e}")))?;
+    if !out.status.success() {
+        return Err(runtime(format!("{python:?} could not report its stdlib")));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut lines = text.lines();
+    let stdlib = lines.next().unwrap_or_default().to_string();
+    let platstdlib = lines.next().unwrap_or_default().to_string();
+    let mut paths: BTreeSet<String> = [
+        python.to_string_lossy().to_string(),
+        stdlib.clone(),
+        platstdlib,
+    ]
+    .into();
+    // Shared libraries of the binary and of every extension module in lib-dynload.
+    let mut objects = vec![python.to_path_buf()];
+    if let Ok(mut rd) = tokio::fs::read_dir(Path::new(&stdlib).join("lib-dynload")).await {
+        while let Ok(Some(e)) = rd.next_entry().await {
+            objects.push(e.path());
+        }
+    }
+    let ldd = Command::new("ldd")
+        .args(&objects)
+        .output()
+        .await
+        .map_err(|e| runtime(format!("cannot run ldd: {e}")))?;
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        // "\tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)" or "\t/lib64/ld-linux-x86-64.so.2 (0x...)"
+        let target = line.split("=>").nth(1).unwrap_or(line).trim();
+        if let Some(path) = target
+            .split_whitespace()
+            .next()
+            .filter(|p| p.starts_with('/'))
+        {
+            paths.insert(path.to_string());
+        }
+    }
+    paths.retain(|p| !p.is_empty() && Path::new(p).exists());
+    // A directory already mounted covers the files inside it.
+    let dirs: Vec<String> = paths
+        .iter()
+        .filter(|p| Path::new(p).is_dir())
+        .cloned()
+        .collect();
+    paths.retain(|p| {
+        !dirs
+            .iter()
+            .any(|d| p != d && p.starts_with(&format!("{d}/")))
+    });
+    Ok(paths)
+}
+
+#[async_trait]
+impl SandboxBackend for LocalBackend {
+    async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
+        // Fixed width: runsc resolves an id by prefix, so "…-1" would be ambiguous beside "…-10".
+        let id = format!(
+            "{}-{:012}",
+            self.prefix,
+            self.seq.fetch_add(1, Ordering::Relaxed)
+        );
+        let bundle = self.bundles.join(&id);
+        tokio::fs::create_dir_all(&bundle).await?;
+        let config =
+            serde_json::to_vec(&self.oci_spec(&id, spec)).map_err(|e| runtime(e.to_string()))?;
+        tokio::fs::write(bundle.join("config.json"), config).await?;
+        let spawned = self
+            .runsc()
+            .args([
+                "--platform",
+                &self.cfg.platform,
+                "--network",
+                "none",
+                "run",
+                "--bundle",
+            ])
+            .arg(&bundle)
+            .arg(&id)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = tokio::fs::remove_dir_all(&bundle).await;
+                return Err(runtime(format!("cannot start {:?}: {e}", self.cfg.runsc)));
+            }
+        };
+        let (Some(stdin), Some(stdout), Some(stderr)) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
+            return Err(runtime("runsc started without pipes"));
+        };
+        let stdout_bytes = Arc::new(AtomicU64::new(0));
+        let counter = stdout_bytes.clone();
+        let kept: Option<Reader> = if self.cfg.keep_stdout {
+            Some(Box::pin(stdout))
+        } else {
+            // Hooks' prints land here: read and dropped, so a chatty hook cannot bloat us. Past the
+            // bound nothing more is read: the writer blocks until the deadline ends it, and the
+            // failure names the output limit.
+            tokio::spawn(async move {
+                discard_output(stdout, counter).await;
+            });
+            None
+        };
+        let handle = LocalHandle {
+            id: id.clone(),
+            runsc: self.cfg.runsc.clone(),
+            root: self.runsc_root.clone(),
+            bundle,
+            child: Mutex::new(Some(child)),
+            destroyed: AtomicBool::new(false),
+            stdout_bytes,
+        };
+        Ok(Sandbox {
+            id,
+            stdin: Box::pin(stdin),
+            protocol: Box::pin(stderr),
+            stdout: kept,
+            handle: Box::new(handle),
+        })
+    }
+
+    async fn clean_leftovers(&self) -> usize {
+        let leftovers: Vec<String> = self.live().await;
+        for id in &leftovers {
+            tracing::info!(sandbox = %id, "removing sandbox left by an earlier gateway");
+            Self::force_delete(&self.cfg.runsc, &self.runsc_root, id).await;
+        }
+        // Bundles and cgroups whose container is gone.
+        if let Ok(mut rd) = tokio::fs::read_dir(&self.bundles).await {
+            while let Ok(Some(e)) = rd.next_entry().await {
+                let _ = tokio::fs::remove_dir_all(e.path()).await;
+            }
+        }
+        for ctl in CGROUP_CONTROLLERS {
+            let parent = Path::new("/sys/fs/cgroup").join(ctl).join(CGROUP_PARENT);
+            if let Ok(mut rd) = tokio::fs::read_dir(&parent).await {
+                while let Ok(Some(e)) = rd.next_entry().await {
+                    if e.file_name()
+                        .to_string_lossy()
+                        .starts_with(self.dir_prefix())
+                    {
+                        let _ = tokio::fs::remove_dir(e.path()).await;
+                    }
+                }
+            }
+        }
+        leftovers.len()
+    }
+
+    async fn live(&self) -> Vec<String> {
+        let list = self
+            .runsc()
+            .arg("list")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let Ok(Ok(out)) = tokio::time::timeout(RUNSC_COMMAND, list).await else {
+            return Vec::new();
+        };
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|id| id.starts_with(self.dir_prefix()))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+impl LocalBackend {
+    /// The Python interpreter the sandboxes run.
+    pub fn python(&self) -> &Path {
+        &self.python
+    }
+}
+
+struct LocalHandle {
+    id: String,
+    runsc: PathBuf,
+    root: PathBuf,
+    bundle: PathBuf,
+    child: Mutex<Option<Child>>,
+    destroyed: AtomicBool,
+    stdout_bytes: Arc<AtomicU64>,
+}
+
+/// Longest a runsc management command (delete, list) may take before it is killed.
+const RUNSC_COMMAND: Duration = Duration::from_secs(10);
+
+/// How long a sandbox whose stdin was closed gets to exit on its own before it is force-deleted.
+const GRACE: Duration = Duration::from_secs(2);
+
+#[async_trait]
+impl SandboxHandle for LocalHandle {
+    async fn destroy(&self, force: bool) {
+        if self.destroyed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Some(mut c) = self.child.lock().await.take() {
+            // A healthy supervisor whose stdin was closed exits by itself and `runsc run` cleans up
+            // after it, which is cheaper than a `runsc delete`; anything else is killed.
+            // `runsc run` exiting with success means it deleted the container itself; any other end
+            // (killed, failed teardown) may leave a stopped container behind.
+            let clean = !force
+                && matches!(tokio::time::timeout(GRACE, c.wait()).await, Ok(Ok(status)) if status.success());
+            if !clean {
+                LocalBackend::force_delete(&self.runsc, &self.root, &self.id).await;
+                if tokio::time::timeout(GRACE, c.wait()).await.is_err() {
+                    let _ = c.kill().await;
+                }
+            }
+        }
+        if self.state_file_exists().await {
+            LocalBackend::force_delete(&self.runsc, &self.root, &self.id).await;
+        }
+        let _ = tokio::fs::remove_dir_all(&self.bundle).await;
+    }
+
+    fn stdout_bytes(&self) -> u64 {
+        self.stdout_bytes.load(Ordering::Relaxed)
+    }
+}
+
+impl LocalHandle {
+    async fn state_file_exists(&self) -> bool {
+        let Ok(mut rd) = tokio::fs::read_dir(&self.root).await else {
+            return false;
+        };
+        while let Ok(Some(e)) = rd.next_entry().await {
+            if e.file_name().to_string_lossy().contains(&self.id) {
+                return true;
+            }
+        }
+        false
+    }
+}

@@ -1,0 +1,361 @@
+//! Assembly of a running gateway, in local mode (runsc backend, directory watcher) or kube mode (pod
+//! claims over the API server, HookChain and Capability watches), around one gRPC server
+//! (Gateway, health, reflection) and metrics, with graceful shutdown. The binary and the tests both
+//! start gateways through here.
+
+use crate::local_dir;
+use crate::service::GatewayService;
+use anyhow::Context as _;
+use sluice_capabilities::Runner;
+use sluice_engine::{Audit, Engine, Limits, Metrics, Pools, SandboxBackend};
+use sluice_proto::gateway_server::GatewayServer;
+use sluice_sandbox_kube::{KubeBackend, KubeConfig, KubeSource};
+use sluice_sandbox_local::{LocalBackend, LocalConfig};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub struct LocalOptions {
+    /// Directory of HookChain and Capability YAML.
+    pub dir: PathBuf,
+    pub listen: SocketAddr,
+    pub metrics: Option<SocketAddr>,
+    pub sandbox: LocalConfig,
+    pub audit: Audit,
+    pub limits: Limits,
+    /// Sandboxes booting at once.
+    pub boot_concurrency: usize,
+    /// Enforced HookChains in this namespace are platform baselines (`--platform-namespace`).
+    pub platform_namespace: String,
+}
+
+impl LocalOptions {
+    pub fn new(dir: impl Into<PathBuf>, state_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            listen: "127.0.0.1:0".parse().expect("a valid address"),
+            metrics: None,
+            sandbox: LocalConfig::new(state_dir),
+            audit: Audit::discard(),
+            limits: Limits::default(),
+            boot_concurrency: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2),
+            platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
+        }
+    }
+}
+
+pub struct RunningGateway {
+    pub addr: SocketAddr,
+    pub engine: Arc<Engine>,
+    pub health: tonic_health::server::HealthReporter,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: JoinHandle<Result<(), tonic::transport::Error>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RunningGateway {
+    pub fn backend(&self) -> &Arc<dyn SandboxBackend> {
+        self.engine.pools().backend()
+    }
+
+    /// Stops accepting, lets in-flight runs and streams finish, then destroys every sandbox.
+    pub async fn shutdown(mut self) {
+        self.engine
+            .metrics()
+            .ready
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        self.engine.begin_shutdown();
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        match tokio::time::timeout(Duration::from_secs(30), &mut self.server).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "gRPC server ended with an error"),
+            Err(_) => {
+                tracing::warn!("in-flight requests did not finish within 30 s; closing anyway");
+                self.server.abort();
+            }
+            _ => {}
+        }
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.engine.pools().shutdown(Duration::from_secs(15)).await;
+        // Whatever a wedged sandbox left despite that goes too: the gateway exits owning nothing.
+        let left = self.engine.pools().backend().clean_leftovers().await;
+        if left > 0 {
+            tracing::warn!(left, "removed sandboxes that outlived their teardown");
+        }
+    }
+}
+
+/// Starts a gateway serving the chains under `opts.dir` from local runsc sandboxes.
+pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
+    let backend = LocalBackend::new(opts.sandbox.clone())
+        .await
+        .context("preparing the runsc sandbox backend")?;
+    let removed = backend.clean_leftovers().await;
+    if removed > 0 {
+        tracing::warn!(
+            removed,
+            "removed sandboxes left behind by an earlier gateway"
+        );
+    }
+    let metrics = Metrics::new();
+    let engine = engine(
+        Arc::new(backend),
+        opts.audit,
+        metrics,
+        &opts.limits,
+        opts.boot_concurrency,
+    );
+    let registry = local_dir::load_for(&opts.dir, &opts.platform_namespace)
+        .with_context(|| format!("reading {}", opts.dir.display()))?;
+    registry.log_summary();
+    engine.set_registry(registry).await;
+    let source = tokio::spawn(watch(
+        engine.clone(),
+        opts.dir.clone(),
+        opts.platform_namespace.clone(),
+    ));
+    let running = serve(
+        engine,
+        opts.listen,
+        opts.metrics,
+        &opts.limits,
+        vec![source],
+    )
+    .await?;
+    tracing::info!(addr = %running.addr, dir = %opts.dir.display(), "sluice gateway listening (local mode)");
+    Ok(running)
+}
+
+pub struct KubeOptions {
+    pub client: kube::Client,
+    pub kube: KubeConfig,
+    pub listen: SocketAddr,
+    pub metrics: Option<SocketAddr>,
+    pub audit: Audit,
+    pub limits: Limits,
+    /// How long the watches may take to list everything at start.
+    pub sync_timeout: Duration,
+    /// Where enforced baseline chains live.
+    pub platform_namespace: String,
+}
+
+impl KubeOptions {
+    pub fn new(client: kube::Client, kube: KubeConfig) -> Self {
+        Self {
+            client,
+            kube,
+            listen: "127.0.0.1:0".parse().expect("a valid address"),
+            metrics: None,
+            audit: Audit::discard(),
+            limits: Limits::default(),
+            sync_timeout: Duration::from_secs(30),
+            platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
+        }
+    }
+}
+
+/// Starts a gateway serving the cluster's HookChains from warm pods the operator keeps, claimed and
+/// reached through the API server.
+pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway> {
+    // A gateway confined to some namespaces still serves the platform's baselines: it watches the
+    // platform namespace's chains, capabilities and pods too.
+    if !opts.kube.namespaces.is_empty() && !opts.kube.namespaces.contains(&opts.platform_namespace)
+    {
+        opts.kube.namespaces.push(opts.platform_namespace.clone());
+    }
+    let metrics = Metrics::new();
+    let backend = KubeBackend::new(
+        opts.client.clone(),
+        opts.kube.clone(),
+        metrics.clone(),
+        opts.sync_timeout,
+    )
+    .await
+    .context("watching sandbox pods")?;
+    let removed = backend.clean_leftovers().await;
+    if removed > 0 {
+        tracing::warn!(
+            removed,
+            "deleted pods an earlier run of this gateway had claimed"
+        );
+    }
+    // A run waits a little longer than one pod claim may take, so that the claim's own error (no
+    // warm pod, API failure) is what the caller hears.
+    let mut limits = opts.limits.clone();
+    limits.claim_timeout = limits
+        .claim_timeout
+        .max(opts.kube.claim_timeout + Duration::from_millis(250));
+    // Claims are API calls, not boots: many may be in flight at once.
+    let engine = engine(Arc::new(backend), opts.audit, metrics, &limits, 256);
+    let source = KubeSource::start(
+        opts.client.clone(),
+        &opts.kube.namespaces,
+        &opts.platform_namespace,
+        opts.sync_timeout,
+    )
+    .await?;
+    let registry = source.registry();
+    registry.log_summary();
+    engine.set_registry(registry).await;
+    let feed = tokio::spawn(source.feed(engine.clone()));
+    let running = serve(engine, opts.listen, opts.metrics, &limits, vec![feed]).await?;
+    tracing::info!(addr = %running.addr, identity = %opts.kube.identity, "sluice gateway listening (kube mode)");
+    Ok(running)
+}
+
+fn engine(
+    backend: Arc<dyn SandboxBackend>,
+    audit: Audit,
+    metrics: Metrics,
+    limits: &Limits,
+    boot_concurrency: usize,
+) -> Arc<Engine> {
+    let pools = Pools::new(backend, limits.clone(), metrics.clone(), boot_concurrency);
+    let capabilities = Arc::new(Runner::new(metrics.clone(), limits.clone()));
+    Arc::new(Engine::new(
+        pools,
+        audit,
+        metrics,
+        limits.clone(),
+        capabilities,
+    ))
+}
+
+/// The gRPC server (Gateway, health, reflection) and metrics around an engine whose registry is
+/// loaded. Health turns SERVING once every gateway-kept pool is warm.
+async fn serve(
+    engine: Arc<Engine>,
+    listen: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    limits: &Limits,
+    mut tasks: Vec<JoinHandle<()>>,
+) -> anyhow::Result<RunningGateway> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_not_serving::<GatewayServer<GatewayService>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(sluice_proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building the reflection service")?;
+    let service = GatewayServer::new(GatewayService {
+        engine: engine.clone(),
+    })
+    .max_decoding_message_size(limits.request_bytes)
+    .max_encoding_message_size(limits.request_bytes * 2);
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {listen}"))?;
+    let addr = listener.local_addr()?;
+    let (tx, rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .layer(tower::util::MapResponseLayer::new(
+                oversized_is_invalid_argument,
+            ))
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(service)
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                async {
+                    let _ = rx.await;
+                },
+            ),
+    );
+    let ready = {
+        let (engine, health) = (engine.clone(), health.clone());
+        tokio::spawn(async move {
+            while engine.pools().ready_needs_warm()
+                && !engine.pools().wait_warm(Duration::from_secs(5)).await
+            {
+                tracing::info!("waiting for warm sandboxes before reporting ready");
+            }
+            health.set_serving::<GatewayServer<GatewayService>>().await;
+            engine
+                .metrics()
+                .ready
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        })
+    };
+    tasks.push(ready);
+    if let Some(maddr) = metrics_addr {
+        let m = engine.metrics().clone();
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = serve_metrics(m, maddr).await {
+                tracing::error!(error = %e, "metrics endpoint failed");
+            }
+        }));
+    }
+    Ok(RunningGateway {
+        addr,
+        engine,
+        health,
+        shutdown: Some(tx),
+        server,
+        tasks,
+    })
+}
+
+/// tonic refuses a request over the message limit with OUT_OF_RANGE before our code sees it; the API
+/// promises INVALID_ARGUMENT for an oversized request, so that one status is rewritten.
+fn oversized_is_invalid_argument<B>(
+    mut resp: tonic::codegen::http::Response<B>,
+) -> tonic::codegen::http::Response<B> {
+    let headers = resp.headers_mut();
+    // grpc-message is percent-encoded (spaces as %20).
+    let too_large = headers
+        .get("grpc-message")
+        .and_then(|m| m.to_str().ok())
+        .is_some_and(|m| m.replace("%20", " ").contains("message length too large"));
+    if too_large && headers.get("grpc-status").is_some_and(|s| s == "11") {
+        headers.insert(
+            "grpc-status",
+            tonic::codegen::http::HeaderValue::from_static("3"),
+        );
+    }
+    resp
+}
+
+/// Serves `GET /metrics`, `/healthz` (the process answers) and `/readyz` (ready to serve runs) on
+/// `addr` until the process ends.
+async fn serve_metrics(metrics: Metrics, addr: SocketAddr) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "metrics listening");
+    sluice_telemetry::serve_endpoint(
+        listener,
+        metrics.registry.clone(),
+        Some(metrics.ready.clone()),
+    )
+    .await
+}
+
+/// Re-reads the directory whenever its YAML files change and swaps the registry.
+async fn watch(engine: Arc<Engine>, dir: PathBuf, platform_namespace: String) {
+    let mut seen = local_dir::fingerprint(&dir);
+    loop {
+        tokio::time::sleep(local_dir::POLL).await;
+        let now = local_dir::fingerprint(&dir);
+        if now == seen {
+            continue;
+        }
+        seen = now;
+        match local_dir::load_for(&dir, &platform_namespace) {
+            Ok(registry) => {
+                registry.log_summary();
+                engine.set_registry(registry).await;
+            }
+            Err(e) => {
+                tracing::error!(dir = %dir.display(), error = %e, "cannot read the chain directory; keeping the last registry")
+            }
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! `sluice-gateway --local DIR [--listen ADDR]`: the gateway in local mode (runsc sandboxes here);
+//! `sluice-gateway --kube`: in a cluster (warm pods of the operator, reached over the exec API).
+
+use anyhow::Context as _;
+use clap::Parser;
+use sluice_engine::Audit;
+use sluice_gateway::{KubeOptions, LocalOptions, start_kube, start_local};
+use sluice_sandbox_kube::KubeConfig;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "sluice-gateway",
+    version,
+    about = "Sluice gRPC gateway: runs HookChains in gVisor sandboxes"
+)]
+struct Args {
+    /// Serve the HookChain and Capability YAML under this directory with local runsc sandboxes.
+    #[arg(
+        long,
+        value_name = "DIR",
+        required_unless_present = "kube",
+        conflicts_with = "kube"
+    )]
+    local: Option<PathBuf>,
+    /// Serve the cluster's HookChains and Capabilities from the operator's warm gVisor pods
+    /// (in-cluster service account, or KUBECONFIG).
+    #[arg(long)]
+    kube: bool,
+    /// kube mode: watch and claim only in this namespace (default: all namespaces); the platform
+    /// namespace is watched as well, for its baselines.
+    #[arg(long, requires = "kube")]
+    namespace: Option<String>,
+    /// kube mode: claim only pods under this RuntimeClass (the operator's --runtime-class); empty
+    /// trusts any.
+    #[arg(long, default_value = "gvisor")]
+    runtime_class: String,
+    /// kube mode: how long a run waits for a warm pod (e.g. 2s, 500ms).
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    claim_timeout: std::time::Duration,
+    /// kube mode: pods per chain (at most its pool.warm) this gateway keeps claimed and attached
+    /// ahead of demand, so a run pays neither the claim nor the exec; 0 claims per run.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
+    kube_hold: u32,
+    /// gRPC listen address.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: SocketAddr,
+    /// Prometheus metrics address (GET /metrics).
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    /// Where audit events go, one JSON line per run: a file, or - for stdout.
+    #[arg(long, default_value = "-")]
+    audit: String,
+    /// Directory for sandbox state (runsc root, bundles); leftovers in it are removed at start.
+    #[arg(long, default_value = "/run/sluice/gateway")]
+    state_dir: PathBuf,
+    /// The runsc binary.
+    #[arg(long, default_value = "runsc")]
+    runsc: PathBuf,
+    /// The Python interpreter mounted (read-only) into sandboxes.
+    #[arg(long, default_value = "/usr/bin/python3")]
+    python: PathBuf,
+    /// gVisor platform (ptrace works everywhere).
+    #[arg(long, default_value = "ptrace")]
+    platform: String,
+    /// Namespace whose HookChains marked `enforced: true` are platform baselines: they run before
+    /// every tenant's chain at their trigger point and cannot be bypassed.
+    #[arg(long, default_value = sluice_crds::DEFAULT_PLATFORM_NAMESPACE)]
+    platform_namespace: String,
+    /// Log format: text or json.
+    #[arg(long, default_value = "text")]
+    log_format: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if args.log_format == "json" {
+        logs.json().init()
+    } else {
+        logs.init()
+    }
+
+    let audit = if args.audit == "-" {
+        Audit::to_stdout()
+    } else {
+        Audit::to_file(args.audit.as_ref())?
+    };
+    let gateway = match &args.local {
+        Some(dir) => {
+            let mut opts = LocalOptions::new(dir, &args.state_dir);
+            opts.listen = args.listen;
+            opts.metrics = args.metrics;
+            opts.sandbox.runsc = args.runsc;
+            opts.sandbox.python = args.python;
+            opts.sandbox.platform = args.platform;
+            opts.platform_namespace = args.platform_namespace;
+            opts.audit = audit;
+            start_local(opts).await?
+        }
+        None => {
+            let client = kube::Client::try_default()
+                .await
+                .context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;
+            // The pod's name (downward API) marks the pods this replica claims.
+            let identity = std::env::var("POD_NAME")
+                .or_else(|_| std::env::var("HOSTNAME"))
+                .unwrap_or_else(|_| format!("sluice-gateway-{}", std::process::id()));
+            let mut cfg = KubeConfig::new(identity);
+            cfg.namespaces = args.namespace.iter().cloned().collect();
+            cfg.claim_timeout = args.claim_timeout;
+            cfg.hold = args.kube_hold as usize;
+            cfg.runtime_class = Some(args.runtime_class.clone()).filter(|r| !r.is_empty());
+            let mut opts = KubeOptions::new(client, cfg);
+            opts.listen = args.listen;
+            opts.metrics = args.metrics;
+            opts.audit = audit;
+            opts.platform_namespace = args.platform_namespace;
+            opts.limits.claim_timeout = args.claim_timeout;
+            start_kube(opts).await?
+        }
+    };
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down: finishing in-flight runs, then destroying sandboxes");
+    gateway.shutdown().await;
+    Ok(())
+}
+
+/// `2s`, `500ms` or a bare number of milliseconds, at most a day.
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let (n, unit) = match s.strip_suffix("ms") {
+        Some(n) => (n, 1),
+        None => match s.strip_suffix('s') {
+            Some(n) => (n, 1000),
+            None => (s, 1),
+        },
+    };
+    n.trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        // Deadlines are added to the clock: keep them to something a clock can hold.
+        .filter(|ms| *ms <= 24 * 3600 * 1000)
+        .map(std::time::Duration::from_millis)
+        .ok_or_else(|| format!("{s:?} is not a duration like 2s or 500ms (at most 24h)"))
+}

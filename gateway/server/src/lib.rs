@@ -1,0 +1,14 @@
+//! Sluice's gateway: the `sluice.v1.Gateway` gRPC service around the engine, and the assembly of a
+//! running gateway in local mode (runsc sandboxes, a directory of YAML) or kube mode (claimed pods,
+//! watches), with health, reflection, metrics and graceful shutdown. The `sluice-gateway` binary is
+//! `src/bin/sluice-gateway.rs`.
+//!
+//! Reading order: `assembly` (`start_local`, `start_kube`, `RunningGateway`) → `service` (gRPC ↔
+//! engine translation) → `local_dir` (local mode's chain source).
+
+mod assembly;
+mod local_dir;
+mod service;
+
+pub use assembly::{KubeOptions, LocalOptions, RunningGateway, start_kube, start_local};
+pub use local_dir::{load, load_for};

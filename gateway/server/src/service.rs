@@ -1,0 +1,157 @@
+//! The gRPC face of the engine: `sluice.v1.Gateway`. Translates requests and answers (`Run` and
+//! `Stream`); every decision is the engine's.
+
+use futures::StreamExt;
+use serde_json::Value;
+use sluice_crds::Action;
+use sluice_engine::{
+    ClientStreamError, Engine, EngineError, RunInput, StreamError, StreamInput, StreamOpen,
+    StreamOutput, Walk,
+};
+use sluice_proto::convert::{from_proto, to_proto};
+use sluice_proto::{self as proto, gateway_server::Gateway};
+use std::pin::Pin;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+pub(crate) struct GatewayService {
+    pub(crate) engine: Arc<Engine>,
+}
+
+fn engine_status(e: EngineError) -> Status {
+    match e {
+        EngineError::InvalidArgument(m) => Status::invalid_argument(m),
+        EngineError::NotFound(m) => Status::not_found(m),
+        EngineError::Unavailable(m) => Status::unavailable(m),
+    }
+}
+
+fn stream_status(e: StreamError) -> Status {
+    let message = e.to_string();
+    match e {
+        StreamError::Refused(e) => engine_status(e),
+        StreamError::ShuttingDown => Status::unavailable(message),
+        StreamError::Idle(_) => Status::deadline_exceeded(message),
+        StreamError::Cancelled(_) => Status::cancelled(message),
+        StreamError::TooLarge(_) => Status::resource_exhausted(message),
+    }
+}
+
+/// A stream request as the engine takes it. A request without a message ends the stream, as the
+/// end of the client's stream does.
+fn stream_input(
+    r: Result<proto::StreamRequest, Status>,
+) -> Option<Result<StreamInput, ClientStreamError>> {
+    use proto::stream_request::Msg;
+    match r {
+        Err(s) => Some(Err(ClientStreamError(s.message().to_string()))),
+        Ok(proto::StreamRequest { msg: None }) => None,
+        Ok(proto::StreamRequest { msg: Some(m) }) => Some(Ok(match m {
+            Msg::Open(o) => StreamInput::Open(StreamOpen {
+                namespace: o.namespace,
+                target: o.target,
+                trigger_point: o.trigger_point,
+                context: o.context.into_iter().collect(),
+                session_id: o.session_id,
+            }),
+            Msg::Chunk(text) => StreamInput::Chunk(text),
+            Msg::Finish(_) => StreamInput::Finish,
+        })),
+    }
+}
+
+fn stream_response(
+    out: Result<StreamOutput, StreamError>,
+) -> Result<proto::StreamResponse, Status> {
+    use proto::stream_response::Msg;
+    let msg = match out.map_err(stream_status)? {
+        StreamOutput::Commit(text) => Msg::Commit(text),
+        StreamOutput::Blocked { message, hook } => {
+            Msg::Blocked(proto::StreamBlocked { message, hook })
+        }
+        StreamOutput::Final(result) => Msg::Final(run_response(&result.run_id, &result.walk)),
+    };
+    Ok(proto::StreamResponse { msg: Some(msg) })
+}
+
+fn action_to_proto(a: Action) -> proto::Action {
+    match a {
+        Action::Pass => proto::Action::Pass,
+        Action::Modify => proto::Action::Modify,
+        Action::Block => proto::Action::Block,
+        Action::Skip => proto::Action::Skip,
+        Action::Detect => proto::Action::Detect,
+    }
+}
+
+/// The RunResponse of a finished walk. The payload goes back in the form it came: text or value.
+fn run_response(run_id: &str, walk: &Walk) -> proto::RunResponse {
+    let payload = match &walk.payload {
+        Value::String(s) => proto::run_response::Payload::Text(s.clone()),
+        other => proto::run_response::Payload::Value(to_proto(other)),
+    };
+    proto::RunResponse {
+        action: action_to_proto(walk.action) as i32,
+        payload: Some(payload),
+        message: walk.message.clone(),
+        hooks: walk
+            .hooks
+            .iter()
+            .map(|h| proto::HookOutcome {
+                name: h.name.clone(),
+                action: action_to_proto(h.action) as i32,
+                message: h.message.clone(),
+                findings: h.findings.as_ref().map(to_proto),
+                error: h.error.clone().unwrap_or_default(),
+                latency_us: h.latency_us,
+            })
+            .collect(),
+        terminal_index: walk.terminal_index.map(|i| i as u32),
+        run_id: run_id.to_string(),
+    }
+}
+
+fn payload_from_proto(p: Option<proto::run_request::Payload>) -> Option<Value> {
+    match p {
+        Some(proto::run_request::Payload::Text(t)) => Some(Value::String(t)),
+        Some(proto::run_request::Payload::Value(v)) => Some(from_proto(&v)),
+        None => None,
+    }
+}
+
+type StreamOut = Pin<Box<dyn futures::Stream<Item = Result<proto::StreamResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Gateway for GatewayService {
+    async fn run(
+        &self,
+        request: Request<proto::RunRequest>,
+    ) -> Result<Response<proto::RunResponse>, Status> {
+        let r = request.into_inner();
+        let input = RunInput {
+            namespace: r.namespace,
+            target: r.target,
+            trigger_point: r.trigger_point,
+            payload: payload_from_proto(r.payload),
+            context: r.context.into_iter().collect(),
+            session_id: r.session_id,
+        };
+        let result = self.engine.run(input).await.map_err(engine_status)?;
+        Ok(Response::new(run_response(&result.run_id, &result.walk)))
+    }
+
+    type StreamStream = StreamOut;
+
+    async fn stream(
+        &self,
+        request: Request<tonic::Streaming<proto::StreamRequest>>,
+    ) -> Result<Response<Self::StreamStream>, Status> {
+        let inputs = request
+            .into_inner()
+            .map(stream_input)
+            .take_while(|m| futures::future::ready(m.is_some()))
+            .filter_map(futures::future::ready);
+        let out = self.engine.stream(inputs).map(stream_response);
+        Ok(Response::new(Box::pin(out)))
+    }
+}

@@ -1,0 +1,272 @@
+//! The `sluice-gateway` binary in local mode: bad files are reported with file and line while the
+//! rest serves, the directory is watched and swapped atomically, in-flight runs finish on the chain
+//! they started with, and sandboxes left by a killed gateway are removed at the next start.
+
+use sluice_proto::{self as proto, gateway_client::GatewayClient};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const GOOD: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: good}
+spec:
+  target: bot
+  triggerPoint: input
+  pool: {warm: 1, max: 4}
+  hooks:
+    - name: tag
+      action: modify
+      settings: {tag: v1}
+      code: |
+        import time
+        def execute(context, settings):
+            if context["outgoing"] == "slow":
+                time.sleep(1.5)
+            return {"action": "modify", "outgoing": settings["tag"]}
+"#;
+
+/// Second document is broken on line 9 of the file (an unknown trigger point).
+const BAD: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: Capability
+metadata: {name: echo}
+spec: {endpoint: {builtin: echo}}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: bad}
+spec: {target: other, triggerPoint: upside_down, hooks: [{name: a, action: block, code: "x"}]}
+"#;
+
+struct Gateway {
+    child: Child,
+    addr: String,
+    stderr_lines: std::sync::mpsc::Receiver<String>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start(dir: &Path, state: &Path) -> Gateway {
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice-gateway"))
+        .arg("--local")
+        .arg(dir)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--audit")
+        .arg(state.join("audit.jsonl"))
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("gateway binary starts");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    Gateway {
+        child,
+        addr: format!("http://127.0.0.1:{port}"),
+        stderr_lines: rx,
+    }
+}
+
+impl Gateway {
+    fn wait_for_log(&self, needle: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.stderr_lines.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        panic!("the gateway never logged {needle:?}");
+    }
+
+    async fn client(&self) -> GatewayClient<tonic::transport::Channel> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(c) = GatewayClient::connect(self.addr.clone()).await {
+                return c;
+            }
+            assert!(Instant::now() < deadline, "gateway never listened");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+async fn run(
+    client: &mut GatewayClient<tonic::transport::Channel>,
+    target: &str,
+    text: &str,
+) -> Result<proto::RunResponse, tonic::Status> {
+    let req = proto::RunRequest {
+        namespace: "default".into(),
+        target: target.into(),
+        trigger_point: "input".into(),
+        payload: Some(proto::run_request::Payload::Text(text.into())),
+        ..Default::default()
+    };
+    client.run(req).await.map(|r| r.into_inner())
+}
+
+fn text(r: &proto::RunResponse) -> String {
+    match &r.payload {
+        Some(proto::run_response::Payload::Text(t)) => t.clone(),
+        _ => String::new(),
+    }
+}
+
+fn runsc_list(state: &Path) -> String {
+    let out = Command::new("runsc")
+        .arg("--root")
+        .arg(state.join("runsc"))
+        .arg("list")
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_files_are_reported_watched_changes_swap_and_in_flight_runs_keep_their_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = tempfile::Builder::new()
+        .prefix("sluice-lm")
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::write(dir.path().join("good.yaml"), GOOD).unwrap();
+    std::fs::write(dir.path().join("bad.yaml"), BAD).unwrap();
+    let mut gw = start(dir.path(), state.path());
+    let line = gw.wait_for_log("bad.yaml:9", Duration::from_secs(30));
+    assert!(line.contains("upside_down"), "{line}");
+    let mut client = gw.client().await;
+    let r = run(&mut client, "bot", "hi").await.unwrap();
+    assert_eq!(text(&r), "v1", "the good chain serves despite the bad file");
+
+    // A run in flight on v1 while the file changes to v2 and a broken file is dropped in.
+    let mut slow_client = client.clone();
+    let in_flight = tokio::spawn(async move { run(&mut slow_client, "bot", "slow").await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    std::fs::write(
+        dir.path().join("dropped.yaml"),
+        "kind: HookChain\napiVersion: sluice.dev/v1alpha1\nmetadata: [oops\n",
+    )
+    .unwrap();
+    let tmp = dir.path().join(".good.yaml.tmp");
+    std::fs::write(&tmp, GOOD.replace("tag: v1", "tag: v2")).unwrap();
+    std::fs::rename(&tmp, dir.path().join("good.yaml")).unwrap();
+    let r = in_flight.await.unwrap().unwrap();
+    assert_eq!(
+        text(&r),
+        "v1",
+        "a run finishes on the chain it started with"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = run(&mut client, "bot", "hi").await.unwrap();
+        if text(&r) == "v2" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the change was never picked up");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Removing the file removes the chain.
+    std::fs::remove_file(dir.path().join("good.yaml")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while run(&mut client, "bot", "hi").await.map_err(|s| s.code()) != Err(tonic::Code::NotFound) {
+        assert!(Instant::now() < deadline, "the removed chain still serves");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // SIGTERM: graceful exit, nothing left.
+    sigterm(&gw.child);
+    let status = gw.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert_eq!(
+        runsc_list(state.path()),
+        "",
+        "sandboxes left after a clean shutdown"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxes_of_a_killed_gateway_are_removed_at_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = tempfile::Builder::new()
+        .prefix("sluice-crash")
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::write(
+        dir.path().join("good.yaml"),
+        GOOD.replace("warm: 1", "warm: 3"),
+    )
+    .unwrap();
+    let mut gw = start(dir.path(), state.path());
+    let mut client = gw.client().await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while runsc_list(state.path()).lines().count() < 3 {
+        assert!(Instant::now() < deadline, "pool never filled");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(text(&run(&mut client, "bot", "hi").await.unwrap()), "v1");
+    gw.child.kill().unwrap();
+    gw.child.wait().unwrap();
+    // What a killed gateway leaves: its bundles always, and containers unless they wound down by
+    // themselves when their stdin closed.
+    let old: Vec<String> = std::fs::read_dir(state.path().join("bundles"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    assert!(!old.is_empty(), "a SIGKILLed gateway leaves its bundles");
+
+    let mut gw = start(dir.path(), state.path());
+    gw.wait_for_log("listening", Duration::from_secs(60));
+    let list = runsc_list(state.path());
+    for id in &old {
+        assert!(
+            !list.contains(id.as_str()),
+            "leftover {id} still listed:\n{list}"
+        );
+        assert!(
+            !state.path().join("bundles").join(id).exists(),
+            "leftover bundle {id}"
+        );
+    }
+    let mut client = gw.client().await;
+    assert_eq!(text(&run(&mut client, "bot", "hi").await.unwrap()), "v1");
+    sigterm(&gw.child);
+    assert!(gw.child.wait().unwrap().success());
+    assert_eq!(runsc_list(state.path()), "");
+    let bundles = std::fs::read_dir(state.path().join("bundles"))
+        .unwrap()
+        .count();
+    assert_eq!(bundles, 0, "bundles left");
+}
+
+/// Asks the gateway process to stop, as a service manager would.
+fn sigterm(child: &std::process::Child) {
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill(1) runs");
+    assert!(status.success(), "kill -TERM failed");
+}
