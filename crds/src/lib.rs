@@ -2,6 +2,7 @@
 //! loader that reads them from YAML files with file and line in every error.
 
 mod capability;
+pub mod duration;
 mod hookchain;
 pub mod manifest;
 pub mod quantity;
