@@ -64,11 +64,11 @@ print(json.dumps(out))
 
 fn bench_chain() -> anyhow::Result<Chain> {
     let yaml = crate::chain_yaml("naive", "naive", "input", "{warm: 0, max: 1}", "");
-    let hc: sluice_crds::HookChain = serde_yaml_from(&yaml)?;
+    let hc: sluice_crds::HookChain = hookchain_from(&yaml)?;
     Chain::from_resource(&hc).map_err(anyhow::Error::msg)
 }
 
-fn serde_yaml_from(y: &str) -> anyhow::Result<sluice_crds::HookChain> {
+fn hookchain_from(y: &str) -> anyhow::Result<sluice_crds::HookChain> {
     let parsed = sluice_crds::manifest::parse(std::path::Path::new("bench.yaml"), y);
     match parsed.into_iter().next() {
         Some(Ok(located)) => match located.value {

@@ -28,7 +28,7 @@ fn free_form(_: &mut schemars::SchemaGenerator) -> Schema {
 /// The CRD manifests as YAML, in the order `make crds` writes them.
 pub fn crd_yaml() -> Vec<(&'static str, String)> {
     use kube::CustomResourceExt;
-    let render = |crd| serde_yaml::to_string(&crd).expect("a CRD always serializes to YAML");
+    let render = |crd| manifest::to_yaml(&crd).expect("a CRD always serializes to YAML");
     vec![
         ("hookchain.yaml", render(HookChain::crd())),
         ("capability.yaml", render(Capability::crd())),
