@@ -36,7 +36,7 @@ fn pod(i: usize) -> Value {
 }
 
 fn spec_of(yaml: &str) -> anyhow::Result<sluice_engine::SandboxSpec> {
-    let hc: sluice_crds::HookChain = serde_yaml::from_str(yaml)?;
+    let hc: sluice_crds::HookChain = serde_saphyr::from_str(yaml)?;
     let namespace = sluice_crds::manifest::namespace_of(&hc.metadata);
     let name = hc.metadata.name.clone().unwrap_or_default();
     Ok(sluice_engine::Chain::new(&namespace, &name, &hc.spec)?.sandbox)
@@ -116,7 +116,7 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
     let chain = chain_yaml("execbench", "bench", "input", "{warm: 2, max: 8}", "");
     let text = text_1k();
     let api = FakeApiServer::start(ExecProtocol::V5).await?;
-    let mut hc: Value = serde_yaml::from_str(&chain)?;
+    let mut hc: Value = serde_saphyr::from_str(&chain)?;
     hc["metadata"]["namespace"] = "default".into();
     api.apply(Resource::HookChains, hc);
     // Every pod booted before the first sample: on two cores, a replacement booting beside a run

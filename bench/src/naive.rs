@@ -64,13 +64,13 @@ print(json.dumps(out))
 
 fn bench_chain() -> anyhow::Result<Chain> {
     let yaml = crate::chain_yaml("naive", "naive", "input", "{warm: 0, max: 1}", "");
-    let hc: sluice_crds::HookChain = serde_yaml_from(&yaml)?;
+    let hc: sluice_crds::HookChain = hookchain_from(&yaml)?;
     let namespace = sluice_crds::manifest::namespace_of(&hc.metadata);
     let name = hc.metadata.name.clone().unwrap_or_default();
     Ok(Chain::new(&namespace, &name, &hc.spec)?)
 }
 
-fn serde_yaml_from(y: &str) -> anyhow::Result<sluice_crds::HookChain> {
+fn hookchain_from(y: &str) -> anyhow::Result<sluice_crds::HookChain> {
     let parsed = sluice_crds::manifest::parse(std::path::Path::new("bench.yaml"), y);
     match parsed.into_iter().next() {
         Some(Ok(located)) => match located.value {

@@ -14,6 +14,7 @@
 mod capability;
 pub mod code;
 pub mod definition;
+pub mod duration;
 mod hookchain;
 #[cfg(feature = "kube")]
 pub mod manifest;
@@ -46,7 +47,7 @@ fn free_form(_: &mut schemars::SchemaGenerator) -> Schema {
 #[cfg(feature = "kube")]
 pub fn crd_yaml() -> Vec<(&'static str, String)> {
     use kube::CustomResourceExt;
-    let render = |crd| serde_yaml::to_string(&crd).expect("a CRD always serializes to YAML");
+    let render = |crd| manifest::to_yaml(&crd).expect("a CRD always serializes to YAML");
     vec![
         ("hookchain.yaml", render(HookChain::crd())),
         ("capability.yaml", render(Capability::crd())),

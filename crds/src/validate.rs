@@ -75,7 +75,7 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
     match quantity::cpu_millis(&spec.resources.cpu) {
         Ok(0) => out.push(problem("spec.resources.cpu", "must be more than 0")),
         Ok(_) => {}
-        Err(e) => out.push(problem("spec.resources.cpu", e)),
+        Err(e) => out.push(problem("spec.resources.cpu", e.to_string())),
     }
     match quantity::memory_bytes(&spec.resources.memory) {
         Ok(b) if b < MIN_MEMORY_BYTES => out.push(problem(
@@ -86,7 +86,7 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
             ),
         )),
         Ok(_) => {}
-        Err(e) => out.push(problem("spec.resources.memory", e)),
+        Err(e) => out.push(problem("spec.resources.memory", e.to_string())),
     }
     if spec.resources.pids < 8 {
         out.push(problem("spec.resources.pids", "must be at least 8"));

@@ -50,7 +50,7 @@ fn structural_violations(node: &serde_json::Value, path: &str, out: &mut Vec<Str
 #[test]
 fn crds_are_structural_and_every_field_is_described() {
     for (name, yaml) in sluice_crds::crd_yaml() {
-        let crd: serde_json::Value = serde_yaml::from_str(&yaml).unwrap();
+        let crd: serde_json::Value = serde_saphyr::from_str(&yaml).unwrap();
         let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
         let mut out = Vec::new();
         for part in ["spec", "status"] {
@@ -71,7 +71,7 @@ fn the_api_server_enforces_exactly_one_endpoint() {
         .into_iter()
         .find(|(n, _)| *n == "capability.yaml")
         .unwrap();
-    let crd: serde_json::Value = serde_yaml::from_str(&yaml).unwrap();
+    let crd: serde_json::Value = serde_saphyr::from_str(&yaml).unwrap();
     let endpoint = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
         ["endpoint"];
     let rules = endpoint["x-kubernetes-validations"]

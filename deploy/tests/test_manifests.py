@@ -210,7 +210,7 @@ class ChartTest(ManifestCase):
                 run(HELM, "lint", "--strict", CHART, *[a for v in values for a in ("--set", v)])
 
     def test_values_schema_refuses_typos_and_wrong_types(self):
-        for bad in ("operator.replica=2", "gateway.claimTimeout=soon", "gateway.claimTimeout=1m", "image.pullPolicy=Sometimes", "gateway.replicas=0",
+        for bad in ("operator.replica=2", "gateway.claimTimeout=soon", "operator.claimDeadline=300", "operator.claimDeadline=5d", "gateway.claimTimeout=5", "image.pullPolicy=Sometimes", "gateway.replicas=0",
                     "networkPolicy.apiServer.ports[0]=https"):
             proc = subprocess.run([HELM, "template", "sluice", CHART, "--set", bad], capture_output=True, text=True, timeout=120)
             self.assertNotEqual(proc.returncode, 0, f"--set {bad} was accepted")

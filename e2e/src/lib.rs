@@ -421,7 +421,7 @@ pub use sluice_engine::chunk_at;
 
 /// A YAML manifest as the JSON object the API server stores (namespace defaulted).
 pub fn manifest_json(yaml: &str) -> Value {
-    let mut v: Value = serde_yaml::from_str(yaml).expect("test manifests are valid YAML");
+    let mut v: Value = serde_saphyr::from_str(yaml).expect("test manifests are valid YAML");
     if v["metadata"]["namespace"].is_null() {
         v["metadata"]["namespace"] = "default".into();
     }

@@ -26,7 +26,7 @@ const CHATTY: &str = r#"def execute(context, settings):
     return {"action": "pass"}"#;
 
 fn sandbox_of(yaml: &str) -> SandboxSpec {
-    let hc: sluice_crds::HookChain = serde_yaml::from_str(yaml).expect("chain YAML");
+    let hc: sluice_crds::HookChain = serde_saphyr::from_str(yaml).expect("chain YAML");
     let namespace = sluice_crds::manifest::namespace_of(&hc.metadata);
     let name = hc.metadata.name.clone().unwrap_or_default();
     sluice_engine::Chain::new(&namespace, &name, &hc.spec)

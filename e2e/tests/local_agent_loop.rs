@@ -18,14 +18,9 @@ fn policy(name: &str, mut tweak: impl FnMut(&mut Value)) -> String {
         env!("CARGO_MANIFEST_DIR")
     );
     let text = std::fs::read_to_string(&path).expect("policy file");
-    let mut out = Vec::new();
-    for doc in text.split("\n---\n") {
-        let yaml: serde_yaml::Value = serde_yaml::from_str(doc).expect("policy YAML");
-        let mut chain: Value = serde_json::to_value(yaml).expect("as JSON");
-        tweak(&mut chain);
-        out.push(serde_yaml::to_string(&chain).expect("to YAML"));
-    }
-    out.join("---\n")
+    let mut chains: Vec<Value> = serde_saphyr::from_multiple(&text).expect("policy YAML");
+    chains.iter_mut().for_each(&mut tweak);
+    serde_saphyr::to_string_multiple(&chains).expect("to YAML")
 }
 
 fn settings(chain: &mut Value) -> &mut Value {

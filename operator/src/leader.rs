@@ -3,6 +3,14 @@
 //! needs: every write is a PUT carrying the Lease's `resourceVersion`, so of two replicas racing
 //! for a free or expired Lease exactly one wins and the other gets a conflict.
 //!
+//! Expiry is client-go's: a follower times another holder's Lease from when *it* saw the record
+//! change (holder, renewTime, resourceVersion...), on its own monotonic clock, and takes over only
+//! after seeing no change for the Lease's duration. The holder's `renewTime` is never compared with
+//! the local wall clock, so a follower whose clock runs ahead cannot take a Lease that is being
+//! renewed. Why not a crate: the kube lease crates that exist (kube-lease-manager, the only one on
+//! kube 5; kube-leader-election; kubert's lease) all compute expiry as `renewTime + duration`
+//! against the local wall clock, which is the bug this module avoids.
+//!
 //! Timing: every Lease call is cut off after `renew_every` (kube's own timeout is minutes), and a
 //! leader whose last successful renewal started `renew_deadline` ago steps down on a timer, whatever
 //! its calls are doing. The controller then stops writing within `LeaseTiming::stop_grace`, which
@@ -10,8 +18,9 @@
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
@@ -27,6 +36,33 @@ pub struct LeaseLock {
     name: String,
     identity: String,
     duration: Duration,
+    /// The last Lease record this replica read or wrote, and when (monotonic) it first saw it.
+    observed: Mutex<Option<(Record, Instant)>>,
+}
+
+/// What identifies one version of the Lease's record: any change restarts the expiry timer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Record {
+    resource_version: Option<String>,
+    holder: Option<String>,
+    renew_time: Option<Timestamp>,
+    acquire_time: Option<Timestamp>,
+    duration_seconds: Option<i32>,
+    transitions: Option<i32>,
+}
+
+impl Record {
+    fn of(lease: &Lease) -> Self {
+        let spec = lease.spec.as_ref();
+        Self {
+            resource_version: lease.metadata.resource_version.clone(),
+            holder: spec.and_then(|s| s.holder_identity.clone()),
+            renew_time: spec.and_then(|s| s.renew_time.as_ref().map(|t| t.0)),
+            acquire_time: spec.and_then(|s| s.acquire_time.as_ref().map(|t| t.0)),
+            duration_seconds: spec.and_then(|s| s.lease_duration_seconds),
+            transitions: spec.and_then(|s| s.lease_transitions),
+        }
+    }
 }
 
 fn conflict(e: &kube::Error) -> bool {
@@ -40,6 +76,21 @@ impl LeaseLock {
             name: name.into(),
             identity: identity.into(),
             duration,
+            observed: Mutex::new(None),
+        }
+    }
+
+    /// Records `lease` as seen at `at`, unless it is the record already seen: then returns when
+    /// that record was first seen.
+    fn observe(&self, lease: &Lease, at: Instant) -> Instant {
+        let record = Record::of(lease);
+        let mut observed = self.observed.lock().unwrap_or_else(|e| e.into_inner());
+        match &*observed {
+            Some((seen, since)) if *seen == record => *since,
+            _ => {
+                *observed = Some((record, at));
+                at
+            }
         }
     }
 
@@ -53,7 +104,15 @@ impl LeaseLock {
 
     /// Takes the Lease if it is free or expired, renews it if this replica holds it. True when
     /// this replica holds the Lease afterwards.
-    pub async fn try_acquire_or_renew(&self, now: Timestamp) -> Result<bool, kube::Error> {
+    ///
+    /// `now` is the wall-clock time written into the Lease (`renewTime`, `acquireTime`); `local` is
+    /// this process's monotonic time, the only clock expiry is measured on: another replica's
+    /// Lease has expired when this replica has seen the same record since `local - duration`.
+    pub async fn try_acquire_or_renew(
+        &self,
+        now: Timestamp,
+        local: Instant,
+    ) -> Result<bool, kube::Error> {
         let pp = PostParams::default();
         let Some(mut lease) = self.api.get_opt(&self.name).await? else {
             let lease = Lease {
@@ -71,29 +130,28 @@ impl LeaseLock {
                 }),
             };
             return match self.api.create(&pp, &lease).await {
-                Ok(_) => Ok(true),
+                Ok(written) => {
+                    self.observe(&written, local);
+                    Ok(true)
+                }
                 Err(e) if conflict(&e) => Ok(false),
                 Err(e) => Err(e),
             };
         };
+        let seen_since = self.observe(&lease, local);
         let mut spec = lease.spec.take().unwrap_or_default();
         let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
         if holder.as_deref() == Some(self.identity.as_str()) {
             spec.renew_time = Some(MicroTime(now));
             spec.lease_duration_seconds = Some(self.seconds());
         } else {
-            let duration = spec
-                .lease_duration_seconds
-                .map(|s| SignedDuration::from_secs(s.into()))
-                .unwrap_or_else(|| SignedDuration::try_from(self.duration).unwrap_or_default());
-            let last = spec.renew_time.as_ref().or(spec.acquire_time.as_ref());
-            // Anyone who can write the Lease writes these: a renewal "from the future" counts
-            // from now, and an expiry past the end of time never comes (no overflow panic).
-            let expired = last.is_none_or(|t| {
-                t.0.min(now)
-                    .checked_add(duration)
-                    .is_ok_and(|expiry| expiry <= now)
+            let duration = spec.lease_duration_seconds.map_or(self.duration, |s| {
+                Duration::from_secs(u64::try_from(s).unwrap_or(0))
             });
+            // An expiry past the end of the monotonic clock never comes (no overflow panic).
+            let expired = seen_since
+                .checked_add(duration)
+                .is_some_and(|expiry| expiry <= local);
             if holder.is_some() && !expired {
                 return Ok(false);
             }
@@ -106,7 +164,10 @@ impl LeaseLock {
         lease.spec = Some(spec);
         // The resourceVersion read above travels in metadata: a concurrent writer makes this a 409.
         match self.api.replace(&self.name, &pp, &lease).await {
-            Ok(_) => Ok(true),
+            Ok(written) => {
+                self.observe(&written, local);
+                Ok(true)
+            }
             Err(e) if conflict(&e) => Ok(false),
             Err(e) => Err(e),
         }
@@ -150,7 +211,8 @@ pub async fn run(
     mut stop: watch::Receiver<bool>,
 ) {
     let call_timeout = renew_every.min(renew_deadline);
-    // When the last successful renewal started: the renewTime other replicas time us from.
+    // When the last successful renewal started: no replica can have seen it earlier, so none
+    // times our Lease out before this plus the Lease duration.
     let mut last_renewed: Option<Instant> = None;
     let step_down_at = |last: Option<Instant>| {
         let at = last.map(|t| t + renew_deadline);
@@ -170,8 +232,10 @@ pub async fn run(
     };
     loop {
         let started = Instant::now();
-        let attempt =
-            tokio::time::timeout(call_timeout, lock.try_acquire_or_renew(Timestamp::now()));
+        let attempt = tokio::time::timeout(
+            call_timeout,
+            lock.try_acquire_or_renew(Timestamp::now(), started),
+        );
         let result = tokio::select! {
             r = attempt => Some(r),
             _ = step_down_at(last_renewed) => None,

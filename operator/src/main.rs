@@ -2,6 +2,7 @@
 
 use clap::{Args, Parser, Subcommand};
 use kube::{Api, Client};
+use sluice_crds::duration::parse_duration;
 use sluice_operator::build::{Settings, default_supervisor_image};
 use sluice_operator::controller::{self, LeaseTiming, RunConfig};
 use sluice_operator::leader::{self, LeaseLock};
@@ -84,24 +85,6 @@ struct RunArgs {
     /// This replica's identity in the Lease and in Events.
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
-}
-
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (digits, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
-        Some(i) => s.split_at(i),
-        None => (s, "s"),
-    };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 300s, 5m or 1500ms"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n * 60)),
-        "h" => Ok(Duration::from_secs(n * 3600)),
-        _ => Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
-    }
 }
 
 fn identity(given: Option<String>) -> String {
@@ -218,13 +201,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn durations() {
-        assert_eq!(parse_duration("300s"), Ok(Duration::from_secs(300)));
-        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
-        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("42"), Ok(Duration::from_secs(42)));
-        assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("5d").is_err());
+    fn durations_follow_the_one_rule_and_refuse_bare_numbers() {
+        let parse = |flag: &str| {
+            Cli::try_parse_from(["sluice-operator", "run", flag]).map(|c| match c.command {
+                Command::Run(args) => (args.claim_deadline, args.start_deadline),
+                Command::Render { .. } => unreachable!(),
+            })
+        };
+        assert_eq!(
+            parse("--claim-deadline=5m").unwrap(),
+            (Duration::from_secs(300), Duration::from_secs(120))
+        );
+        assert_eq!(
+            parse("--start-deadline=1m30s").unwrap().1,
+            Duration::from_secs(90)
+        );
+        let err = parse("--claim-deadline=300").err().unwrap().to_string();
+        assert!(
+            err.contains("has no unit") && err.contains("500ms"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -14,9 +14,12 @@ pub struct Rendered {
     pub problems: Vec<String>,
 }
 
-fn push<T: serde::Serialize>(out: &mut String, object: &T) -> Result<(), serde_yaml::Error> {
+fn push<T: serde::Serialize>(
+    out: &mut String,
+    object: &T,
+) -> Result<(), serde_saphyr::SerializeError> {
     out.push_str("---\n");
-    out.push_str(&serde_yaml::to_string(object)?);
+    out.push_str(&manifest::to_yaml(object)?);
     Ok(())
 }
 

@@ -389,17 +389,21 @@ async fn only_the_lease_holder_reconciles() {
         call.is("GET", LEASE);
         call.reply(200, lease("operator-b", Timestamp::now()));
     }
-    // The other replica stops renewing: take over, then the watches start (namespaced).
-    let call = api.next().await;
-    call.is("GET", LEASE);
-    call.reply(
-        200,
-        lease(
-            "operator-b",
-            Timestamp::now() - SignedDuration::from_secs(60),
-        ),
+    // The other replica stops renewing: once its record has stood still for its Lease duration (1 s
+    // here) as this replica sees it, take over; then the watches start (namespaced).
+    let mut stale = lease(
+        "operator-b",
+        Timestamp::now() - SignedDuration::from_secs(60),
     );
-    let call = api.next().await;
+    stale["spec"]["leaseDurationSeconds"] = 1.into();
+    let call = loop {
+        let call = api.next().await;
+        if call.method == "PUT" {
+            break call;
+        }
+        call.is("GET", LEASE);
+        call.reply(200, stale.clone());
+    };
     call.is("PUT", LEASE);
     call.echo();
     let mut listed = Vec::new();

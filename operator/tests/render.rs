@@ -1,6 +1,5 @@
 //! `sluice-operator render` through the real binary, on the repository's examples.
 
-use serde::Deserialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -16,10 +15,8 @@ fn render(args: &[&str]) -> (bool, Vec<Value>, String) {
         .output()
         .expect("run sluice-operator");
     let stdout = String::from_utf8(out.stdout).unwrap();
-    let docs = serde_yaml::Deserializer::from_str(&stdout)
-        .map(|d| Value::deserialize(d).expect("render prints valid YAML"))
-        .filter(|v| !v.is_null())
-        .collect();
+    let docs: Vec<Value> = serde_saphyr::from_multiple(&stdout).expect("render prints valid YAML");
+    let docs = docs.into_iter().filter(|v| !v.is_null()).collect();
     (
         out.status.success(),
         docs,

@@ -423,7 +423,7 @@ fn diff_hook(diff: &mut Vec<String>, hook: &str, expected: &str, got: Option<Str
 /// Runs every case of one test file; returns (passed, failed) and prints each case.
 pub async fn run_file(path: &Path) -> anyhow::Result<(usize, usize)> {
     let text = std::fs::read_to_string(path)?;
-    let file: TestFile = serde_yaml::from_str(&text).map_err(|e| {
+    let file: TestFile = serde_saphyr::from_str(&text).map_err(|e| {
         let line = e.location().map(|l| l.line()).unwrap_or(0);
         anyhow::anyhow!("{}:{line}: {e}", path.display())
     })?;

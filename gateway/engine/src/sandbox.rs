@@ -24,9 +24,7 @@ pub struct SandboxSpec {
 }
 
 /// A `spec.resources` quantity that cannot be read.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct ResourceError(String);
+pub type ResourceError = sluice_crds::quantity::QuantityError;
 
 impl SandboxSpec {
     pub fn for_chain(
@@ -38,8 +36,8 @@ impl SandboxSpec {
         Ok(Self {
             namespace: namespace.to_string(),
             chain: chain.to_string(),
-            cpu_millis: sluice_crds::quantity::cpu_millis(&r.cpu).map_err(ResourceError)?,
-            memory_bytes: sluice_crds::quantity::memory_bytes(&r.memory).map_err(ResourceError)?,
+            cpu_millis: sluice_crds::quantity::cpu_millis(&r.cpu)?,
+            memory_bytes: sluice_crds::quantity::memory_bytes(&r.memory)?,
             pids: r.pids,
             // A chain of one hook runs inside the supervisor itself: nothing to isolate it from.
             workers: sluice_crds::sandbox_pod::workers_for(hooks),

@@ -104,7 +104,7 @@ impl ApiServer {
             Value::Null
         } else {
             serde_json::from_slice(&bytes)
-                .or_else(|_| serde_yaml::from_slice(&bytes))
+                .or_else(|_| serde_saphyr::from_slice(&bytes))
                 .unwrap_or_else(|e| panic!("request body is neither JSON nor YAML: {e}"))
         };
         let query = parts

@@ -137,21 +137,12 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `2s`, `500ms` or a bare number of milliseconds, at most a day.
+/// `500ms`, `2s`, `1m`, `1h` (the rule every Sluice duration follows), at most a day: deadlines are
+/// added to the clock.
 fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
-    let (n, unit) = match s.strip_suffix("ms") {
-        Some(n) => (n, 1),
-        None => match s.strip_suffix('s') {
-            Some(n) => (n, 1000),
-            None => (s, 1),
-        },
-    };
-    n.trim()
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(unit))
-        // Deadlines are added to the clock: keep them to something a clock can hold.
-        .filter(|ms| *ms <= 24 * 3600 * 1000)
-        .map(std::time::Duration::from_millis)
-        .ok_or_else(|| format!("{s:?} is not a duration like 2s or 500ms (at most 24h)"))
+    let d = sluice_crds::duration::parse_duration(s).map_err(|e| e.to_string())?;
+    if d > std::time::Duration::from_secs(24 * 3600) {
+        return Err(format!("{s:?} is longer than 24h"));
+    }
+    Ok(d)
 }
