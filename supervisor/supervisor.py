@@ -451,6 +451,7 @@ class HookProcess:
         self.writer = os.fdopen(write_fd, "wb", buffering=1 << 16)
         self.reader = os.fdopen(read_fd, "rb", buffering=1 << 16)
         self.pid = None
+        self.namespace = None
         self.dead = False
 
     def handshake(self):
@@ -467,7 +468,13 @@ class HookProcess:
             elif op == "error":
                 raise CellError(str(msg.get("error")))
             else:
-                raise CellError(f"a hook's process died while its cell wasset up")
+                raise CellError("a hook's process died while its cell was set up")
+        try:
+            # Its pid namespace, read while only trusted code runs in it: how close() finds what
+            # the hook leaves running there.
+            self.namespace = os.readlink(f"/proc/{self.pid}/ns/pid")
+        except OSError as e:
+            raise CellError(f"cannot read a hook process's pid namespace: {e}") from None
 
     def send(self, msg):
         try:
@@ -580,29 +587,66 @@ class Cell:
             raise HookError(error)
 
     def close(self):
-        """Kills every process of the cell (each the pid 1 of its namespace, so everything it started
-        dies with it) and waits for them. Returns None when all is clean, else the reason the
-        sandbox is dirty."""
+        """Kills every process of the cell and waits until all are gone. Each hook's process is pid 1
+        of its own pid namespace; whatever it started still running in that namespace (gVisor, unlike
+        Linux, does not end a pid namespace with its init) is found by its namespace and killed too.
+        Returns None when the cell ended as a cell should, else why the sandbox is dirty."""
         procs = [h.process for h in self.hooks if h.process is not None] + self.retired
+        namespaces = {p.namespace for p in procs if p.namespace}
         for p in procs:
             p.kill()
         pids = {p.pid for p in procs if p.pid is not None}
+        outlived = set()
         deadline = time.monotonic() + TEARDOWN_SECONDS
-        while pids:
-            for pid in list(pids):
+        while True:
+            members = [pid for pid in namespace_members(namespaces) if pid not in pids]
+            for pid in members:
+                outlived.add(pid)
                 try:
-                    done, _ = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    # Not ours yet: its parent (the zygote's short-lived child) has not exited.
-                    done = 0
-                if done:
-                    pids.discard(done)
-            if not pids:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            pids -= reap()
+            if not pids and not members:
                 break
             if time.monotonic() >= deadline:
-                return f"{len(pids)} hook process(es) did not die within {TEARDOWN_SECONDS:g} s"
+                return f"{len(pids | set(members))} process(es) of the cell did not die within {TEARDOWN_SECONDS:g} s"
             time.sleep(0.001)
+        if outlived:
+            return f"{len(outlived)} process(es) started by hooks outlived their hook (killed)"
         return None
+
+
+def namespace_members(namespaces):
+    """Pids of the processes (as this process sees them) that are in one of the given pid namespaces."""
+    found = []
+    if not namespaces:
+        return found
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") in namespaces:
+                    found.append(int(entry))
+            except OSError:
+                pass  # gone, or a zombie
+    return found
+
+
+def reap():
+    """Collects every child that has exited (orphans are re-parented to us); returns their pids."""
+    done = set()
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return done
+        if pid == 0:
+            return done
+        done.add(pid)
 
 
 # ----------------------------------------------------------------------------- the supervisor
@@ -623,7 +667,6 @@ class Supervisor:
         # Processes of the sandbox that are neither ours nor a cell's and must be left alone: in a
         # pod, the exec'd relay (attach.py) whose pipes carry the protocol.
         self.keep_pids = set()
-        self.tmp_mtime = tmp_mtime()
 
     @property
     def hooks(self):
@@ -659,8 +702,8 @@ class Supervisor:
         self.channel.send({"type": "ended", "clean": reason is None, **({"reason": reason} if reason else {})})
 
     def inspect(self):
-        """What must hold between trigger points: the zygote alive; inside a sandbox, no process left
-        that descends from us but is not ours, and the sandbox's own /tmp untouched."""
+        """What must hold between trigger points: the zygote alive and, inside a sandbox, no process
+        left to us that is not ours."""
         if not self.zygote.alive():
             return "the zygote died"
         if not self.sandboxed:
@@ -668,14 +711,18 @@ class Supervisor:
         me = os.getpid()
         leftovers = []
         for pid, ppid in processes():
-            # Hook processes cannot start one outside their pid namespace: anything re-parented to
-            # us that is not the zygote is unexpected (the zygote's own short-lived children are not).
+            # A hook's processes that left their pid namespace (a nested one) are re-parented to us:
+            # anything re-parented to us that is not the zygote is one (the zygote's own short-lived
+            # children are not re-parented to us).
             if ppid == me and pid != self.zygote.pid and pid not in self.keep_pids:
                 leftovers.append(pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
         if leftovers:
-            return f"processes left behind: {sorted(leftovers)}"
-        if tmp_mtime() != self.tmp_mtime:
-            return "the sandbox's /tmp changed"
+            reap()
+            return f"processes left behind (killed): {sorted(leftovers)}"
         return None
 
     def host_call(self, run_id, hook, budget, name, payload):
@@ -851,13 +898,6 @@ def processes():
             except (OSError, ValueError, IndexError):
                 pass
     return out
-
-
-def tmp_mtime():
-    try:
-        return os.stat("/tmp").st_mtime_ns
-    except OSError:
-        return None
 
 
 # Modules hooks commonly use, imported before the zygote forks so that no cell pays for reading

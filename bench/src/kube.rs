@@ -242,10 +242,9 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
     let spec = SandboxSpec {
         namespace: "default".into(),
         chain: "attachbench".into(),
-        cpu_millis: 1000,
-        memory_bytes: 256 << 20,
+        cpu: "1".into(),
+        memory: "256Mi".into(),
         pids: 64,
-        workers: 3,
     };
     let python = backend.python().to_string_lossy().into_owned();
     let relay = vec![

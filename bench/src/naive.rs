@@ -1,6 +1,7 @@
 //! Baselines measured in the same run: the hooks in one Python process (the floor), a fresh
 //! `runsc run` per call (the naive design), and how many fresh sandboxes this machine boots per second.
 
+use std::sync::Arc;
 use crate::HOOKS;
 use serde_json::{Value, json};
 use sluice_engine::Chain;
@@ -93,7 +94,7 @@ async fn backend() -> anyhow::Result<(LocalBackend, tempfile::TempDir)> {
 /// One complete call the naive way: boot a sandbox, load the chain, run it. Teardown not counted.
 async fn one_fresh_call(
     b: &LocalBackend,
-    chain: &Chain,
+    chain: &Arc<Chain>,
     text: &str,
 ) -> anyhow::Result<(Duration, SupervisorConn)> {
     let limits = Limits::default();
@@ -101,7 +102,8 @@ async fn one_fresh_call(
     let sandbox = b.start(&chain.sandbox).await?;
     let mut conn = SupervisorConn::new(sandbox, limits.max_line());
     conn.wait_ready(Duration::from_secs(30)).await?;
-    conn.init(chain, &limits.wire()).await?;
+    conn.prepare(chain, &limits.wire(), Duration::from_secs(30))
+        .await?;
     let state = vec![Value::Null; 3];
     let report = conn
         .walk(
@@ -123,7 +125,7 @@ async fn one_fresh_call(
 
 pub async fn fresh_runsc_per_call(text: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
     let (b, _state) = backend().await?;
-    let chain = bench_chain()?;
+    let chain = Arc::new(bench_chain()?);
     let mut out = Vec::new();
     for _ in 0..n {
         let (d, conn) = one_fresh_call(&b, &chain, text).await?;
@@ -139,10 +141,9 @@ pub async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
     let spec = SandboxSpec {
         namespace: "bench".into(),
         chain: "boot-ceiling".into(),
-        cpu_millis: 1000,
-        memory_bytes: 256 << 20,
+        cpu: "1".into(),
+        memory: "256Mi".into(),
         pids: 64,
-        workers: 3,
     };
     let workers = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -173,7 +174,7 @@ pub async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
 /// Where the time of one warm call goes (printed by `sluice-bench breakdown`).
 pub async fn breakdown(text: &str) -> anyhow::Result<()> {
     let (b, _state) = backend().await?;
-    let chain = bench_chain()?;
+    let chain = Arc::new(bench_chain()?);
     let limits = Limits::default();
     for _ in 0..5 {
         let t0 = Instant::now();
@@ -182,8 +183,8 @@ pub async fn breakdown(text: &str) -> anyhow::Result<()> {
         conn.wait_ready(Duration::from_secs(30)).await?;
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let t1 = Instant::now();
-        conn.init(&chain, &limits.wire()).await?;
-        conn.ack(Duration::from_secs(10)).await?;
+        conn.prepare(&chain, &limits.wire(), Duration::from_secs(10))
+            .await?;
         let t2 = Instant::now();
         let state = vec![Value::Null; 3];
         conn.walk(
@@ -206,13 +207,14 @@ pub async fn breakdown(text: &str) -> anyhow::Result<()> {
         )
         .await;
         let t4 = Instant::now();
-        conn.init(&chain, &limits.wire()).await?;
-        conn.ack(Duration::from_secs(10)).await?;
+        conn.end(Duration::from_secs(10)).await?;
+        conn.prepare(&chain, &limits.wire(), Duration::from_secs(10))
+            .await?;
         let t5 = Instant::now();
         conn.close().await;
         let t6 = Instant::now();
         println!(
-            "boot {:?} init {:?} walk1 {:?} walk2 {:?} init2 {:?} close {:?}",
+            "boot {:?} cell {:?} walk1 {:?} walk2 {:?} end+cell {:?} close {:?}",
             t1 - t0,
             t2 - t1,
             t3 - t2,

@@ -129,14 +129,18 @@ pub enum FailurePolicy {
     Open,
 }
 
-/// Whether a sandbox may serve more than one trigger point.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+/// Whether a sandbox serves more than one trigger point. Either way every trigger point runs in a
+/// fresh cell (each hook its own process in fresh namespaces inside the sandbox).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 pub enum Reuse {
-    /// One sandbox per trigger point, destroyed afterwards.
+    /// A sandbox whose cell ended clean serves the chain's next trigger point, up to `maxUses`; it is
+    /// retired after a dirty end, a deadline kill or a broken stream. Costs a few forks per trigger
+    /// point instead of a sandbox boot.
     #[default]
+    Recycle,
+    /// Every sandbox serves one trigger point and is destroyed: a fresh gVisor kernel each time, at
+    /// the cost of a sandbox boot per trigger point.
     None,
-    /// A sandbox may serve several trigger points of one session of one target.
-    Session,
 }
 
 /// A HookChain runs ordered Python hooks on every payload of one trigger point of one target.
@@ -246,9 +250,14 @@ pub struct PoolSpec {
     #[serde(default = "default_max")]
     #[schemars(range(min = 1, max = 10000))]
     pub max: u32,
-    /// None: one sandbox per trigger point. Session: reuse within one session of one target.
+    /// Recycle (default): a sandbox serves trigger point after trigger point of this chain, each in
+    /// a fresh cell. None: one sandbox per trigger point.
     #[serde(default)]
     pub reuse: Reuse,
+    /// Trigger points one sandbox serves before it is retired (Recycle only).
+    #[serde(default = "default_max_uses")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub max_uses: u32,
 }
 
 impl Default for PoolSpec {
@@ -256,7 +265,8 @@ impl Default for PoolSpec {
         Self {
             warm: default_warm(),
             max: default_max(),
-            reuse: Reuse::None,
+            reuse: Reuse::Recycle,
+            max_uses: default_max_uses(),
         }
     }
 }
@@ -266,6 +276,9 @@ fn default_warm() -> u32 {
 }
 fn default_max() -> u32 {
     20
+}
+fn default_max_uses() -> u32 {
+    1000
 }
 
 /// cgroup limits of each sandbox.

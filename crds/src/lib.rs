@@ -18,6 +18,7 @@ pub mod duration;
 mod hookchain;
 #[cfg(feature = "kube")]
 pub mod manifest;
+#[cfg(feature = "kube")]
 pub mod quantity;
 pub mod sandbox_pod;
 pub mod schema;

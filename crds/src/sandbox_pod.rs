@@ -18,8 +18,8 @@ pub const SANDBOX_NAME: &str = "sluice-sandbox";
 /// The container the gateway execs into.
 pub const CONTAINER: &str = "supervisor";
 /// The supervisor's path in the supervisor image. A warm pod's main process is
-/// `python3 -u SUPERVISOR --listen --workers N --memory-bytes M --pids P`: ready (modules imported,
-/// hook workers forked) before the pod turns Ready.
+/// `python3 -u SUPERVISOR --listen --memory-bytes M --pids P`: ready (modules imported, zygote
+/// started, a self-check cell made) before the pod turns Ready.
 pub const SUPERVISOR: &str = "/opt/sluice/supervisor.py";
 /// The relay the gateway execs into a claimed pod (`python3 -I -S ATTACH`): it hands the exec's
 /// stdin, stdout and stderr to the waiting supervisor. With `--probe` it is the readiness probe.
@@ -41,25 +41,18 @@ pub fn probe_command() -> Vec<String> {
         .collect()
 }
 
-/// A warm pod's main process: the supervisor, listening, with the chain's shape and limits. `workers`
-/// is the hook count of a chain of two or more hooks (one hook runs in the supervisor itself).
-pub fn supervisor_command(workers: usize, memory_bytes: u64, pids: u32) -> Vec<String> {
+/// A warm pod's main process: the supervisor, listening, with the chain's limits. Nothing in it
+/// depends on the chain's hooks: every trigger point's cell gets them from the gateway.
+pub fn supervisor_command(memory_bytes: u64, pids: u32) -> Vec<String> {
     [
         "python3".to_string(),
         "-u".into(),
         SUPERVISOR.into(),
         "--listen".into(),
-        "--workers".into(),
-        workers.to_string(),
         "--memory-bytes".into(),
         memory_bytes.to_string(),
         "--pids".into(),
         pids.to_string(),
     ]
     .into()
-}
-
-/// Hook worker processes for a chain of `hooks` hooks: a chain of one runs in the supervisor itself.
-pub fn workers_for(hooks: usize) -> usize {
-    if hooks > 1 { hooks } else { 0 }
 }

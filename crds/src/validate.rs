@@ -1,7 +1,7 @@
 //! Semantic rules beyond what the CRD schema can say. The gateway, the operator and `sluice check`
 //! all apply these, so a chain is judged the same way everywhere.
 
-use crate::{CapabilitySpec, HookChainSpec, quantity};
+use crate::{CapabilitySpec, HookChainSpec};
 use std::collections::HashSet;
 
 /// One problem with a resource: the field it concerns and what is wrong, in words a person can act on.
@@ -72,22 +72,11 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
     if spec.pool.max == 0 {
         out.push(problem("spec.pool.max", "must be at least 1"));
     }
-    match quantity::cpu_millis(&spec.resources.cpu) {
-        Ok(0) => out.push(problem("spec.resources.cpu", "must be more than 0")),
-        Ok(_) => {}
-        Err(e) => out.push(problem("spec.resources.cpu", e.to_string())),
+    if spec.pool.max_uses == 0 {
+        out.push(problem("spec.pool.maxUses", "must be at least 1"));
     }
-    match quantity::memory_bytes(&spec.resources.memory) {
-        Ok(b) if b < MIN_MEMORY_BYTES => out.push(problem(
-            "spec.resources.memory",
-            format!(
-                "{} is below the 32Mi a Python sandbox needs",
-                spec.resources.memory
-            ),
-        )),
-        Ok(_) => {}
-        Err(e) => out.push(problem("spec.resources.memory", e.to_string())),
-    }
+    #[cfg(feature = "kube")]
+    resources(spec, &mut out);
     if spec.resources.pids < 8 {
         out.push(problem("spec.resources.pids", "must be at least 8"));
     }
@@ -133,6 +122,28 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
         }
     }
     out
+}
+
+/// `spec.resources`' Kubernetes quantities: readable, CPU above zero, enough memory for Python.
+#[cfg(feature = "kube")]
+fn resources(spec: &HookChainSpec, out: &mut Vec<Problem>) {
+    use crate::quantity;
+    match quantity::cpu_millis(&spec.resources.cpu) {
+        Ok(0) => out.push(problem("spec.resources.cpu", "must be more than 0")),
+        Ok(_) => {}
+        Err(e) => out.push(problem("spec.resources.cpu", e.to_string())),
+    }
+    match quantity::memory_bytes(&spec.resources.memory) {
+        Ok(b) if b < MIN_MEMORY_BYTES => out.push(problem(
+            "spec.resources.memory",
+            format!(
+                "{} is below the 32Mi a Python sandbox needs",
+                spec.resources.memory
+            ),
+        )),
+        Ok(_) => {}
+        Err(e) => out.push(problem("spec.resources.memory", e.to_string())),
+    }
 }
 
 pub fn capability(name: &str, spec: &CapabilitySpec) -> Vec<Problem> {

@@ -154,6 +154,21 @@ impl Harness {
         }
     }
 
+    /// Sandboxes booted so far (`sluice_gateway_sandboxes_started_total`).
+    pub fn boots(&self) -> u64 {
+        self.gateway().engine.metrics().sandboxes_started.get()
+    }
+
+    /// Sandboxes retired so far, by reason (`sluice_gateway_sandbox_retirements_total`).
+    pub fn retirements(&self) -> Vec<(String, u64)> {
+        let m = self.gateway().engine.metrics();
+        ["reuse_none", "max_uses", "dirty", "broken", "pool_closed"]
+            .iter()
+            .map(|r| (r.to_string(), m.sandbox_retirements.with_label_values(&[r]).get()))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
     pub fn gateway(&self) -> &RunningGateway {
         self.gateway.as_ref().expect("gateway running")
     }

@@ -3,7 +3,7 @@
 //! pod is out of date. The reconciler and `sluice-operator render` both build through here.
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, EnvVar, ExecAction, Pod, PodSecurityContext,
+    Capabilities, Container, EmptyDirVolumeSource, ExecAction, Pod, PodSecurityContext,
     PodSpec, Probe, ResourceRequirements, SeccompProfile, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicySpec};
@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 pub use sluice_crds::sandbox_pod::{
     ANNOTATION_CLAIMED_AT, ANNOTATION_CLAIMED_BY, CONTAINER, LABEL_CHAIN, LABEL_MANAGED_BY,
     LABEL_NAME, LABEL_POOL, LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM, SANDBOX_NAME, SUPERVISOR,
-    probe_command, supervisor_command, workers_for,
+    probe_command, supervisor_command,
 };
 
 pub const FIELD_MANAGER: &str = sluice_crds::sandbox_pod::OPERATOR;
@@ -53,22 +53,20 @@ pub fn default_supervisor_image() -> String {
     )
 }
 
-/// Hash of everything in the pod template: image, runtime class, resources, `/tmp` size and the
-/// number of hook workers the supervisor forks ahead. Hook code is not in it: code is sent to the
-/// supervisor at init, so a code change needs no new pods (adding or removing a hook rolls the pool;
-/// until then a pod forks what it lacks at init).
+/// Hash of everything in the pod template: image, runtime class, resources and `/tmp` size. Hooks are
+/// not in it: their code is sent to each trigger point's cell, so changing, adding or removing a hook
+/// needs no new pods.
 pub fn template_hash(chain: &HookChain, settings: &Settings) -> String {
     let r = &chain.spec.resources;
     let parts = [
         // Bump when the shape of the pod built below changes, so running pools roll.
-        "v2",
+        "v3",
         settings.supervisor_image.as_str(),
         settings.runtime_class.as_str(),
         r.cpu.as_str(),
         r.memory.as_str(),
         &r.pids.to_string(),
         TMP_SIZE,
-        &workers_for(chain.spec.hooks.len()).to_string(),
     ];
     let mut h = Sha256::new();
     for part in parts {
@@ -141,22 +139,14 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
         image: Some(settings.supervisor_image.clone()),
         image_pull_policy: Some("IfNotPresent".into()),
         // The supervisor itself, ready before the pod is: a claim only attaches to it.
-        command: Some(supervisor_command(
-            workers_for(chain.spec.hooks.len()),
-            memory_bytes,
-            r.pids,
-        )),
-        env: Some(vec![EnvVar {
-            name: "SLUICE_SANDBOX".into(),
-            value: Some("1".into()),
-            value_from: None,
-        }]),
+        // Settings are flags: every process of the sandbox can read the initial environment.
+        command: Some(supervisor_command(memory_bytes, r.pids)),
         resources: Some(ResourceRequirements {
             requests: Some(amounts.clone()),
             limits: Some(amounts),
             ..Default::default()
         }),
-        // Ready means the supervisor answers, still waiting for its attach, its workers alive.
+        // Ready means the supervisor answers, still waiting for its attach, its zygote alive.
         readiness_probe: Some(Probe {
             exec: Some(ExecAction {
                 command: Some(probe_command()),
@@ -298,8 +288,8 @@ pub(crate) mod tests {
         assert_eq!(sc.run_as_non_root, Some(true));
         assert_eq!(sc.capabilities.unwrap().drop, Some(vec!["ALL".to_string()]));
         assert_eq!(sc.seccomp_profile.unwrap().type_, "RuntimeDefault");
-        // The pod's main process is the supervisor, listening for the gateway's attach: one hook
-        // runs in it (no workers), 256Mi is its address-space limit, the chain's pids its nproc.
+        // The pod's main process is the supervisor, listening for the gateway's attach: 256Mi is
+        // each hook process's address-space limit, the chain's pids its nproc.
         assert_eq!(
             c.command.clone().unwrap(),
             [
@@ -307,19 +297,13 @@ pub(crate) mod tests {
                 "-u",
                 "/opt/sluice/supervisor.py",
                 "--listen",
-                "--workers",
-                "0",
                 "--memory-bytes",
                 "268435456",
                 "--pids",
                 "32"
             ]
         );
-        let env = c.env.clone().unwrap();
-        assert_eq!(
-            (env[0].name.as_str(), env[0].value.as_deref()),
-            ("SLUICE_SANDBOX", Some("1"))
-        );
+        assert_eq!(c.env, None, "settings are flags: hooks can read the initial environment");
     }
 
     #[test]
@@ -396,16 +380,11 @@ pub(crate) mod tests {
         let mut code = base.clone();
         code.spec.hooks[0].code = "def execute(c, s):\n    return {'action': 'modify'}\n".into();
         assert_eq!(template_hash(&code, &s), h, "code changes keep pods");
-        // A second hook changes how many workers the supervisor forks ahead: a new shape.
+        // Hooks reach each trigger point's cell from the gateway: a second hook keeps pods too.
         let mut two = base.clone();
         two.spec.hooks.push(two.spec.hooks[0].clone());
         two.spec.hooks[1].name = "b".into();
-        assert_ne!(template_hash(&two, &s), h);
-        let command = pod(&two, &s).spec.unwrap().containers[0]
-            .command
-            .clone()
-            .unwrap();
-        assert_eq!(command[4..6], ["--workers", "2"]);
+        assert_eq!(template_hash(&two, &s), h);
         let mut mem = base.clone();
         mem.spec.resources.memory = "512Mi".into();
         assert_ne!(template_hash(&mem, &s), h);

@@ -347,7 +347,10 @@ impl Shared {
                 "runtimeClassName": "gvisor",
                 "containers": [{
                     "name": "supervisor", "image": "sluice-supervisor:fake",
-                    "command": sandbox_pod::supervisor_command(spec.workers, spec.memory_bytes, spec.pids),
+                    "command": sandbox_pod::supervisor_command(
+                        sluice_crds::quantity::memory_bytes(&spec.memory).unwrap_or(256 << 20),
+                        spec.pids,
+                    ),
                     "readinessProbe": {"exec": {"command": sandbox_pod::probe_command()}},
                 }],
             },

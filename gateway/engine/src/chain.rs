@@ -1,7 +1,7 @@
 //! A HookChain as the engine uses it: the spec plus what is derived from it once (code hash,
 //! sandbox limits, normalised settings), shared immutably by every run that started on it.
 
-use crate::sandbox::{ResourceError, SandboxSpec};
+use crate::sandbox::SandboxSpec;
 use serde_json::Value;
 use sluice_crds::validate::Problem;
 use sluice_crds::{HookChainSpec, TriggerPoint};
@@ -24,8 +24,6 @@ pub enum ChainError {
     NoName,
     #[error("{}", .0.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; "))]
     Invalid(Vec<Problem>),
-    #[error(transparent)]
-    Resources(#[from] ResourceError),
 }
 
 /// Chains are found by where they run: (namespace, target, trigger point).
@@ -46,7 +44,7 @@ impl Chain {
         if !problems.is_empty() {
             return Err(ChainError::Invalid(problems));
         }
-        let sandbox = SandboxSpec::for_chain(namespace, name, &spec.resources, spec.hooks.len())?;
+        let sandbox = SandboxSpec::for_chain(namespace, name, &spec.resources);
         let settings = spec
             .hooks
             .iter()
@@ -72,6 +70,15 @@ impl Chain {
             target: self.spec.target.clone(),
             trigger_point: self.spec.trigger_point,
         }
+    }
+
+    /// Whether a cell opened for `other` runs exactly this chain's hooks (code, settings, actions,
+    /// trigger point, failure policy): then it may serve this chain's trigger point.
+    pub fn same_hooks(&self, other: &Chain) -> bool {
+        std::ptr::eq(self, other)
+            || (self.spec.hooks == other.spec.hooks
+                && self.spec.trigger_point == other.spec.trigger_point
+                && self.spec.failure_policy == other.spec.failure_policy)
     }
 
     /// "namespace/name", as chains are named in logs, metrics and the audit.

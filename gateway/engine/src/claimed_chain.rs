@@ -1,6 +1,7 @@
-//! One chain bound to one claimed sandbox for one trigger point (a Run, or a whole Stream): claim
-//! and init, then walks, re-validated by `outcome`. A sandbox failure becomes a hook error under the
-//! chain's policy; under `Open` the walk resumes after the failed hook in a fresh sandbox.
+//! One chain bound to one claimed sandbox for one trigger point (a Run, or a whole Stream): a claim
+//! (whose cell was opened ahead of it), then walks, re-validated by `outcome`. A sandbox failure
+//! becomes a hook error under the chain's policy; under `Open` the walk resumes after the failed hook
+//! in a fresh sandbox.
 
 use crate::audit::AuditHostCall;
 use crate::chain::Chain;
@@ -75,10 +76,23 @@ impl<'e> ClaimedChain<'e> {
             .await
             .map_err(|e| ClaimOrInit::Claim(e.to_string()))?;
         self.sandbox_id = claimed.conn().id.clone();
-        let init = claimed
-            .conn()
-            .init(&self.chain, &self.engine.limits().wire())
-            .await;
+        let conn = claimed.conn();
+        // The cell was opened ahead of the claim, for the chain's version of that moment; after a
+        // rollout a sandbox may still hold the old code: its cell is replaced here.
+        let current = conn.cell().is_some_and(|c| c.same_hooks(&self.chain));
+        let init = if current {
+            Ok(())
+        } else {
+            let limits = self.engine.limits();
+            let budget = Duration::from_millis(self.chain.spec.timeout_ms as u64);
+            match conn.end(budget).await {
+                Ok(crate::supervisor::CellEnd::Clean) => {
+                    conn.prepare(&self.chain, &limits.wire(), limits.boot_timeout).await
+                }
+                Ok(crate::supervisor::CellEnd::Dirty(why)) => Err(SandboxFailure::Died(why)),
+                Err(f) => Err(f),
+            }
+        };
         self.claimed = Some(claimed);
         match init {
             Ok(_) => Ok(()),

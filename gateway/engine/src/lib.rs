@@ -46,11 +46,11 @@ pub use registry::{CapabilityEntry, Registry};
 pub use request::{EngineError, RunInput};
 pub use run::RunResult;
 pub use sandbox::{
-    OUTPUT_LIMIT, Reader, ResourceError, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec,
+    OUTPUT_LIMIT, Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec,
     StartError, Writer, discard_output,
 };
 pub use sandbox_pool::{ClaimError, Pools};
 pub use state_vector::StateVector;
 pub use stream::{ClientStreamError, StreamError, StreamInput, StreamOpen, StreamOutput};
-pub use supervisor::{SUPERVISOR_PY, SandboxFailure, SupervisorConn, WalkReport};
+pub use supervisor::{CellEnd, SUPERVISOR_PY, SandboxFailure, SupervisorConn, WalkReport};
 pub use window::{Window, chunk_at, split_tail};

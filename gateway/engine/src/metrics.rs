@@ -14,6 +14,8 @@ pub struct Metrics {
     pub sandboxes_started: IntCounter,
     pub sandbox_boot_failures: IntCounter,
     pub sandbox_boot_seconds: Histogram,
+    pub sandbox_retirements: IntCounterVec,
+    pub cells_prepared: IntCounter,
     pub claims: IntCounterVec,
     pub pool_warm: IntGaugeVec,
     pub host_calls: IntCounterVec,
@@ -78,6 +80,19 @@ impl Metrics {
             .buckets(buckets),
         )
         .expect("valid metric");
+        let sandbox_retirements = IntCounterVec::new(
+            Opts::new(
+                "sluice_gateway_sandbox_retirements_total",
+                "Sandboxes destroyed after serving, by reason: reuse_none, max_uses, dirty (the supervisor's verdict), broken (deadline kill, broken stream, protocol), pool_closed",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let cells_prepared = IntCounter::new(
+            "sluice_gateway_cells_prepared_total",
+            "Cells opened ahead of a claim (each hook of the trigger point in a fresh process)",
+        )
+        .expect("valid metric");
         let claims = IntCounterVec::new(
             Opts::new(
                 "sluice_gateway_claims_total",
@@ -126,6 +141,8 @@ impl Metrics {
             Box::new(sandboxes_started.clone()),
             Box::new(sandbox_boot_failures.clone()),
             Box::new(sandbox_boot_seconds.clone()),
+            Box::new(sandbox_retirements.clone()),
+            Box::new(cells_prepared.clone()),
             Box::new(claims.clone()),
             Box::new(pool_warm.clone()),
             Box::new(host_calls.clone()),
@@ -141,6 +158,8 @@ impl Metrics {
             sandboxes_started,
             sandbox_boot_failures,
             sandbox_boot_seconds,
+            sandbox_retirements,
+            cells_prepared,
             claims,
             pool_warm,
             host_calls,

@@ -10,38 +10,31 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 
-/// One sandbox's chain and limits (from the chain's `spec.resources`).
+/// One sandbox's chain and limits, as the chain's `spec.resources` gives them. Quantities stay as
+/// written (`250m`, `128Mi`): they are Kubernetes quantities, checked where manifests are read
+/// (`sluice_crds::validate`) and turned into numbers by the backends that need numbers
+/// (`sluice_crds::quantity`), so the engine needs no Kubernetes code.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SandboxSpec {
     /// The HookChain the sandbox serves: the `kube` backend claims that chain's warm pods.
     pub namespace: String,
     pub chain: String,
-    pub cpu_millis: u64,
-    pub memory_bytes: u64,
+    /// CPU limit, a Kubernetes quantity.
+    pub cpu: String,
+    /// Memory limit, a Kubernetes quantity.
+    pub memory: String,
     pub pids: u32,
-    /// Hook worker processes the supervisor forks before it says ready (one per hook).
-    pub workers: usize,
 }
 
-/// A `spec.resources` quantity that cannot be read.
-pub type ResourceError = sluice_crds::quantity::QuantityError;
-
 impl SandboxSpec {
-    pub fn for_chain(
-        namespace: &str,
-        chain: &str,
-        r: &sluice_crds::ResourceSpec,
-        hooks: usize,
-    ) -> Result<Self, ResourceError> {
-        Ok(Self {
+    pub fn for_chain(namespace: &str, chain: &str, r: &sluice_crds::ResourceSpec) -> Self {
+        Self {
             namespace: namespace.to_string(),
             chain: chain.to_string(),
-            cpu_millis: sluice_crds::quantity::cpu_millis(&r.cpu)?,
-            memory_bytes: sluice_crds::quantity::memory_bytes(&r.memory)?,
+            cpu: r.cpu.clone(),
+            memory: r.memory.clone(),
             pids: r.pids,
-            // A chain of one hook runs inside the supervisor itself: nothing to isolate it from.
-            workers: sluice_crds::sandbox_pod::workers_for(hooks),
-        })
+        }
     }
 }
 
@@ -119,6 +112,11 @@ pub trait SandboxBackend: Send + Sync + 'static {
     /// gateway boots them itself; the `kube` backend's held pods come from the operator's pools and
     /// only save latency.
     fn ready_needs_warm(&self) -> bool {
+        true
+    }
+    /// Whether a sandbox whose cell ended clean may serve the chain's next trigger point
+    /// (`pool.reuse: Recycle`). Where it cannot yet, every chain runs as `reuse: None`.
+    fn recycles(&self) -> bool {
         true
     }
 }

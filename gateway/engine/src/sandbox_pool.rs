@@ -1,8 +1,14 @@
-//! Warm pools: per chain, `pool.warm` sandboxes already booted with their supervisor waiting for
-//! `init`, never more than `pool.max` in all (warm, booting, claimed and being torn down). A claim
-//! takes one for a single trigger point; a background task boots replacements.
+//! Warm pools: per chain, `pool.warm` sandboxes already booted with a cell open for the chain's next
+//! trigger point, never more than `pool.max` in all (warm, booting, claimed, recycling and being torn
+//! down). A claim takes one for a single trigger point; claims wait in arrival order. When the
+//! trigger point ends, `reuse: Recycle` ends its cell and, if the supervisor's verdict is clean and
+//! the sandbox has served fewer than `maxUses`, opens the next cell and puts it back; anything else
+//! (reuse: None, a dirty verdict, a deadline kill, a broken stream, `maxUses`) retires it. A
+//! background task boots replacements.
 
 use crate::chain::Chain;
+use crate::supervisor::CellEnd;
+use sluice_crds::Reuse;
 use crate::limits::Limits;
 use crate::metrics::Metrics;
 use crate::sandbox::{SandboxBackend, SandboxSpec};
@@ -32,6 +38,8 @@ struct Counts {
     warm: VecDeque<SupervisorConn>,
     booting: usize,
     claimed: usize,
+    /// Released sandboxes whose cell is being ended and the next one opened.
+    recycling: usize,
     tearing_down: usize,
     last_error: Option<String>,
     /// Tickets of claims waiting, served oldest first.
@@ -41,7 +49,12 @@ struct Counts {
 
 impl Counts {
     fn total(&self) -> usize {
-        self.warm.len() + self.booting + self.claimed + self.tearing_down
+        self.warm.len() + self.booting + self.claimed + self.recycling + self.tearing_down
+    }
+
+    /// Sandboxes that are or will soon be waiting for a claim.
+    fn coming(&self) -> usize {
+        self.warm.len() + self.booting + self.recycling
     }
 }
 
@@ -49,6 +62,10 @@ impl Counts {
 pub struct Pool {
     name: String,
     spec: SandboxSpec,
+    /// The chain version new cells are opened for (code changes keep the pool, not its cells).
+    chain: Mutex<Arc<Chain>>,
+    reuse: Reuse,
+    max_uses: u32,
     warm_target: usize,
     max: usize,
     counts: Mutex<Counts>,
@@ -78,13 +95,25 @@ impl Pool {
         (c.warm.len(), c.claimed)
     }
 
-    /// Boots sandboxes until the warm target is met (counting those already booting).
+    fn current_chain(&self) -> Arc<Chain> {
+        self.chain.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Makes `chain` the version new cells are opened for.
+    fn set_chain(&self, chain: &Arc<Chain>) {
+        let mut current = self.chain.lock().unwrap_or_else(|p| p.into_inner());
+        if !Arc::ptr_eq(&current, chain) {
+            *current = chain.clone();
+        }
+    }
+
+    /// Boots sandboxes until the warm target is met (counting those booting or recycling).
     fn backfill(self: &Arc<Self>) {
         if self.closed.load(Ordering::Relaxed) {
             return;
         }
         let mut c = self.lock();
-        while c.warm.len() + c.booting < self.warm_target && c.total() < self.max {
+        while c.coming() < self.warm_target && c.total() < self.max {
             c.booting += 1;
             self.spawn_boot();
         }
@@ -155,18 +184,27 @@ impl Pool {
             .await
             .map_err(|e| e.to_string())?;
         let mut conn = SupervisorConn::new(sandbox, self.shared.limits.max_line());
-        match conn.wait_ready(self.shared.limits.boot_timeout).await {
+        let budget = self.shared.limits.boot_timeout;
+        let ready = match conn.wait_ready(budget).await {
+            Ok(()) => conn
+                .prepare(&self.current_chain(), &self.shared.limits.wire(), budget)
+                .await
+                .map_err(|e| format!("its first cell did not open: {e}")),
+            Err(e) => Err(format!("supervisor did not start: {e}")),
+        };
+        match ready {
             Ok(()) => {
                 self.shared
                     .metrics
                     .sandbox_boot_seconds
                     .observe(began.elapsed().as_secs_f64());
                 self.shared.metrics.sandboxes_started.inc();
+                self.shared.metrics.cells_prepared.inc();
                 Ok(conn)
             }
             Err(e) => {
                 conn.close().await;
-                Err(format!("supervisor did not start: {e}"))
+                Err(e)
             }
         }
     }
@@ -235,8 +273,8 @@ impl Pool {
                         });
                     }
                 }
-                // Not enough warm or booting for everyone waiting: boot more, within max.
-                while c.warm.len() + c.booting < c.waiting.len() && c.total() < self.max {
+                // Not enough coming for everyone waiting: boot more, within max.
+                while c.coming() < c.waiting.len() && c.total() < self.max {
                     c.booting += 1;
                     self.spawn_boot();
                 }
@@ -262,19 +300,85 @@ impl Pool {
         }
     }
 
-    fn release(self: &Arc<Self>, conn: SupervisorConn) {
+    /// The trigger point is over: recycle the sandbox for the next one, or retire it.
+    fn release(self: &Arc<Self>, mut conn: SupervisorConn) {
+        let retire = if !conn.healthy() {
+            Some("broken")
+        } else if self.reuse == Reuse::None {
+            Some("reuse_none")
+        } else if conn.uses().saturating_add(1) >= self.max_uses {
+            Some("max_uses")
+        } else if self.closed.load(Ordering::Relaxed) {
+            Some("pool_closed")
+        } else {
+            None
+        };
         {
             let mut c = self.lock();
             c.claimed -= 1;
-            c.tearing_down += 1;
+            if retire.is_some() {
+                c.tearing_down += 1;
+            } else {
+                c.recycling += 1;
+            }
         }
         let pool = self.clone();
         tokio::spawn(async move {
-            conn.close().await;
-            pool.lock().tearing_down -= 1;
+            let reason = match retire {
+                Some(reason) => Some(reason.to_string()),
+                None => pool.recycle(&mut conn).await.err(),
+            };
+            match reason {
+                None => {
+                    let mut c = pool.lock();
+                    c.recycling -= 1;
+                    c.warm.push_back(conn);
+                    pool.shared
+                        .metrics
+                        .pool_warm
+                        .with_label_values(&[&pool.name])
+                        .set(c.warm.len() as i64);
+                }
+                Some(reason) => {
+                    if retire.is_none() {
+                        let mut c = pool.lock();
+                        c.recycling -= 1;
+                        c.tearing_down += 1;
+                    }
+                    let label = reason.split(':').next().unwrap_or("dirty").to_string();
+                    if label != "reuse_none" {
+                        tracing::info!(chain = %pool.name, sandbox = %conn.id, uses = conn.uses(), %reason, "sandbox retired");
+                    }
+                    pool.shared
+                        .metrics
+                        .sandbox_retirements
+                        .with_label_values(&[&label])
+                        .inc();
+                    conn.close().await;
+                    pool.lock().tearing_down -= 1;
+                }
+            }
             pool.changed.notify_waiters();
             pool.backfill();
         });
+    }
+
+    /// Ends the sandbox's cell and opens the next one. Err: why it must be retired instead.
+    async fn recycle(&self, conn: &mut SupervisorConn) -> Result<(), String> {
+        let budget = self.shared.limits.boot_timeout;
+        match conn.end(budget).await {
+            Ok(CellEnd::Clean) => {}
+            Ok(CellEnd::Dirty(why)) => return Err(format!("dirty: {why}")),
+            Err(e) => return Err(format!("broken: {e}")),
+        }
+        if self.closed.load(Ordering::Relaxed) {
+            return Err("pool_closed".into());
+        }
+        conn.prepare(&self.current_chain(), &self.shared.limits.wire(), budget)
+            .await
+            .map_err(|e| format!("broken: the next cell did not open: {e}"))?;
+        self.shared.metrics.cells_prepared.inc();
+        Ok(())
     }
 
     /// Stops backfilling and destroys the warm sandboxes; claimed ones are destroyed on release.
@@ -309,7 +413,7 @@ impl Drop for Ticket {
     }
 }
 
-/// A sandbox claimed for one trigger point. Dropping it (or calling `release`) destroys the sandbox.
+/// A sandbox claimed for one trigger point. Dropping it hands it back: recycled or retired.
 pub struct Claimed {
     conn: Option<SupervisorConn>,
     pool: Arc<Pool>,
@@ -338,6 +442,8 @@ struct PoolKey {
     spec: SandboxSpec,
     warm: usize,
     max: usize,
+    reuse: Reuse,
+    max_uses: u32,
 }
 
 /// All pools of a gateway, kept in step with the registry's chains.
@@ -371,25 +477,40 @@ impl Pools {
         &self.shared.backend
     }
 
-    fn key(chain: &Chain) -> PoolKey {
+    fn key(&self, chain: &Chain) -> PoolKey {
         PoolKey {
             chain: chain.qualified_name(),
             spec: chain.sandbox.clone(),
             warm: chain.spec.pool.warm as usize,
             max: chain.spec.pool.max as usize,
+            reuse: self.effective_reuse(chain),
+            max_uses: chain.spec.pool.max_uses,
         }
     }
 
-    /// The pool for a chain, created (and filled) on first use.
-    pub fn pool_for(&self, chain: &Chain) -> Arc<Pool> {
-        let key = Self::key(chain);
+    /// The chain's `pool.reuse`, unless the backend cannot recycle its sandboxes yet.
+    fn effective_reuse(&self, chain: &Chain) -> Reuse {
+        if self.shared.backend.recycles() {
+            chain.spec.pool.reuse
+        } else {
+            Reuse::None
+        }
+    }
+
+    /// The pool for a chain, created (and filled) on first use. New cells of an existing pool are
+    /// opened for this version of the chain from now on.
+    pub fn pool_for(&self, chain: &Arc<Chain>) -> Arc<Pool> {
+        let key = self.key(chain);
         let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-        pools
-            .entry(key)
+        let pool = pools
+            .entry(key.clone())
             .or_insert_with(|| {
                 let pool = Arc::new(Pool {
                     name: chain.qualified_name(),
                     spec: chain.sandbox.clone(),
+                    chain: Mutex::new(chain.clone()),
+                    reuse: key.reuse,
+                    max_uses: key.max_uses.max(1),
                     // With the kube backend the operator keeps the pods warm; the gateway claims
                     // per run, or holds a few claimed and attached when told to.
                     warm_target: self
@@ -405,14 +526,16 @@ impl Pools {
                 pool.backfill();
                 pool
             })
-            .clone()
+            .clone();
+        pool.set_chain(chain);
+        pool
     }
 
     /// Makes the pools match `chains`: new chains get a filling pool, chains that are gone or whose
     /// sandbox shape changed have their pool closed (runs in flight finish on their claimed sandbox).
     pub async fn sync<'a>(&self, chains: impl IntoIterator<Item = &'a Arc<Chain>>) {
         let wanted: HashMap<PoolKey, &Arc<Chain>> =
-            chains.into_iter().map(|c| (Self::key(c), c)).collect();
+            chains.into_iter().map(|c| (self.key(c), c)).collect();
         let stale: Vec<Arc<Pool>> = {
             let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
             let gone: Vec<PoolKey> = pools

@@ -1,10 +1,14 @@
-//! The gateway's side of one supervisor conversation: ready, init, and chain walks with host_calls
-//! answered in the middle. Deadlines are enforced here; host_call time does not count against them.
+//! The gateway's side of one supervisor conversation: ready; then, per trigger point, a cell opened
+//! ahead of the claim (`prepare`: init and its ack), chain walks with host_calls answered in the
+//! middle, and the cell's end with the supervisor's cleanliness verdict. Deadlines are enforced
+//! here; host_call time does not count against them.
 
+use crate::chain::Chain;
 use crate::host_calls::HostCalls;
 use crate::sandbox::{Sandbox, SandboxHandle};
-use crate::wire::{self, AckHook, FromSupervisor, HookResult, ReadError, ToSupervisor, WireLimits};
+use crate::wire::{self, FromSupervisor, HookResult, ReadError, ToSupervisor, WireLimits};
 use serde_json::Value;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncWriteExt, BufReader};
 
@@ -43,8 +47,17 @@ pub struct SupervisorConn {
     max_line: usize,
     next_id: u64,
     broken: bool,
-    /// Hooks of an `init` whose `ack` has not been read yet.
-    ack_pending: Option<usize>,
+    /// The chain whose cell is open and loaded, waiting for (or serving) a trigger point.
+    cell: Option<Arc<Chain>>,
+    /// Trigger points this sandbox has served (cells ended).
+    uses: u32,
+}
+
+/// How a cell ended: clean, or why the sandbox must not serve again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CellEnd {
+    Clean,
+    Dirty(String),
 }
 
 impl std::fmt::Debug for SupervisorConn {
@@ -77,7 +90,8 @@ impl SupervisorConn {
             max_line,
             next_id: 0,
             broken: false,
-            ack_pending: None,
+            cell: None,
+            uses: 0,
         }
     }
 
@@ -86,9 +100,9 @@ impl SupervisorConn {
         !self.broken
     }
 
-    /// Whether a sandbox waiting for `init` is still there, without waiting: a supervisor says
-    /// nothing between `ready` and `init`, so an ended stream (the sandbox died, or the connection to
-    /// it broke while it waited) or anything unasked-for means it must not be handed to a run.
+    /// Whether an idle sandbox is still there, without waiting: a supervisor says nothing while its
+    /// prepared cell waits for a claim, so an ended stream (the sandbox died, or the connection to it
+    /// broke while it waited) or anything unasked-for means it must not be handed to a run.
     pub fn still_waiting(&mut self) -> bool {
         use futures::FutureExt;
         use tokio::io::AsyncBufReadExt;
@@ -132,15 +146,23 @@ impl SupervisorConn {
         }
     }
 
-    /// Waits for the supervisor's `ready`, proof that Python started inside the sandbox.
+    /// Waits for the supervisor's `ready`, proof that Python started inside the sandbox and that it
+    /// can make cells there (otherwise its first line is an `error` saying why).
     pub async fn wait_ready(&mut self, budget: Duration) -> Result<(), SandboxFailure> {
         match self.recv(budget).await? {
             FromSupervisor::Ready { protocol } if protocol == wire::PROTOCOL_VERSION => Ok(()),
             FromSupervisor::Ready { protocol } => {
                 self.broken = true;
                 Err(SandboxFailure::Protocol(format!(
-                    "supervisor speaks protocol {protocol}, not {}",
+                    "the sandbox's supervisor speaks protocol {protocol}, this gateway speaks {}: \
+                     deploy the supervisor of this gateway's release",
                     wire::PROTOCOL_VERSION
+                )))
+            }
+            FromSupervisor::Error { message } => {
+                self.broken = true;
+                Err(SandboxFailure::Protocol(format!(
+                    "the supervisor cannot serve here: {message}"
                 )))
             }
             other => {
@@ -152,12 +174,25 @@ impl SupervisorConn {
         }
     }
 
-    /// Sends the chain's hooks. The supervisor's per-hook load report (`ack`) is read by the first
-    /// walk, so init and the first chunk travel together: one wake-up of the sandbox, not two.
-    pub async fn init(
+    /// The chain whose cell is open in this sandbox, if any.
+    pub fn cell(&self) -> Option<&Arc<Chain>> {
+        self.cell.as_ref()
+    }
+
+    /// Trigger points served so far.
+    pub fn uses(&self) -> u32 {
+        self.uses
+    }
+
+    /// Opens a cell for `chain`'s next trigger point: every hook's process started and its code
+    /// loaded (`init`, then its `ack`). Done ahead of the claim, so no fork and no code loading is on
+    /// a trigger point's path. A hook whose code does not load is reported as that hook's error when
+    /// a walk reaches it.
+    pub async fn prepare(
         &mut self,
-        chain: &crate::chain::Chain,
+        chain: &Arc<Chain>,
         limits: &WireLimits,
+        budget: Duration,
     ) -> Result<(), SandboxFailure> {
         let hooks = chain
             .spec
@@ -182,21 +217,38 @@ impl SupervisorConn {
             limits,
         })
         .await?;
-        self.ack_pending = Some(chain.spec.hooks.len());
-        Ok(())
-    }
-
-    /// Reads the `ack` of the last `init`, if it has not been read yet.
-    pub async fn ack(&mut self, budget: Duration) -> Result<Option<Vec<AckHook>>, SandboxFailure> {
-        let Some(expected) = self.ack_pending.take() else {
-            return Ok(None);
-        };
+        let expected = chain.spec.hooks.len();
         match self.recv(budget).await? {
-            FromSupervisor::Ack { hooks } if hooks.len() == expected => Ok(Some(hooks)),
+            FromSupervisor::Ack { hooks } if hooks.len() == expected => {
+                self.cell = Some(chain.clone());
+                Ok(())
+            }
             other => {
                 self.broken = true;
                 Err(SandboxFailure::Protocol(format!(
                     "expected an ack for {expected} hooks, got {other:?}"
+                )))
+            }
+        }
+    }
+
+    /// Closes the open cell (every hook process killed and reaped) and returns the supervisor's
+    /// verdict on the sandbox.
+    pub async fn end(&mut self, budget: Duration) -> Result<CellEnd, SandboxFailure> {
+        if self.cell.take().is_none() {
+            return Ok(CellEnd::Clean);
+        }
+        self.uses = self.uses.saturating_add(1);
+        self.send(&ToSupervisor::End).await?;
+        match self.recv(budget).await? {
+            FromSupervisor::Ended { clean: true, .. } => Ok(CellEnd::Clean),
+            FromSupervisor::Ended { clean: false, reason } => Ok(CellEnd::Dirty(
+                reason.unwrap_or_else(|| "no reason given".into()),
+            )),
+            other => {
+                self.broken = true;
+                Err(SandboxFailure::Protocol(format!(
+                    "expected ended, got {other:?}"
                 )))
             }
         }
@@ -216,6 +268,12 @@ impl SupervisorConn {
         self.next_id += 1;
         let id = self.next_id;
         let mut report = WalkReport::default();
+        if self.cell.is_none() {
+            report.failure = Some(SandboxFailure::Protocol(
+                "a walk in a sandbox with no cell open".into(),
+            ));
+            return report;
+        }
         if let Err(f) = self
             .send(&ToSupervisor::Chunk {
                 id,
@@ -230,15 +288,6 @@ impl SupervisorConn {
             return report;
         }
         let mut remaining = budget;
-        let began = Instant::now();
-        if let Err(f) = self.ack(budget).await {
-            report.failure = Some(match f {
-                SandboxFailure::Timeout(_) => SandboxFailure::Timeout(budget.as_millis() as u64),
-                other => other,
-            });
-            return report;
-        }
-        remaining = remaining.saturating_sub(began.elapsed());
         loop {
             let began = Instant::now();
             let msg = match self.recv(remaining).await {

@@ -6,7 +6,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
 
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Messages the gateway sends on the supervisor's stdin.
 #[derive(Debug, Serialize)]
@@ -33,6 +33,8 @@ pub enum ToSupervisor<'a> {
         #[serde(skip_serializing_if = "Option::is_none")]
         error: Option<String>,
     },
+    /// Closes the open cell; answered by `ended`.
+    End,
     Shutdown,
 }
 
@@ -62,8 +64,10 @@ pub enum FromSupervisor {
     Ready {
         protocol: u32,
     },
+    /// One entry per hook; a hook that failed to load is reported again, as that hook's error,
+    /// when a walk reaches it, so only the count is read here.
     Ack {
-        hooks: Vec<AckHook>,
+        hooks: Vec<serde::de::IgnoredAny>,
     },
     HookResult(HookResult),
     HostCall {
@@ -78,19 +82,15 @@ pub enum FromSupervisor {
         action: String,
         terminal_index: Option<usize>,
     },
+    /// The cell is gone; `clean` says whether the sandbox may serve another trigger point.
+    Ended {
+        clean: bool,
+        #[serde(default)]
+        reason: Option<String>,
+    },
     Error {
         message: String,
     },
-}
-
-#[derive(Clone, Debug, Deserialize)]
-pub struct AckHook {
-    pub name: String,
-    pub ok: bool,
-    #[serde(default)]
-    pub error: Option<String>,
-    #[serde(default)]
-    pub line: Option<u32>,
 }
 
 /// One hook's result as the supervisor reports it. `state` is `Some` only when the hook returned a
@@ -171,12 +171,16 @@ mod tests {
 
     #[tokio::test]
     async fn reads_messages_and_bounds_lines() {
-        let data = b"{\"type\":\"ready\",\"protocol\":1}\n{\"type\":\"hook_result\",\"id\":1,\"index\":0,\"name\":\"a\",\"action\":\"pass\",\"state\":null}\nnot json\n".to_vec();
+        let data = b"{\"type\":\"ready\",\"protocol\":1}\n{\"type\":\"ended\",\"clean\":false,\"reason\":\"x\"}\n{\"type\":\"hook_result\",\"id\":1,\"index\":0,\"name\":\"a\",\"action\":\"pass\",\"state\":null}\nnot json\n".to_vec();
         let mut r = tokio::io::BufReader::new(&data[..]);
         let mut buf = Vec::new();
         assert!(matches!(
             read_message(&mut r, &mut buf, 1024).await,
             Ok(FromSupervisor::Ready { protocol: 1 })
+        ));
+        assert!(matches!(
+            read_message(&mut r, &mut buf, 1024).await,
+            Ok(FromSupervisor::Ended { clean: false, reason: Some(r) }) if r == "x"
         ));
         match read_message(&mut r, &mut buf, 1024).await {
             Ok(FromSupervisor::HookResult(h)) => {

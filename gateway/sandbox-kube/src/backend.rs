@@ -284,6 +284,12 @@ impl SandboxBackend for KubeBackend {
     fn ready_needs_warm(&self) -> bool {
         false
     }
+
+    /// Not yet: a claimed pod's exec ends with its trigger point, and the pod with it. Every chain
+    /// runs as `reuse: None` in kube mode until pods are leased to trigger point after trigger point.
+    fn recycles(&self) -> bool {
+        false
+    }
 }
 
 /// Deletes a pod with its own (1 s) grace: a forced delete would drop it from the API while its

@@ -126,6 +126,9 @@ impl LocalBackend {
             json!({"destination": "/proc", "type": "proc", "source": "proc"}),
             json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
                    "options": ["nosuid", "nodev", "noexec", "mode=1777", format!("size={}", cfg.tmp_bytes)]}),
+            // Where each cell mounts its private /dev/shm, as in a pod.
+            json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                   "options": ["nosuid", "nodev", "noexec", "mode=1777", "size=65536"]}),
             json!({"destination": "/sluice/supervisor.py", "type": "bind",
                    "source": supervisor, "options": ["rbind", "ro"]}),
             json!({"destination": "/sluice/attach.py", "type": "bind",
@@ -168,7 +171,6 @@ impl LocalBackend {
             "PATH=/usr/bin:/bin",
             "LANG=C.UTF-8",
             "PYTHONDONTWRITEBYTECODE=1",
-            "SLUICE_SANDBOX=1",
         ]
         .map(String::from)
         .to_vec()
@@ -189,8 +191,11 @@ impl LocalBackend {
         })
     }
 
-    fn oci_spec(&self, id: &str, spec: &SandboxSpec) -> serde_json::Value {
+    fn oci_spec(&self, id: &str, spec: &SandboxSpec) -> Result<serde_json::Value, StartError> {
         let period: u64 = 100_000;
+        let cpu_millis = sluice_crds::quantity::cpu_millis(&spec.cpu).map_err(|e| runtime(e.to_string()))?;
+        let memory_bytes =
+            sluice_crds::quantity::memory_bytes(&spec.memory).map_err(|e| runtime(e.to_string()))?;
         let mut args = vec![
             json!(self.python),
             json!("-I"),
@@ -201,12 +206,12 @@ impl LocalBackend {
         if self.cfg.pod_shape {
             args.push(json!("--listen"));
         }
-        let mut env = Self::env();
-        env.push(format!("SLUICE_WORKERS={}", spec.workers));
-        env.push(format!("SLUICE_MEMORY_BYTES={}", spec.memory_bytes));
-        json!({
+        // Settings are flags, never the environment: every process of the sandbox, hooks included,
+        // can read the initial environment block as its /proc/1/environ.
+        args.extend([json!("--memory-bytes"), json!(memory_bytes.to_string())]);
+        Ok(json!({
             "ociVersion": "1.0.2",
-            "process": Self::process(args, env),
+            "process": Self::process(args, Self::env()),
             "root": {"path": self.rootfs, "readonly": true},
             "hostname": "sandbox",
             "mounts": self.mounts,
@@ -214,12 +219,12 @@ impl LocalBackend {
                 "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
                 "cgroupsPath": format!("/{CGROUP_PARENT}/{id}"),
                 "resources": {
-                    "memory": {"limit": spec.memory_bytes},
+                    "memory": {"limit": memory_bytes},
                     "pids": {"limit": spec.pids as u64 + RUNTIME_THREADS},
-                    "cpu": {"quota": (spec.cpu_millis * period / 1000).max(1000), "period": period}
+                    "cpu": {"quota": (cpu_millis * period / 1000).max(1000), "period": period}
                 }
             }
-        })
+        }))
     }
 
     /// Starts `args` as another process of sandbox `id` (`runsc exec`, the sandbox user, the
@@ -404,7 +409,7 @@ impl SandboxBackend for LocalBackend {
         let bundle = self.bundles.join(&id);
         tokio::fs::create_dir_all(&bundle).await?;
         let config =
-            serde_json::to_vec(&self.oci_spec(&id, spec)).map_err(|e| runtime(e.to_string()))?;
+            serde_json::to_vec(&self.oci_spec(&id, spec)?).map_err(|e| runtime(e.to_string()))?;
         tokio::fs::write(bundle.join("config.json"), config).await?;
         let spawned = self
             .runsc()

@@ -1,7 +1,9 @@
 //! A sandbox backend for tests: the real `supervisor/supervisor.py`, run by the host's `python3` as a
 //! plain child process, speaking the protocol on stdin/stderr exactly as in a runsc sandbox. No
-//! gVisor and no isolation: `SLUICE_SANDBOX` is unset, so the supervisor kills nothing and leaves
-//! `/tmp` alone. It lets the engine's every policy path run in milliseconds on any machine.
+//! gVisor: the supervisor is pid 1 of a pid namespace of its own (`unshare`, in a user namespace, so
+//! no root is needed where user namespaces are allowed), which its cells nest in and which dies with
+//! it, so killing a "sandbox" leaves no hook process behind. It lets the engine's every policy path
+//! run in milliseconds on any machine that allows user namespaces.
 
 #![allow(clippy::new_without_default)]
 
@@ -46,12 +48,14 @@ impl ProcessBackend {
 impl SandboxBackend for ProcessBackend {
     async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
         let id = format!("process-{}", self.seq.fetch_add(1, Ordering::Relaxed));
-        let mut child = Command::new("python3")
-            .arg("-u")
+        let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
+            .map_err(|e| StartError::Runtime(e.to_string()))?;
+        let mut child = Command::new("unshare")
+            .args(["--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount-proc"])
+            .args(["python3", "-I", "-S", "-u"])
             .arg(self.supervisor())
-            .env_remove("SLUICE_SANDBOX")
-            .env("SLUICE_WORKERS", spec.workers.to_string())
-            .env("SLUICE_MEMORY_BYTES", "0")
+            .arg("--memory-bytes")
+            .arg(memory_bytes.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

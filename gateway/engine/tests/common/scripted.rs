@@ -83,7 +83,7 @@ impl SandboxBackend for ScriptedBackend {
                 line.push(b'\n');
                 answers.write_all(&line).await.is_ok()
             };
-            if !send(json!({"type": "ready", "protocol": 1})).await {
+            if !send(json!({"type": "ready", "protocol": 2})).await {
                 return;
             }
             let mut hooks: Vec<Value> = Vec::new();
@@ -98,6 +98,11 @@ impl SandboxBackend for ScriptedBackend {
                             .map(|h| json!({"name": h["name"], "ok": true}))
                             .collect();
                         if !send(json!({"type": "ack", "hooks": acks})).await {
+                            return;
+                        }
+                    }
+                    Some("end") => {
+                        if !send(json!({"type": "ended", "clean": true})).await {
                             return;
                         }
                     }

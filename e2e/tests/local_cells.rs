@@ -1,0 +1,215 @@
+//! Cells in real gVisor sandboxes: one sandbox serves trigger point after trigger point, and each
+//! trigger point finds nothing of the one before it, in both pool modes; bursts are served without
+//! an error.
+
+use serde_json::Value;
+use sluice_e2e::{Harness, chain_yaml, text};
+
+/// Redacts `RAW-SECRET-<n>`; keeps a secret in its globals and gets one in its settings.
+const REDACT: &str = r#"import re
+GLOBAL = "GLOBAL-" + "SECRET"
+P = re.compile(r"RAW-SECRET-[0-9]+")
+def execute(context, settings):
+    return {"action": "modify", "outgoing": P.sub("[gone]", context["outgoing"])}
+"#;
+
+/// On "leave", leaves everything a process can leave behind but processes; on "daemon", a
+/// double-forked `setsid` daemon; on "look", reports what it can see of any of it, of other hooks, of
+/// the raw payload and of the sandbox, appended to the payload as JSON.
+const SNEAKY: &str = r#"import ctypes, gc, json, os, random, resource, signal, socket, threading, time
+def daemon():
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(300)
+        os._exit(0)
+    os.wait()
+def leave():
+    open("/tmp/left", "w").write("x")
+    if os.path.isdir("/dev/shm"):
+        open("/dev/shm/left", "w").write("x")
+    signal.signal(signal.SIGALRM, lambda *_: open("/tmp/alarm", "w").write("fired"))
+    signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+    threading.Thread(target=lambda: time.sleep(300), daemon=True).start()
+    ctypes.CDLL(None).shmget(0x51c0, 4096, 0o1666)
+    global SOCK
+    SOCK = socket.socket(socket.AF_UNIX)
+    SOCK.bind("\0sluice-left")
+    SOCK.listen(1)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (17, 17))
+    os.environ["LEFT"] = "1"
+    os.chdir("/")
+def look(payload):
+    # Built here, so that the hook's own constants are not what it finds.
+    secrets = ["RAW-", "SETTINGS-", "GLOBAL-"]
+    secrets = [s + "SECRET" for s in secrets]
+    found = []
+    for o in gc.get_objects():
+        items = list(o.keys()) + list(o.values()) if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else ()
+        for v in items:
+            if isinstance(v, (str, bytes)) and v not in secrets:
+                text = v if isinstance(v, str) else v.decode("utf-8", "replace")
+                found += [s for s in secrets if s in text]
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+        for name in ("environ", "cmdline"):
+            try:
+                data = open("/proc/%s/%s" % (pid, name), "rb").read()
+            except OSError:
+                continue
+            if b"SLUICE_" in data or any(s.encode() in data for s in secrets):
+                found.append("/proc/%s/%s" % (pid, name))
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect("\0sluice-left")
+        sock = True
+    except OSError:
+        sock = False
+    return {
+        "procs": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+        "tmp": sorted(os.listdir("/tmp")),
+        "shm": sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else [],
+        "sysv": ctypes.CDLL(None).shmget(0x51c0, 4096, 0o666) >= 0,
+        "socket": sock,
+        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        "env": "LEFT" in os.environ,
+        "cwd": os.getcwd(),
+        "threads": threading.active_count(),
+        "found": sorted(set(found)),
+    }
+def execute(context, settings):
+    out = context["outgoing"]
+    seen = {"random": [random.random() for _ in range(3)]}
+    if out.startswith("leave"):
+        leave()
+    elif out.startswith("daemon"):
+        daemon()
+    else:
+        seen.update(look(out))
+    return {"action": "modify", "outgoing": out + " SEEN:" + json.dumps(seen)}
+"#;
+
+fn chain(reuse: &str) -> String {
+    let spec = format!(
+        "failurePolicy: Closed\ntimeoutMs: 5000\npool: {{warm: 1, max: 1, reuse: {reuse}}}\nresources: {{cpu: '1', memory: 256Mi, pids: 64}}"
+    );
+    chain_yaml(
+        "cells",
+        "cells",
+        "input",
+        &spec,
+        &[("redact", "modify", REDACT), ("sneaky", "modify", SNEAKY)],
+    )
+    .replace(
+        "      action: modify\n      code: |\n        import re",
+        "      action: modify\n      settings: {token: SETTINGS-SECRET}\n      code: |\n        import re",
+    )
+}
+
+fn seen(out: &str) -> Value {
+    let json = out.split(" SEEN:").nth(1).expect("the hook reported");
+    serde_json::from_str(json).expect("JSON")
+}
+
+async fn look(h: &Harness, n: u32) -> Value {
+    let looked = text(
+        &h.run_text("cells", "input", &format!("look RAW-SECRET-{n}"))
+            .await
+            .unwrap(),
+    )
+    .to_string();
+    assert!(looked.starts_with("look [gone] SEEN:"), "{looked}");
+    seen(&looked)
+}
+
+fn assert_sees_nothing(after: &Value, before: &Value) {
+    assert_eq!(after["procs"], serde_json::json!(["1"]), "{after}");
+    assert_eq!(after["tmp"], serde_json::json!([]), "{after}");
+    assert_eq!(after["shm"], serde_json::json!([]), "{after}");
+    assert_eq!(after["sysv"], false, "SysV IPC survived: {after}");
+    assert_eq!(after["socket"], false, "an abstract socket survived: {after}");
+    assert_ne!(after["nofile"], 17, "an rlimit survived: {after}");
+    assert_eq!(after["env"], false, "the environment survived: {after}");
+    assert_eq!(after["cwd"], "/tmp", "{after}");
+    assert_eq!(after["threads"], 1, "{after}");
+    assert_eq!(after["found"], serde_json::json!([]), "{after}");
+    assert_ne!(
+        before["random"], after["random"],
+        "two trigger points share a random sequence"
+    );
+}
+
+async fn next_trigger_point_sees_nothing(reuse: &str) {
+    let yaml = chain(reuse);
+    let h = Harness::start(&[("cells.yaml", &yaml)]).await;
+    let boots_before = h.boots();
+    let left = text(&h.run_text("cells", "input", "leave RAW-SECRET-1").await.unwrap()).to_string();
+    assert!(left.starts_with("leave [gone] SEEN:"), "{left}");
+    assert_sees_nothing(&look(&h, 2).await, &seen(&left));
+    let boots = h.boots() - boots_before;
+    match reuse {
+        // A pool of one: both trigger points ran in the same sandbox.
+        "Recycle" => assert_eq!(boots, 0, "the sandbox was not reused: {:?}", h.retirements()),
+        _ => assert!(boots >= 1, "reuse None booted no fresh sandbox"),
+    }
+    // A process that outlives its hook is killed with the cell, and the sandbox retired (the
+    // supervisor's verdict is dirty): the next trigger point runs in a fresh one either way.
+    let daemon = text(&h.run_text("cells", "input", "daemon").await.unwrap()).to_string();
+    assert_sees_nothing(&look(&h, 3).await, &seen(&daemon));
+    if reuse == "Recycle" {
+        assert!(
+            h.retirements().contains(&("dirty".to_string(), 1)),
+            "{:?}",
+            h.retirements()
+        );
+    }
+    h.stop_and_check_leaks().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recycled_sandbox_next_trigger_point_sees_nothing_of_the_last() {
+    next_trigger_point_sees_nothing("Recycle").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fresh_sandbox_next_trigger_point_sees_nothing_of_the_last() {
+    next_trigger_point_sees_nothing("None").await;
+}
+
+const UPPER: &str = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'].upper()}\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bursts_of_runs_and_streams_are_all_served() {
+    let yaml = chain_yaml(
+        "burst",
+        "burst",
+        "output",
+        "pool: {warm: 2, max: 8, reuse: Recycle}\nstreaming: {flushChars: 8, lookbackChars: 4}",
+        &[("upper", "modify", UPPER)],
+    );
+    let h = std::sync::Arc::new(Harness::start(&[("burst.yaml", &yaml)]).await);
+    let runs = (0..32).map(|i| {
+        let h = h.clone();
+        async move {
+            let r = h.run_text("burst", "output", &format!("run {i}")).await;
+            (i, r.map(|r| text(&r).to_string()))
+        }
+    });
+    for (i, r) in futures::future::join_all(runs).await {
+        assert_eq!(r.expect("no run fails"), format!("RUN {i}"));
+    }
+    let streams = (0..32).map(|i| {
+        let h = h.clone();
+        async move {
+            let chunks = vec![format!("stream {i} "), "goes on and on".to_string()];
+            (i, h.stream("burst", "output", &chunks).await)
+        }
+    });
+    for (i, s) in futures::future::join_all(streams).await {
+        assert!(s.status.is_none(), "stream {i}: {:?}", s.status);
+        let want = format!("STREAM {i} GOES ON AND ON");
+        assert_eq!(s.committed(), want);
+        assert_eq!(text(s.final_.as_ref().expect("a final")), want);
+    }
+    let h = std::sync::Arc::into_inner(h).expect("one owner");
+    h.stop_and_check_leaks().await;
+}
