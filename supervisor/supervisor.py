@@ -162,7 +162,7 @@ class Kernel:
     NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x20000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
     NAMESPACES = {"user": NEWUSER, "pid": NEWPID, "mount": NEWNS, "ipc": NEWIPC, "net": NEWNET, "uts": NEWUTS}
     MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
-    PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 24, 36, 38
+    PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 24, 36, 38
     PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 
     def __init__(self):
@@ -361,7 +361,6 @@ def hook_process_setup(kernel, rfd, writer, opts):
             kernel.mount("tmpfs", "/dev/shm", "tmpfs", Kernel.MS_NOSUID | Kernel.MS_NODEV, tmp_options)
         kernel.mount("proc", "/proc", "proc", Kernel.MS_NOSUID | Kernel.MS_NODEV | Kernel.MS_NOEXEC)
         kernel.drop_capabilities()
-        kernel.prctl(Kernel.PR_SET_DUMPABLE, 0)
         keep = {0, 1, 2, rfd, writer.fileno()}
         for fd in [int(f) for f in os.listdir("/proc/self/fd")]:
             if fd not in keep:
@@ -596,21 +595,29 @@ class Cell:
         for p in procs:
             p.kill()
         pids = {p.pid for p in procs if p.pid is not None}
-        outlived = set()
         deadline = time.monotonic() + TEARDOWN_SECONDS
+        # The hook processes first: on Linux a namespace's init exits only once all its other
+        # processes have, so anything still in a namespace after its init is gone outlived it.
+        while pids:
+            pids -= reap()
+            if pids and time.monotonic() >= deadline:
+                return f"{len(pids)} hook process(es) did not die within {TEARDOWN_SECONDS:g} s"
+            if pids:
+                time.sleep(0.001)
+        outlived = set()
         while True:
-            members = [pid for pid in namespace_members(namespaces) if pid not in pids]
+            members = namespace_members(namespaces)
             for pid in members:
                 outlived.add(pid)
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            pids -= reap()
-            if not pids and not members:
+            reap()
+            if not members:
                 break
             if time.monotonic() >= deadline:
-                return f"{len(pids | set(members))} process(es) of the cell did not die within {TEARDOWN_SECONDS:g} s"
+                return f"{len(members)} process(es) of the cell did not die within {TEARDOWN_SECONDS:g} s"
             time.sleep(0.001)
         if outlived:
             return f"{len(outlived)} process(es) started by hooks outlived their hook (killed)"
@@ -1025,6 +1032,8 @@ def parse_args(argv):
 
 
 ATTACH_ADDRESS = "@sluice-supervisor"
+# How often a waiting pod's supervisor checks that its zygote is alive.
+ZYGOTE_CHECK_SECONDS = 2.0
 
 
 def attach_address():
@@ -1048,9 +1057,18 @@ def listen(zygote, log):
         log(f"cannot listen on {address!r}: {e}")
         return 1
     server.listen(16)
+    server.settimeout(ZYGOTE_CHECK_SECONDS)
     log("ready: cells work here, waiting for the gateway's attach")
     while True:
-        conn, _ = server.accept()
+        try:
+            conn, _ = server.accept()
+        except socket.timeout:
+            # A pod that can no longer make cells must not wait to be claimed: its exit ends the
+            # pod, which the operator replaces.
+            if not zygote.alive():
+                log("the zygote died: this pod can make no more cells")
+                return 1
+            continue
         fds = []
         try:
             conn.settimeout(5)

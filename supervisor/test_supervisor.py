@@ -21,6 +21,14 @@ def hook(name, action, code, settings=None):
     return {"name": name, "action": action, "code": code, "settings": settings or {}}
 
 
+def cells_work():
+    """Whether this machine lets the supervisor make cells (it needs user namespaces)."""
+    return subprocess.run([sys.executable, "-I", "-S", SUPERVISOR, "--probe"], capture_output=True, timeout=60).returncode == 0
+
+
+CELLS = cells_work()
+
+
 class Session:
     """One supervisor process, spoken to exactly as the gateway does."""
 
@@ -333,6 +341,16 @@ class CommandLineTest(unittest.TestCase):
             self.assertEqual(pod.proc.wait(30), 0, "one attach per pod: the supervisor ends with its session")
         self.assertIn(b"waiting for the gateway's attach", pod.log)
 
+    @unittest.skipUnless(CELLS, "needs cells")
+    def test_a_waiting_pod_whose_zygote_died_exits_so_it_is_replaced(self):
+        with Pod() as pod:
+            ns = os.readlink(f"/proc/{pod.proc.pid}/ns/pid")
+            zygote = [p for p in children(pod.proc.pid) if os.readlink(f"/proc/{p}/ns/pid") == ns]
+            self.assertEqual(len(zygote), 1)
+            os.kill(zygote[0], signal.SIGKILL)
+            self.assertEqual(pod.proc.wait(30), 1)
+        self.assertIn(b"the zygote died", pod.log)
+
     def test_listen_exits_zero_on_sigterm_while_waiting(self):
         with Pod() as pod:
             pod.proc.send_signal(signal.SIGTERM)
@@ -473,12 +491,6 @@ def can_unshare():
         return False
 
 
-def cells_work():
-    """Whether this machine lets the supervisor make cells (it needs user namespaces)."""
-    return subprocess.run([sys.executable, "-I", "-S", SUPERVISOR, "--probe"], capture_output=True, timeout=60).returncode == 0
-
-
-CELLS = cells_work()
 
 # Leaves everything a hook can leave: a /tmp and a /dev/shm file, a double-forked setsid daemon, an
 # interval timer with a handler, SysV shared memory, an abstract unix socket, a lowered rlimit, an

@@ -1,12 +1,13 @@
 //! `make bench`: every number an issue asks for, printed as a table beside baselines measured in the
 //! same run on the same machine. `sluice-bench [SECTION...]` runs some sections only
-//! (run, throughput, stream, host_call, load, kube).
+//! (cells, run, stream, host_call, load, kube).
 
 use anyhow::Context as _;
 use sluice_gateway::{LocalOptions, RunningGateway, start_local};
 use sluice_proto::{self as proto, gateway_client::GatewayClient};
 use std::time::{Duration, Instant};
 
+mod cells;
 mod kube;
 mod load;
 mod naive;
@@ -62,6 +63,13 @@ pub struct Bench {
 
 impl Bench {
     pub async fn start(files: &[(&str, String)]) -> anyhow::Result<Self> {
+        Self::start_with(files, |_| {}).await
+    }
+
+    pub async fn start_with(
+        files: &[(&str, String)],
+        tweak: impl FnOnce(&mut LocalOptions),
+    ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         for (name, text) in files {
             std::fs::write(dir.path().join(name), text)?;
@@ -71,6 +79,7 @@ impl Bench {
             .tempdir_in("/tmp")?;
         let mut opts = LocalOptions::new(dir.path(), state.path());
         opts.limits.claim_timeout = Duration::from_secs(60);
+        tweak(&mut opts);
         let gateway = start_local(opts).await?;
         gateway
             .engine
@@ -147,7 +156,11 @@ async fn run_latency(table: &mut Table) -> anyhow::Result<()> {
     let fresh = naive::fresh_runsc_per_call(&text, 15).await?;
     let p50 = percentile(&samples, 50.0);
     table.push(
-        Row::latency("Run via gRPC, warm sandbox (3 hooks, 1 KiB)", &samples).target("p50 ≤ 3 ms"),
+        Row::latency(
+            "Run via gRPC, warm sandbox (3 hooks, 1 KiB, Recycle)",
+            &samples,
+        )
+        .target("p50 ≤ 3 ms"),
     );
     table.push(Row::latency(
         "  baseline: same hooks in one Python process",
@@ -168,56 +181,6 @@ async fn run_latency(table: &mut Table) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Sustained runs/s with 8 concurrent clients, beside the boot ceiling of fresh sandboxes per second.
-async fn throughput(table: &mut Table) -> anyhow::Result<()> {
-    let ceiling = naive::boot_ceiling(Duration::from_secs(10)).await?;
-    let bench = Bench::start(&[(
-        "c.yaml",
-        chain_yaml("bench", "bench", "input", "{warm: 4, max: 16}", ""),
-    )])
-    .await?;
-    let text = text_1k();
-    let window = Duration::from_secs(15);
-    let began = Instant::now();
-    let clients = (0..8).map(|_| {
-        let bench = &bench;
-        let text = &text;
-        async move {
-            let mut done = 0u64;
-            let mut errors = 0u64;
-            while began.elapsed() < window {
-                match bench.run("bench", text).await {
-                    Ok(r) if r.hooks.len() == 3 => done += 1,
-                    _ => errors += 1,
-                }
-            }
-            (done, errors)
-        }
-    });
-    let results = futures::future::join_all(clients).await;
-    let elapsed = began.elapsed().as_secs_f64();
-    bench.gateway.shutdown().await;
-    let done: u64 = results.iter().map(|r| r.0).sum();
-    let errors: u64 = results.iter().map(|r| r.1).sum();
-    let rate = done as f64 / elapsed;
-    table.push(
-        Row::value(
-            "Sustained Run/s, 8 clients, fresh sandbox each",
-            format!("{rate:.1}/s ({errors} errors)"),
-        )
-        .target("≥ 80 % of ceiling"),
-    );
-    table.push(Row::value(
-        "  baseline: fresh sandboxes booted/s (ceiling)",
-        format!("{ceiling:.1}/s"),
-    ));
-    table.push(Row::value(
-        "  ratio",
-        format!("{:.0} %", 100.0 * rate / ceiling),
-    ));
-    Ok(())
-}
-
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> anyhow::Result<()> {
     let wanted: Vec<String> = std::env::args().skip(1).collect();
@@ -232,11 +195,11 @@ async fn main() -> anyhow::Result<()> {
     if wanted.iter().any(|w| w == "breakdown") {
         return naive::breakdown(&text_1k()).await;
     }
+    if on("cells") {
+        cells::bench(&mut table).await.context("cells")?;
+    }
     if on("run") {
         run_latency(&mut table).await.context("run latency")?;
-    }
-    if on("throughput") {
-        throughput(&mut table).await.context("throughput")?;
     }
     if on("stream") {
         stream::bench(&mut table).await.context("stream")?;

@@ -1,7 +1,6 @@
 //! Baselines measured in the same run: the hooks in one Python process (the floor), a fresh
 //! `runsc run` per call (the naive design), and how many fresh sandboxes this machine boots per second.
 
-use std::sync::Arc;
 use crate::HOOKS;
 use serde_json::{Value, json};
 use sluice_engine::Chain;
@@ -9,6 +8,7 @@ use sluice_engine::Limits;
 use sluice_engine::{NoHostCalls, SupervisorConn};
 use sluice_engine::{SandboxBackend, SandboxSpec};
 use sluice_sandbox_local::{LocalBackend, LocalConfig};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub async fn in_process_floor(text: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
@@ -63,7 +63,7 @@ print(json.dumps(out))
     Ok(ns.into_iter().map(Duration::from_nanos).collect())
 }
 
-fn bench_chain() -> anyhow::Result<Chain> {
+pub fn bench_chain() -> anyhow::Result<Chain> {
     let yaml = crate::chain_yaml("naive", "naive", "input", "{warm: 0, max: 1}", "");
     let hc: sluice_crds::HookChain = hookchain_from(&yaml)?;
     let namespace = sluice_crds::manifest::namespace_of(&hc.metadata);

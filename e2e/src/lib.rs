@@ -164,7 +164,12 @@ impl Harness {
         let m = self.gateway().engine.metrics();
         ["reuse_none", "max_uses", "dirty", "broken", "pool_closed"]
             .iter()
-            .map(|r| (r.to_string(), m.sandbox_retirements.with_label_values(&[r]).get()))
+            .map(|r| {
+                (
+                    r.to_string(),
+                    m.sandbox_retirements.with_label_values(&[r]).get(),
+                )
+            })
             .filter(|(_, n)| *n > 0)
             .collect()
     }
@@ -258,18 +263,6 @@ impl Harness {
         }
         let sandboxes = self.state.path().join("sandboxes");
         assert_no_leaks(&sandboxes);
-        for event in self.audit() {
-            let ids = [&event["sandbox"], &event["baseline"]["sandbox"]];
-            for id in ids.into_iter().filter_map(Value::as_str) {
-                for ctl in ["memory", "pids", "cpu"] {
-                    let cg = Path::new("/sys/fs/cgroup")
-                        .join(ctl)
-                        .join("sluice")
-                        .join(id);
-                    assert!(!cg.exists(), "cgroup left: {}", cg.display());
-                }
-            }
-        }
     }
 }
 
@@ -293,6 +286,9 @@ pub fn assert_no_leaks(state_dir: &Path) {
         .map(|r| r.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(bundles.is_empty(), "bundles left: {bundles:?}");
+    // Every hierarchy: blkio, cpuset, devices, freezer, systemd... not only the limited ones.
+    let cgroups = sluice_sandbox_local::leftover_cgroups(state_dir);
+    assert!(cgroups.is_empty(), "cgroups left: {cgroups:?}");
 }
 
 fn processes_mentioning(needle: &str) -> Vec<String> {

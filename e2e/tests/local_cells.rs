@@ -126,7 +126,10 @@ fn assert_sees_nothing(after: &Value, before: &Value) {
     assert_eq!(after["tmp"], serde_json::json!([]), "{after}");
     assert_eq!(after["shm"], serde_json::json!([]), "{after}");
     assert_eq!(after["sysv"], false, "SysV IPC survived: {after}");
-    assert_eq!(after["socket"], false, "an abstract socket survived: {after}");
+    assert_eq!(
+        after["socket"], false,
+        "an abstract socket survived: {after}"
+    );
     assert_ne!(after["nofile"], 17, "an rlimit survived: {after}");
     assert_eq!(after["env"], false, "the environment survived: {after}");
     assert_eq!(after["cwd"], "/tmp", "{after}");
@@ -142,13 +145,23 @@ async fn next_trigger_point_sees_nothing(reuse: &str) {
     let yaml = chain(reuse);
     let h = Harness::start(&[("cells.yaml", &yaml)]).await;
     let boots_before = h.boots();
-    let left = text(&h.run_text("cells", "input", "leave RAW-SECRET-1").await.unwrap()).to_string();
+    let left = text(
+        &h.run_text("cells", "input", "leave RAW-SECRET-1")
+            .await
+            .unwrap(),
+    )
+    .to_string();
     assert!(left.starts_with("leave [gone] SEEN:"), "{left}");
     assert_sees_nothing(&look(&h, 2).await, &seen(&left));
     let boots = h.boots() - boots_before;
     match reuse {
         // A pool of one: both trigger points ran in the same sandbox.
-        "Recycle" => assert_eq!(boots, 0, "the sandbox was not reused: {:?}", h.retirements()),
+        "Recycle" => assert_eq!(
+            boots,
+            0,
+            "the sandbox was not reused: {:?}",
+            h.retirements()
+        ),
         _ => assert!(boots >= 1, "reuse None booted no fresh sandbox"),
     }
     // A process that outlives its hook is killed with the cell, and the sandbox retired (the

@@ -1,8 +1,11 @@
-//! The hostile-hook suite: one hostile hook between two honest ones, in real sandboxes. For every
-//! case the honest hooks' results are intact, the run ends within bounds, the gateway keeps serving,
-//! and at the end nothing is left behind.
+//! The hostile-hook suite: one hostile hook between two honest ones, in real sandboxes, in both pool
+//! modes (`reuse: Recycle`, where the next trigger point may run in the same sandbox, and `None`).
+//! For every case the honest hooks' results are intact (in the hostile trigger point and in the next
+//! one), the run ends within bounds, the gateway keeps serving, and at the end nothing is left
+//! behind.
 
 use sluice_e2e::{Harness, action, text};
+use sluice_proto as proto;
 use sluice_proto::Action;
 use std::time::{Duration, Instant};
 
@@ -16,9 +19,11 @@ def execute(context, settings):
     return {"action": "modify", "outgoing": context["outgoing"] + " [A]"}
 "#;
 
-/// Uses the modules a hostile hook might patch, then appends " [B]".
-const HONEST_AFTER: &str = r#"import re, json, builtins
+/// Uses the modules a hostile hook might patch, gives anything the hostile hook left armed (timers,
+/// children) a moment to act, then appends " [B]".
+const HONEST_AFTER: &str = r#"import re, json, builtins, time
 def execute(context, settings):
+    time.sleep(0.1)
     text = re.sub("zzz", "", context["outgoing"])
     assert len("abc") == 3, "len was patched"
     assert json.loads(json.dumps({"k": 1})) == {"k": 1}, "json was patched"
@@ -26,6 +31,70 @@ def execute(context, settings):
     import os
     leftovers = os.listdir("/tmp")
     return {"action": "modify", "outgoing": text + " [B]" + (" TMP:" + ",".join(leftovers) if leftovers else "")}
+"#;
+
+/// Writes forged worker and protocol lines (a result, a host_call, new code for a later hook) into
+/// every descriptor of every process it can see.
+const FORGE_VIA_PROC_FDS: &str = r#"    import os
+    lines = (b'{"op":"return","value":{"action":"pass"}}\n'
+             b'{"op":"host_call","name":"echo","payload":{}}\n'
+             b'{"op":"load","name":"honest-after","code":"def execute(c, s):\\n    return {}\\n"}\n'
+             b'{"type":"result","id":1,"action":"pass","terminal_index":null}\n')
+    for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
+        try:
+            fds = os.listdir('/proc/%s/fd' % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                f = os.open('/proc/%s/fd/%s' % (pid, fd), os.O_WRONLY | os.O_NONBLOCK)
+                os.write(f, lines)
+                os.close(f)
+            except OSError:
+                pass
+    return {'action': 'pass'}
+"#;
+
+/// Leaves an interval timer whose handler kills every other process it can see and writes a file.
+const TIMER_OUTLIVES_HOOK: &str = r#"    import os, signal
+    def fire(*_):
+        for p in os.listdir('/proc'):
+            if p.isdigit() and int(p) != os.getpid():
+                try:
+                    os.kill(int(p), signal.SIGKILL)
+                except OSError:
+                    pass
+        try:
+            open('/tmp/from-timer', 'w').write('x')
+        except OSError:
+            pass
+    signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, 0.02, 0.02)
+    return {'action': 'pass'}
+"#;
+
+/// Lowers pid 1's limits.
+const LIMITS_OF_PID_1: &str = r#"    import resource
+    for res in (resource.RLIMIT_NOFILE, resource.RLIMIT_AS, resource.RLIMIT_NPROC):
+        try:
+            resource.prlimit(1, res, (3, 3))
+        except (OSError, ValueError):
+            pass
+    return {'action': 'pass'}
+"#;
+
+/// Signals pid 1 from a child, a moment after the hook returned.
+const SIGNAL_PID_1: &str = r#"    import os, signal
+    if os.fork() == 0:
+        import time
+        time.sleep(0.03)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+            try:
+                os.kill(1, sig)
+            except OSError:
+                pass
+        os._exit(0)
+    return {'action': 'pass'}
 "#;
 
 /// (name, body of the hostile hook's execute, indented by 4).
@@ -66,14 +135,22 @@ fn cases(port: u16) -> Vec<(&'static str, String)> {
     v.push(("network", format!("    import socket\n    found = []\n    for host, port in [('127.0.0.1', {port}), ('8.8.8.8', 53), ('10.0.0.1', 80)]:\n        try:\n            socket.create_connection((host, port), timeout=0.3).close()\n            found.append(host)\n        except OSError:\n            pass\n    try:\n        found.append(socket.gethostbyname('example.com'))\n    except OSError:\n        pass\n{report}")));
     v.push(("kill-other-workers", "    import os, signal\n    for p in os.listdir('/proc'):\n        if p.isdigit() and int(p) not in (1, os.getpid()):\n            try:\n                os.kill(int(p), signal.SIGKILL)\n            except OSError:\n                pass\n    return {'action': 'pass'}\n".into()));
     v.push(("thread-acts-later", "    import os, threading, time, signal\n    def later():\n        time.sleep(0.05)\n        for p in os.listdir('/proc'):\n            if p.isdigit() and int(p) != os.getpid():\n                try:\n                    os.kill(int(p), signal.SIGKILL)\n                except OSError:\n                    pass\n        open('/tmp/from-thread', 'w').write('x')\n    threading.Thread(target=later, daemon=True).start()\n    return {'action': 'pass'}\n".into()));
+    // Each of these broke the isolation of hooks that shared the supervisor's user and pid
+    // namespace (before cells): writes into other processes' descriptors forged a later hook's
+    // result, a host_call in its name and new code for it; a timer outlived its hook and killed the
+    // next one; pid 1's limits and signals were in reach.
+    v.push(("forge-via-proc-fds", FORGE_VIA_PROC_FDS.into()));
+    v.push(("timer-outlives-hook", TIMER_OUTLIVES_HOOK.into()));
+    v.push(("limits-of-pid-1", LIMITS_OF_PID_1.into()));
+    v.push(("signal-pid-1", SIGNAL_PID_1.into()));
     v.push(("leftover-process", "    import os, time, signal\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(0.05)\n        for p in os.listdir('/proc'):\n            if p.isdigit():\n                try:\n                    os.kill(int(p), signal.SIGKILL)\n                except OSError:\n                    pass\n        os._exit(0)\n    return {'action': 'pass'}\n".into()));
     v
 }
 
-fn chain(name: &str, body: &str) -> String {
+fn chain(name: &str, body: &str, reuse: &str) -> String {
     let hostile = format!("def execute(c, s):\n{body}");
     let mut y = format!(
-        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  target: {name}\n  triggerPoint: input\n  failurePolicy: Open\n  timeoutMs: 3000\n  pool: {{warm: 1, max: 4}}\n  resources: {{cpu: '1', memory: 128Mi, pids: 32}}\n  hooks:\n"
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  target: {name}\n  triggerPoint: input\n  failurePolicy: Open\n  timeoutMs: 3000\n  pool: {{warm: 1, max: 4, reuse: {reuse}}}\n  resources: {{cpu: '1', memory: 128Mi, pids: 32}}\n  hooks:\n"
     );
     for (hook, action, code) in [
         ("honest-before", "modify", HONEST_BEFORE),
@@ -90,8 +167,64 @@ fn chain(name: &str, body: &str) -> String {
     y
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hostile_hooks_never_break_honest_ones_or_the_gateway() {
+/// What is wrong with one answer of a hostile case's chain, if anything.
+fn problems(name: &str, r: &proto::RunResponse, took: Duration) -> Vec<String> {
+    let out = text(r).to_string();
+    let honest = |hook: &str| {
+        r.hooks
+            .iter()
+            .find(|o| o.name == hook)
+            .map(|o| (o.error.clone(), o.action))
+    };
+    let mut problems = Vec::new();
+    if honest("honest-before") != Some((String::new(), Action::Modify as i32)) {
+        problems.push(format!("honest-before: {:?}", honest("honest-before")));
+    }
+    if honest("honest-after") != Some((String::new(), Action::Modify as i32)) {
+        problems.push(format!("honest-after: {:?}", honest("honest-after")));
+    }
+    if !out.contains(" [A]") || !out.contains(" [B]") {
+        problems.push(format!(
+            "honest results missing from {:?}",
+            &out[..out.len().min(300)]
+        ));
+    }
+    if out.contains("s3cr3t")
+        || out.contains("gateway-env")
+        || out.contains("TMP:")
+        || out.contains("FOUND:['127.0.0.1'")
+    {
+        problems.push(format!("leaked: {:?}", &out[..out.len().min(400)]));
+    }
+    if out.contains("FOUND:") && !out.contains("FOUND:[]") {
+        problems.push(format!(
+            "the hostile hook found something: {:?}",
+            &out[..out.len().min(400)]
+        ));
+    }
+    if name.ends_with("-flood") {
+        let hostile = r
+            .hooks
+            .iter()
+            .find(|o| o.name == "hostile")
+            .map(|o| o.error.clone())
+            .unwrap_or_default();
+        if !hostile.contains("printed more than") {
+            problems.push(format!(
+                "the flood's error does not name the output limit: {hostile:?}"
+            ));
+        }
+    }
+    if action(r) != Action::Modify {
+        problems.push(format!("top action {:?}", action(r)));
+    }
+    if took > Duration::from_secs(20) {
+        problems.push(format!("took {took:?}"));
+    }
+    problems
+}
+
+async fn hostile_hooks_never_break_honest_ones_or_the_gateway(reuse: &str) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -102,10 +235,10 @@ async fn hostile_hooks_never_break_honest_ones_or_the_gateway() {
         std::env::set_var("SLUICE_TEST_SECRET", "gateway-env")
     };
     let cases = cases(port);
-    assert!(cases.len() >= 30, "the suite has {} cases", cases.len());
+    assert!(cases.len() >= 34, "the suite has {} cases", cases.len());
     let files: Vec<(String, String)> = cases
         .iter()
-        .map(|(n, b)| (format!("{n}.yaml"), chain(n, b)))
+        .map(|(n, b)| (format!("{n}.yaml"), chain(n, b, reuse)))
         .collect();
     let refs: Vec<(&str, &str)> = files
         .iter()
@@ -114,77 +247,33 @@ async fn hostile_hooks_never_break_honest_ones_or_the_gateway() {
     let h = Harness::start_with(&refs, |o| o.boot_concurrency = 2).await;
 
     let mut failures = Vec::new();
+    let mut runs = 0;
     for (name, _) in &cases {
-        let began = Instant::now();
-        let r =
-            match tokio::time::timeout(Duration::from_secs(30), h.run_text(name, "input", "msg"))
-                .await
+        // The hostile trigger point, then the next one: in Recycle mode it runs in the same
+        // sandbox whenever the supervisor found it clean.
+        for attempt in ["hostile", "next"] {
+            let began = Instant::now();
+            runs += 1;
+            let r = match tokio::time::timeout(
+                Duration::from_secs(30),
+                h.run_text(name, "input", "msg"),
+            )
+            .await
             {
                 Ok(Ok(r)) => r,
                 Ok(Err(s)) => {
-                    failures.push(format!("{name}: the gateway answered {s:?}"));
+                    failures.push(format!("{name} ({attempt}): the gateway answered {s:?}"));
                     continue;
                 }
                 Err(_) => {
-                    failures.push(format!("{name}: no answer within 30 s"));
+                    failures.push(format!("{name} ({attempt}): no answer within 30 s"));
                     continue;
                 }
             };
-        let took = began.elapsed();
-        let out = text(&r).to_string();
-        let honest = |hook: &str| {
-            r.hooks
-                .iter()
-                .find(|o| o.name == hook)
-                .map(|o| (o.error.clone(), o.action))
-        };
-        let mut problems = Vec::new();
-        if honest("honest-before") != Some((String::new(), Action::Modify as i32)) {
-            problems.push(format!("honest-before: {:?}", honest("honest-before")));
-        }
-        if honest("honest-after") != Some((String::new(), Action::Modify as i32)) {
-            problems.push(format!("honest-after: {:?}", honest("honest-after")));
-        }
-        if !out.contains(" [A]") || !out.contains(" [B]") {
-            problems.push(format!(
-                "honest results missing from {:?}",
-                &out[..out.len().min(300)]
-            ));
-        }
-        if out.contains("s3cr3t")
-            || out.contains("gateway-env")
-            || out.contains("TMP:")
-            || out.contains("FOUND:['127.0.0.1'")
-        {
-            problems.push(format!("leaked: {:?}", &out[..out.len().min(400)]));
-        }
-        if out.contains("FOUND:") && !out.contains("FOUND:[]") {
-            problems.push(format!(
-                "the hostile hook found something: {:?}",
-                &out[..out.len().min(400)]
-            ));
-        }
-        if name.ends_with("-flood") {
-            let hostile = r
-                .hooks
-                .iter()
-                .find(|o| o.name == "hostile")
-                .map(|o| o.error.clone())
-                .unwrap_or_default();
-            if !hostile.contains("printed more than") {
-                problems.push(format!(
-                    "the flood's error does not name the output limit: {hostile:?}"
-                ));
+            let found = problems(name, &r, began.elapsed());
+            if !found.is_empty() {
+                failures.push(format!("{name} ({attempt}): {}", found.join("; ")));
             }
-        }
-        if action(&r) != Action::Modify {
-            problems.push(format!("top action {:?}", action(&r)));
-        }
-        if took > Duration::from_secs(20) {
-            problems.push(format!("took {took:?}"));
-        }
-        if !problems.is_empty() {
-            failures.push(format!("{name}: {}", problems.join("; ")));
         }
     }
     assert!(
@@ -199,19 +288,29 @@ async fn hostile_hooks_never_break_honest_ones_or_the_gateway() {
         .unwrap();
     assert!(text(&r).ends_with(" [A] [B]"), "{r:?}");
     let audit = h.audit();
-    assert_eq!(audit.len(), cases.len() + 1, "one audit event per run");
+    assert_eq!(audit.len(), runs + 1, "one audit event per run");
     assert!(
         failures.is_empty(),
-        "hostile cases that broke something:\n{}",
+        "{reuse}: hostile cases that broke something:\n{}",
         failures.join("\n")
     );
     h.stop_and_check_leaks().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_hooks_never_break_honest_ones_or_the_gateway_recycle() {
+    hostile_hooks_never_break_honest_ones_or_the_gateway("Recycle").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_hooks_never_break_honest_ones_or_the_gateway_none() {
+    hostile_hooks_never_break_honest_ones_or_the_gateway("None").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trigger_point_cannot_see_the_previous_ones_files_or_processes() {
     let probe = "    import os\n    found = sorted(os.listdir('/tmp'))\n    open('/tmp/left-by-earlier-run', 'w').write('x')\n    if os.fork() == 0:\n        import time\n        time.sleep(30)\n        os._exit(0)\n    found += [p for p in os.listdir('/proc') if p.isdigit()]\n    return {'action': 'modify', 'outgoing': c['outgoing'] + ' FOUND:' + repr(found)}\n";
-    let yaml = chain("probe", probe);
+    let yaml = chain("probe", probe, "None");
     let h = Harness::start(&[("probe.yaml", &yaml)]).await;
     let first = text(&h.run_text("probe", "input", "one").await.unwrap()).to_string();
     let second = text(&h.run_text("probe", "input", "two").await.unwrap()).to_string();
@@ -222,7 +321,7 @@ async fn a_trigger_point_cannot_see_the_previous_ones_files_or_processes() {
         );
         assert!(out.contains(" [A]") && out.contains(" [B]"), "{out}");
     }
-    // The same processes exist in each fresh sandbox: the supervisor and its workers, nothing older.
+    // Each cell sees the same processes: the hook's own, nothing of an earlier trigger point.
     let procs = |s: &str| {
         s.split("FOUND:")
             .nth(1)

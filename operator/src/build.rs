@@ -3,8 +3,8 @@
 //! pod is out of date. The reconciler and `sluice-operator render` both build through here.
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, ExecAction, Pod, PodSecurityContext,
-    PodSpec, Probe, ResourceRequirements, SeccompProfile, SecurityContext, Volume, VolumeMount,
+    Capabilities, Container, EmptyDirVolumeSource, ExecAction, Pod, PodSecurityContext, PodSpec,
+    Probe, ResourceRequirements, SeccompProfile, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -303,7 +303,10 @@ pub(crate) mod tests {
                 "32"
             ]
         );
-        assert_eq!(c.env, None, "settings are flags: hooks can read the initial environment");
+        assert_eq!(
+            c.env, None,
+            "settings are flags: hooks can read the initial environment"
+        );
     }
 
     #[test]

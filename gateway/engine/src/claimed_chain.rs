@@ -87,7 +87,8 @@ impl<'e> ClaimedChain<'e> {
             let budget = Duration::from_millis(self.chain.spec.timeout_ms as u64);
             match conn.end(budget).await {
                 Ok(crate::supervisor::CellEnd::Clean) => {
-                    conn.prepare(&self.chain, &limits.wire(), limits.boot_timeout).await
+                    conn.prepare(&self.chain, &limits.wire(), limits.boot_timeout)
+                        .await
                 }
                 Ok(crate::supervisor::CellEnd::Dirty(why)) => Err(SandboxFailure::Died(why)),
                 Err(f) => Err(f),

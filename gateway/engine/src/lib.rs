@@ -46,8 +46,8 @@ pub use registry::{CapabilityEntry, Registry};
 pub use request::{EngineError, RunInput};
 pub use run::RunResult;
 pub use sandbox::{
-    OUTPUT_LIMIT, Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec,
-    StartError, Writer, discard_output,
+    OUTPUT_LIMIT, Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, Writer,
+    discard_output,
 };
 pub use sandbox_pool::{ClaimError, Pools};
 pub use state_vector::StateVector;

@@ -7,12 +7,12 @@
 //! background task boots replacements.
 
 use crate::chain::Chain;
-use crate::supervisor::CellEnd;
-use sluice_crds::Reuse;
 use crate::limits::Limits;
 use crate::metrics::Metrics;
 use crate::sandbox::{SandboxBackend, SandboxSpec};
+use crate::supervisor::CellEnd;
 use crate::supervisor::SupervisorConn;
+use sluice_crds::Reuse;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -328,35 +328,46 @@ impl Pool {
                 Some(reason) => Some(reason.to_string()),
                 None => pool.recycle(&mut conn).await.err(),
             };
-            match reason {
+            let reason = match reason {
+                Some(reason) => Some(reason),
                 None => {
+                    // Checked under the lock `close` drains with: a pool that closed while the
+                    // cell was replaced does not keep it either.
+                    let mut c = pool.lock();
+                    if pool.closed.load(Ordering::Relaxed) {
+                        Some("pool_closed".to_string())
+                    } else {
+                        c.recycling -= 1;
+                        c.warm.push_back(conn);
+                        pool.shared
+                            .metrics
+                            .pool_warm
+                            .with_label_values(&[&pool.name])
+                            .set(c.warm.len() as i64);
+                        drop(c);
+                        pool.changed.notify_waiters();
+                        pool.backfill();
+                        return;
+                    }
+                }
+            };
+            if let Some(reason) = reason {
+                if retire.is_none() {
                     let mut c = pool.lock();
                     c.recycling -= 1;
-                    c.warm.push_back(conn);
-                    pool.shared
-                        .metrics
-                        .pool_warm
-                        .with_label_values(&[&pool.name])
-                        .set(c.warm.len() as i64);
+                    c.tearing_down += 1;
                 }
-                Some(reason) => {
-                    if retire.is_none() {
-                        let mut c = pool.lock();
-                        c.recycling -= 1;
-                        c.tearing_down += 1;
-                    }
-                    let label = reason.split(':').next().unwrap_or("dirty").to_string();
-                    if label != "reuse_none" {
-                        tracing::info!(chain = %pool.name, sandbox = %conn.id, uses = conn.uses(), %reason, "sandbox retired");
-                    }
-                    pool.shared
-                        .metrics
-                        .sandbox_retirements
-                        .with_label_values(&[&label])
-                        .inc();
-                    conn.close().await;
-                    pool.lock().tearing_down -= 1;
+                let label = reason.split(':').next().unwrap_or("dirty").to_string();
+                if label != "reuse_none" {
+                    tracing::info!(chain = %pool.name, sandbox = %conn.id, uses = conn.uses(), %reason, "sandbox retired");
                 }
+                pool.shared
+                    .metrics
+                    .sandbox_retirements
+                    .with_label_values(&[&label])
+                    .inc();
+                conn.close().await;
+                pool.lock().tearing_down -= 1;
             }
             pool.changed.notify_waiters();
             pool.backfill();

@@ -242,7 +242,10 @@ impl SupervisorConn {
         self.send(&ToSupervisor::End).await?;
         match self.recv(budget).await? {
             FromSupervisor::Ended { clean: true, .. } => Ok(CellEnd::Clean),
-            FromSupervisor::Ended { clean: false, reason } => Ok(CellEnd::Dirty(
+            FromSupervisor::Ended {
+                clean: false,
+                reason,
+            } => Ok(CellEnd::Dirty(
                 reason.unwrap_or_else(|| "no reason given".into()),
             )),
             other => {

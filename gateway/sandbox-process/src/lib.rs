@@ -51,7 +51,14 @@ impl SandboxBackend for ProcessBackend {
         let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
             .map_err(|e| StartError::Runtime(e.to_string()))?;
         let mut child = Command::new("unshare")
-            .args(["--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount-proc"])
+            .args([
+                "--user",
+                "--map-root-user",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+            ])
             .args(["python3", "-I", "-S", "-u"])
             .arg(self.supervisor())
             .arg("--memory-bytes")

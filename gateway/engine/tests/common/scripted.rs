@@ -26,6 +26,8 @@ pub type Script = Arc<dyn Fn(&Chunk) -> Vec<Value> + Send + Sync>;
 pub struct ScriptedBackend {
     script: Script,
     seq: AtomicU64,
+    protocol: u32,
+    dirty: Option<String>,
 }
 
 impl ScriptedBackend {
@@ -33,7 +35,21 @@ impl ScriptedBackend {
         Self {
             script,
             seq: AtomicU64::new(0),
+            protocol: 2,
+            dirty: None,
         }
+    }
+
+    /// Says it speaks this protocol version in its `ready`.
+    pub fn protocol(mut self, version: u32) -> Self {
+        self.protocol = version;
+        self
+    }
+
+    /// Ends every cell with a dirty verdict for this reason.
+    pub fn dirty(mut self, reason: &str) -> Self {
+        self.dirty = Some(reason.into());
+        self
     }
 }
 
@@ -77,13 +93,18 @@ impl SandboxBackend for ScriptedBackend {
         let (stdin, requests) = tokio::io::duplex(1 << 20);
         let (mut answers, protocol) = tokio::io::duplex(1 << 20);
         let script = self.script.clone();
+        let version = self.protocol;
+        let ended = match &self.dirty {
+            Some(reason) => json!({"type": "ended", "clean": false, "reason": reason}),
+            None => json!({"type": "ended", "clean": true}),
+        };
         let task = tokio::spawn(async move {
             let mut send = async |v: Value| {
                 let mut line = serde_json::to_vec(&v).expect("JSON");
                 line.push(b'\n');
                 answers.write_all(&line).await.is_ok()
             };
-            if !send(json!({"type": "ready", "protocol": 2})).await {
+            if !send(json!({"type": "ready", "protocol": version})).await {
                 return;
             }
             let mut hooks: Vec<Value> = Vec::new();
@@ -102,7 +123,7 @@ impl SandboxBackend for ScriptedBackend {
                         }
                     }
                     Some("end") => {
-                        if !send(json!({"type": "ended", "clean": true})).await {
+                        if !send(ended.clone()).await {
                             return;
                         }
                     }

@@ -61,8 +61,9 @@ struct Args {
     /// The Python interpreter mounted (read-only) into sandboxes.
     #[arg(long, default_value = "/usr/bin/python3")]
     python: PathBuf,
-    /// gVisor platform (ptrace works everywhere).
-    #[arg(long, default_value = "ptrace")]
+    /// gVisor platform: ptrace, systrap, or auto (the faster of the two at making a cell, measured
+    /// at start; either must be able to make cells or the gateway does not start).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "ptrace", "systrap", "kvm"])]
     platform: String,
     /// Namespace whose HookChains marked `enforced: true` are platform baselines: they run before
     /// every tenant's chain at their trigger point and cannot be bypassed.

@@ -1,0 +1,294 @@
+//! `sluice-bench cells`: what cells and recycled sandboxes buy. Warm Run latency and sustained
+//! runs/s for `reuse: Recycle` and `reuse: None`, a one-hook chain, CPU per trigger point, a burst
+//! on an idle chain, and the two ceilings measured in the same run: fresh sandboxes booted per
+//! second, and cells per second (the forks one trigger point of the 3-hook chain needs), on each
+//! gVisor platform.
+
+use crate::report::{Row, Table, percentile};
+use crate::{Bench, chain_yaml, text_1k};
+use sluice_engine::{Limits, SandboxBackend, SandboxSpec, SupervisorConn};
+use sluice_sandbox_local::{LocalBackend, LocalConfig};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const WINDOW: Duration = Duration::from_secs(12);
+
+fn pool(reuse: &str, warm: u32, max: u32) -> String {
+    format!("{{warm: {warm}, max: {max}, reuse: {reuse}}}")
+}
+
+/// The one-hook chain: the phone redactor alone.
+fn one_hook_yaml(reuse: &str) -> String {
+    let mut y = chain_yaml("one", "one", "input", &pool(reuse, 4, 8), "");
+    // Keep the first hook only.
+    if let Some(cut) = y.find("    - name: redact-email") {
+        y.truncate(cut);
+    }
+    y
+}
+
+/// CPU time (all cores, user + system) the machine has spent so far.
+fn machine_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: u64 = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .take(3) // user, nice, system
+        .filter_map(|t| t.parse::<u64>().ok())
+        .sum();
+    Duration::from_millis(ticks * 10) // USER_HZ is 100 on Linux
+}
+
+struct Sustained {
+    rate: f64,
+    errors: u64,
+    cpu_per_run: Duration,
+}
+
+/// Runs/s with `clients` concurrent clients over `WINDOW`.
+async fn sustained(bench: &Bench, target: &str, hooks: usize, clients: usize) -> Sustained {
+    let text = text_1k();
+    let cpu = machine_cpu();
+    let began = Instant::now();
+    let results = futures::future::join_all((0..clients).map(|_| {
+        let text = &text;
+        async move {
+            let (mut done, mut errors) = (0u64, 0u64);
+            while began.elapsed() < WINDOW {
+                match bench.run(target, text).await {
+                    Ok(r) if r.hooks.len() == hooks => done += 1,
+                    _ => errors += 1,
+                }
+            }
+            (done, errors)
+        }
+    }))
+    .await;
+    let elapsed = began.elapsed().as_secs_f64();
+    let done: u64 = results.iter().map(|r| r.0).sum();
+    let cpu = machine_cpu().saturating_sub(cpu);
+    Sustained {
+        rate: done as f64 / elapsed,
+        errors: results.iter().map(|r| r.1).sum(),
+        cpu_per_run: cpu / done.max(1) as u32,
+    }
+}
+
+/// Warm Run latency: each run finds a sandbox with its cell open (the pool is refilled in between).
+async fn warm_latency(bench: &Bench, target: &str) -> anyhow::Result<Vec<Duration>> {
+    let text = text_1k();
+    for _ in 0..3 {
+        bench.warm_run(target, &text).await?;
+    }
+    let mut samples = Vec::new();
+    for _ in 0..60 {
+        let (took, r) = bench.warm_run(target, &text).await?;
+        anyhow::ensure!(r.hooks.len() == 3, "a run did not run the chain: {r:?}");
+        samples.push(took);
+    }
+    Ok(samples)
+}
+
+async fn start(reuse: &str, platform: &str, warm: u32, max: u32) -> anyhow::Result<Bench> {
+    Bench::start_with(
+        &[(
+            "c.yaml",
+            chain_yaml("bench", "bench", "input", &pool(reuse, warm, max), ""),
+        )],
+        |o| o.sandbox.platform = platform.into(),
+    )
+    .await
+}
+
+/// Cells per second: trigger points' worth of cells (end the cell, open the next one with the
+/// 3-hook chain's code) in one sandbox per core, as fast as they go.
+async fn cell_ceiling(platform: &str) -> anyhow::Result<f64> {
+    let state = tempfile::Builder::new()
+        .prefix("sluice-cells")
+        .tempdir_in("/tmp")?;
+    let mut cfg = LocalConfig::new(state.path());
+    cfg.platform = platform.into();
+    let backend = LocalBackend::new(cfg).await?;
+    let chain = Arc::new(crate::naive::bench_chain()?);
+    let spec: SandboxSpec = chain.sandbox.clone();
+    let limits = Limits::default();
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2);
+    let mut conns = Vec::new();
+    for _ in 0..workers {
+        let mut conn = SupervisorConn::new(backend.start(&spec).await?, limits.max_line());
+        conn.wait_ready(Duration::from_secs(30)).await?;
+        conn.prepare(&chain, &limits.wire(), Duration::from_secs(30))
+            .await?;
+        conns.push(conn);
+    }
+    let began = Instant::now();
+    let counts = futures::future::join_all(conns.iter_mut().map(|conn| {
+        let chain = &chain;
+        let limits = &limits;
+        async move {
+            let mut n = 0u64;
+            while began.elapsed() < WINDOW {
+                conn.end(Duration::from_secs(30)).await?;
+                conn.prepare(chain, &limits.wire(), Duration::from_secs(30))
+                    .await?;
+                n += 1;
+            }
+            anyhow::Ok(n)
+        }
+    }))
+    .await;
+    let elapsed = began.elapsed().as_secs_f64();
+    for conn in conns {
+        conn.close().await;
+    }
+    let total: u64 = counts
+        .into_iter()
+        .collect::<anyhow::Result<Vec<u64>>>()?
+        .into_iter()
+        .sum();
+    Ok(total as f64 / elapsed)
+}
+
+/// 32 requests at once on a chain that has been idle (warm 2, max 8): errors and latency.
+async fn burst(platform: &str) -> anyhow::Result<(Vec<Duration>, usize)> {
+    let bench = start("Recycle", platform, 2, 8).await?;
+    let text = text_1k();
+    let runs = futures::future::join_all((0..32).map(|_| {
+        let bench = &bench;
+        let text = &text;
+        async move {
+            let began = Instant::now();
+            let ok = matches!(bench.run("bench", text).await, Ok(r) if r.hooks.len() == 3);
+            (began.elapsed(), ok)
+        }
+    }))
+    .await;
+    bench.gateway.shutdown().await;
+    let errors = runs.iter().filter(|(_, ok)| !ok).count();
+    Ok((runs.into_iter().map(|(d, _)| d).collect(), errors))
+}
+
+pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
+    let platforms = ["ptrace", "systrap"];
+    // Ceilings first, on a quiet machine.
+    let boots = crate::naive::boot_ceiling(WINDOW).await?;
+    let mut cells = Vec::new();
+    for p in platforms {
+        cells.push((p, cell_ceiling(p).await?));
+    }
+    for (p, c) in &cells {
+        table.push(Row::value(
+            &format!("Ceiling: cells/s for the 3-hook chain ({p}; a trigger point's forks)"),
+            format!("{c:.1}/s"),
+        ));
+    }
+    table.push(Row::value(
+        "Ceiling: fresh sandboxes booted/s",
+        format!("{boots:.1}/s"),
+    ));
+    let fastest = cells
+        .iter()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(p, c)| (p.to_string(), *c))
+        .unwrap_or(("ptrace".into(), 1.0));
+
+    for p in platforms {
+        let bench = start("Recycle", p, 2, 8).await?;
+        let samples = warm_latency(&bench, "bench").await?;
+        bench.gateway.shutdown().await;
+        table.push(
+            Row::latency(
+                &format!("Warm Run, Recycle, 3 hooks, 1 KiB ({p})"),
+                &samples,
+            )
+            .target("p50 ≤ 3 ms"),
+        );
+    }
+    let bench = start("None", &fastest.0, 2, 8).await?;
+    let samples = warm_latency(&bench, "bench").await?;
+    bench.gateway.shutdown().await;
+    table.push(Row::latency(
+        &format!("Warm Run, None, 3 hooks, 1 KiB ({})", fastest.0),
+        &samples,
+    ));
+
+    let mut recycle8 = 0.0;
+    let mut none8 = 0.0;
+    for clients in [8, 32] {
+        for reuse in ["Recycle", "None"] {
+            let bench = start(reuse, &fastest.0, 4, 8).await?;
+            let s = sustained(&bench, "bench", 3, clients).await;
+            bench.gateway.shutdown().await;
+            if clients == 8 {
+                if reuse == "Recycle" {
+                    recycle8 = s.rate;
+                } else {
+                    none8 = s.rate;
+                }
+            }
+            let mut row = Row::value(
+                &format!(
+                    "Sustained Run/s, {reuse}, {clients} clients, 3 hooks ({})",
+                    fastest.0
+                ),
+                format!(
+                    "{:.1}/s ({} errors, {:.0} ms CPU per trigger point, {:.0} % of the cell ceiling)",
+                    s.rate,
+                    s.errors,
+                    s.cpu_per_run.as_secs_f64() * 1000.0,
+                    100.0 * s.rate / fastest.1
+                ),
+            );
+            if reuse == "Recycle" {
+                row = row.target("≥ 70 % of the cell ceiling");
+            }
+            table.push(row);
+        }
+    }
+    table.push(
+        Row::value(
+            "  Recycle ÷ None, 8 clients",
+            format!("{:.1}×", recycle8 / none8.max(0.001)),
+        )
+        .target("≥ 5×"),
+    );
+    let bench = Bench::start_with(&[("one.yaml", one_hook_yaml("Recycle"))], |o| {
+        o.sandbox.platform = fastest.0.clone()
+    })
+    .await?;
+    let s = sustained(&bench, "one", 1, 8).await;
+    bench.gateway.shutdown().await;
+    table.push(Row::value(
+        &format!(
+            "Sustained Run/s, Recycle, 8 clients, 1 hook ({})",
+            fastest.0
+        ),
+        format!(
+            "{:.1}/s ({} errors, {:.0} ms CPU per trigger point)",
+            s.rate,
+            s.errors,
+            s.cpu_per_run.as_secs_f64() * 1000.0
+        ),
+    ));
+    let (samples, errors) = burst(&fastest.0).await?;
+    table.push(
+        Row::value(
+            &format!(
+                "Burst: 32 Runs at once on an idle chain (warm 2, max 8, {})",
+                fastest.0
+            ),
+            format!(
+                "{errors} errors · p50 {:.0} ms · p99 {:.0} ms",
+                percentile(&samples, 50.0).as_secs_f64() * 1000.0,
+                percentile(&samples, 99.0).as_secs_f64() * 1000.0
+            ),
+        )
+        .target("0 errors"),
+    );
+    Ok(())
+}

@@ -1,0 +1,166 @@
+//! Pools and cells: `reuse: Recycle` serves trigger point after trigger point from one sandbox, each
+//! in a fresh cell, and retires it after `maxUses`, a deadline kill or a dirty verdict; `reuse: None`
+//! boots one per trigger point; a supervisor of another protocol is refused with a clear error.
+
+mod common;
+
+use common::scripted::{Chunk, ScriptedBackend, honest};
+use common::{Harness, py, tenant};
+use serde_json::json;
+use sluice_crds::Action;
+use sluice_engine::EngineError;
+use std::sync::Arc;
+use std::time::Duration;
+
+const UPPER: &str = "return {'action': 'modify', 'outgoing': context['outgoing'].upper()}";
+/// Reports the process's own pid namespace and a counter kept in a global: a fresh cell starts
+/// the counter over and lives in a namespace of its own.
+const WHO: &str = "import os\nCOUNT = [0]\ndef execute(context, settings):\n    COUNT[0] += 1\n    return {'action': 'modify', 'outgoing': os.readlink('/proc/self/ns/pid') + ' ' + str(COUNT[0])}\n";
+
+fn pool(extra: serde_json::Value) -> serde_json::Value {
+    json!({"pool": extra})
+}
+
+async fn retirements(h: &Harness, reason: &str) -> u64 {
+    h.engine
+        .metrics()
+        .sandbox_retirements
+        .with_label_values(&[reason])
+        .get()
+}
+
+/// Waits until the pool has a sandbox ready again (the recycling happens after the answer).
+async fn settle(h: &Harness) {
+    assert!(
+        h.engine.pools().wait_warm(Duration::from_secs(20)).await,
+        "the pool never refilled"
+    );
+}
+
+#[tokio::test]
+async fn recycle_serves_every_trigger_point_from_one_sandbox_in_a_fresh_cell() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![common::hook("who", "modify", WHO)],
+        pool(json!({"warm": 1, "max": 1, "reuse": "Recycle"})),
+    )])
+    .await;
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        settle(&h).await;
+        let r = h.run("input", json!("x")).await.unwrap();
+        seen.push(r.walk.payload.as_str().unwrap().to_string());
+    }
+    assert_eq!(h.engine.metrics().sandboxes_started.get(), 1, "{seen:?}");
+    // Globals start over and every cell has a pid namespace of its own.
+    assert!(seen.iter().all(|s| s.ends_with(" 1")), "{seen:?}");
+    let namespaces: std::collections::BTreeSet<_> =
+        seen.iter().map(|s| s.split(' ').next().unwrap()).collect();
+    assert_eq!(namespaces.len(), seen.len(), "{seen:?}");
+}
+
+#[tokio::test]
+async fn none_boots_a_sandbox_per_trigger_point() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![py("up", "modify", UPPER)],
+        pool(json!({"warm": 1, "max": 2, "reuse": "None"})),
+    )])
+    .await;
+    for _ in 0..3 {
+        settle(&h).await;
+        assert_eq!(
+            h.run("input", json!("x")).await.unwrap().walk.payload,
+            json!("X")
+        );
+    }
+    settle(&h).await;
+    assert!(h.engine.metrics().sandboxes_started.get() >= 4);
+    assert_eq!(retirements(&h, "reuse_none").await, 3);
+}
+
+#[tokio::test]
+async fn max_uses_retires_the_sandbox_without_a_failed_run() {
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![py("up", "modify", UPPER)],
+        pool(json!({"warm": 1, "max": 1, "reuse": "Recycle", "maxUses": 2})),
+    )])
+    .await;
+    for _ in 0..5 {
+        settle(&h).await;
+        let r = h.run("input", json!("x")).await.unwrap();
+        assert_eq!(r.walk.action, Action::Modify, "{:?}", r.walk);
+    }
+    settle(&h).await;
+    // Uses 1-2, 3-4, then 5: two sandboxes reached maxUses.
+    assert_eq!(retirements(&h, "max_uses").await, 2);
+    assert_eq!(h.engine.metrics().sandboxes_started.get(), 3);
+}
+
+#[tokio::test]
+async fn a_deadline_kill_retires_the_sandbox_and_the_next_run_gets_a_fresh_one() {
+    let slow = "import time\nif context['outgoing'] == 'slow':\n    time.sleep(30)\nreturn {'action': 'modify', 'outgoing': context['outgoing'].upper()}";
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![py("slow", "modify", slow)],
+        json!({"timeoutMs": 300, "pool": {"warm": 1, "max": 1, "reuse": "Recycle"}}),
+    )])
+    .await;
+    settle(&h).await;
+    let r = h.run("input", json!("slow")).await.unwrap();
+    assert_eq!(r.walk.action, Action::Block, "Closed: a timeout blocks");
+    settle(&h).await;
+    assert_eq!(retirements(&h, "broken").await, 1);
+    let r = h.run("input", json!("fast")).await.unwrap();
+    assert_eq!(r.walk.payload, json!("FAST"));
+    assert_eq!(h.engine.metrics().sandboxes_started.get(), 2);
+}
+
+#[tokio::test]
+async fn a_dirty_verdict_retires_the_sandbox() {
+    // A scripted supervisor that reports every cell's end as dirty.
+    let backend = ScriptedBackend::new(Arc::new(|c: &Chunk| honest(c, |t| t.to_uppercase())))
+        .dirty("1 process(es) started by hooks outlived their hook (killed)");
+    let h = Harness::with_backend(
+        Arc::new(backend),
+        vec![tenant(
+            "input",
+            vec![py("up", "modify", UPPER)],
+            pool(json!({"warm": 1, "max": 1, "reuse": "Recycle"})),
+        )],
+        common::limits(),
+    )
+    .await;
+    for _ in 0..2 {
+        settle(&h).await;
+        assert_eq!(
+            h.run("input", json!("x")).await.unwrap().walk.payload,
+            json!("X")
+        );
+    }
+    settle(&h).await;
+    assert_eq!(retirements(&h, "dirty").await, 2);
+    assert_eq!(h.engine.metrics().sandboxes_started.get(), 3);
+}
+
+#[tokio::test]
+async fn a_supervisor_of_another_protocol_is_refused_with_a_clear_error() {
+    let backend =
+        ScriptedBackend::new(Arc::new(|c: &Chunk| honest(c, |t| t.to_string()))).protocol(1);
+    let mut limits = common::limits();
+    limits.claim_timeout = Duration::from_secs(2);
+    let h = Harness::with_backend(
+        Arc::new(backend),
+        vec![tenant("input", vec![py("up", "modify", UPPER)], json!({}))],
+        limits,
+    )
+    .await;
+    match h.run("input", json!("x")).await {
+        Err(EngineError::Unavailable(message)) => assert!(
+            message.contains("speaks protocol 1, this gateway speaks 2"),
+            "{message}"
+        ),
+        other => panic!("expected UNAVAILABLE naming the protocols, got {other:?}"),
+    }
+}
