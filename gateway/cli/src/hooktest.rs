@@ -102,6 +102,26 @@ pub struct Expect {
 }
 
 /// What one run gave back, as `sluice run` prints it and `sluice test` compares it.
+/// Why a case got no answer from the local gateway.
+#[derive(Debug, thiserror::Error)]
+pub enum CaseError {
+    #[error("the case needs text, value or chunks")]
+    NoPayload,
+    #[error("{0}")]
+    NotOpened(String),
+    #[error("{code:?}: {message}")]
+    Refused { code: tonic::Code, message: String },
+}
+
+impl CaseError {
+    fn refused(s: tonic::Status) -> Self {
+        Self::Refused {
+            code: s.code(),
+            message: s.message().to_string(),
+        }
+    }
+}
+
 pub fn response_json(r: &proto::RunResponse) -> Value {
     let action = |a: i32| {
         proto::Action::try_from(a)
@@ -199,11 +219,11 @@ impl Local {
         }
     }
 
-    pub async fn run(&self, case: &Case) -> Result<Value, String> {
+    pub async fn run(&self, case: &Case) -> Result<Value, CaseError> {
         let payload = match (&case.text, &case.value) {
             (Some(t), _) => proto::run_request::Payload::Text(t.clone()),
             (None, Some(v)) => proto::run_request::Payload::Value(to_proto(v)),
-            (None, None) => return Err("the case needs text, value or chunks".into()),
+            (None, None) => return Err(CaseError::NoPayload),
         };
         let req = proto::RunRequest {
             namespace: case.namespace.clone(),
@@ -218,11 +238,11 @@ impl Local {
             .clone()
             .run(req)
             .await
-            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
+            .map_err(CaseError::refused)?;
         Ok(response_json(&r.into_inner()))
     }
 
-    pub async fn stream(&self, case: &Case, chunks: &[String]) -> Result<Value, String> {
+    pub async fn stream(&self, case: &Case, chunks: &[String]) -> Result<Value, CaseError> {
         let open = proto::StreamOpen {
             namespace: case.namespace.clone(),
             target: case.target.clone(),
@@ -244,14 +264,10 @@ impl Local {
             .clone()
             .stream(futures::stream::iter(msgs))
             .await
-            .map_err(|s| s.message().to_string())?
+            .map_err(|s| CaseError::NotOpened(s.message().to_string()))?
             .into_inner();
         let (mut commits, mut blocked, mut final_) = (vec![], Value::Null, Value::Null);
-        while let Some(m) = out
-            .message()
-            .await
-            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
-        {
+        while let Some(m) = out.message().await.map_err(CaseError::refused)? {
             match m.msg {
                 Some(proto::stream_response::Msg::Commit(c)) => commits.push(c),
                 Some(proto::stream_response::Msg::Blocked(b)) => {

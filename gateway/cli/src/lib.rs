@@ -8,4 +8,4 @@ mod check;
 mod hooktest;
 
 pub use check::{Finding, Report, check, expand};
-pub use hooktest::{Case, Expect, Local, TestFile, compare, response_json, run_file};
+pub use hooktest::{Case, CaseError, Expect, Local, TestFile, compare, response_json, run_file};

@@ -5,8 +5,8 @@
 //! would not start, a pool held back).
 
 use super::build::Desired;
+use super::context::{Context, StartFailures, lock};
 use super::read::Snapshot;
-use super::{Context, StartFailures, lock};
 use crate::build::{self, FIELD_MANAGER};
 use crate::pool::{self, DeleteReason, Hold, Plan};
 use crate::status::{CODE_VALID, POOL_READY, Verdict};

@@ -3,8 +3,8 @@
 //! `crate::pool::plan`.
 
 use super::build::Desired;
+use super::context::{Context, lock};
 use super::read::Snapshot;
-use super::{Context, lock};
 use crate::pool::{self, Plan};
 use crate::status::Verdict;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};

@@ -2,7 +2,7 @@
 //! cache does not show yet). Never from a cache that has not listed everything once: an empty pod
 //! cache at start-up would look like an empty pool and the operator would create a second one.
 
-use super::Context;
+use super::context::Context;
 use crate::build::LABEL_CHAIN;
 use crate::expectations::{Pending, Seen};
 use crate::pool::Observed;

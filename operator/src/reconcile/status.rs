@@ -2,7 +2,7 @@
 //! `crate::status::status`) written by server-side apply on the status subresource, only when it
 //! changed; and the pool gauges.
 
-use super::Context;
+use super::context::Context;
 use super::read::Snapshot;
 use crate::build::FIELD_MANAGER;
 use crate::pool::Plan;

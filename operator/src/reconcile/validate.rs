@@ -2,7 +2,7 @@
 //! analysis (cached by code hash: python3 runs once per version of a chain's hooks) and the
 //! capabilities its hooks name. Never fails: a checker that cannot run makes the verdict Unknown.
 
-use super::{Context, lock};
+use super::context::{Context, lock};
 use crate::status::Verdict;
 use crate::validate::{self, CapabilityState};
 use kube::Resource;

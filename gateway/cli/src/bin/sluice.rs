@@ -319,7 +319,8 @@ async fn run(a: RunArgs) -> Result<Value, String> {
             local.stream(&case, &chunks).await
         }
         None => local.run(&case).await,
-    };
+    }
+    .map_err(|e| e.to_string());
     local.stop().await;
     result
 }

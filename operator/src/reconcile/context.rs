@@ -1,0 +1,134 @@
+//! What every reconcile shares: the client, the caches, the settings, and the memory the operator
+//! keeps between reconciles (code checks by hash, NetworkPolicy applications, start failures); and
+//! how Events are published.
+
+use crate::build::Settings;
+use crate::expectations::Expectations;
+use crate::metrics::Metrics;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::core::DeserializeGuard;
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::Store;
+use sluice_crds::Capability;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How long a new pod may take to become ready before it is replaced (`--start-deadline`).
+pub const DEFAULT_START_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Pods of one chain's current template that failed to start in a row.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StartFailures {
+    pub(super) template: String,
+    pub(super) count: u32,
+    /// `pod x: why`
+    pub(super) last: String,
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    pub client: Client,
+    pub settings: Settings,
+    pub claim_deadline: Duration,
+    /// A pod not ready this long after its creation is replaced (see `pool::plan`).
+    pub start_deadline: Duration,
+    pub pods: Store<Pod>,
+    pub capabilities: Store<DeserializeGuard<Capability>>,
+    pub expectations: Expectations,
+    pub recorder: Recorder,
+    pub metrics: Metrics,
+    /// Code analysis results by code hash: python3 runs once per version of a chain's hooks.
+    pub(super) code_checks: Mutex<HashMap<String, crate::validate::CodeProblems>>,
+    /// When each chain's (by uid) NetworkPolicy was last applied.
+    pub(super) netpol_applied: Mutex<HashMap<String, Instant>>,
+    /// Start failures by chain (`ns/name`).
+    pub(super) start_failures: Mutex<HashMap<String, StartFailures>>,
+}
+
+impl Context {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        client: Client,
+        settings: Settings,
+        claim_deadline: Duration,
+        pods: Store<Pod>,
+        capabilities: Store<DeserializeGuard<Capability>>,
+        expectations: Expectations,
+        recorder: Recorder,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            client,
+            settings,
+            claim_deadline,
+            start_deadline: DEFAULT_START_DEADLINE,
+            pods,
+            capabilities,
+            expectations,
+            recorder,
+            metrics,
+            code_checks: Mutex::default(),
+            netpol_applied: Mutex::default(),
+            start_failures: Mutex::default(),
+        }
+    }
+
+    /// Sets how long a new pod may take to become ready before it is replaced.
+    pub fn with_start_deadline(mut self, deadline: Duration) -> Self {
+        self.start_deadline = deadline;
+        self
+    }
+
+    pub(super) async fn publish(
+        &self,
+        regarding: &k8s_openapi::api::core::v1::ObjectReference,
+        type_: EventType,
+        reason: &str,
+        note: String,
+    ) {
+        let ev = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(bounded_note(note)),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        // Events help people; a failure to record one must not stop the pool.
+        if let Err(e) = self.recorder.publish(&ev, regarding).await {
+            tracing::warn!(error = %e, reason, "cannot publish event");
+        }
+    }
+}
+
+/// The API server refuses Event notes over 1 kB; a long list of problems is cut, not lost (the
+/// condition message holds more).
+fn bounded_note(mut note: String) -> String {
+    const MAX: usize = 1000;
+    if note.len() > MAX {
+        let mut cut = MAX - '…'.len_utf8();
+        while !note.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        note.truncate(cut);
+        note.push('…');
+    }
+    note
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bounded_note;
+
+    #[test]
+    fn event_notes_fit_the_api_limit() {
+        assert_eq!(bounded_note("short".into()), "short");
+        let long = bounded_note("é".repeat(800));
+        assert!(long.len() <= 1000 && long.ends_with('…'), "{}", long.len());
+    }
+}
