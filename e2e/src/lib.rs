@@ -162,7 +162,7 @@ impl Harness {
     /// Sandboxes retired so far, by reason (`sluice_gateway_sandbox_retirements_total`).
     pub fn retirements(&self) -> Vec<(String, u64)> {
         let m = self.gateway().engine.metrics();
-        ["reuse_none", "max_uses", "dirty", "broken", "pool_closed"]
+        ["reuse_none", "max_uses", "dirty", "broken", "idle", "pool_closed"]
             .iter()
             .map(|r| {
                 (

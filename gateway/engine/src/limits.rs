@@ -25,6 +25,9 @@ pub struct Limits {
     pub stream_bytes: usize,
     /// Longest a stream may stay silent before it is closed (and its sandbox handed back).
     pub stream_idle: Duration,
+    /// How long a sandbox past its pool's warm target may wait unclaimed before it is retired (in
+    /// a cluster: its pod deleted), so a pool that grew with demand shrinks again.
+    pub idle_retire: Duration,
 }
 
 impl Default for Limits {
@@ -42,6 +45,7 @@ impl Default for Limits {
             boot_timeout: Duration::from_secs(20),
             stream_bytes: 4 << 20,
             stream_idle: Duration::from_secs(60),
+            idle_retire: Duration::from_secs(60),
         }
     }
 }

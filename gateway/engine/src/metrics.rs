@@ -83,7 +83,7 @@ impl Metrics {
         let sandbox_retirements = IntCounterVec::new(
             Opts::new(
                 "sluice_gateway_sandbox_retirements_total",
-                "Sandboxes destroyed after serving, by reason: reuse_none, max_uses, dirty (the supervisor's verdict), broken (deadline kill, broken stream, protocol), pool_closed",
+                "Sandboxes destroyed after serving, by reason: reuse_none, max_uses, dirty (the supervisor's verdict), broken (deadline kill, broken stream, protocol), idle (past the warm target and idle_retire), pool_closed",
             ),
             &["reason"],
         )

@@ -130,7 +130,8 @@ impl Pool {
                 // with the kube backend it is a claimed pod, which must not idle here.
                 let surplus = c.warm.len() >= pool.warm_target.max(c.waiting.len());
                 match result {
-                    Ok(conn) if !pool.closed.load(Ordering::Relaxed) && !surplus => {
+                    Ok(mut conn) if !pool.closed.load(Ordering::Relaxed) && !surplus => {
+                        conn.mark_idle();
                         c.warm.push_back(conn);
                         c.last_error = None;
                         pool.shared
@@ -338,6 +339,7 @@ impl Pool {
                         Some("pool_closed".to_string())
                     } else {
                         c.recycling -= 1;
+                        conn.mark_idle();
                         c.warm.push_back(conn);
                         pool.shared
                             .metrics
@@ -390,6 +392,45 @@ impl Pool {
             .map_err(|e| format!("broken: the next cell did not open: {e}"))?;
         self.shared.metrics.cells_prepared.inc();
         Ok(())
+    }
+
+    /// Retires sandboxes that have waited longer than `idle_retire` while the pool has more waiting
+    /// than its warm target: a held set that grew with demand shrinks when the demand is gone.
+    fn shrink(self: &Arc<Self>) {
+        let idle = self.shared.limits.idle_retire;
+        let victims: Vec<SupervisorConn> = {
+            let mut c = self.lock();
+            let mut victims = Vec::new();
+            while c.warm.len() > self.warm_target
+                && c.warm.front().is_some_and(|f| f.idle_for() >= idle)
+            {
+                if let Some(v) = c.warm.pop_front() {
+                    c.tearing_down += 1;
+                    victims.push(v);
+                }
+            }
+            if !victims.is_empty() {
+                self.shared
+                    .metrics
+                    .pool_warm
+                    .with_label_values(&[&self.name])
+                    .set(c.warm.len() as i64);
+            }
+            victims
+        };
+        for conn in victims {
+            self.shared
+                .metrics
+                .sandbox_retirements
+                .with_label_values(&["idle"])
+                .inc();
+            let pool = self.clone();
+            tokio::spawn(async move {
+                conn.close().await;
+                pool.lock().tearing_down -= 1;
+                pool.changed.notify_waiters();
+            });
+        }
     }
 
     /// Stops backfilling and destroys the warm sandboxes; claimed ones are destroyed on release.
@@ -460,9 +501,12 @@ struct PoolKey {
 /// All pools of a gateway, kept in step with the registry's chains.
 pub struct Pools {
     shared: Arc<Shared>,
-    pools: Mutex<HashMap<PoolKey, Arc<Pool>>>,
+    pools: Arc<Mutex<HashMap<PoolKey, Arc<Pool>>>>,
     retired: Mutex<Vec<Arc<Pool>>>,
 }
+
+/// How often idle sandboxes past their pool's warm target are looked for.
+const SHRINK_EVERY: Duration = Duration::from_secs(5);
 
 impl Pools {
     pub fn new(
@@ -477,9 +521,28 @@ impl Pools {
             metrics,
             boots: Semaphore::new(boot_concurrency.max(1)),
         });
+        let pools: Arc<Mutex<HashMap<PoolKey, Arc<Pool>>>> = Arc::default();
+        // A held set that grew with demand shrinks when the demand is gone; the task ends with the
+        // pools (it holds them weakly).
+        let weak = Arc::downgrade(&pools);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(SHRINK_EVERY).await;
+                let Some(pools) = weak.upgrade() else { return };
+                let all: Vec<Arc<Pool>> = pools
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .values()
+                    .cloned()
+                    .collect();
+                for pool in all {
+                    pool.shrink();
+                }
+            }
+        });
         Self {
             shared,
-            pools: Mutex::default(),
+            pools,
             retired: Mutex::default(),
         }
     }

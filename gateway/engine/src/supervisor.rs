@@ -51,6 +51,8 @@ pub struct SupervisorConn {
     cell: Option<Arc<Chain>>,
     /// Trigger points this sandbox has served (cells ended).
     uses: u32,
+    /// Since when it has waited in its pool for a claim.
+    idle_since: Instant,
 }
 
 /// How a cell ended: clean, or why the sandbox must not serve again.
@@ -92,6 +94,7 @@ impl SupervisorConn {
             broken: false,
             cell: None,
             uses: 0,
+            idle_since: Instant::now(),
         }
     }
 
@@ -182,6 +185,16 @@ impl SupervisorConn {
     /// Trigger points served so far.
     pub fn uses(&self) -> u32 {
         self.uses
+    }
+
+    /// Notes that it starts waiting in its pool now.
+    pub fn mark_idle(&mut self) {
+        self.idle_since = Instant::now();
+    }
+
+    /// How long it has waited in its pool.
+    pub fn idle_for(&self) -> Duration {
+        self.idle_since.elapsed()
     }
 
     /// Opens a cell for `chain`'s next trigger point: every hook's process started and its code

@@ -1,7 +1,10 @@
-//! The `kube` sandbox backend: the operator keeps warm gVisor pods per HookChain; for each trigger
-//! point the gateway claims one (`claim.rs`), runs the supervisor in it over the exec API
-//! (`exec.rs`) and deletes the pod afterwards. Pods are found through a watch cache of the pods the
-//! operator manages; the claim itself never trusts the cache (see `claim.rs`).
+//! The `kube` sandbox backend: the operator keeps warm gVisor pods per HookChain; the gateway claims
+//! one (`claim.rs`) and attaches to its supervisor over the exec API (`exec.rs`) for as long as it
+//! holds it: with `reuse: Recycle` the pod serves trigger point after trigger point, each in a fresh
+//! cell, over the one exec stream, and is deleted when the pool retires it (`maxUses`, a dirty
+//! verdict, a broken stream, idle past the bound); with `reuse: None` after its one trigger point.
+//! No API-server write is on a trigger point's path. Pods are found through a watch cache of the
+//! pods the operator manages; the claim itself never trusts the cache (see `claim.rs`).
 
 use crate::claim;
 use crate::exec;
@@ -282,12 +285,6 @@ impl SandboxBackend for KubeBackend {
     }
 
     fn ready_needs_warm(&self) -> bool {
-        false
-    }
-
-    /// Not yet: a claimed pod's exec ends with its trigger point, and the pod with it. Every chain
-    /// runs as `reuse: None` in kube mode until pods are leased to trigger point after trigger point.
-    fn recycles(&self) -> bool {
         false
     }
 }
