@@ -128,6 +128,8 @@ impl Harness {
             .list(sluice_fake_apiserver::Resource::Pods, "default")
             .iter()
             .filter(|p| p["metadata"]["labels"]["sluice.dev/pool"] == "claimed")
+            // Deleted and Terminating (its container still getting its grace period) is deleted.
+            .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
             .map(|p| p["metadata"]["name"].to_string())
             .collect();
         assert!(
@@ -429,6 +431,17 @@ impl Harness {
 }
 
 pub use sluice_engine::chunk_at;
+
+/// Whether pod `namespace/name` was deleted: gone, or Terminating (its container still getting its
+/// grace period, as a kubelet gives it).
+pub fn pod_deleted(
+    api: &sluice_fake_apiserver::FakeApiServer,
+    namespace: &str,
+    name: &str,
+) -> bool {
+    api.get(sluice_fake_apiserver::Resource::Pods, namespace, name)
+        .is_none_or(|p| !p["metadata"]["deletionTimestamp"].is_null())
+}
 
 /// A YAML manifest as the JSON object the API server stores (namespace defaulted).
 pub fn manifest_json(yaml: &str) -> Value {

@@ -47,11 +47,15 @@ async fn cluster(protocol: ExecProtocol, chain: &str, warm: usize) -> (FakeApiSe
     (api, h)
 }
 
+/// Pods deleted through the API (a pod deleted again while Terminating counts once, as it is
+/// deleted once).
 fn deletes_of_pods(api: &FakeApiServer) -> usize {
     api.requests()
         .iter()
         .filter(|r| r.method == "DELETE" && r.path.contains("/pods/"))
-        .count()
+        .map(|r| r.path.clone())
+        .collect::<std::collections::HashSet<_>>()
+        .len()
 }
 
 async fn runs_and_streams_over(protocol: ExecProtocol) {
@@ -210,13 +214,13 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
     assert_eq!(text(&r), "call ###");
     // The run was served by the pod held before it began: that is the one deleted after it.
     for _ in 0..200 {
-        if api.get(Resource::Pods, "default", &held).is_none() {
+        if sluice_e2e::pod_deleted(&api, "default", &held) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(
-        api.get(Resource::Pods, "default", &held).is_none(),
+        sluice_e2e::pod_deleted(&api, "default", &held),
         "the held pod did not serve the run"
     );
     // The next held pod dies while it waits (evicted, its exec connection broken): the next run
@@ -284,7 +288,7 @@ async fn two_claimers_one_warm_pod_exactly_one_wins() {
         won
     );
     winner.handle.destroy(true).await;
-    assert!(api.get(Resource::Pods, "default", &pod).is_none());
+    assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
     assert!(a.live().await.is_empty() && b.live().await.is_empty());
     api.stop().await;
 }

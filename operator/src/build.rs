@@ -146,14 +146,19 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
             limits: Some(amounts),
             ..Default::default()
         }),
-        // Ready means the supervisor answers, still waiting for its attach, its zygote alive.
-        readiness_probe: Some(Probe {
+        // Ready once the supervisor answers, its zygote started and its self-check cell made. A
+        // startup probe, not a readiness probe: a claimed pod serves trigger point after trigger
+        // point attached to one gateway, and an exec every period would cost CPU inside gVisor and
+        // fail (the supervisor listens for no one while attached). After startup the pod stays
+        // Ready until its supervisor exits (it does when its zygote dies), which ends the pod.
+        startup_probe: Some(Probe {
             exec: Some(ExecAction {
                 command: Some(probe_command()),
             }),
-            period_seconds: Some(10),
+            period_seconds: Some(1),
             timeout_seconds: Some(5),
-            failure_threshold: Some(3),
+            // The operator's --start-deadline replaces a pod that never starts before this does.
+            failure_threshold: Some(300),
             success_threshold: Some(1),
             ..Default::default()
         }),
@@ -350,10 +355,12 @@ pub(crate) mod tests {
             (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
             ("HookChain", "uid-1", Some(true))
         );
-        let probe = pod.spec.unwrap().containers[0]
-            .readiness_probe
-            .clone()
-            .unwrap();
+        let container = &pod.spec.unwrap().containers[0];
+        assert!(
+            container.readiness_probe.is_none(),
+            "no exec per period into a pod that serves trigger points"
+        );
+        let probe = container.startup_probe.clone().unwrap();
         assert_eq!(
             probe.exec.unwrap().command.unwrap(),
             ["python3", "-I", "-S", "/opt/sluice/attach.py", "--probe"]

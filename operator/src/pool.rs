@@ -35,7 +35,7 @@ pub struct Observed {
     /// writes it: `plan` clamps it to now and never lets it overflow.
     pub claimed_at: Option<Timestamp>,
     /// Why a pod that is not ready is not: the container's waiting reason and message, a sandbox
-    /// that does not start, a failing readiness probe.
+    /// that does not start, a startup probe that does not pass.
     pub problem: Option<String>,
 }
 
@@ -93,7 +93,7 @@ fn not_ready_problem(pod: &Pod) -> Option<String> {
         }
         if state.and_then(|s| s.running.as_ref()).is_some() && !c.ready {
             return Some(format!(
-                "container {} is running but its readiness probe fails",
+                "container {} is running but its startup probe has not passed",
                 c.name
             ));
         }
@@ -1001,7 +1001,7 @@ mod tests {
             }]}),
         );
         assert!(
-            probe.as_deref().unwrap().contains("readiness probe"),
+            probe.as_deref().unwrap().contains("startup probe"),
             "{probe:?}"
         );
     }

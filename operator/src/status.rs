@@ -75,7 +75,7 @@ pub fn pool_ready(warm_target: u32, max: u32, plan: &Plan) -> (&'static str, &'s
             "False",
             "StartFailing",
             format!(
-                "{have}; {message} (replaced one at a time until one starts; check --supervisor-image, the runtime class handler on the nodes and the readiness probe)"
+                "{have}; {message} (replaced one at a time until one starts; check --supervisor-image, the runtime class handler on the nodes, whether the supervisor can make cells there (its log says), and the startup probe)"
             ),
         ),
         Some(Hold::AtMax) if warm_target > max => (

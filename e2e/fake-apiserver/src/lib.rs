@@ -1,26 +1,37 @@
-//! A small in-memory Kubernetes API server for tests and benchmarks of the gateway's `kube` backend,
-//! where no cluster can run. It serves, over real HTTP, the few things the gateway uses, with the
-//! semantics the real API server has for them:
+//! A small in-memory Kubernetes API server for tests and benchmarks of the gateway's `kube` backend
+//! and the operator, where no cluster can run. It serves, over real HTTP, what they use, with the
+//! semantics the real API server (and a kubelet) has for them:
 //!
-//! - list and watch (`?watch=true`, JSON lines, resumable from a `resourceVersion`, label selectors)
-//!   of pods, HookChains and Capabilities;
-//! - merge PATCH with the optimistic-concurrency precondition (`metadata.resourceVersion` in the patch
-//!   must match, else 409 Conflict) and DELETE;
+//! - list and watch (`?watch=true`, JSON lines, label selectors) of pods, HookChains, Capabilities,
+//!   Events (core and `events.k8s.io`), Leases and NetworkPolicies; a watch resumes from a recent
+//!   `resourceVersion`, is told `410 Gone` (an ERROR event, reason Expired) when it asks for one
+//!   older than the bounded history kept, and gets BOOKMARKs when it allows them (periodically, and
+//!   at the end of the initial events with `sendInitialEvents`);
+//! - create (`generateName` included), replace, merge PATCH and server-side apply (taken as a merge),
+//!   the `status` subresource apart from the object, with the optimistic-concurrency precondition
+//!   (`metadata.resourceVersion` must match, else 409 Conflict), and DELETE with its
+//!   preconditions and, for pods, the grace period (the pod stays Terminating until its container
+//!   is gone);
 //! - `pods/{name}/exec` over websocket, speaking the real channel protocol (`v5.channel.k8s.io` with
 //!   its CLOSE signal, or `v4.channel.k8s.io`; channel 0 stdin, 1 stdout, 2 stderr, 3 a `Status` at
-//!   exit).
+//!   exit);
+//! - every write counted by verb and resource ([`FakeApiServer::writes`]), the scheduler's and the
+//!   kubelet's included.
 //!
-//! A pod here is a real local runsc sandbox started the way the operator's pod starts: its main
-//! process is the supervisor listening for one attach (`supervisor.py --listen`), and it is published
-//! Ready once its readiness probe (`attach.py --probe`, run with `runsc exec` as a kubelet would)
-//! passes. Exec runs the requested command in the sandbox with `runsc exec` and bridges its stdio to
-//! the websocket, so the gateway runs real chains through the real relay over real framing. Deleting
-//! or killing the pod destroys the sandbox, and an exec in flight sees its process die.
+//! A created pod is scheduled and started by stand-ins for the scheduler and the kubelet
+//! (`kubelet.rs`): after a configurable start latency its container is a real local runsc sandbox
+//! started the way the operator's pod starts (the supervisor listening for one attach), probed for
+//! readiness every period. Exec runs the requested command in the sandbox with `runsc exec` and
+//! bridges its stdio to the websocket, so the gateway runs real chains through the real relay over
+//! real framing.
 
 mod exec;
+mod kubelet;
 mod store;
+mod writes;
 
 pub use store::Resource;
+pub use writes::{Verb, Write, Writes};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
@@ -32,9 +43,11 @@ use sluice_sandbox_local::{LocalBackend, LocalConfig};
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use store::Store;
-use tokio::io::AsyncReadExt;
+use std::time::Duration;
+use store::{Part, Store, StoreError, WatchParams};
+use tokio::sync::watch;
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
@@ -56,6 +69,83 @@ pub struct Logged {
     pub body: Value,
 }
 
+/// Why the fake could not give a test what it asked for.
+#[derive(Debug, thiserror::Error)]
+pub enum FakeError {
+    #[error("cannot set up the fake API server: {0}")]
+    Setup(#[from] std::io::Error),
+    #[error("cannot start the local sandbox backend: {0}")]
+    Backend(String),
+    #[error("pod {namespace}/{name} was not created: {reason}")]
+    Create {
+        namespace: String,
+        name: String,
+        reason: StoreError,
+    },
+    #[error("pod {namespace}/{name} did not turn Ready within {waited:?}: {why}")]
+    NotReady {
+        namespace: String,
+        name: String,
+        waited: Duration,
+        why: String,
+    },
+}
+
+/// How the fake behaves where clusters differ; `FakeApiServer::builder()`.
+#[derive(Clone, Debug)]
+pub struct Builder {
+    protocol: ExecProtocol,
+    pod_start_latency: Duration,
+    history: usize,
+    bookmark_interval: Duration,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Self {
+            protocol: ExecProtocol::V5,
+            pod_start_latency: DEFAULT_POD_START_LATENCY,
+            history: 10_000,
+            bookmark_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Between a pod's creation and its container's start on a real node (scheduling aside): image
+/// present, a gVisor sandbox created, the network set up.
+pub const DEFAULT_POD_START_LATENCY: Duration = Duration::from_secs(2);
+
+impl Builder {
+    pub fn protocol(mut self, protocol: ExecProtocol) -> Self {
+        self.protocol = protocol;
+        self
+    }
+
+    /// How long after its creation a pod's container starts (default 2 s, as on a real node).
+    pub fn pod_start_latency(mut self, latency: Duration) -> Self {
+        self.pod_start_latency = latency;
+        self
+    }
+
+    /// How many changes the fake remembers for watches to resume from: a watch from an older
+    /// resourceVersion is answered `410 Gone` (default 10 000).
+    pub fn watch_history(mut self, changes: usize) -> Self {
+        self.history = changes;
+        self
+    }
+
+    /// How often a watch that allows bookmarks gets one (default 60 s, about what the real server
+    /// does).
+    pub fn bookmark_interval(mut self, every: Duration) -> Self {
+        self.bookmark_interval = every;
+        self
+    }
+
+    pub async fn start(self) -> Result<FakeApiServer, FakeError> {
+        FakeApiServer::start_with(self).await
+    }
+}
+
 pub struct FakeApiServer {
     pub addr: SocketAddr,
     shared: Arc<Shared>,
@@ -64,41 +154,71 @@ pub struct FakeApiServer {
     _state_dir: tempfile::TempDir,
 }
 
-/// A pod's sandbox: its runsc id and the handle that destroys it.
+/// A pod's running container: its runsc id and the handle that destroys it.
 type PodSandbox = (String, Arc<dyn SandboxHandle>);
+
+/// What the kubelet stand-in holds for one pod it runs.
+struct PodRuntime {
+    /// The container, while it runs (exec reaches it here).
+    sandbox: Option<PodSandbox>,
+    /// Set when the pod is deleted: by when its container must be gone.
+    deletion: watch::Sender<Option<tokio::time::Instant>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
 
 struct Shared {
     store: Store,
     backend: LocalBackend,
-    /// Every pod's sandbox (its runsc id and handle), to exec into it and destroy it with its pod.
-    handles: Mutex<HashMap<String, PodSandbox>>,
+    runsc_root: PathBuf,
+    pod_start_latency: Duration,
+    /// The pods the kubelet stand-in runs, by "namespace/name".
+    pods: Mutex<HashMap<String, PodRuntime>>,
     protocol: ExecProtocol,
     log: Mutex<Vec<Logged>>,
+    writes: writes::Counter,
+    /// The kubelet's Events by what makes them similar (pod, reason, message), to count repeats.
+    kubelet_events: Mutex<HashMap<String, String>>,
     /// What each pod's exec received on stdin so far, by "namespace/name".
     stdin_seen: Mutex<HashMap<String, Vec<u8>>>,
     /// Every open connection and exec bridge, so `restart` can drop them all.
     connections: Mutex<Vec<tokio::task::AbortHandle>>,
-    /// Sandboxes of deleted pods still going away (a DELETE answers at once, as the real one does).
-    teardowns: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl FakeApiServer {
-    pub async fn start(protocol: ExecProtocol) -> anyhow::Result<Self> {
+    pub fn builder() -> Builder {
+        Builder::default()
+    }
+
+    /// A fake with the defaults (a 2 s pod start latency) serving exec over `protocol`.
+    pub async fn start(protocol: ExecProtocol) -> Result<Self, FakeError> {
+        Self::builder().protocol(protocol).start().await
+    }
+
+    async fn start_with(b: Builder) -> Result<Self, FakeError> {
         let state_dir = tempfile::Builder::new()
             .prefix("sluice-fake-apiserver")
             .tempdir()?;
         let mut cfg = LocalConfig::new(state_dir.path());
         cfg.pod_shape = true;
-        let backend = LocalBackend::new(cfg).await?;
+        let backend = LocalBackend::new(cfg)
+            .await
+            .map_err(|e| FakeError::Backend(e.to_string()))?;
         let shared = Arc::new(Shared {
-            store: Store::new(),
+            store: Store::new(b.history, b.bookmark_interval),
             backend,
-            handles: Mutex::default(),
-            protocol,
+            runsc_root: state_dir.path().join("runsc"),
+            pod_start_latency: b.pod_start_latency,
+            pods: Mutex::default(),
+            protocol: b.protocol,
             log: Mutex::default(),
+            writes: writes::Counter::default(),
+            kubelet_events: Mutex::default(),
             stdin_seen: Mutex::default(),
             connections: Mutex::default(),
-            teardowns: Mutex::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -139,22 +259,35 @@ impl FakeApiServer {
         kube_client_config::client(self.addr)
     }
 
-    /// Creates or replaces an object (as `kubectl apply` would), bumping its resourceVersion.
+    /// Creates or replaces an object (as `kubectl apply` would), bumping its resourceVersion. A pod
+    /// put here is stored as given: no kubelet runs it (a static fixture).
     pub fn apply(&self, resource: Resource, object: Value) -> Value {
         self.shared.store.upsert(resource, object)
     }
 
-    /// Removes an object, as `kubectl delete` would (a pod's sandbox goes with it).
+    /// Creates a pod as a client's POST does: the scheduler and the kubelet stand-ins take it from
+    /// there (start latency, container, probes).
+    pub fn create_pod(&self, pod: Value) -> Result<Value, FakeError> {
+        let namespace = pod["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("default")
+            .to_string();
+        self.shared
+            .create(Resource::Pods, &namespace, pod)
+            .map_err(|(name, reason)| FakeError::Create {
+                namespace,
+                name,
+                reason,
+            })
+    }
+
+    /// Deletes an object, as `kubectl delete` would: a running pod gets its grace period and stays
+    /// Terminating until its container is gone. True if it existed.
     pub async fn delete(&self, resource: Resource, namespace: &str, name: &str) -> bool {
-        let gone = self
-            .shared
-            .store
-            .delete(resource, namespace, name)
-            .is_some();
-        if resource == Resource::Pods {
-            self.shared.destroy_pod(namespace, name).await;
+        match resource {
+            Resource::Pods => self.shared.delete_pod(namespace, name, None, None).is_ok(),
+            r => self.shared.store.remove(r, namespace, name, None).is_ok(),
         }
-        gone
     }
 
     pub fn get(&self, resource: Resource, namespace: &str, name: &str) -> Option<Value> {
@@ -167,20 +300,23 @@ impl FakeApiServer {
 
     /// Every request so far.
     pub fn requests(&self) -> Vec<Logged> {
-        self.shared
-            .log
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.shared.log).clone()
     }
 
-    /// Plays the operator once: boots a sandbox for a warm pod of `spec.chain` and publishes the pod
-    /// Running and Ready, labelled as the operator labels it. Returns the pod's name.
-    pub async fn add_warm_pod(&self, spec: &SandboxSpec) -> anyhow::Result<String> {
+    /// Every write so far, by verb and resource (clients', the scheduler's and the kubelet's).
+    pub fn writes(&self) -> Writes {
+        self.shared.writes.snapshot()
+    }
+
+    /// Plays the operator once: creates a warm pod of `spec.chain`, labelled and shaped as the
+    /// operator makes it, and waits until the kubelet stand-in has it Running and Ready. Returns
+    /// the pod's name.
+    pub async fn add_warm_pod(&self, spec: &SandboxSpec) -> Result<String, FakeError> {
         self.shared.add_warm_pod(spec).await
     }
 
     /// Plays the operator's backfill: keeps `n` warm pods of `spec.chain` until the server stops.
+    /// (To run the real operator against this server instead, give it `client()`.)
     pub fn keep_warm(&self, spec: SandboxSpec, n: usize) {
         let s = self.shared.clone();
         let task = tokio::spawn(async move {
@@ -196,11 +332,13 @@ impl FakeApiServer {
                             spec.chain
                         )),
                     )
-                    .len();
+                    .iter()
+                    .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+                    .count();
                 if warm < n {
                     if let Err(e) = s.add_warm_pod(&spec).await {
                         tracing::warn!(error = %e, "fake operator could not boot a pod");
-                        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                        tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                     continue;
                 }
@@ -209,30 +347,34 @@ impl FakeApiServer {
                 }
             }
         });
-        self.tasks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(task);
+        lock(&self.tasks).push(task);
     }
 
-    /// The pod's container dies (its sandbox is destroyed) while the pod object stays, phase Failed:
-    /// what an OOM kill or a node problem looks like to the gateway.
+    /// The pod's container dies (its sandbox is destroyed) while the pod object stays: the kubelet
+    /// stand-in reports it Failed, as after an OOM kill. Returns once the pod shows it.
     pub async fn kill_pod(&self, namespace: &str, name: &str) {
-        self.shared.destroy_pod(namespace, name).await;
-        if let Some(mut pod) = self.shared.store.get(Resource::Pods, namespace, name) {
-            pod["status"] =
-                json!({"phase": "Failed", "conditions": [{"type": "Ready", "status": "False"}]});
-            self.shared.store.upsert(Resource::Pods, pod);
+        let key = format!("{namespace}/{name}");
+        let sandbox = lock(&self.shared.pods)
+            .get_mut(&key)
+            .and_then(|rt| rt.sandbox.take());
+        if let Some((_, h)) = sandbox {
+            h.destroy(true).await;
         }
+        for _ in 0..600 {
+            let finished = self.get(Resource::Pods, namespace, name).is_none_or(|p| {
+                matches!(p["status"]["phase"].as_str(), Some("Failed" | "Succeeded"))
+            });
+            if finished {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tracing::warn!(pod = %key, "the killed pod's phase never showed it");
     }
 
     /// Everything the exec into this pod has received on stdin so far (the gateway's requests).
     pub fn stdin_of(&self, namespace: &str, name: &str) -> String {
-        let seen = self
-            .shared
-            .stdin_seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let seen = lock(&self.shared.stdin_seen);
         String::from_utf8_lossy(
             seen.get(&format!("{namespace}/{name}"))
                 .map(Vec::as_slice)
@@ -244,13 +386,8 @@ impl FakeApiServer {
     /// What an API server restart looks like to clients: every open connection (watches, execs in
     /// flight) drops at once; new connections are served as before.
     pub fn restart(&self) {
-        let open: Vec<tokio::task::AbortHandle> = self
-            .shared
-            .connections
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
+        let open: Vec<tokio::task::AbortHandle> =
+            lock(&self.shared.connections).drain(..).collect();
         for c in open {
             c.abort();
         }
@@ -262,74 +399,159 @@ impl FakeApiServer {
         self.shared.backend.live().await
     }
 
-    /// Stops backfill tasks, destroys every pod's sandbox and stops serving.
+    /// Stops backfill tasks and the kubelet, destroys every pod's container and stops serving.
     pub async fn stop(self) {
-        for t in self
-            .tasks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-        {
+        for t in lock(&self.tasks).drain(..) {
             t.abort();
         }
-        let keys: Vec<String> = self
-            .shared
-            .handles
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect();
-        for k in keys {
-            if let Some((ns, name)) = k.split_once('/') {
-                self.shared.destroy_pod(ns, name).await;
+        let runtimes: Vec<PodRuntime> = lock(&self.shared.pods).drain().map(|(_, rt)| rt).collect();
+        for mut rt in runtimes {
+            if let Some(t) = rt.task.take() {
+                t.abort();
+            }
+            if let Some((_, h)) = rt.sandbox.take() {
+                h.destroy(true).await;
             }
         }
-        self.shared.settle().await;
         self.shared.backend.clean_leftovers().await;
         self.server.abort();
     }
 }
 
 impl Shared {
-    async fn add_warm_pod(&self, spec: &SandboxSpec) -> anyhow::Result<String> {
-        let name = format!("{}-{}", spec.chain, self.store.next_suffix());
-        let key = format!("{}/{name}", spec.namespace);
-        let sandbox = self.backend.start(spec).await?;
-        // The container's log (the supervisor's own lines): read, so it never blocks.
-        let mut log = sandbox.protocol;
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            while let Ok(n) = log.read(&mut buf).await {
-                if n == 0 {
-                    break;
-                }
-                tracing::debug!(log = %String::from_utf8_lossy(&buf[..n]).trim_end(), "fake pod");
-            }
-        });
-        let id = sandbox.id.clone();
-        let handle: Arc<dyn SandboxHandle> = Arc::from(sandbox.handle);
-        // As the kubelet: the pod is Ready (and published) once its readiness probe passes.
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
-        loop {
-            let Err(last) = self.probe(&id).await else {
-                break;
-            };
-            if tokio::time::Instant::now() >= deadline {
-                handle.destroy(true).await;
-                anyhow::bail!("the readiness probe of a fake pod never passed: {last}");
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    /// A create (POST) of `object` in `namespace`: the name from `generateName` when it has none;
+    /// a pod goes to the scheduler and kubelet stand-ins. On failure, the name and why.
+    fn create(
+        self: &Arc<Self>,
+        resource: Resource,
+        namespace: &str,
+        mut object: Value,
+    ) -> Result<Value, (String, StoreError)> {
+        object["metadata"]["namespace"] = json!(namespace);
+        if object["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .is_empty()
+        {
+            let prefix = object["metadata"]["generateName"]
+                .as_str()
+                .unwrap_or_default();
+            object["metadata"]["name"] = json!(format!("{prefix}{}", self.store.next_suffix()));
         }
-        self.handles
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, (id, handle));
+        let name = object["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        if resource == Resource::Pods {
+            object["status"] = json!({"phase": "Pending"});
+            if let Some(spec) = object["spec"].as_object_mut() {
+                spec.remove("nodeName");
+            }
+        }
+        let created = self
+            .store
+            .create(resource, object)
+            .map_err(|e| (name.clone(), e))?;
+        if resource == Resource::Pods {
+            let (deletion, rx) = watch::channel(None);
+            let key = format!("{namespace}/{name}");
+            // Registered before the kubelet starts, so its first look finds its own entry.
+            let mut pods = lock(&self.pods);
+            pods.insert(
+                key.clone(),
+                PodRuntime {
+                    sandbox: None,
+                    deletion,
+                    task: None,
+                },
+            );
+            let task = tokio::spawn(kubelet::run_pod(
+                self.clone(),
+                namespace.to_string(),
+                name.clone(),
+                rx,
+            ));
+            if let Some(rt) = pods.get_mut(&key) {
+                rt.task = Some(task);
+            }
+        }
+        Ok(created)
+    }
+
+    /// A pod DELETE: a pod no kubelet runs goes at once; a running one gets its grace period
+    /// (`grace`, else its `terminationGracePeriodSeconds`, else 30 s) and stays Terminating until
+    /// the kubelet stand-in has stopped its container. Deleting a Terminating pod keeps the earlier
+    /// deadline. `precondition`: the resourceVersion the pod must have.
+    fn delete_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        grace: Option<i64>,
+        precondition: Option<&str>,
+    ) -> Result<Value, StoreError> {
+        let key = format!("{namespace}/{name}");
+        let current = self
+            .store
+            .get(Resource::Pods, namespace, name)
+            .ok_or(StoreError::NotFound)?;
+        if precondition
+            .is_some_and(|rv| current["metadata"]["resourceVersion"].as_str() != Some(rv))
+        {
+            return Err(StoreError::Conflict);
+        }
+        let deletion = lock(&self.pods).get(&key).map(|rt| rt.deletion.clone());
+        let Some(deletion) = deletion else {
+            return self
+                .store
+                .remove(Resource::Pods, namespace, name, precondition);
+        };
+        let grace = grace
+            .or_else(|| current["spec"]["terminationGracePeriodSeconds"].as_i64())
+            .unwrap_or(30)
+            .max(0);
+        let now = tokio::time::Instant::now();
+        if grace == 0 {
+            let gone = self
+                .store
+                .remove(Resource::Pods, namespace, name, precondition)?;
+            deletion.send_replace(Some(now));
+            return Ok(gone);
+        }
+        let deadline = now + Duration::from_secs(grace.unsigned_abs());
+        if deletion.borrow().is_some_and(|earlier| earlier <= deadline) {
+            return Ok(current);
+        }
+        let at = jiff::Timestamp::now()
+            .checked_add(jiff::SignedDuration::from_secs(grace))
+            .unwrap_or_else(|_| jiff::Timestamp::now())
+            .round(jiff::Unit::Second)
+            .unwrap_or_else(|_| jiff::Timestamp::now());
+        let mut conflict = false;
+        let marked = self.store.modify(Resource::Pods, namespace, name, |pod| {
+            if precondition
+                .is_some_and(|rv| pod["metadata"]["resourceVersion"].as_str() != Some(rv))
+            {
+                conflict = true;
+                return false;
+            }
+            pod["metadata"]["deletionTimestamp"] = json!(at.to_string());
+            pod["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
+            true
+        });
+        match marked {
+            None => Err(StoreError::NotFound),
+            Some(_) if conflict => Err(StoreError::Conflict),
+            Some(pod) => {
+                deletion.send_replace(Some(deadline));
+                Ok(pod)
+            }
+        }
+    }
+
+    async fn add_warm_pod(self: &Arc<Self>, spec: &SandboxSpec) -> Result<String, FakeError> {
         let pod = json!({
-            "apiVersion": "v1",
-            "kind": "Pod",
             "metadata": {
-                "name": name,
+                "generateName": format!("{}-", spec.chain),
                 "namespace": spec.namespace,
                 "labels": {
                     "app.kubernetes.io/name": "sluice-sandbox",
@@ -345,78 +567,85 @@ impl Shared {
             },
             "spec": {
                 "runtimeClassName": "gvisor",
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 1,
                 "containers": [{
                     "name": "supervisor", "image": "sluice-supervisor:fake",
                     "command": sandbox_pod::supervisor_command(
                         sluice_crds::quantity::memory_bytes(&spec.memory).unwrap_or(256 << 20),
                         spec.pids,
                     ),
-                    "readinessProbe": {"exec": {"command": sandbox_pod::probe_command()}},
+                    "resources": {"limits": {"cpu": spec.cpu}},
+                    // As the operator's pods: a startup probe every second until it passes, then
+                    // nothing (an attached pod is not probed).
+                    "startupProbe": {
+                        "exec": {"command": sandbox_pod::probe_command()},
+                        "periodSeconds": 1, "timeoutSeconds": 5,
+                        "failureThreshold": 300, "successThreshold": 1,
+                    },
                 }],
             },
-            "status": {
-                "phase": "Running",
-                "conditions": [{"type": "Ready", "status": "True"}],
-            },
         });
-        self.store.upsert(Resource::Pods, pod);
-        Ok(name)
+        let mut events = self.store.subscribe();
+        let created =
+            self.create(Resource::Pods, &spec.namespace, pod)
+                .map_err(|(name, reason)| FakeError::Create {
+                    namespace: spec.namespace.clone(),
+                    name,
+                    reason,
+                })?;
+        self.writes.count(writes::Verb::Create, "pods");
+        let name = created["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let waited = self.pod_start_latency + Duration::from_secs(60);
+        let deadline = tokio::time::Instant::now() + waited;
+        let why = loop {
+            let pod = self.store.get(Resource::Pods, &spec.namespace, &name);
+            let Some(pod) = pod else {
+                break "the pod was deleted".to_string();
+            };
+            let ready = pod["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            });
+            if ready {
+                return Ok(name);
+            }
+            if let Some(phase @ ("Failed" | "Succeeded")) = pod["status"]["phase"].as_str() {
+                break format!(
+                    "the pod ended {phase}: {}",
+                    pod["status"]["containerStatuses"]
+                );
+            }
+            match tokio::time::timeout_at(deadline, events.recv()).await {
+                Err(_) => break "its readiness probe never passed".to_string(),
+                Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => {
+                    break "the server stopped".to_string();
+                }
+                Ok(_) => {}
+            }
+        };
+        let _ = self.delete_pod(&spec.namespace, &name, Some(0), None);
+        Err(FakeError::NotReady {
+            namespace: spec.namespace.clone(),
+            name,
+            waited,
+            why,
+        })
     }
 
-    /// The pod's sandbox, no longer reachable by exec.
-    fn take_sandbox(&self, namespace: &str, name: &str) -> Option<Arc<dyn SandboxHandle>> {
-        self.handles
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&format!("{namespace}/{name}"))
-            .map(|(_, h)| h)
-    }
-
-    async fn destroy_pod(&self, namespace: &str, name: &str) {
-        if let Some(h) = self.take_sandbox(namespace, name) {
-            h.destroy(true).await;
-        }
-    }
-
-    /// A pod deleted through the API: like a kubelet, its container gets a grace period to end (the
-    /// supervisor ends by itself once its session is over), in the background.
-    fn terminate_pod(&self, namespace: &str, name: &str) {
-        if let Some(h) = self.take_sandbox(namespace, name) {
-            let task = tokio::spawn(async move { h.destroy(false).await });
-            let mut pending = self.teardowns.lock().unwrap_or_else(|p| p.into_inner());
-            pending.retain(|t| !t.is_finished());
-            pending.push(task);
-        }
-    }
-
-    /// Waits until the sandboxes of deleted pods are gone.
+    /// Waits (a bounded while) until the containers of deleted pods are gone.
     async fn settle(&self) {
-        let pending: Vec<_> = self
-            .teardowns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
-        for t in pending {
-            let _ = t.await;
-        }
-    }
-
-    /// Runs the pod's readiness probe command in sandbox `id`, as the kubelet runs exec probes.
-    async fn probe(&self, id: &str) -> Result<(), String> {
-        let child = self
-            .backend
-            .exec(id, &self.in_sandbox(&sandbox_pod::probe_command()))
-            .await
-            .map_err(|e| e.to_string())?;
-        let out = tokio::time::timeout(std::time::Duration::from_secs(5), child.wait_with_output())
-            .await
-            .map_err(|_| "the probe timed out".to_string())?
-            .map_err(|e| e.to_string())?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+        for _ in 0..1200 {
+            let terminating = lock(&self.pods)
+                .values()
+                .any(|rt| rt.deletion.borrow().is_some());
+            if !terminating {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -435,19 +664,16 @@ impl Shared {
             .collect()
     }
 
-    /// Starts `command` in pod `namespace/name`'s sandbox, stdio piped: an exec.
+    /// Starts `command` in pod `namespace/name`'s container, stdio piped: an exec.
     pub(crate) async fn exec(
         &self,
         namespace: &str,
         name: &str,
         command: &[String],
     ) -> Result<tokio::process::Child, String> {
-        let id = self
-            .handles
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        let id = lock(&self.pods)
             .get(&format!("{namespace}/{name}"))
-            .map(|(id, _)| id.clone())
+            .and_then(|rt| rt.sandbox.as_ref().map(|(id, _)| id.clone()))
             .ok_or_else(|| format!("pod {namespace}/{name} has no running container"))?;
         self.backend
             .exec(&id, &self.in_sandbox(command))
@@ -456,21 +682,18 @@ impl Shared {
     }
 
     pub(crate) fn track(&self, task: tokio::task::AbortHandle) {
-        let mut open = self.connections.lock().unwrap_or_else(|p| p.into_inner());
+        let mut open = lock(&self.connections);
         open.retain(|t| !t.is_finished());
         open.push(task);
     }
 
     fn log(&self, method: &str, path: &str, query: &str, body: &Value) {
-        self.log
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(Logged {
-                method: method.into(),
-                path: path.into(),
-                query: query.into(),
-                body: body.clone(),
-            });
+        lock(&self.log).push(Logged {
+            method: method.into(),
+            path: path.into(),
+            query: query.into(),
+            body: body.clone(),
+        });
     }
 
     async fn handle(self: &Arc<Self>, req: Request<hyper::body::Incoming>) -> Response<Body> {
@@ -487,27 +710,67 @@ impl Shared {
         };
         if route.subresource.as_deref() == Some("exec") {
             self.log(method.as_str(), &path, &query, &Value::Null);
+            self.writes.count(Verb::Create, "pods/exec");
             return exec::upgrade(self.clone(), route, params, req).await;
         }
-        let body: Value = match req.into_body().collect().await {
-            Ok(b) => serde_json::from_slice(&b.to_bytes()).unwrap_or(Value::Null),
-            Err(_) => Value::Null,
+        let content_type = req
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        let raw = match req.into_body().collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(_) => Bytes::new(),
         };
+        let body: Value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
         self.log(method.as_str(), &path, &query, &body);
+        let verb = Verb::of_method(method.as_str());
+        if let Some(verb) = verb {
+            self.writes.count(verb, &route.audit_resource());
+        }
+        let ns = route.namespace.clone().unwrap_or_default();
+        let part = match route.subresource.as_deref() {
+            None => Part::Main,
+            Some("status") => Part::Status,
+            Some(other) => {
+                return status(
+                    StatusCode::NOT_FOUND,
+                    "NotFound",
+                    &format!(
+                        "the fake serves no {} subresource {other}",
+                        route.resource.plural()
+                    ),
+                );
+            }
+        };
+        let needs_object = matches!(method.as_str(), "POST" | "PUT" | "PATCH");
+        if needs_object && !body.is_object() {
+            return status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "the request body is not a JSON object",
+            );
+        }
         let selector = params.get("labelSelector").map(String::as_str);
+        let answer = |r: Result<Value, StoreError>, name: &str, code: StatusCode| match r {
+            Ok(o) => json_response(code, &o),
+            Err(e) => store_error(route.resource, name, &e),
+        };
         match (method.as_str(), &route.name) {
             ("GET", None)
                 if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) =>
             {
-                let since = params
-                    .get("resourceVersion")
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0);
+                let flag = |k: &str| params.get(k).is_some_and(|v| v == "true" || v == "1");
                 self.store.watch(
                     route.resource,
-                    route.namespace.clone(),
-                    selector.map(str::to_string),
-                    since,
+                    WatchParams {
+                        namespace: route.namespace.clone(),
+                        selector: selector.map(str::to_string),
+                        since: params.get("resourceVersion").and_then(|v| v.parse().ok()),
+                        bookmarks: flag("allowWatchBookmarks"),
+                        send_initial_events: flag("sendInitialEvents"),
+                    },
                 )
             }
             ("GET", None) => json_response(
@@ -516,39 +779,47 @@ impl Shared {
                     .store
                     .list_response(route.resource, route.namespace.as_deref(), selector),
             ),
-            ("GET", Some(name)) => match self.store.get(
-                route.resource,
-                route.namespace.as_deref().unwrap_or_default(),
-                name,
-            ) {
+            ("GET", Some(name)) => match self.store.get(route.resource, &ns, name) {
                 Some(o) => json_response(StatusCode::OK, &o),
                 None => not_found(route.resource, name),
             },
+            ("POST", None) => match self.create(route.resource, &ns, body) {
+                Ok(o) => json_response(StatusCode::CREATED, &o),
+                Err((name, e)) => store_error(route.resource, &name, &e),
+            },
+            ("PUT", Some(name)) => answer(
+                self.store.replace(route.resource, part, &ns, name, &body),
+                name,
+                StatusCode::OK,
+            ),
             ("PATCH", Some(name)) => {
-                let ns = route.namespace.clone().unwrap_or_default();
-                match self.store.merge_patch(route.resource, &ns, name, &body) {
-                    Ok(o) => json_response(StatusCode::OK, &o),
-                    Err(store::PatchError::NotFound) => not_found(route.resource, name),
-                    Err(store::PatchError::Conflict) => status(
-                        StatusCode::CONFLICT,
-                        "Conflict",
-                        &format!(
-                            "Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again",
-                            route.resource.plural()
-                        ),
-                    ),
+                let apply = content_type.starts_with("application/apply-patch");
+                if content_type.starts_with("application/json-patch") {
+                    return status(
+                        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                        "UnsupportedMediaType",
+                        "the fake API server takes merge patches and server-side apply only",
+                    );
                 }
+                answer(
+                    self.store
+                        .patch(route.resource, part, &ns, name, &body, apply),
+                    name,
+                    StatusCode::OK,
+                )
             }
             ("DELETE", Some(name)) => {
-                let ns = route.namespace.clone().unwrap_or_default();
-                let gone = self.store.delete(route.resource, &ns, name);
-                if route.resource == Resource::Pods {
-                    self.terminate_pod(&ns, name);
-                }
-                match gone {
-                    Some(o) => json_response(StatusCode::OK, &o),
-                    None => not_found(route.resource, name),
-                }
+                let precondition = body["preconditions"]["resourceVersion"].as_str();
+                let grace = body["gracePeriodSeconds"].as_i64().or_else(|| {
+                    params
+                        .get("gracePeriodSeconds")
+                        .and_then(|g| g.parse().ok())
+                });
+                let r = match route.resource {
+                    Resource::Pods => self.delete_pod(&ns, name, grace, precondition),
+                    r => self.store.remove(r, &ns, name, precondition),
+                };
+                answer(r, name, StatusCode::OK)
             }
             _ => status(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -556,6 +827,23 @@ impl Shared {
                 &format!("{method} {path} is not served by the fake API server"),
             ),
         }
+    }
+}
+
+fn store_error(resource: Resource, name: &str, e: &StoreError) -> Response<Body> {
+    let plural = resource.plural();
+    match e {
+        StoreError::NotFound => not_found(resource, name),
+        StoreError::Conflict => status(
+            StatusCode::CONFLICT,
+            "Conflict",
+            &format!("Operation cannot be fulfilled on {plural} \"{name}\": {e}"),
+        ),
+        StoreError::AlreadyExists => status(
+            StatusCode::CONFLICT,
+            "AlreadyExists",
+            &format!("{plural} \"{name}\" already exists"),
+        ),
     }
 }
 

@@ -1,5 +1,6 @@
-//! The fake's object store: one resourceVersion counter for everything, a history of changes so a
-//! watch resumes from any version it was given, and equality label selectors.
+//! The fake's object store: one resourceVersion counter for everything, a bounded history of changes
+//! so a watch resumes from a recent version (and an older one is told `410 Gone`, as etcd compaction
+//! makes the real server do), bookmarks, and equality label selectors.
 
 use crate::Body;
 use bytes::Bytes;
@@ -7,8 +8,9 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::Response;
 use hyper::body::Frame;
 use serde_json::{Value, json};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Mutex;
+use std::time::Duration;
 use tokio::sync::broadcast;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -16,22 +18,67 @@ pub enum Resource {
     Pods,
     HookChains,
     Capabilities,
+    /// core/v1 Events (what the kubelet writes).
+    Events,
+    /// events.k8s.io/v1 Events (what kube-rs's `Recorder`, and so the operator, writes).
+    EventsV1,
+    Leases,
+    NetworkPolicies,
 }
 
 impl Resource {
+    pub const ALL: [Resource; 7] = [
+        Resource::Pods,
+        Resource::HookChains,
+        Resource::Capabilities,
+        Resource::Events,
+        Resource::EventsV1,
+        Resource::Leases,
+        Resource::NetworkPolicies,
+    ];
+
     pub fn plural(self) -> &'static str {
         match self {
             Resource::Pods => "pods",
             Resource::HookChains => "hookchains",
             Resource::Capabilities => "capabilities",
+            Resource::Events | Resource::EventsV1 => "events",
+            Resource::Leases => "leases",
+            Resource::NetworkPolicies => "networkpolicies",
         }
     }
-    fn list_kind(self) -> (&'static str, &'static str) {
+
+    /// `apiVersion` of the resource's objects.
+    pub fn api_version(self) -> &'static str {
         match self {
-            Resource::Pods => ("v1", "PodList"),
-            Resource::HookChains => ("sluice.dev/v1alpha1", "HookChainList"),
-            Resource::Capabilities => ("sluice.dev/v1alpha1", "CapabilityList"),
+            Resource::Pods | Resource::Events => "v1",
+            Resource::HookChains | Resource::Capabilities => "sluice.dev/v1alpha1",
+            Resource::EventsV1 => "events.k8s.io/v1",
+            Resource::Leases => "coordination.k8s.io/v1",
+            Resource::NetworkPolicies => "networking.k8s.io/v1",
         }
+    }
+
+    pub fn kind(self) -> &'static str {
+        match self {
+            Resource::Pods => "Pod",
+            Resource::HookChains => "HookChain",
+            Resource::Capabilities => "Capability",
+            Resource::Events | Resource::EventsV1 => "Event",
+            Resource::Leases => "Lease",
+            Resource::NetworkPolicies => "NetworkPolicy",
+        }
+    }
+
+    /// Whether writes to the object leave `status` alone (it is written on `/status`).
+    pub fn has_status_subresource(self) -> bool {
+        matches!(self, Resource::Pods | Resource::HookChains)
+    }
+
+    fn of(api_version: &str, plural: &str) -> Option<Resource> {
+        Resource::ALL
+            .into_iter()
+            .find(|r| r.api_version() == api_version && r.plural() == plural)
     }
 }
 
@@ -48,9 +95,9 @@ pub struct Route {
 impl Route {
     pub fn parse(path: &str) -> Option<Route> {
         let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
-        let rest = match parts.as_slice() {
-            ["api", "v1", rest @ ..] => rest,
-            ["apis", "sluice.dev", "v1alpha1", rest @ ..] => rest,
+        let (api_version, rest) = match parts.as_slice() {
+            ["api", "v1", rest @ ..] => ("v1".to_string(), rest),
+            ["apis", group, version, rest @ ..] => (format!("{group}/{version}"), rest),
             _ => return None,
         };
         let (namespace, rest) = match rest {
@@ -63,18 +110,20 @@ impl Route {
             [plural, name, sub] => (*plural, Some(name.to_string()), Some(sub.to_string())),
             _ => return None,
         };
-        let resource = match plural {
-            "pods" => Resource::Pods,
-            "hookchains" => Resource::HookChains,
-            "capabilities" => Resource::Capabilities,
-            _ => return None,
-        };
         Some(Route {
-            resource,
+            resource: Resource::of(&api_version, plural)?,
             namespace,
             name,
             subresource: sub,
         })
+    }
+
+    /// The resource as the audit log names it: `pods`, `pods/exec`, `hookchains/status`.
+    pub fn audit_resource(&self) -> String {
+        match &self.subresource {
+            Some(sub) => format!("{}/{sub}", self.resource.plural()),
+            None => self.resource.plural().to_string(),
+        }
     }
 }
 
@@ -150,18 +199,44 @@ type Key = (Resource, String, String);
 struct Inner {
     rv: u64,
     objects: BTreeMap<Key, Value>,
-    history: Vec<Event>,
+    /// The latest changes, oldest first, at most `history_limit` of them.
+    history: VecDeque<Event>,
+    /// The newest resourceVersion no longer in `history`: a watch from before it cannot resume.
+    compacted: u64,
     suffix: u64,
+}
+
+/// Why a write was refused, as the API server answers it.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    #[error("not found")]
+    NotFound,
+    #[error(
+        "the object has been modified; please apply your changes to the latest version and try again"
+    )]
+    Conflict,
+    #[error("already exists")]
+    AlreadyExists,
+}
+
+/// How a watch was asked for.
+#[derive(Clone, Debug, Default)]
+pub struct WatchParams {
+    pub namespace: Option<String>,
+    pub selector: Option<String>,
+    /// `resourceVersion`: resume after it; `None` (or "0"): start with the current objects.
+    pub since: Option<u64>,
+    /// `allowWatchBookmarks=true`.
+    pub bookmarks: bool,
+    /// `sendInitialEvents=true`: the current objects, then a bookmark marking their end.
+    pub send_initial_events: bool,
 }
 
 pub struct Store {
     inner: Mutex<Inner>,
     events: broadcast::Sender<Event>,
-}
-
-pub enum PatchError {
-    NotFound,
-    Conflict,
+    history_limit: usize,
+    bookmark_interval: Duration,
 }
 
 fn key_of(resource: Resource, object: &Value) -> Key {
@@ -189,16 +264,53 @@ fn merge(target: &mut Value, patch: &Value) {
     }
 }
 
+/// Which part of an object a write may change: a status write only `status`, a write of an object
+/// whose status has its own endpoint everything else.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    Main,
+    Status,
+}
+
+/// `patch` cut down to what a write of `part` may change.
+fn writable(resource: Resource, part: Part, patch: &Value) -> Value {
+    let mut patch = patch.clone();
+    match part {
+        Part::Status => {
+            let status = patch.get("status").cloned().unwrap_or(Value::Null);
+            let meta = json!({"resourceVersion": patch["metadata"]["resourceVersion"].clone()});
+            json!({"metadata": meta, "status": status})
+        }
+        Part::Main if resource.has_status_subresource() => {
+            if let Some(o) = patch.as_object_mut() {
+                o.remove("status");
+            }
+            patch
+        }
+        Part::Main => patch,
+    }
+}
+
+pub fn now_rfc3339() -> String {
+    jiff::Timestamp::now()
+        .round(jiff::Unit::Second)
+        .unwrap_or_else(|_| jiff::Timestamp::now())
+        .to_string()
+}
+
 impl Store {
-    pub fn new() -> Self {
+    pub fn new(history_limit: usize, bookmark_interval: Duration) -> Self {
         Self {
             inner: Mutex::new(Inner {
                 rv: 100,
                 objects: BTreeMap::new(),
-                history: Vec::new(),
+                history: VecDeque::new(),
+                compacted: 0,
                 suffix: 0,
             }),
             events: broadcast::channel(4096).0,
+            history_limit: history_limit.max(1),
+            bookmark_interval,
         }
     }
 
@@ -223,37 +335,88 @@ impl Store {
             kind,
             object,
         };
-        inner.history.push(event.clone());
+        inner.history.push_back(event.clone());
+        while inner.history.len() > self.history_limit {
+            if let Some(old) = inner.history.pop_front() {
+                inner.compacted = old.rv;
+            }
+        }
         let _ = self.events.send(event);
     }
 
-    pub fn upsert(&self, resource: Resource, mut object: Value) -> Value {
-        let mut inner = self.lock();
+    /// Stamps what the API server stamps on a new object and stores it.
+    fn insert_new(
+        &self,
+        inner: &mut Inner,
+        resource: Resource,
+        key: Key,
+        mut object: Value,
+    ) -> Value {
         inner.rv += 1;
         let rv = inner.rv;
-        let key = key_of(resource, &object);
+        object["apiVersion"] = json!(resource.api_version());
+        object["kind"] = json!(resource.kind());
         object["metadata"]["namespace"] = json!(key.1);
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
-        // As the API server does: generation starts at 1 and moves when the spec changes.
-        let previous = inner.objects.get(&key);
-        let existed = previous.is_some();
-        let generation = match previous {
-            Some(p) if p["spec"] == object["spec"] => p["metadata"]["generation"].as_i64(),
-            Some(p) => p["metadata"]["generation"].as_i64().map(|g| g + 1),
-            None => Some(1),
-        }
-        .unwrap_or(1);
-        object["metadata"]["generation"] = json!(generation);
+        object["metadata"]["generation"] = json!(1);
         if object["metadata"]["uid"].is_null() {
             object["metadata"]["uid"] = json!(format!("uid-{}-{}-{rv}", key.1, key.2));
         }
         if object["metadata"]["creationTimestamp"].is_null() {
-            object["metadata"]["creationTimestamp"] = json!(jiff::Timestamp::now().to_string());
+            object["metadata"]["creationTimestamp"] = json!(now_rfc3339());
         }
         inner.objects.insert(key, object.clone());
-        let kind = if existed { "MODIFIED" } else { "ADDED" };
-        self.record(&mut inner, resource, kind, object.clone());
+        self.record(inner, resource, "ADDED", object.clone());
         object
+    }
+
+    /// Stores a changed object under a new resourceVersion (the generation moves with the spec).
+    fn store_changed(
+        &self,
+        inner: &mut Inner,
+        resource: Resource,
+        key: Key,
+        previous: &Value,
+        mut object: Value,
+    ) -> Value {
+        if object["spec"] != previous["spec"] {
+            let next = previous["metadata"]["generation"].as_i64().unwrap_or(1) + 1;
+            object["metadata"]["generation"] = json!(next);
+        }
+        inner.rv += 1;
+        object["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
+        inner.objects.insert(key, object.clone());
+        self.record(inner, resource, "MODIFIED", object.clone());
+        object
+    }
+
+    /// Creates or replaces an object (as `kubectl apply` would), bumping its resourceVersion.
+    pub fn upsert(&self, resource: Resource, object: Value) -> Value {
+        let mut inner = self.lock();
+        let key = key_of(resource, &object);
+        match inner.objects.get(&key).cloned() {
+            None => self.insert_new(&mut inner, resource, key, object),
+            Some(previous) => {
+                let mut object = object;
+                object["metadata"]["namespace"] = json!(key.1);
+                for kept in ["uid", "creationTimestamp", "generation"] {
+                    if object["metadata"][kept].is_null() {
+                        object["metadata"][kept] = previous["metadata"][kept].clone();
+                    }
+                }
+                self.store_changed(&mut inner, resource, key, &previous, object)
+            }
+        }
+    }
+
+    /// A create (POST): refused if the name is taken.
+    pub fn create(&self, resource: Resource, object: Value) -> Result<Value, StoreError> {
+        let mut inner = self.lock();
+        let key = key_of(resource, &object);
+        if inner.objects.contains_key(&key) {
+            return Err(StoreError::AlreadyExists);
+        }
+        Ok(self.insert_new(&mut inner, resource, key, object))
     }
 
     pub fn get(&self, resource: Resource, namespace: &str, name: &str) -> Option<Value> {
@@ -263,45 +426,131 @@ impl Store {
             .cloned()
     }
 
-    pub fn delete(&self, resource: Resource, namespace: &str, name: &str) -> Option<Value> {
-        let mut inner = self.lock();
-        let mut object =
-            inner
-                .objects
-                .remove(&(resource, namespace.to_string(), name.to_string()))?;
-        inner.rv += 1;
-        object["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
-        self.record(&mut inner, resource, "DELETED", object.clone());
-        Some(object)
-    }
-
-    /// Applies a merge patch; a `metadata.resourceVersion` in the patch is a precondition.
-    pub fn merge_patch(
+    /// Changes an object in place; `change` says whether it changed anything (nothing is written
+    /// otherwise). The object as stored afterwards, or `None` if there is no such object.
+    pub fn modify(
         &self,
         resource: Resource,
         namespace: &str,
         name: &str,
-        patch: &Value,
-    ) -> Result<Value, PatchError> {
+        change: impl FnOnce(&mut Value) -> bool,
+    ) -> Option<Value> {
         let mut inner = self.lock();
         let key = (resource, namespace.to_string(), name.to_string());
-        let current = inner.objects.get(&key).ok_or(PatchError::NotFound)?;
+        let previous = inner.objects.get(&key)?.clone();
+        let mut object = previous.clone();
+        if !change(&mut object) {
+            return Some(previous);
+        }
+        Some(self.store_changed(&mut inner, resource, key, &previous, object))
+    }
+
+    /// Removes an object for good; with `precondition` (a resourceVersion) only if it matches.
+    pub fn remove(
+        &self,
+        resource: Resource,
+        namespace: &str,
+        name: &str,
+        precondition: Option<&str>,
+    ) -> Result<Value, StoreError> {
+        let mut inner = self.lock();
+        let key = (resource, namespace.to_string(), name.to_string());
+        let current = inner.objects.get(&key).ok_or(StoreError::NotFound)?;
+        if precondition
+            .is_some_and(|want| current["metadata"]["resourceVersion"].as_str() != Some(want))
+        {
+            return Err(StoreError::Conflict);
+        }
+        let mut object = inner.objects.remove(&key).ok_or(StoreError::NotFound)?;
+        inner.rv += 1;
+        object["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
+        self.record(&mut inner, resource, "DELETED", object.clone());
+        Ok(object)
+    }
+
+    /// A merge patch (or, with `create`, a server-side apply, which creates a missing object); a
+    /// `metadata.resourceVersion` in the patch is a precondition.
+    pub fn patch(
+        &self,
+        resource: Resource,
+        part: Part,
+        namespace: &str,
+        name: &str,
+        patch: &Value,
+        create: bool,
+    ) -> Result<Value, StoreError> {
+        let mut inner = self.lock();
+        let key = (resource, namespace.to_string(), name.to_string());
+        let Some(current) = inner.objects.get(&key).cloned() else {
+            if !create || part == Part::Status {
+                return Err(StoreError::NotFound);
+            }
+            let mut object = patch.clone();
+            object["metadata"]["name"] = json!(name);
+            if let Some(meta) = object["metadata"].as_object_mut() {
+                meta.remove("resourceVersion");
+            }
+            return Ok(self.insert_new(&mut inner, resource, key, object));
+        };
         if let Some(want) = patch["metadata"]["resourceVersion"].as_str()
             && current["metadata"]["resourceVersion"].as_str() != Some(want)
         {
-            return Err(PatchError::Conflict);
+            return Err(StoreError::Conflict);
         }
         let mut object = current.clone();
-        merge(&mut object, patch);
-        if object["spec"] != current["spec"] {
-            let next = current["metadata"]["generation"].as_i64().unwrap_or(1) + 1;
-            object["metadata"]["generation"] = json!(next);
+        merge(&mut object, &writable(resource, part, patch));
+        Ok(self.store_changed(&mut inner, resource, key, &current, object))
+    }
+
+    /// A replace (PUT): the whole object, preconditioned on the resourceVersion it carries.
+    pub fn replace(
+        &self,
+        resource: Resource,
+        part: Part,
+        namespace: &str,
+        name: &str,
+        object: &Value,
+    ) -> Result<Value, StoreError> {
+        let mut inner = self.lock();
+        let key = (resource, namespace.to_string(), name.to_string());
+        let current = inner
+            .objects
+            .get(&key)
+            .cloned()
+            .ok_or(StoreError::NotFound)?;
+        if let Some(want) = object["metadata"]["resourceVersion"].as_str()
+            && current["metadata"]["resourceVersion"].as_str() != Some(want)
+        {
+            return Err(StoreError::Conflict);
         }
-        inner.rv += 1;
-        object["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
-        inner.objects.insert(key, object.clone());
-        self.record(&mut inner, resource, "MODIFIED", object.clone());
-        Ok(object)
+        let mut next = match part {
+            Part::Status => {
+                let mut next = current.clone();
+                next["status"] = object["status"].clone();
+                next
+            }
+            Part::Main => {
+                let mut next = object.clone();
+                if resource.has_status_subresource() {
+                    next["status"] = current["status"].clone();
+                }
+                next
+            }
+        };
+        for kept in [
+            "uid",
+            "creationTimestamp",
+            "generation",
+            "namespace",
+            "name",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+        ] {
+            if !current["metadata"][kept].is_null() {
+                next["metadata"][kept] = current["metadata"][kept].clone();
+            }
+        }
+        Ok(self.store_changed(&mut inner, resource, key, &current, next))
     }
 
     pub fn list(
@@ -310,7 +559,16 @@ impl Store {
         namespace: Option<&str>,
         selector: Option<&str>,
     ) -> Vec<Value> {
-        self.lock()
+        Self::matching(&self.lock(), resource, namespace, selector)
+    }
+
+    fn matching(
+        inner: &Inner,
+        resource: Resource,
+        namespace: Option<&str>,
+        selector: Option<&str>,
+    ) -> Vec<Value> {
+        inner
             .objects
             .iter()
             .filter(|((r, ns, _), o)| {
@@ -328,25 +586,27 @@ impl Store {
         namespace: Option<&str>,
         selector: Option<&str>,
     ) -> Value {
-        let rv = self.lock().rv;
-        let (api_version, kind) = resource.list_kind();
+        let inner = self.lock();
         json!({
-            "apiVersion": api_version,
-            "kind": kind,
-            "metadata": {"resourceVersion": rv.to_string()},
-            "items": self.list(resource, namespace, selector),
+            "apiVersion": resource.api_version(),
+            "kind": format!("{}List", resource.kind()),
+            "metadata": {"resourceVersion": inner.rv.to_string()},
+            "items": Self::matching(&inner, resource, namespace, selector),
         })
     }
 
-    /// A watch from `since`: first the changes after it from the history, then live ones, as JSON
-    /// lines of `{"type", "object"}` on one long response.
-    pub fn watch(
-        &self,
-        resource: Resource,
-        namespace: Option<String>,
-        selector: Option<String>,
-        since: u64,
-    ) -> Response<Body> {
+    /// A watch, as JSON lines of `{"type", "object"}` on one long response: from `since`, the
+    /// changes after it from the history (or, if the history no longer reaches back that far, an
+    /// ERROR event with a `410 Expired` Status and the end of the response); without it, the
+    /// current objects as ADDED. Then live changes, and BOOKMARKs when they were asked for.
+    pub fn watch(&self, resource: Resource, params: WatchParams) -> Response<Body> {
+        let WatchParams {
+            namespace,
+            selector,
+            since,
+            bookmarks,
+            send_initial_events,
+        } = params;
         let wanted = move |e: &Event| {
             e.resource == resource
                 && namespace
@@ -354,23 +614,68 @@ impl Store {
                     .is_none_or(|ns| e.object["metadata"]["namespace"].as_str() == Some(ns))
                 && selector_matches(selector.as_deref(), &e.object)
         };
-        let line = |e: &Event| {
-            let mut s = json!({"type": e.kind, "object": e.object}).to_string();
+        let line = |kind: &str, object: &Value| {
+            let mut s = json!({"type": kind, "object": object}).to_string();
             s.push('\n');
             Bytes::from(s)
+        };
+        let bookmark = move |rv: u64, initial_end: bool| {
+            let mut meta = json!({"resourceVersion": rv.to_string()});
+            if initial_end {
+                meta["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+            }
+            line(
+                "BOOKMARK",
+                &json!({"kind": resource.kind(), "apiVersion": resource.api_version(), "metadata": meta}),
+            )
         };
         // Subscribe before reading the history so nothing falls between the two.
         let mut live = self.events.subscribe();
         let (backlog, mut last) = {
             let inner = self.lock();
-            let backlog: Vec<Bytes> = inner
-                .history
-                .iter()
-                .filter(|e| e.rv > since && wanted(e))
-                .map(line)
-                .collect();
-            (backlog, inner.rv.max(since))
+            let resume = since.filter(|rv| *rv > 0 && !send_initial_events);
+            let mut backlog: Vec<Bytes> = Vec::new();
+            match resume {
+                Some(rv) if rv < inner.compacted => {
+                    let gone = json!({
+                        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                        "message": format!("too old resource version: {rv} ({})", inner.compacted + 1),
+                        "reason": "Expired", "code": 410,
+                    });
+                    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+                    let _ = tx.try_send(line("ERROR", &gone));
+                    return Self::respond(rx);
+                }
+                Some(rv) => backlog.extend(
+                    inner
+                        .history
+                        .iter()
+                        .filter(|e| e.rv > rv && wanted(e))
+                        .map(|e| line(e.kind, &e.object)),
+                ),
+                None => {
+                    backlog.extend(
+                        inner
+                            .objects
+                            .iter()
+                            .filter(|((r, _, _), _)| *r == resource)
+                            .map(|(_, o)| Event {
+                                rv: 0,
+                                resource,
+                                kind: "ADDED",
+                                object: o.clone(),
+                            })
+                            .filter(|e| wanted(e))
+                            .map(|e| line("ADDED", &e.object)),
+                    );
+                    if send_initial_events && bookmarks {
+                        backlog.push(bookmark(inner.rv, true));
+                    }
+                }
+            }
+            (backlog, inner.rv)
         };
+        let interval = self.bookmark_interval;
         let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(256);
         tokio::spawn(async move {
             for b in backlog {
@@ -378,23 +683,38 @@ impl Store {
                     return;
                 }
             }
+            let mut ticks =
+                tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
             loop {
-                match live.recv().await {
-                    Ok(e) if e.rv > last => {
-                        last = e.rv;
-                        if wanted(&e) && tx.send(line(&e)).await.is_err() {
+                tokio::select! {
+                    received = live.recv() => match received {
+                        Ok(e) if e.rv > last => {
+                            last = e.rv;
+                            if wanted(&e) && tx.send(line(e.kind, &e.object)).await.is_err() {
+                                return;
+                            }
+                        }
+                        Ok(_) => {}
+                        // A watcher that falls this far behind is dropped; it resumes from its
+                        // last version (or is told 410 if that is gone).
+                        Err(broadcast::error::RecvError::Lagged(_)) => return,
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    },
+                    _ = ticks.tick(), if bookmarks => {
+                        if tx.send(bookmark(last, false)).await.is_err() {
                             return;
                         }
                     }
-                    Ok(_) => {}
-                    // A watcher that falls this far behind is told to start over, like a 410.
-                    Err(broadcast::error::RecvError::Lagged(_)) => return,
-                    Err(broadcast::error::RecvError::Closed) => return,
                 }
             }
         });
-        let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
-        let body = StreamBody::new(futures::StreamExt::map(stream, |b| {
+        Self::respond(rx)
+    }
+
+    /// The watch response: each line sent on `lines` as it comes; the end of `lines` ends it.
+    fn respond(lines: tokio::sync::mpsc::Receiver<Bytes>) -> Response<Body> {
+        let lines = tokio_stream::wrappers::ReceiverStream::new(lines);
+        let body = StreamBody::new(futures::StreamExt::map(lines, |b| {
             Ok::<_, std::convert::Infallible>(Frame::data(b))
         }));
         Response::builder()
@@ -420,8 +740,19 @@ mod tests {
             ),
             (Resource::Pods, Some("team"), Some("p-1"), Some("exec"))
         );
+        assert_eq!(r.audit_resource(), "pods/exec");
         let r = Route::parse("/apis/sluice.dev/v1alpha1/hookchains").unwrap();
         assert_eq!((r.resource, r.namespace), (Resource::HookChains, None));
+        let r = Route::parse("/apis/coordination.k8s.io/v1/namespaces/s/leases/op").unwrap();
+        assert_eq!(r.resource, Resource::Leases);
+        let r = Route::parse("/apis/events.k8s.io/v1/namespaces/s/events").unwrap();
+        assert_eq!(r.resource, Resource::EventsV1);
+        assert_eq!(
+            Route::parse("/api/v1/namespaces/s/events")
+                .unwrap()
+                .resource,
+            Resource::Events
+        );
         assert!(Route::parse("/apis/apps/v1/deployments").is_none());
     }
 
@@ -437,9 +768,13 @@ mod tests {
         assert_eq!(q["labelSelector"], "a=1,b=2");
     }
 
+    fn store() -> Store {
+        Store::new(4, Duration::from_secs(60))
+    }
+
     #[test]
     fn a_stale_resource_version_conflicts() {
-        let s = Store::new();
+        let s = store();
         let o = s.upsert(
             Resource::Pods,
             json!({"metadata": {"name": "p", "namespace": "n"}}),
@@ -449,10 +784,104 @@ mod tests {
             .unwrap()
             .to_string();
         let patch = json!({"metadata": {"resourceVersion": rv, "labels": {"x": "1"}}});
-        assert!(s.merge_patch(Resource::Pods, "n", "p", &patch).is_ok());
-        assert!(matches!(
-            s.merge_patch(Resource::Pods, "n", "p", &patch),
-            Err(PatchError::Conflict)
-        ));
+        assert!(
+            s.patch(Resource::Pods, Part::Main, "n", "p", &patch, false)
+                .is_ok()
+        );
+        assert_eq!(
+            s.patch(Resource::Pods, Part::Main, "n", "p", &patch, false),
+            Err(StoreError::Conflict)
+        );
+        assert_eq!(
+            s.remove(Resource::Pods, "n", "p", Some(&rv)),
+            Err(StoreError::Conflict)
+        );
+        assert!(s.remove(Resource::Pods, "n", "p", None).is_ok());
+    }
+
+    #[test]
+    fn status_and_object_are_written_apart() {
+        let s = store();
+        s.upsert(
+            Resource::HookChains,
+            json!({"metadata": {"name": "c", "namespace": "n"}, "spec": {"a": 1}}),
+        );
+        let patch = json!({"spec": {"a": 2}, "status": {"warm": 3}});
+        let o = s
+            .patch(Resource::HookChains, Part::Status, "n", "c", &patch, true)
+            .unwrap();
+        assert_eq!(
+            (o["spec"]["a"].as_i64(), o["status"]["warm"].as_i64()),
+            (Some(1), Some(3))
+        );
+        let o = s
+            .patch(
+                Resource::HookChains,
+                Part::Main,
+                "n",
+                "c",
+                &json!({"spec": {"a": 2}, "status": null}),
+                false,
+            )
+            .unwrap();
+        assert_eq!(
+            (o["spec"]["a"].as_i64(), o["status"]["warm"].as_i64()),
+            (Some(2), Some(3))
+        );
+        assert_eq!(o["metadata"]["generation"], 2);
+        // A server-side apply creates what is missing; a create refuses a taken name.
+        let p = json!({"metadata": {"name": "np", "namespace": "n"}, "spec": {}});
+        assert!(
+            s.patch(Resource::NetworkPolicies, Part::Main, "n", "np", &p, true)
+                .is_ok()
+        );
+        assert_eq!(
+            s.create(Resource::NetworkPolicies, p),
+            Err(StoreError::AlreadyExists)
+        );
+    }
+
+    async fn body_of(r: Response<Body>) -> String {
+        let bytes = r
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    #[tokio::test]
+    async fn a_watch_from_before_the_kept_history_is_gone() {
+        let s = store();
+        let first = s.upsert(
+            Resource::Pods,
+            json!({"metadata": {"name": "p0", "namespace": "n"}}),
+        );
+        let rv: u64 = first["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        for i in 1..10 {
+            s.upsert(
+                Resource::Pods,
+                json!({"metadata": {"name": format!("p{i}"), "namespace": "n"}}),
+            );
+        }
+        let params = WatchParams {
+            since: Some(rv),
+            ..Default::default()
+        };
+        let body = body_of(s.watch(Resource::Pods, params)).await;
+        let ev: Value = serde_json::from_str(body.trim()).unwrap();
+        assert_eq!(ev["type"], "ERROR");
+        assert_eq!(
+            (
+                ev["object"]["code"].as_u64(),
+                ev["object"]["reason"].as_str()
+            ),
+            (Some(410), Some("Expired"))
+        );
     }
 }
