@@ -63,7 +63,8 @@ async fn runs_and_streams_over(protocol: ExecProtocol) {
         "redact",
         "bot",
         "output",
-        "streaming: {flushChars: 8, lookbackChars: 4}",
+        // One pod per trigger point: what this test counts is a claim each.
+        "streaming: {flushChars: 8, lookbackChars: 4}\npool: {warm: 1, max: 8, reuse: None}",
         &[("digits", "modify", REDACT), ("chatty", "detect", CHATTY)],
     );
     let (api, h) = cluster(protocol, &chain, 2).await;
@@ -190,7 +191,8 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
         "held",
         "bot",
         "input",
-        "pool: {warm: 2, max: 8}",
+        // One pod per trigger point: the held pod is deleted after the run it served.
+        "pool: {warm: 2, max: 8, reuse: None}",
         &[("digits", "modify", REDACT), ("look", "detect", PROCESSES)],
     );
     let api = FakeApiServer::start(ExecProtocol::V5)

@@ -19,7 +19,10 @@ def execute(context, settings):
         return {"action": "pass"}
     return {"action": "modify", "outgoing": out}"##;
 
+/// Trigger points of the `reuse: None` test (a pod each).
 const TRIGGER_POINTS: u64 = 20;
+/// Trigger points of the `reuse: Recycle` test.
+const RECYCLED_TRIGGER_POINTS: u64 = 500;
 
 /// The operator as `sluice-operator run` runs it (leader election included), until `stop`.
 fn start_operator(
@@ -70,27 +73,27 @@ fn ready_warm_pods(api: &FakeApiServer, chain: &str) -> usize {
         .count()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_operator_keeps_the_pool_the_gateway_runs_on() {
+/// A fake API server holding `chain`, with the real operator reconciling it until its pool has two
+/// Ready warm pods.
+async fn cluster_with(
+    chain: &str,
+    name: &str,
+) -> (
+    FakeApiServer,
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<()>,
+) {
     // A node's realistic start latency (the default).
     let api = FakeApiServer::builder()
         .start()
         .await
         .expect("fake API server");
-    let chain = chain_yaml(
-        "op",
-        "bot",
-        "input",
-        "pool: {warm: 2, max: 8}",
-        &[("digits", "modify", REDACT)],
-    );
-    api.apply(Resource::HookChains, manifest_json(&chain));
+    api.apply(Resource::HookChains, manifest_json(chain));
     let (stop_operator, operator) = start_operator(&api);
-
     // The operator's own pods, started and probed by the kubelet stand-in, turn Ready.
     let mut warm = 0;
     for _ in 0..2400 {
-        warm = ready_warm_pods(&api, "op");
+        warm = ready_warm_pods(&api, name);
         if warm >= 2 {
             break;
         }
@@ -102,43 +105,124 @@ async fn the_operator_keeps_the_pool_the_gateway_runs_on() {
         api.list(Resource::Pods, "default")
     );
     let hc = api
-        .get(Resource::HookChains, "default", "op")
+        .get(Resource::HookChains, "default", name)
         .expect("chain");
     assert!(
         hc["status"]["conditions"].is_array(),
         "the operator wrote no status: {hc}"
     );
+    (api, stop_operator, operator)
+}
 
-    let h = Harness::start_kube(&api, "gw-op", Duration::from_secs(90)).await;
-    let before = api.writes();
-    for i in 0..TRIGGER_POINTS {
-        let r = h
-            .run_text("bot", "input", &format!("call 555-{i:03}"))
-            .await
-            .expect("run");
-        assert_eq!(action(&r), Action::Modify, "{r:?}");
-        assert_eq!(text(&r), "call ###-###");
-        assert!(r.hooks.iter().all(|o| o.error.is_empty()), "{:?}", r.hooks);
-    }
-    let during = api.writes().since(&before);
-    h.stop_kube_and_check(&api).await;
-    stop_operator.send_replace(true);
-    tokio::time::timeout(Duration::from_secs(60), operator)
+async fn stop_operator(stop: tokio::sync::watch::Sender<bool>, task: tokio::task::JoinHandle<()>) {
+    stop.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(60), task)
         .await
         .expect("the operator stops")
         .expect("the operator did not panic");
+}
+
+async fn run_redacted(h: &Harness, i: u64) {
+    let r = h
+        .run_text("bot", "input", &format!("call 555-{:03}", i % 1000))
+        .await
+        .expect("run");
+    assert_eq!(action(&r), Action::Modify, "{r:?}");
+    assert_eq!(text(&r), "call ###-###");
+    assert!(r.hooks.iter().all(|o| o.error.is_empty()), "{:?}", r.hooks);
+}
+
+fn unhealthy_events(api: &FakeApiServer) -> usize {
+    api.list(Resource::Events, "default")
+        .iter()
+        .filter(|e| e["reason"] == "Unhealthy")
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn recycled_pods_serve_hundreds_of_trigger_points_with_almost_no_api_writes() {
+    let chain = chain_yaml(
+        "op",
+        "bot",
+        "input",
+        "pool: {warm: 2, max: 8, reuse: Recycle, maxUses: 200}",
+        &[("digits", "modify", REDACT)],
+    );
+    let (api, stop, operator) = cluster_with(&chain, "op").await;
+    let h = Harness::start_kube(&api, "gw-op", Duration::from_secs(90)).await;
+    let before = api.writes();
+    for i in 0..RECYCLED_TRIGGER_POINTS {
+        run_redacted(&h, i).await;
+    }
+    let during = api.writes().since(&before);
+    let created = during.get(Verb::Create, "pods");
+    let per_trigger_point = during.total() as f64 / RECYCLED_TRIGGER_POINTS as f64;
+    println!("API writes while {RECYCLED_TRIGGER_POINTS} trigger points ran (Recycle):\n{during}");
+    println!(
+        "pods created while they ran: {created}; claims: {}; API writes per trigger point: {per_trigger_point:.3}",
+        during.get(Verb::Patch, "pods")
+    );
+    // maxUses 200: 500 trigger points retire (and replace) a few pods, never one per trigger point,
+    // and no run failed meanwhile (checked above).
+    assert!(created <= 12, "{created} pods for {RECYCLED_TRIGGER_POINTS} trigger points\n{during}");
+    assert!(
+        during.get(Verb::Delete, "pods") >= 2,
+        "maxUses retired no pod\n{during}"
+    );
+    assert!(per_trigger_point < 0.5, "{per_trigger_point} writes per trigger point\n{during}");
+
+    // Held and idle for a minute: attached pods are not probed (no Unhealthy event), and nothing
+    // rewrites the HookChain's status meanwhile.
+    let events_before = unhealthy_events(&api);
+    let before_hold = api.writes();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let held = api.writes().since(&before_hold);
+    assert_eq!(
+        unhealthy_events(&api),
+        events_before,
+        "a held pod failed probes: {:#?}",
+        api.list(Resource::Events, "default")
+    );
+    assert!(
+        held.on("hookchains/status") <= 2 && held.get(Verb::Create, "pods/exec") == 0,
+        "writes while pods were only held:\n{held}"
+    );
+    run_redacted(&h, 0).await;
+    h.stop_kube_and_check(&api).await;
+    stop_operator(stop, operator).await;
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_reuse_none_every_trigger_point_takes_a_pod_of_its_own() {
+    let chain = chain_yaml(
+        "op",
+        "bot",
+        "input",
+        "pool: {warm: 2, max: 8, reuse: None}",
+        &[("digits", "modify", REDACT)],
+    );
+    let (api, stop, operator) = cluster_with(&chain, "op").await;
+    let h = Harness::start_kube(&api, "gw-op", Duration::from_secs(90)).await;
+    let before = api.writes();
+    for i in 0..TRIGGER_POINTS {
+        run_redacted(&h, i).await;
+    }
+    let during = api.writes().since(&before);
+    h.stop_kube_and_check(&api).await;
+    stop_operator(stop, operator).await;
 
     let all = api.writes();
     let created = all.get(Verb::Create, "pods");
     let claims = during.get(Verb::Patch, "pods");
-    println!("API writes while {TRIGGER_POINTS} trigger points ran:\n{during}");
+    println!("API writes while {TRIGGER_POINTS} trigger points ran (None):\n{during}");
     println!(
         "pods created: {created} in all ({} while the trigger points ran); API writes per trigger point: {:.1}",
         during.get(Verb::Create, "pods"),
         during.total() as f64 / TRIGGER_POINTS as f64
     );
-    // Today every trigger point takes a pod of its own: one claim each, and every pod it took had
-    // been created by the operator.
+    // Every trigger point takes a pod of its own: one claim each, and every pod it took had been
+    // created by the operator.
     assert!(claims >= TRIGGER_POINTS, "{during}");
     assert!(
         created >= TRIGGER_POINTS,

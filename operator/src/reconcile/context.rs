@@ -45,6 +45,9 @@ pub struct Context {
     pub(super) netpol_applied: Mutex<HashMap<String, Instant>>,
     /// Start failures by chain (`ns/name`).
     pub(super) start_failures: Mutex<HashMap<String, StartFailures>>,
+    /// When each chain's (`ns/name`) status was last written, so that counts alone are written
+    /// at most every `status::COUNTS_EVERY`.
+    pub(super) status_written: Mutex<HashMap<String, Instant>>,
 }
 
 impl Context {
@@ -72,6 +75,7 @@ impl Context {
             code_checks: Mutex::default(),
             netpol_applied: Mutex::default(),
             start_failures: Mutex::default(),
+            status_written: Mutex::default(),
         }
     }
 

@@ -135,10 +135,13 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
     // The status tells what exists now, the pods just created included.
     plan.counts.starting += created;
     plan.counts.total += created;
-    status::write(chain, &read, &verdict, &plan, now, ctx).await?;
+    let status_due = status::write(chain, &read, &verdict, &plan, now, ctx).await?;
 
     // Pod events requeue the chain; the timers cover what no event announces.
     let mut next = RESYNC;
+    if let Some(due) = status_due {
+        next = next.min(due);
+    }
     if read.pending.creates > 0 || !read.pending.deletes.is_empty() {
         next = next.min(crate::expectations::DEFAULT_TIMEOUT);
     }
@@ -156,6 +159,7 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
 pub fn forget(ctx: &Context, namespace: &str, name: &str) {
     ctx.expectations.forget(&format!("{namespace}/{name}"));
     lock(&ctx.start_failures).remove(&format!("{namespace}/{name}"));
+    lock(&ctx.status_written).remove(&format!("{namespace}/{name}"));
     ctx.metrics.forget_pool(namespace, name);
 }
 

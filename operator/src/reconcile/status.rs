@@ -1,6 +1,8 @@
 //! Stage 6, status: the chain's status (counts, code hash, conditions; built by
 //! `crate::status::status`) written by server-side apply on the status subresource, only when it
-//! changed; and the pool gauges.
+//! changed: at once when a condition, the code hash or the observed generation changed, but when
+//! only the warm/claimed counts moved, at most every `COUNTS_EVERY` (each write sends the whole
+//! object, hooks' code included, to every watcher). Live counts are in the pool gauges.
 
 use super::context::Context;
 use super::read::Snapshot;
@@ -9,7 +11,11 @@ use crate::pool::Plan;
 use crate::status::{self, Verdict};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
-use sluice_crds::HookChain;
+use sluice_crds::{HookChain, HookChainStatus};
+use std::time::{Duration, Instant};
+
+/// Least time between two status writes that change nothing but the counts.
+pub const COUNTS_EVERY: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StatusError {
@@ -17,6 +23,7 @@ pub enum StatusError {
     Write { chain: String, source: kube::Error },
 }
 
+/// Writes the status when due; returns when a write of counts alone was put off until (a requeue).
 pub(crate) async fn write(
     chain: &HookChain,
     read: &Snapshot,
@@ -24,9 +31,26 @@ pub(crate) async fn write(
     plan: &Plan,
     now: Timestamp,
     ctx: &Context,
-) -> Result<(), StatusError> {
+) -> Result<Option<Duration>, StatusError> {
     let status = status::status(chain, verdict, plan, now);
-    if chain.status.as_ref() != Some(&status) {
+    let mut deferred = None;
+    let due = match chain.status.as_ref() {
+        Some(current) if current == &status => false,
+        Some(current) if only_counts_differ(current, &status) => {
+            let last = super::context::lock(&ctx.status_written)
+                .get(&read.key)
+                .copied();
+            match last.map(|t| t.elapsed()) {
+                Some(since) if since < COUNTS_EVERY => {
+                    deferred = Some(COUNTS_EVERY - since);
+                    false
+                }
+                _ => true,
+            }
+        }
+        _ => true,
+    };
+    if due {
         let api: Api<HookChain> = Api::namespaced(ctx.client.clone(), &read.namespace);
         let patch = serde_json::json!({
             "apiVersion": "sluice.dev/v1alpha1",
@@ -43,6 +67,7 @@ pub(crate) async fn write(
             chain: read.key.clone(),
             source,
         })?;
+        super::context::lock(&ctx.status_written).insert(read.key.clone(), Instant::now());
     }
     ctx.metrics.set_pool(
         &read.namespace,
@@ -50,5 +75,13 @@ pub(crate) async fn write(
         plan.counts.warm,
         plan.counts.claimed,
     );
-    Ok(())
+    Ok(deferred)
+}
+
+/// Whether two statuses differ in their warm/claimed counts only.
+fn only_counts_differ(a: &HookChainStatus, b: &HookChainStatus) -> bool {
+    let mut b = b.clone();
+    b.warm = a.warm;
+    b.claimed = a.claimed;
+    a == &b
 }
