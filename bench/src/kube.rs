@@ -113,7 +113,14 @@ const RUNS: usize = 33;
 const BIG_RUNS: usize = 5;
 
 async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
-    let chain = chain_yaml("execbench", "bench", "input", "{warm: 2, max: 8}", "");
+    // One pod per trigger point: what these rows measure is the claim and the exec.
+    let chain = chain_yaml(
+        "execbench",
+        "bench",
+        "input",
+        "{warm: 2, max: 8, reuse: None}",
+        "",
+    );
     let text = text_1k();
     // Every pod is booted before the first sample, so a node's pod start latency is not in what
     // is measured here; without it, booting them takes a minute less.
@@ -336,7 +343,137 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
 }
 
 pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
+    recycled(table).await?;
     claims(table).await?;
     exec_path(table).await?;
     attach_vs_start(table).await
+}
+
+/// A gateway in kube mode on the fake API server, one pod held (`--kube-hold 1`), serving a chain
+/// whose warm pods a stand-in for the operator keeps (started without a node's latency).
+async fn held_gateway(
+    reuse: &str,
+) -> anyhow::Result<(
+    FakeApiServer,
+    sluice_gateway::RunningGateway,
+    GatewayClient<tonic::transport::Channel>,
+)> {
+    let chain = chain_yaml(
+        "recyclebench",
+        "bench",
+        "input",
+        &format!("{{warm: 2, max: 8, reuse: {reuse}}}"),
+        "",
+    );
+    let api = FakeApiServer::builder()
+        .protocol(ExecProtocol::V5)
+        .pod_start_latency(Duration::ZERO)
+        .start()
+        .await?;
+    let mut hc: Value = serde_saphyr::from_str(&chain)?;
+    hc["metadata"]["namespace"] = "default".into();
+    api.apply(Resource::HookChains, hc);
+    api.keep_warm(spec_of(&chain)?, 2);
+    let mut opts = KubeOptions::new(api.client(), KubeConfig::new("bench-recycle"));
+    opts.limits.claim_timeout = Duration::from_secs(60);
+    opts.kube.claim_timeout = Duration::from_secs(60);
+    opts.kube.hold = 1;
+    let gateway = start_kube(opts).await?;
+    let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
+    Ok((api, gateway, client))
+}
+
+/// API writes per trigger point with recycled pods and with a pod per trigger point; Run latency
+/// from a recycled held pod and runs/s at 8 clients, beside the local Recycle figure.
+async fn recycled(table: &mut Table) -> anyhow::Result<()> {
+    let text = text_1k();
+    let mut writes = Vec::new();
+    for (reuse, runs) in [("Recycle", 200usize), ("None", 20)] {
+        let (api, gateway, client) = held_gateway(reuse).await?;
+        // Warm: the first run claims and attaches.
+        run_text(client.clone(), text.clone()).await?;
+        let before = api.writes();
+        for _ in 0..runs {
+            let r = run_text(client.clone(), text.clone()).await?;
+            anyhow::ensure!(
+                r.hooks.len() == 3,
+                "a kube run did not run the chain: {r:?}"
+            );
+        }
+        let during = api.writes().since(&before);
+        writes.push((
+            reuse,
+            during.total() as f64 / runs as f64,
+            during.get(sluice_fake_apiserver::Verb::Create, "pods"),
+        ));
+        if reuse == "Recycle" {
+            let mut samples = Vec::new();
+            for _ in 0..60 {
+                let began = Instant::now();
+                run_text(client.clone(), text.clone()).await?;
+                samples.push(began.elapsed());
+            }
+            let window = Duration::from_secs(10);
+            let began = Instant::now();
+            let done = futures::future::join_all((0..8).map(|_| {
+                let client = client.clone();
+                let text = text.clone();
+                async move {
+                    let mut n = 0u64;
+                    while began.elapsed() < window {
+                        if run_text(client.clone(), text.clone()).await.is_ok() {
+                            n += 1;
+                        }
+                    }
+                    n
+                }
+            }))
+            .await;
+            let rate = done.iter().sum::<u64>() as f64 / began.elapsed().as_secs_f64();
+            gateway.shutdown().await;
+            api.stop().await;
+            let local = Bench::start(&[(
+                "c.yaml",
+                chain_yaml(
+                    "bench",
+                    "bench",
+                    "input",
+                    "{warm: 2, max: 8, reuse: Recycle}",
+                    "",
+                ),
+            )])
+            .await?;
+            let mut local_samples = Vec::new();
+            for _ in 0..60 {
+                let (took, _) = local.warm_run("bench", &text).await?;
+                local_samples.push(took);
+            }
+            local.gateway.shutdown().await;
+            table.push(
+                Row::latency(
+                    "kube Run from a held, recycled pod (Recycle), fake API",
+                    &samples,
+                )
+                .target("within 2 ms of local Recycle p50"),
+            );
+            table.push(Row::latency(
+                "  baseline: local Recycle warm Run",
+                &local_samples,
+            ));
+            table.push(Row::value(
+                "kube Run/s from recycled pods, 8 clients",
+                format!("{rate:.1}/s"),
+            ));
+        } else {
+            gateway.shutdown().await;
+            api.stop().await;
+        }
+    }
+    for (reuse, per, created) in writes {
+        table.push(Row::value(
+            &format!("API writes per trigger point ({reuse})"),
+            format!("{per:.2} (pods created while measured: {created})"),
+        ));
+    }
+    Ok(())
 }

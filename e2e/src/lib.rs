@@ -164,16 +164,23 @@ impl Harness {
     /// Sandboxes retired so far, by reason (`sluice_gateway_sandbox_retirements_total`).
     pub fn retirements(&self) -> Vec<(String, u64)> {
         let m = self.gateway().engine.metrics();
-        ["reuse_none", "max_uses", "dirty", "broken", "idle", "pool_closed"]
-            .iter()
-            .map(|r| {
-                (
-                    r.to_string(),
-                    m.sandbox_retirements.with_label_values(&[r]).get(),
-                )
-            })
-            .filter(|(_, n)| *n > 0)
-            .collect()
+        [
+            "reuse_none",
+            "max_uses",
+            "dirty",
+            "broken",
+            "idle",
+            "pool_closed",
+        ]
+        .iter()
+        .map(|r| {
+            (
+                r.to_string(),
+                m.sandbox_retirements.with_label_values(&[r]).get(),
+            )
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect()
     }
 
     pub fn gateway(&self) -> &RunningGateway {

@@ -164,12 +164,18 @@ async fn recycled_pods_serve_hundreds_of_trigger_points_with_almost_no_api_write
     );
     // maxUses 200: 500 trigger points retire (and replace) a few pods, never one per trigger point,
     // and no run failed meanwhile (checked above).
-    assert!(created <= 12, "{created} pods for {RECYCLED_TRIGGER_POINTS} trigger points\n{during}");
+    assert!(
+        created <= 12,
+        "{created} pods for {RECYCLED_TRIGGER_POINTS} trigger points\n{during}"
+    );
     assert!(
         during.get(Verb::Delete, "pods") >= 2,
         "maxUses retired no pod\n{during}"
     );
-    assert!(per_trigger_point < 0.5, "{per_trigger_point} writes per trigger point\n{during}");
+    assert!(
+        per_trigger_point < 0.5,
+        "{per_trigger_point} writes per trigger point\n{during}"
+    );
 
     // Held and idle for a minute: attached pods are not probed (no Unhealthy event), and nothing
     // rewrites the HookChain's status meanwhile.
