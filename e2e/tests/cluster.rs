@@ -300,11 +300,12 @@ async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
     let Some(c) = cluster("run").await else {
         return;
     };
+    // reuse: None, so that the pod that served the run is the one deleted after it.
     c.apply_chain(
         "shout",
         "support-bot",
         "input",
-        json!({}),
+        json!({"pool": {"warm": 2, "max": 6, "reuse": "None"}}),
         &[("upper", "modify", UPPER)],
     )
     .await;
@@ -352,8 +353,8 @@ async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
     assert_eq!(r.hooks.len(), 1);
     assert_eq!(r.hooks[0].name, "upper");
 
-    // A sandbox serves one trigger point: the pod that served the run is deleted after it, and the
-    // pool refills.
+    // With reuse: None a sandbox serves one trigger point: the pod that served the run is deleted
+    // after it, and the pool refills.
     poll(
         Duration::from_secs(60),
         "the used sandbox pod is deleted",
@@ -564,4 +565,47 @@ async fn new_code_rolls_out_without_new_pods() {
         })
         .collect();
     assert_eq!(after, templates, "the new code needed no new pod template");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recycled_pods_serve_many_trigger_points_and_retire_at_max_uses() {
+    let Some(c) = cluster("recycle").await else {
+        return;
+    };
+    c.apply_chain(
+        "recycle",
+        "recycle-bot",
+        "input",
+        json!({"pool": {"warm": 2, "max": 4, "reuse": "Recycle", "maxUses": 5}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("recycle").await;
+    let mut seen = BTreeSet::new();
+    for i in 0..12 {
+        let r = c
+            .run("recycle-bot", &format!("trigger point {i}"))
+            .await
+            .expect("Run");
+        assert_eq!(text(&r), format!("TRIGGER POINT {i}"));
+        seen.extend(names(&c.pool_pods("recycle", "claimed").await));
+    }
+    // 12 trigger points at 5 uses a pod: a few pods served them, not 12; the retired ones were
+    // deleted and the pool kept serving without a failed run (each run above succeeded).
+    assert!(
+        !seen.is_empty() && seen.len() < 12,
+        "pods that served: {seen:?}"
+    );
+    // An attached pod is not probed: none of the chain's pods reports a failing probe.
+    let events = Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.client.clone(), &c.ns)
+        .list(&Default::default())
+        .await
+        .expect("events");
+    let unhealthy: Vec<_> = events
+        .items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("Unhealthy"))
+        .filter(|e| e.involved_object.name.as_deref().is_some_and(|n| n.starts_with("recycle")))
+        .collect();
+    assert!(unhealthy.is_empty(), "probe failures: {unhealthy:?}");
 }
