@@ -57,7 +57,7 @@ impl Engine {
             pipeline.record_sandboxes(&mut audit);
             let mut states = chains.fresh_states();
             let walk = pipeline.walk(payload, &mut states).await;
-            audit.host_calls = pipeline.host_calls();
+            pipeline.record_host_calls(&mut audit, self.limits().audit_host_calls);
             drop(pipeline);
             self.finish(&mut audit, &chains, &walk, began, "run");
             Ok(RunResult {

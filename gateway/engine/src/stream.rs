@@ -245,7 +245,7 @@ impl Run<'_> {
             }
             End::Stopped(walk) => walk,
             End::Failed(e) => {
-                audit.host_calls = pipeline.host_calls();
+                pipeline.record_host_calls(&mut audit, engine.limits().audit_host_calls);
                 drop(pipeline);
                 audit.error = Some(e.to_string());
                 audit.stream = Some(stream_json(&stats, false));
@@ -261,7 +261,7 @@ impl Run<'_> {
                 return;
             }
         };
-        audit.host_calls = pipeline.host_calls();
+        pipeline.record_host_calls(&mut audit, engine.limits().audit_host_calls);
         drop(pipeline);
         let stopped = final_walk.is_terminal();
         audit.stream = Some(stream_json(&stats, stopped));

@@ -102,6 +102,11 @@ impl Write for AuditLines {
 }
 
 impl AuditLines {
+    /// Everything written, as text.
+    pub fn raw(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+
     pub fn events(&self) -> Vec<Value> {
         let bytes = self.0.lock().unwrap().clone();
         String::from_utf8(bytes)
@@ -122,8 +127,8 @@ pub struct SeenCall {
     pub caller: Caller,
 }
 
-/// Capabilities for tests: `echo` answers `{"echo": payload}`, `deny` refuses, anything else is
-/// unknown. Every call is recorded.
+/// Capabilities for tests: `echo` answers `{"echo": payload}`, `sleep` waits `payload.ms`, `deny`
+/// refuses, anything else is unknown. Every call is recorded.
 #[derive(Clone, Default)]
 pub struct FakeCapabilities {
     pub seen: Arc<Mutex<Vec<SeenCall>>>,
@@ -133,6 +138,8 @@ struct FakeRun {
     chain: Arc<Chain>,
     caller: Caller,
     seen: Arc<Mutex<Vec<SeenCall>>>,
+    /// One record per call, as the capability runner keeps them.
+    records: Mutex<Vec<AuditHostCall>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -149,15 +156,35 @@ impl HostCalls for FakeRun {
             payload: payload.clone(),
             caller: self.caller.clone(),
         });
-        match name {
+        let answer = match name {
             "echo" => Ok(json!({"echo": payload})),
+            "sleep" => {
+                let ms = payload["ms"].as_u64().unwrap_or_default();
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Ok(json!({"slept": ms}))
+            }
             "deny" => Err(HostCallError::Refused(Box::new(Denied(name.into())))),
             other => Err(HostCallError::Unavailable(other.into())),
-        }
+        };
+        self.records.lock().unwrap().push(AuditHostCall {
+            hook: self
+                .chain
+                .spec
+                .hooks
+                .get(hook)
+                .map(|h| h.name.clone())
+                .unwrap_or_default(),
+            capability: name.into(),
+            gates: vec![],
+            consumed: None,
+            latency_us: 1,
+            error: answer.as_ref().err().map(|e| e.to_string()),
+        });
+        answer
     }
 
     fn audit(&self) -> Vec<AuditHostCall> {
-        Vec::new()
+        self.records.lock().unwrap().clone()
     }
 }
 
@@ -172,6 +199,7 @@ impl Capabilities for FakeCapabilities {
             chain,
             caller,
             seen: self.seen.clone(),
+            records: Mutex::default(),
         })
     }
 }
