@@ -334,9 +334,8 @@ impl Run<'_> {
         stats: &mut Stats,
     ) -> End {
         let limits = self.engine.limits();
-        // The tenant chain's streaming settings decide the window; a baseline runs on the same batches.
-        let spec = &self.chains.main().spec.streaming;
-        let mut window = Window::new(spec.flush_chars as usize, spec.lookback_chars as usize);
+        let (flush, lookback) = self.chains.stream_window();
+        let mut window = Window::new(flush, lookback);
         let mut state = self.chains.fresh_states();
         loop {
             let msg = match next(self.engine, inputs).await {

@@ -47,14 +47,13 @@ pub fn tenant(trigger_point: &str, hooks: Vec<Value>, extra: Value) -> Definitio
 
 /// An enforced baseline of the platform namespace.
 pub fn baseline(trigger_point: &str, hooks: Vec<Value>) -> Definition {
-    chain(
-        PLATFORM,
-        "baseline",
-        "*",
-        trigger_point,
-        hooks,
-        json!({"enforced": true}),
-    )
+    baseline_with(trigger_point, hooks, json!({}))
+}
+
+/// An enforced baseline of the platform namespace; `extra` fields are merged into its spec.
+pub fn baseline_with(trigger_point: &str, hooks: Vec<Value>, mut extra: Value) -> Definition {
+    extra["enforced"] = json!(true);
+    chain(PLATFORM, "baseline", "*", trigger_point, hooks, extra)
 }
 
 pub fn chain(
