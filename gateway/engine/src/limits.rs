@@ -28,6 +28,9 @@ pub struct Limits {
     pub audit_host_calls: usize,
     /// Entries in a request's context map.
     pub context_entries: usize,
+    /// Warm sandboxes (booted or booting ahead of demand) across all chains of the gateway. Chains
+    /// take turns up to it; a boot for a request that is waiting is never held back by it.
+    pub warm_sandboxes: usize,
     /// How long a request waits for a sandbox before UNAVAILABLE.
     pub claim_timeout: Duration,
     /// How long a new sandbox may take to start Python and say ready.
@@ -52,6 +55,7 @@ impl Default for Limits {
             host_call_bytes_per_run: 4 << 20,
             audit_host_calls: 32,
             context_entries: 64,
+            warm_sandboxes: 64,
             claim_timeout: Duration::from_secs(5),
             boot_timeout: Duration::from_secs(20),
             stream_bytes: 4 << 20,

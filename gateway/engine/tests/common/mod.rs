@@ -231,10 +231,20 @@ impl Harness {
         definitions: Vec<Definition>,
         limits: Limits,
     ) -> Self {
+        Self::with_boots(backend, definitions, limits, 4).await
+    }
+
+    /// An engine whose pools boot at most `boot_concurrency` sandboxes at once.
+    pub async fn with_boots(
+        backend: Arc<dyn SandboxBackend>,
+        definitions: Vec<Definition>,
+        limits: Limits,
+        boot_concurrency: usize,
+    ) -> Self {
         let metrics = Metrics::new();
         let audit = AuditLines::default();
         let capabilities = FakeCapabilities::default();
-        let pools = Pools::new(backend, limits.clone(), metrics.clone(), 4);
+        let pools = Pools::new(backend, limits.clone(), metrics.clone(), boot_concurrency);
         let engine = Arc::new(Engine::new(
             pools,
             Audit::new(Box::new(audit.clone())),
@@ -260,10 +270,20 @@ impl Harness {
 
     /// Runs `payload` through the tenant target at `trigger_point`.
     pub async fn run(&self, trigger_point: &str, payload: Value) -> Result<RunResult, EngineError> {
+        self.run_at(TARGET, trigger_point, payload).await
+    }
+
+    /// Runs `payload` through `target` of `NS` at `trigger_point`.
+    pub async fn run_at(
+        &self,
+        target: &str,
+        trigger_point: &str,
+        payload: Value,
+    ) -> Result<RunResult, EngineError> {
         self.engine
             .run(RunInput {
                 namespace: NS.into(),
-                target: TARGET.into(),
+                target: target.into(),
                 trigger_point: trigger_point.into(),
                 payload: Some(payload),
                 context: [("user_id".to_string(), "u-1".to_string())].into(),

@@ -29,6 +29,7 @@ pub struct ScriptedBackend {
     protocol: u32,
     dirty: Option<String>,
     host_results: Arc<Mutex<Vec<Value>>>,
+    boot_delay: std::time::Duration,
 }
 
 impl ScriptedBackend {
@@ -39,7 +40,14 @@ impl ScriptedBackend {
             protocol: 2,
             dirty: None,
             host_results: Arc::default(),
+            boot_delay: std::time::Duration::ZERO,
         }
+    }
+
+    /// Takes this long to start each sandbox, like a real boot (without using the CPU).
+    pub fn boot_delay(mut self, delay: std::time::Duration) -> Self {
+        self.boot_delay = delay;
+        self
     }
 
     /// Every `host_result` the engine answered to a scripted `host_call`, in order.
@@ -96,6 +104,7 @@ impl SandboxHandle for Handle {
 #[async_trait]
 impl SandboxBackend for ScriptedBackend {
     async fn start(&self, _spec: &SandboxSpec) -> Result<Sandbox, StartError> {
+        tokio::time::sleep(self.boot_delay).await;
         let id = format!("scripted-{}", self.seq.fetch_add(1, Ordering::Relaxed));
         let (stdin, requests) = tokio::io::duplex(1 << 20);
         let (mut answers, protocol) = tokio::io::duplex(1 << 20);
