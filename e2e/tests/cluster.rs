@@ -605,7 +605,12 @@ async fn recycled_pods_serve_many_trigger_points_and_retire_at_max_uses() {
         .items
         .iter()
         .filter(|e| e.reason.as_deref() == Some("Unhealthy"))
-        .filter(|e| e.involved_object.name.as_deref().is_some_and(|n| n.starts_with("recycle")))
+        .filter(|e| {
+            e.involved_object
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("recycle"))
+        })
         .collect();
     assert!(unhealthy.is_empty(), "probe failures: {unhealthy:?}");
 }

@@ -29,6 +29,24 @@ pub struct AuditHostCall {
     pub error: Option<String>,
 }
 
+/// How many host_calls of a run ended one way, for one capability.
+#[derive(Clone, Debug, Serialize)]
+pub struct AuditHostCallCount {
+    pub capability: String,
+    /// `ok`, `failed` (refused or failed by the capabilities) or `over_limit` (refused by the
+    /// gateway: the run's count, time or bytes were spent).
+    pub result: &'static str,
+    pub count: u64,
+}
+
+/// All of a run's host_calls when more were made than the audit lists one by one.
+#[derive(Clone, Debug, Serialize)]
+pub struct AuditHostCallSummary {
+    pub total: u64,
+    pub listed: usize,
+    pub by: Vec<AuditHostCallCount>,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct AuditGate {
     pub gate: String,
@@ -66,8 +84,12 @@ pub struct AuditEvent {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub baseline: Option<AuditChain>,
     pub hooks: Vec<AuditHook>,
+    /// The run's first host_calls (`Limits::audit_host_calls`), in order.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub host_calls: Vec<AuditHostCall>,
+    /// Counts of all of them, when some are not listed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_call_summary: Option<AuditHostCallSummary>,
     pub action: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub terminal_index: Option<usize>,
@@ -97,6 +119,7 @@ impl AuditEvent {
             baseline: None,
             hooks: vec![],
             host_calls: vec![],
+            host_call_summary: None,
             action: "none",
             terminal_index: None,
             latency_us: 0,

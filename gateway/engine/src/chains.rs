@@ -39,6 +39,21 @@ impl Chains {
         }
     }
 
+    /// The stream path's window, `(flushChars, lookbackChars)`: each the larger of the baseline's
+    /// and the tenant's, since a baseline runs on the same batches as the tenant's chain. A tenant
+    /// can widen the window (hold back more) but never give a baseline's hooks a smaller one than
+    /// the baseline's own: tighten-only holds on the stream path too.
+    pub fn stream_window(&self) -> (usize, usize) {
+        self.ordered()
+            .fold((1, 0), |(flush, lookback), (chain, _)| {
+                let s = &chain.spec.streaming;
+                (
+                    flush.max(s.flush_chars as usize),
+                    lookback.max(s.lookback_chars as usize),
+                )
+            })
+    }
+
     /// A fresh state vector per chain, in run order.
     pub fn fresh_states(&self) -> Vec<StateVector> {
         self.ordered()

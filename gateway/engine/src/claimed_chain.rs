@@ -3,10 +3,10 @@
 //! becomes a hook error under the chain's policy; under `Open` the walk resumes after the failed hook
 //! in a fresh sandbox.
 
-use crate::audit::AuditHostCall;
 use crate::chain::Chain;
 use crate::engine::Engine;
-use crate::host_calls::{Caller, HostCalls};
+use crate::host_call_guard::{HostCallGuard, HostCallReport};
+use crate::host_calls::Caller;
 use crate::outcome::{self, Walk};
 use crate::request::{EngineError, Target};
 use crate::sandbox_pool::Claimed;
@@ -22,7 +22,9 @@ pub struct ClaimedChain<'e> {
     pub chain: Arc<Chain>,
     claimed: Option<Claimed>,
     context: Value,
-    host: Arc<dyn HostCalls>,
+    /// Every walk's host_calls go through it, so the run's limits hold across flushes, the final
+    /// pass and resumed walks.
+    host: Arc<HostCallGuard>,
     pub sandbox_id: String,
     /// A failure while loading the hooks, reported by the next walk.
     pending: Option<SandboxFailure>,
@@ -46,9 +48,13 @@ impl<'e> ClaimedChain<'e> {
             "caller": target.context,
         });
         let registry = engine.registry();
-        let host = engine
-            .capabilities()
-            .for_run(registry, chain.clone(), caller);
+        let host = Arc::new(HostCallGuard::new(
+            engine
+                .capabilities()
+                .for_run(registry, chain.clone(), caller),
+            chain.clone(),
+            engine.limits(),
+        ));
         let mut claimed = Self {
             engine,
             chain,
@@ -168,8 +174,8 @@ impl<'e> ClaimedChain<'e> {
     }
 
     /// The host_calls made so far, for the audit.
-    pub fn host_calls(&self) -> Vec<AuditHostCall> {
-        self.host.audit()
+    pub fn host_calls(&self) -> HostCallReport {
+        self.host.report()
     }
 }
 

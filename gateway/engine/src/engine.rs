@@ -7,6 +7,7 @@ use crate::audit::{Audit, AuditEvent, AuditHook};
 use crate::chains::{BASELINE_PREFIX, Chains};
 use crate::host_calls::Capabilities;
 use crate::limits::Limits;
+use crate::log_text::Escaped;
 use crate::metrics::Metrics;
 use crate::outcome::Walk;
 use crate::registry::Registry;
@@ -101,7 +102,8 @@ impl Engine {
         audit.action = "none";
         audit.latency_us = began.elapsed().as_micros() as u64;
         self.audit.write(audit);
-        tracing::info!(error = %e, "run refused");
+        // Refusals quote what the caller sent.
+        tracing::info!(error = %Escaped(&e.to_string()), "run refused");
         e
     }
 

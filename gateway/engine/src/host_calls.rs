@@ -45,6 +45,9 @@ pub enum HostCallError {
     UnknownHook(usize),
     #[error("capability {0:?} is not available here")]
     Unavailable(String),
+    /// Refused by the gateway: the run's host_call count, time or bytes are spent.
+    #[error("{0}")]
+    OverLimit(String),
     /// Refused or failed by whoever answers host_calls (the capability runner's own error).
     #[error(transparent)]
     Refused(Box<dyn std::error::Error + Send + Sync>),

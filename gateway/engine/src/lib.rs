@@ -10,7 +10,8 @@
 //! 3. `supervisor` and `wire` (the conversation with a sandbox, `supervisor/PROTOCOL.md`) →
 //!    `outcome` (what the trusted side makes of it) → `state_vector`;
 //! 4. `sandbox` (the backend trait) and `sandbox_pool` (warm sandboxes per chain);
-//! 5. `host_calls` (the trait the capability runner implements), `registry` and `chain` (what is
+//! 5. `host_calls` (the trait the capability runner implements) and `host_call_guard` (the limits the
+//!    gateway keeps on them), `registry` and `chain` (what is
 //!    served), `request` (checking what callers send), `engine` (what runs share: audit, metrics,
 //!    limits).
 
@@ -19,8 +20,10 @@ mod chain;
 mod chains;
 mod claimed_chain;
 mod engine;
+mod host_call_guard;
 mod host_calls;
 mod limits;
+mod log_text;
 mod metrics;
 mod outcome;
 mod pipeline;
@@ -35,11 +38,12 @@ mod supervisor;
 mod window;
 mod wire;
 
-pub use audit::{Audit, AuditGate, AuditHostCall};
+pub use audit::{Audit, AuditGate, AuditHostCall, AuditHostCallCount, AuditHostCallSummary};
 pub use chain::{Chain, ChainError, ChainKey};
 pub use engine::Engine;
 pub use host_calls::{Caller, Capabilities, HostCallError, HostCalls, NoHostCalls};
 pub use limits::Limits;
+pub use log_text::Escaped;
 pub use metrics::Metrics;
 pub use outcome::{HookOutcome, Walk};
 pub use registry::{CapabilityEntry, Registry};

@@ -14,9 +14,23 @@ pub struct Limits {
     pub message_chars: usize,
     /// Deepest nesting of a JSON value returned by a hook.
     pub depth: usize,
+    /// host_calls one chain may make in one run (a Run, or a whole Stream: every flush and the
+    /// final pass, and walks resumed in a fresh sandbox, together). Counted by the gateway; the one
+    /// past it is answered with an error the hook sees as `HostCallError`.
     pub host_calls_per_run: u32,
+    /// Time one chain's host_calls may take in one run, all together. A call still running when it
+    /// is spent is cut off; later ones are refused.
+    pub host_call_time_per_run: Duration,
+    /// Bytes one chain's host_calls may move in one run: payloads sent plus results received (JSON).
+    pub host_call_bytes_per_run: usize,
+    /// host_calls listed one by one in a run's audit event; the rest are counted per capability and
+    /// result (`host_call_summary`), so a flood cannot grow the audit line.
+    pub audit_host_calls: usize,
     /// Entries in a request's context map.
     pub context_entries: usize,
+    /// Warm sandboxes (booted or booting ahead of demand) across all chains of the gateway. Chains
+    /// take turns up to it; a boot for a request that is waiting is never held back by it.
+    pub warm_sandboxes: usize,
     /// How long a request waits for a sandbox before UNAVAILABLE.
     pub claim_timeout: Duration,
     /// How long a new sandbox may take to start Python and say ready.
@@ -40,7 +54,11 @@ impl Default for Limits {
             message_chars: 4096,
             depth: 32,
             host_calls_per_run: 16,
+            host_call_time_per_run: Duration::from_secs(30),
+            host_call_bytes_per_run: 4 << 20,
+            audit_host_calls: 32,
             context_entries: 64,
+            warm_sandboxes: 64,
             claim_timeout: Duration::from_secs(5),
             boot_timeout: Duration::from_secs(20),
             stream_bytes: 4 << 20,

@@ -263,6 +263,9 @@ pub fn fold(
             _ => {}
         }
     }
+    if let Some(SandboxFailure::Forged(why)) = &report.failure {
+        return walk.untrusted(expected.min(hooks.len().saturating_sub(1)), why.clone());
+    }
     if let Some(failure) = &report.failure {
         if walk.is_terminal() || expected >= hooks.len() {
             // Everything that mattered arrived before the sandbox failed.

@@ -7,10 +7,11 @@
 //! the answer lists the baseline's hooks first, named `baseline/<hook>`, then the tenant's, and
 //! `terminal_index` counts in that combined list.
 
-use crate::audit::{AuditEvent, AuditHostCall};
+use crate::audit::AuditEvent;
 use crate::chains::{BASELINE_PREFIX, Chains, RECHECK_PREFIX};
 use crate::claimed_chain::ClaimedChain;
 use crate::engine::Engine;
+use crate::host_call_guard::HostCallReport;
 use crate::outcome::Walk;
 use crate::request::{EngineError, Target};
 use crate::state_vector::StateVector;
@@ -108,18 +109,15 @@ impl<'e> Pipeline<'e> {
         }
     }
 
-    /// Every host_call so far, baseline hooks named as in the answer.
-    pub fn host_calls(&self) -> Vec<AuditHostCall> {
-        let mut out = Vec::new();
+    /// Records the host_calls so far in the audit event, baseline hooks named as in the answer: the
+    /// first `audit_host_calls` listed, and counts of all of them when that is not all.
+    pub fn record_host_calls(&self, audit: &mut AuditEvent, max_listed: usize) {
+        let mut all = HostCallReport::default();
         for stage in &self.stages {
-            for mut call in stage.claimed.host_calls() {
-                if stage.baseline {
-                    call.hook = format!("{BASELINE_PREFIX}{}", call.hook);
-                }
-                out.push(call);
-            }
+            let prefix = if stage.baseline { BASELINE_PREFIX } else { "" };
+            all.merge(stage.claimed.host_calls(), prefix, max_listed);
         }
-        out
+        (audit.host_calls, audit.host_call_summary) = all.into_audit();
     }
 }
 

@@ -4,6 +4,7 @@
 use crate::audit::AuditEvent;
 use crate::chains::Chains;
 use crate::engine::Engine;
+use crate::log_text::Escaped;
 use crate::outcome::Walk;
 use crate::pipeline::Pipeline;
 use crate::request::{EngineError, RunInput, Target, check_payload};
@@ -22,7 +23,14 @@ impl Engine {
     pub async fn run(&self, input: RunInput) -> Result<RunResult, EngineError> {
         let began = Instant::now();
         let run_id = ulid::Ulid::new().to_string();
-        let span = tracing::info_span!("run", run_id = %run_id, namespace = %input.namespace, target = %input.target, trigger_point = %input.trigger_point);
+        // What the caller sent goes into the text log escaped: a newline in it starts no line.
+        let span = tracing::info_span!(
+            "run",
+            run_id = %run_id,
+            namespace = %Escaped(&input.namespace),
+            target = %Escaped(&input.target),
+            trigger_point = %Escaped(&input.trigger_point)
+        );
         async {
             let mut audit = AuditEvent::new(&run_id, "run");
             audit.requested(
@@ -57,7 +65,7 @@ impl Engine {
             pipeline.record_sandboxes(&mut audit);
             let mut states = chains.fresh_states();
             let walk = pipeline.walk(payload, &mut states).await;
-            audit.host_calls = pipeline.host_calls();
+            pipeline.record_host_calls(&mut audit, self.limits().audit_host_calls);
             drop(pipeline);
             self.finish(&mut audit, &chains, &walk, began, "run");
             Ok(RunResult {

@@ -3,8 +3,12 @@
 //! down). A claim takes one for a single trigger point; claims wait in arrival order. When the
 //! trigger point ends, `reuse: Recycle` ends its cell and, if the supervisor's verdict is clean and
 //! the sandbox has served fewer than `maxUses`, opens the next cell and puts it back; anything else
-//! (reuse: None, a dirty verdict, a deadline kill, a broken stream, `maxUses`) retires it. A
-//! background task boots replacements.
+//! (reuse: None, a dirty verdict, a deadline kill, a broken stream, `maxUses`) retires it.
+//!
+//! Boots are scheduled gateway-wide (`Scheduler`), so no chain can starve another: at most
+//! `boot_concurrency` at once; boots for claims that are waiting go before warm-up boots; chains
+//! take turns (round robin) within each kind; and warm-up boots stop at `Limits::warm_sandboxes`
+//! warm sandboxes across all chains.
 
 use crate::chain::Chain;
 use crate::limits::Limits;
@@ -15,13 +19,15 @@ use crate::supervisor::SupervisorConn;
 use sluice_crds::Reuse;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// How long after a claim the replacement boot starts.
 const BACKFILL_DELAY: Duration = Duration::from_millis(25);
+/// How long a pool whose boot failed waits before its next one, so a broken runtime is not hammered.
+const BOOT_RETRY: Duration = Duration::from_millis(500);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
@@ -45,6 +51,8 @@ struct Counts {
     /// Tickets of claims waiting, served oldest first.
     waiting: std::collections::BTreeSet<u64>,
     next_ticket: u64,
+    /// After a failed boot: no boot for this pool before then.
+    retry_at: Option<Instant>,
 }
 
 impl Counts {
@@ -79,8 +87,99 @@ struct Shared {
     backend: Arc<dyn SandboxBackend>,
     limits: Limits,
     metrics: Metrics,
+    scheduler: Scheduler,
+}
+
+/// Which kind of boot a pool is asked for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum BootFor {
+    /// Claims are waiting and not enough sandboxes are coming for them.
+    Claims,
+    /// The pool is below its warm target.
+    Warm,
+}
+
+/// Decides, gateway-wide, which pool boots next. Lock order: the scheduler's lock, then a pool's;
+/// a pool never calls in while holding its own.
+struct Scheduler {
+    state: Mutex<SchedulerState>,
     /// Boots at once across all pools: booting is CPU-bound, and more than the cores only slows all.
-    boots: Semaphore,
+    max_running: usize,
+    /// Warm sandboxes (warm, booting or recycling) across all pools, for warm-up boots.
+    max_warm: usize,
+}
+
+#[derive(Default)]
+struct SchedulerState {
+    running: usize,
+    pools: Vec<Weak<Pool>>,
+    /// Where the next round-robin search starts, per kind.
+    next_claims: usize,
+    next_warm: usize,
+}
+
+impl Scheduler {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SchedulerState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn register(&self, pool: &Arc<Pool>) {
+        self.lock().pools.push(Arc::downgrade(pool));
+    }
+
+    /// Starts as many boots as the limits allow: claims first, then warm-ups, chains in turn.
+    fn kick(&self) {
+        let mut s = self.lock();
+        s.pools.retain(|p| {
+            p.upgrade()
+                .is_some_and(|p| !p.closed.load(Ordering::Relaxed))
+        });
+        while s.running < self.max_running {
+            let pools: Vec<Arc<Pool>> = s.pools.iter().filter_map(Weak::upgrade).collect();
+            let n = pools.len();
+            if n == 0 {
+                return;
+            }
+            let take = |from: usize, kind: BootFor| {
+                (0..n)
+                    .map(|i| (from + i) % n)
+                    .find(|&i| pools[i].take_boot(kind))
+            };
+            let picked = match take(s.next_claims, BootFor::Claims) {
+                Some(i) => {
+                    s.next_claims = (i + 1) % n;
+                    Some(i)
+                }
+                None => {
+                    let warm: usize = pools.iter().map(|p| p.lock().coming()).sum();
+                    match (warm < self.max_warm)
+                        .then(|| take(s.next_warm, BootFor::Warm))
+                        .flatten()
+                    {
+                        Some(i) => {
+                            s.next_warm = (i + 1) % n;
+                            Some(i)
+                        }
+                        None => None,
+                    }
+                }
+            };
+            let Some(i) = picked else {
+                return;
+            };
+            s.running += 1;
+            pools[i].spawn_boot();
+        }
+    }
+
+    /// A boot ended: its slot goes to the next one.
+    fn finished(&self) {
+        {
+            let mut s = self.lock();
+            s.running = s.running.saturating_sub(1);
+        }
+        self.kick();
+    }
 }
 
 impl Pool {
@@ -107,18 +206,34 @@ impl Pool {
         }
     }
 
-    /// Boots sandboxes until the warm target is met (counting those booting or recycling).
-    fn backfill(self: &Arc<Self>) {
+    /// Asks the scheduler for the boots this pool needs (for its claims and its warm target).
+    fn backfill(&self) {
         if self.closed.load(Ordering::Relaxed) {
             return;
         }
-        let mut c = self.lock();
-        while c.coming() < self.warm_target && c.total() < self.max {
-            c.booting += 1;
-            self.spawn_boot();
-        }
+        self.shared.scheduler.kick();
     }
 
+    /// Counts one boot of `kind` as started if this pool needs one now.
+    fn take_boot(&self, kind: BootFor) -> bool {
+        if self.closed.load(Ordering::Relaxed) {
+            return false;
+        }
+        let mut c = self.lock();
+        if c.retry_at.is_some_and(|t| Instant::now() < t) || c.total() >= self.max {
+            return false;
+        }
+        let wanted = match kind {
+            BootFor::Claims => c.coming() < c.waiting.len(),
+            BootFor::Warm => c.coming() < self.warm_target,
+        };
+        if wanted {
+            c.booting += 1;
+        }
+        wanted
+    }
+
+    /// Boots one sandbox, counted by `take_boot` and in the scheduler's running boots.
     fn spawn_boot(self: &Arc<Self>) {
         let pool = self.clone();
         tokio::spawn(async move {
@@ -149,10 +264,12 @@ impl Pool {
                         tracing::warn!(chain = %pool.name, error = %e, "sandbox failed to boot");
                         pool.shared.metrics.sandbox_boot_failures.inc();
                         c.last_error = Some(e.clone());
+                        c.retry_at = Some(Instant::now() + BOOT_RETRY);
                         Some(Err(e))
                     }
                 }
             };
+            pool.shared.scheduler.finished();
             match leftover {
                 None => pool.changed.notify_waiters(),
                 // The pool closed while this one booted, or nobody needs it any more.
@@ -161,9 +278,8 @@ impl Pool {
                     pool.lock().tearing_down -= 1;
                 }
                 Some(Err(_)) => {
-                    // Back off before the next try, so a broken runtime is not hammered.
                     pool.changed.notify_waiters();
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    tokio::time::sleep(BOOT_RETRY).await;
                     pool.backfill();
                 }
             }
@@ -171,12 +287,6 @@ impl Pool {
     }
 
     async fn boot(&self) -> Result<SupervisorConn, String> {
-        let _permit = self
-            .shared
-            .boots
-            .acquire()
-            .await
-            .map_err(|_| "gateway is shutting down".to_string())?;
         let began = Instant::now();
         let sandbox = self
             .shared
@@ -274,12 +384,10 @@ impl Pool {
                         });
                     }
                 }
-                // Not enough coming for everyone waiting: boot more, within max.
-                while c.coming() < c.waiting.len() && c.total() < self.max {
-                    c.booting += 1;
-                    self.spawn_boot();
-                }
             }
+            // Not enough coming for everyone waiting: the scheduler boots more, within max, ahead
+            // of every pool's warm-up.
+            self.backfill();
             waited = true;
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 self.shared
@@ -517,9 +625,13 @@ impl Pools {
     ) -> Self {
         let shared = Arc::new(Shared {
             backend,
+            scheduler: Scheduler {
+                state: Mutex::default(),
+                max_running: boot_concurrency.max(1),
+                max_warm: limits.warm_sandboxes,
+            },
             limits,
             metrics,
-            boots: Semaphore::new(boot_concurrency.max(1)),
         });
         let pools: Arc<Mutex<HashMap<PoolKey, Arc<Pool>>>> = Arc::default();
         // A held set that grew with demand shrinks when the demand is gone; the task ends with the
@@ -597,6 +709,7 @@ impl Pools {
                     closed: AtomicBool::new(false),
                     shared: self.shared.clone(),
                 });
+                self.shared.scheduler.register(&pool);
                 pool.backfill();
                 pool
             })
@@ -635,15 +748,20 @@ impl Pools {
         self.shared.backend.ready_needs_warm()
     }
 
-    /// Waits until every pool has its warm target (or `timeout` passes). For readiness and tests.
+    /// Waits until every pool has its warm target, or the gateway has `Limits::warm_sandboxes` warm
+    /// (or `timeout` passes). For readiness and tests.
     pub async fn wait_warm(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
+            // Every pool at its target, or the gateway-wide cap reached (then chains took turns).
             let all_warm = {
                 let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-                pools
+                let warm: Vec<(usize, usize)> = pools
                     .values()
-                    .all(|p| p.lock().warm.len() >= p.warm_target.min(p.max))
+                    .map(|p| (p.lock().warm.len(), p.warm_target.min(p.max)))
+                    .collect();
+                warm.iter().all(|(w, target)| w >= target)
+                    || warm.iter().map(|(w, _)| w).sum::<usize>() >= self.shared.scheduler.max_warm
             };
             if all_warm {
                 return true;

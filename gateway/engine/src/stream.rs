@@ -82,6 +82,9 @@ pub enum StreamError {
 type Inputs = Pin<Box<dyn Stream<Item = Result<StreamInput, ClientStreamError>> + Send>>;
 type Tx = mpsc::Sender<Result<StreamOutput, StreamError>>;
 
+/// Longest hook error kept in a stream's audit (the first one of each hook).
+const AUDIT_ERROR_CHARS: usize = 512;
+
 /// Counters for the audit event of a stream.
 #[derive(Debug, Default)]
 struct Stats {
@@ -89,6 +92,55 @@ struct Stats {
     flushes: u64,
     raw_chars: u64,
     committed_chars: u64,
+    /// What each hook did on the stream path, across flushes, in chain order (baseline first).
+    hooks: Vec<HookStats>,
+    /// A hook has failed on the stream path (under `Open`: its flush went on without it).
+    failing: bool,
+    /// Text was committed to the client after a hook had failed on the stream path.
+    committed_while_failing: bool,
+}
+
+/// One hook's part in a stream's flushes.
+#[derive(Debug)]
+struct HookStats {
+    name: String,
+    actions: BTreeMap<&'static str, u64>,
+    errors: u64,
+    /// Its first error.
+    error: Option<String>,
+}
+
+impl Stats {
+    /// Records what the hooks did in one flush.
+    fn flushed(&mut self, walk: &Walk) {
+        for h in &walk.hooks {
+            let at = match self.hooks.iter().position(|s| s.name == h.name) {
+                Some(at) => at,
+                None => {
+                    self.hooks.push(HookStats {
+                        name: h.name.clone(),
+                        actions: BTreeMap::new(),
+                        errors: 0,
+                        error: None,
+                    });
+                    self.hooks.len() - 1
+                }
+            };
+            let s = &mut self.hooks[at];
+            *s.actions.entry(h.action.as_str()).or_default() += 1;
+            if let Some(e) = &h.error {
+                s.errors += 1;
+                self.failing = true;
+                s.error
+                    .get_or_insert_with(|| e.chars().take(AUDIT_ERROR_CHARS).collect());
+            }
+        }
+    }
+
+    fn committed(&mut self, text: &str) {
+        self.committed_chars += text.chars().count() as u64;
+        self.committed_while_failing |= self.failing;
+    }
 }
 
 enum End {
@@ -245,7 +297,7 @@ impl Run<'_> {
             }
             End::Stopped(walk) => walk,
             End::Failed(e) => {
-                audit.host_calls = pipeline.host_calls();
+                pipeline.record_host_calls(&mut audit, engine.limits().audit_host_calls);
                 drop(pipeline);
                 audit.error = Some(e.to_string());
                 audit.stream = Some(stream_json(&stats, false));
@@ -261,7 +313,7 @@ impl Run<'_> {
                 return;
             }
         };
-        audit.host_calls = pipeline.host_calls();
+        pipeline.record_host_calls(&mut audit, engine.limits().audit_host_calls);
         drop(pipeline);
         let stopped = final_walk.is_terminal();
         audit.stream = Some(stream_json(&stats, stopped));
@@ -282,9 +334,8 @@ impl Run<'_> {
         stats: &mut Stats,
     ) -> End {
         let limits = self.engine.limits();
-        // The tenant chain's streaming settings decide the window; a baseline runs on the same batches.
-        let spec = &self.chains.main().spec.streaming;
-        let mut window = Window::new(spec.flush_chars as usize, spec.lookback_chars as usize);
+        let (flush, lookback) = self.chains.stream_window();
+        let mut window = Window::new(flush, lookback);
         let mut state = self.chains.fresh_states();
         loop {
             let msg = match next(self.engine, inputs).await {
@@ -340,6 +391,7 @@ impl Run<'_> {
                 Some(batch) => {
                     stats.flushes += 1;
                     let walk = pipeline.walk(Value::String(batch), &mut state).await;
+                    stats.flushed(&walk);
                     if walk.is_terminal() {
                         let hook = walk
                             .hooks
@@ -364,7 +416,7 @@ impl Run<'_> {
                 None => String::new(),
             };
             if !commit.is_empty() {
-                stats.committed_chars += commit.chars().count() as u64;
+                stats.committed(&commit);
                 if let Err(e) = send(self.tx, StreamOutput::Commit(commit)).await {
                     return End::Failed(e);
                 }
@@ -376,6 +428,19 @@ impl Run<'_> {
     }
 }
 
+/// The stream path in the audit: the counters, what each hook did across flushes (actions, errors
+/// and the first error), and whether text was committed while a hook was failing.
 fn stream_json(s: &Stats, stopped: bool) -> Value {
-    json!({"chunks": s.chunks, "flushes": s.flushes, "raw_chars": s.raw_chars, "committed_chars": s.committed_chars, "stopped": stopped})
+    let hooks: Vec<Value> = s
+        .hooks
+        .iter()
+        .map(|h| {
+            let mut v = json!({"name": h.name, "actions": h.actions, "errors": h.errors});
+            if let Some(e) = &h.error {
+                v["error"] = json!(e);
+            }
+            v
+        })
+        .collect();
+    json!({"chunks": s.chunks, "flushes": s.flushes, "raw_chars": s.raw_chars, "committed_chars": s.committed_chars, "stopped": stopped, "hooks": hooks, "committed_while_failing": s.committed_while_failing})
 }

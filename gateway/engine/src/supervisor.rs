@@ -25,6 +25,9 @@ pub enum SandboxFailure {
     Died(String),
     #[error("the sandbox broke the protocol ({0})")]
     Protocol(String),
+    /// The sandbox spoke for a hook other than the one running: it cannot be trusted at all.
+    #[error("{0}")]
+    Forged(String),
 }
 
 /// What a walk brought back: the hook results received (in order), and the summary unless the walk
@@ -335,6 +338,17 @@ impl SupervisorConn {
                     name,
                     payload,
                 } => {
+                    // Only the hook the walk is at can be waiting on a host_call: it has not
+                    // returned yet, and every hook before it has.
+                    let running = start + report.hooks.len();
+                    let hooks = self.cell.as_ref().map_or(0, |c| c.spec.hooks.len());
+                    if hook != running || running >= hooks {
+                        self.broken = true;
+                        report.failure = Some(SandboxFailure::Forged(format!(
+                            "a host_call for hook #{hook} while hook #{running} was running"
+                        )));
+                        return report;
+                    }
                     let waited = Instant::now();
                     let answer = host.call(hook, &name, payload).await;
                     report.host_call_time += waited.elapsed();

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Harness, baseline, py, tenant};
+use common::{Harness, baseline, baseline_with, py, tenant};
 use serde_json::json;
 use sluice_crds::Action;
 
@@ -99,4 +99,58 @@ async fn a_baseline_alone_serves_a_target_without_a_chain() {
     let r = h.run("input", json!("a secret")).await.unwrap();
     assert_eq!(r.walk.payload, json!("a [x]"));
     assert_eq!(r.walk.hooks[0].name, "baseline/redact");
+}
+
+const REDACT_PHONE: &str = "import re\nreturn {'action': 'modify', 'outgoing': re.sub(r'010-\\d{4}-\\d{4}', '[phone]', context['outgoing'])}";
+
+#[tokio::test]
+async fn a_tenants_streaming_window_cannot_shrink_the_baselines() {
+    let h = Harness::process(vec![
+        baseline_with(
+            "output",
+            vec![py("phone", "modify", REDACT_PHONE)],
+            json!({"streaming": {"flushChars": 8, "lookbackChars": 16}}),
+        ),
+        tenant(
+            "output",
+            vec![py("noop", "detect", "return {'action': 'pass'}")],
+            json!({"streaming": {"flushChars": 1, "lookbackChars": 0}}),
+        ),
+    ])
+    .await;
+    let s = h
+        .stream(&["call me at 010-", "12", "34-", "5678", " or not"])
+        .await;
+    assert!(s.error.is_none(), "{:?}", s.error);
+    let shown = s.commits.concat();
+    for part in ["010-", "1234", "5678"] {
+        assert!(
+            !shown.contains(part),
+            "{part:?} was committed: {:?}",
+            s.commits
+        );
+    }
+    assert_eq!(shown, "call me at [phone] or not");
+    let f = s.final_.expect("a final");
+    assert_eq!(f.walk.payload, json!("call me at [phone] or not"));
+}
+
+#[tokio::test]
+async fn a_tenants_larger_window_is_kept() {
+    // Tighten-only works both ways: a tenant asking for a larger lookback than the baseline's gets it.
+    let h = Harness::process(vec![
+        baseline_with(
+            "output",
+            vec![py("noop", "detect", "return {'action': 'pass'}")],
+            json!({"streaming": {"flushChars": 1, "lookbackChars": 0}}),
+        ),
+        tenant(
+            "output",
+            vec![py("phone", "modify", REDACT_PHONE)],
+            json!({"streaming": {"flushChars": 8, "lookbackChars": 16}}),
+        ),
+    ])
+    .await;
+    let s = h.stream(&["call me at 010-", "1234-", "5678 or not"]).await;
+    assert_eq!(s.commits.concat(), "call me at [phone] or not");
 }

@@ -218,3 +218,54 @@ async fn a_reply_over_the_stream_limit_is_refused() {
         s.error
     );
 }
+
+#[tokio::test]
+async fn the_audit_records_what_hooks_did_on_the_stream_path() {
+    // Fails on the short batches of the stream path, redacts on the final path's whole reply.
+    let h = Harness::process(vec![tenant(
+        "output",
+        vec![py(
+            "phone",
+            "modify",
+            "if len(context['outgoing']) < 20:\n    raise RuntimeError('too short to judge')\nimport re\nreturn {'action': 'modify', 'outgoing': re.sub(r'010-\\d{4}-\\d{4}', '[phone]', context['outgoing'])}",
+        )],
+        json!({"failurePolicy": "Open", "streaming": {"flushChars": 8, "lookbackChars": 0}}),
+    )])
+    .await;
+    let s = h.stream(&["call me ", "at 010-12", "34-5678 ", "ok"]).await;
+    assert!(s.error.is_none(), "{:?}", s.error);
+    let f = s.final_.expect("a final");
+    assert_eq!(f.walk.payload, json!("call me at [phone] ok"));
+    let event = &h.audit.events()[0];
+    let stream = &event["stream"];
+    assert_eq!(
+        stream["committed_while_failing"], true,
+        "text was shown while the redactor was failing: {event}"
+    );
+    let hooks = stream["hooks"].as_array().expect("per hook");
+    assert_eq!(hooks.len(), 1, "{event}");
+    assert_eq!(hooks[0]["name"], "phone");
+    assert_eq!(hooks[0]["errors"], 4, "{event}");
+    assert_eq!(hooks[0]["actions"]["pass"], 4, "{event}");
+    assert!(
+        hooks[0]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("too short to judge")),
+        "{event}"
+    );
+}
+
+#[tokio::test]
+async fn a_clean_stream_path_is_recorded_as_such() {
+    let h = Harness::process(vec![redactor(8, 16)]).await;
+    let s = h.stream(&["call me at 010-", "1234-", "5678 or not"]).await;
+    assert!(s.error.is_none(), "{:?}", s.error);
+    let stream = &h.audit.events()[0]["stream"];
+    assert_eq!(stream["committed_while_failing"], false, "{stream}");
+    let hooks = stream["hooks"].as_array().expect("per hook");
+    assert_eq!(hooks[0]["errors"], 0, "{stream}");
+    assert!(
+        hooks[0]["actions"]["modify"].as_u64().unwrap_or(0) >= 1,
+        "{stream}"
+    );
+}

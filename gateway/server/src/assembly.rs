@@ -95,6 +95,8 @@ impl RunningGateway {
 
 /// Starts a gateway serving the chains under `opts.dir` from local runsc sandboxes.
 pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
+    // The port first: "address in use" must not wait for the backend's checks or any boot.
+    let listener = bind(opts.listen).await?;
     let backend = LocalBackend::new(opts.sandbox.clone())
         .await
         .context("preparing the runsc sandbox backend")?;
@@ -122,14 +124,7 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         opts.dir.clone(),
         opts.platform_namespace.clone(),
     ));
-    let running = serve(
-        engine,
-        opts.listen,
-        opts.metrics,
-        &opts.limits,
-        vec![source],
-    )
-    .await?;
+    let running = serve(engine, listener, opts.metrics, &opts.limits, vec![source]).await?;
     tracing::info!(addr = %running.addr, dir = %opts.dir.display(), "sluice gateway listening (local mode)");
     Ok(running)
 }
@@ -171,6 +166,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     {
         opts.kube.namespaces.push(opts.platform_namespace.clone());
     }
+    let listener = bind(opts.listen).await?;
     let metrics = Metrics::new();
     let backend = KubeBackend::new(
         opts.client.clone(),
@@ -206,7 +202,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     registry.log_summary();
     engine.set_registry(registry).await;
     let feed = tokio::spawn(source.feed(engine.clone()));
-    let running = serve(engine, opts.listen, opts.metrics, &limits, vec![feed]).await?;
+    let running = serve(engine, listener, opts.metrics, &limits, vec![feed]).await?;
     tracing::info!(addr = %running.addr, identity = %opts.kube.identity, "sluice gateway listening (kube mode)");
     Ok(running)
 }
@@ -229,11 +225,18 @@ fn engine(
     ))
 }
 
+/// Binds the gRPC port. Done before anything else at start, so a port in use is reported at once.
+async fn bind(listen: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {listen}"))
+}
+
 /// The gRPC server (Gateway, health, reflection) and metrics around an engine whose registry is
-/// loaded. Health turns SERVING once every gateway-kept pool is warm.
+/// loaded, on a port already bound. Health turns SERVING once every gateway-kept pool is warm.
 async fn serve(
     engine: Arc<Engine>,
-    listen: SocketAddr,
+    listener: tokio::net::TcpListener,
     metrics_addr: Option<SocketAddr>,
     limits: &Limits,
     mut tasks: Vec<JoinHandle<()>>,
@@ -251,9 +254,6 @@ async fn serve(
     })
     .max_decoding_message_size(limits.request_bytes)
     .max_encoding_message_size(limits.request_bytes * 2);
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(

@@ -47,14 +47,13 @@ pub fn tenant(trigger_point: &str, hooks: Vec<Value>, extra: Value) -> Definitio
 
 /// An enforced baseline of the platform namespace.
 pub fn baseline(trigger_point: &str, hooks: Vec<Value>) -> Definition {
-    chain(
-        PLATFORM,
-        "baseline",
-        "*",
-        trigger_point,
-        hooks,
-        json!({"enforced": true}),
-    )
+    baseline_with(trigger_point, hooks, json!({}))
+}
+
+/// An enforced baseline of the platform namespace; `extra` fields are merged into its spec.
+pub fn baseline_with(trigger_point: &str, hooks: Vec<Value>, mut extra: Value) -> Definition {
+    extra["enforced"] = json!(true);
+    chain(PLATFORM, "baseline", "*", trigger_point, hooks, extra)
 }
 
 pub fn chain(
@@ -102,6 +101,11 @@ impl Write for AuditLines {
 }
 
 impl AuditLines {
+    /// Everything written, as text.
+    pub fn raw(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+
     pub fn events(&self) -> Vec<Value> {
         let bytes = self.0.lock().unwrap().clone();
         String::from_utf8(bytes)
@@ -122,8 +126,8 @@ pub struct SeenCall {
     pub caller: Caller,
 }
 
-/// Capabilities for tests: `echo` answers `{"echo": payload}`, `deny` refuses, anything else is
-/// unknown. Every call is recorded.
+/// Capabilities for tests: `echo` answers `{"echo": payload}`, `sleep` waits `payload.ms`, `deny`
+/// refuses, anything else is unknown. Every call is recorded.
 #[derive(Clone, Default)]
 pub struct FakeCapabilities {
     pub seen: Arc<Mutex<Vec<SeenCall>>>,
@@ -133,6 +137,8 @@ struct FakeRun {
     chain: Arc<Chain>,
     caller: Caller,
     seen: Arc<Mutex<Vec<SeenCall>>>,
+    /// One record per call, as the capability runner keeps them.
+    records: Mutex<Vec<AuditHostCall>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -149,15 +155,35 @@ impl HostCalls for FakeRun {
             payload: payload.clone(),
             caller: self.caller.clone(),
         });
-        match name {
+        let answer = match name {
             "echo" => Ok(json!({"echo": payload})),
+            "sleep" => {
+                let ms = payload["ms"].as_u64().unwrap_or_default();
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Ok(json!({"slept": ms}))
+            }
             "deny" => Err(HostCallError::Refused(Box::new(Denied(name.into())))),
             other => Err(HostCallError::Unavailable(other.into())),
-        }
+        };
+        self.records.lock().unwrap().push(AuditHostCall {
+            hook: self
+                .chain
+                .spec
+                .hooks
+                .get(hook)
+                .map(|h| h.name.clone())
+                .unwrap_or_default(),
+            capability: name.into(),
+            gates: vec![],
+            consumed: None,
+            latency_us: 1,
+            error: answer.as_ref().err().map(|e| e.to_string()),
+        });
+        answer
     }
 
     fn audit(&self) -> Vec<AuditHostCall> {
-        Vec::new()
+        self.records.lock().unwrap().clone()
     }
 }
 
@@ -172,6 +198,7 @@ impl Capabilities for FakeCapabilities {
             chain,
             caller,
             seen: self.seen.clone(),
+            records: Mutex::default(),
         })
     }
 }
@@ -204,10 +231,20 @@ impl Harness {
         definitions: Vec<Definition>,
         limits: Limits,
     ) -> Self {
+        Self::with_boots(backend, definitions, limits, 4).await
+    }
+
+    /// An engine whose pools boot at most `boot_concurrency` sandboxes at once.
+    pub async fn with_boots(
+        backend: Arc<dyn SandboxBackend>,
+        definitions: Vec<Definition>,
+        limits: Limits,
+        boot_concurrency: usize,
+    ) -> Self {
         let metrics = Metrics::new();
         let audit = AuditLines::default();
         let capabilities = FakeCapabilities::default();
-        let pools = Pools::new(backend, limits.clone(), metrics.clone(), 4);
+        let pools = Pools::new(backend, limits.clone(), metrics.clone(), boot_concurrency);
         let engine = Arc::new(Engine::new(
             pools,
             Audit::new(Box::new(audit.clone())),
@@ -233,10 +270,20 @@ impl Harness {
 
     /// Runs `payload` through the tenant target at `trigger_point`.
     pub async fn run(&self, trigger_point: &str, payload: Value) -> Result<RunResult, EngineError> {
+        self.run_at(TARGET, trigger_point, payload).await
+    }
+
+    /// Runs `payload` through `target` of `NS` at `trigger_point`.
+    pub async fn run_at(
+        &self,
+        target: &str,
+        trigger_point: &str,
+        payload: Value,
+    ) -> Result<RunResult, EngineError> {
         self.engine
             .run(RunInput {
                 namespace: NS.into(),
-                target: TARGET.into(),
+                target: target.into(),
                 trigger_point: trigger_point.into(),
                 payload: Some(payload),
                 context: [("user_id".to_string(), "u-1".to_string())].into(),

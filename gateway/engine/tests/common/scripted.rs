@@ -6,8 +6,8 @@
 use async_trait::async_trait;
 use serde_json::{Value, json};
 use sluice_engine::{Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 /// What a script is asked to answer: one `chunk` of a chain.
@@ -20,7 +20,7 @@ pub struct Chunk<'a> {
     pub hooks: &'a [Value],
 }
 
-/// Returns the lines to send for one chunk (`hook_result`s and the `result`).
+/// Returns the lines to send for one chunk (`hook_result`s, `host_call`s and the `result`).
 pub type Script = Arc<dyn Fn(&Chunk) -> Vec<Value> + Send + Sync>;
 
 pub struct ScriptedBackend {
@@ -28,6 +28,8 @@ pub struct ScriptedBackend {
     seq: AtomicU64,
     protocol: u32,
     dirty: Option<String>,
+    host_results: Arc<Mutex<Vec<Value>>>,
+    boot_delay: std::time::Duration,
 }
 
 impl ScriptedBackend {
@@ -37,7 +39,20 @@ impl ScriptedBackend {
             seq: AtomicU64::new(0),
             protocol: 2,
             dirty: None,
+            host_results: Arc::default(),
+            boot_delay: std::time::Duration::ZERO,
         }
+    }
+
+    /// Takes this long to start each sandbox, like a real boot (without using the CPU).
+    pub fn boot_delay(mut self, delay: std::time::Duration) -> Self {
+        self.boot_delay = delay;
+        self
+    }
+
+    /// Every `host_result` the engine answered to a scripted `host_call`, in order.
+    pub fn host_results(&self) -> Arc<Mutex<Vec<Value>>> {
+        self.host_results.clone()
     }
 
     /// Says it speaks this protocol version in its `ready`.
@@ -89,10 +104,12 @@ impl SandboxHandle for Handle {
 #[async_trait]
 impl SandboxBackend for ScriptedBackend {
     async fn start(&self, _spec: &SandboxSpec) -> Result<Sandbox, StartError> {
+        tokio::time::sleep(self.boot_delay).await;
         let id = format!("scripted-{}", self.seq.fetch_add(1, Ordering::Relaxed));
         let (stdin, requests) = tokio::io::duplex(1 << 20);
         let (mut answers, protocol) = tokio::io::duplex(1 << 20);
         let script = self.script.clone();
+        let host_results = self.host_results.clone();
         let version = self.protocol;
         let ended = match &self.dirty {
             Some(reason) => json!({"type": "ended", "clean": false, "reason": reason}),
@@ -137,8 +154,19 @@ impl SandboxBackend for ScriptedBackend {
                             hooks: &hooks,
                         };
                         for answer in script(&chunk) {
+                            let asks = answer["type"] == "host_call";
                             if !send(answer).await {
                                 return;
+                            }
+                            // Like a hook, wait for the answer before going on.
+                            if asks {
+                                let Ok(Some(line)) = lines.next_line().await else {
+                                    return;
+                                };
+                                let reply: Value =
+                                    serde_json::from_str(&line).expect("the engine sends JSON");
+                                assert_eq!(reply["type"], "host_result", "{reply}");
+                                host_results.lock().unwrap().push(reply);
                             }
                         }
                     }

@@ -43,6 +43,11 @@ struct Args {
     /// ahead of demand, so a run pays neither the claim nor the exec; 0 claims per run.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
     kube_hold: u32,
+    /// Warm sandboxes this gateway keeps ahead of demand across all chains (booted, booting or
+    /// being recycled). Chains take turns up to it; a request waiting for a sandbox is served
+    /// regardless (its boot goes before every warm-up boot).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    max_warm_sandboxes: u32,
     /// gRPC listen address.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
@@ -103,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
             opts.sandbox.platform = args.platform;
             opts.platform_namespace = args.platform_namespace;
             opts.audit = audit;
+            opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
             start_local(opts).await?
         }
         None => {
@@ -124,6 +130,7 @@ async fn main() -> anyhow::Result<()> {
             opts.audit = audit;
             opts.platform_namespace = args.platform_namespace;
             opts.limits.claim_timeout = args.claim_timeout;
+            opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
             start_kube(opts).await?
         }
     };

@@ -1,0 +1,127 @@
+//! Fair sandbox scheduling across chains: boots for claims that are waiting go before warm-up
+//! boots, chains take turns, and the gateway caps boots at once and warm sandboxes in all, so no
+//! chain's pool can starve another's. Driven by a scripted backend whose boots take a while
+//! without using the CPU.
+
+mod common;
+
+use common::scripted::{Chunk, ScriptedBackend, honest};
+use common::{Harness, NS, chain, hook};
+use serde_json::json;
+use sluice_engine::Limits;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn backend(boot: Duration) -> Arc<ScriptedBackend> {
+    Arc::new(
+        ScriptedBackend::new(Arc::new(|c: &Chunk| honest(c, |t| t.to_string()))).boot_delay(boot),
+    )
+}
+
+fn chain_for(target: &str, pool: serde_json::Value) -> sluice_crds::definition::Definition {
+    chain(
+        NS,
+        target,
+        target,
+        "input",
+        vec![hook("noop", "modify", "x")],
+        json!({"pool": pool}),
+    )
+}
+
+#[tokio::test]
+async fn a_chain_asking_for_many_warm_sandboxes_does_not_starve_a_loaded_one() {
+    // Every run of "busy" needs a fresh boot (reuse: None); "greedy" wants 40 warm sandboxes, which
+    // take two seconds to boot two at a time: longer than a claim may wait.
+    let limits = Limits {
+        claim_timeout: Duration::from_secs(1),
+        ..common::limits()
+    };
+    let h = Harness::with_boots(
+        backend(Duration::from_millis(100)),
+        vec![
+            chain_for("greedy", json!({"warm": 40, "max": 40})),
+            chain_for("busy", json!({"warm": 1, "max": 4, "reuse": "None"})),
+        ],
+        limits,
+        2,
+    )
+    .await;
+    let mut errors = Vec::new();
+    for _ in 0..12 {
+        if let Err(e) = h.run_at("busy", "input", json!("hi")).await {
+            errors.push(e.to_string());
+        }
+    }
+    assert!(
+        errors.is_empty(),
+        "{} of 12 runs failed: {errors:?}",
+        errors.len()
+    );
+}
+
+#[tokio::test]
+async fn a_gateway_with_30_chains_answers_each_first_request_within_the_claim_timeout() {
+    // 30 chains × 4 warm sandboxes, two boots at a time: six seconds to warm everything up, while
+    // a claim waits at most four.
+    let limits = Limits {
+        claim_timeout: Duration::from_secs(4),
+        ..common::limits()
+    };
+    let targets: Vec<String> = (0..30).map(|i| format!("bot-{i:02}")).collect();
+    let h = Harness::with_boots(
+        backend(Duration::from_millis(100)),
+        targets
+            .iter()
+            .map(|t| chain_for(t, json!({"warm": 4, "max": 8})))
+            .collect(),
+        limits,
+        2,
+    )
+    .await;
+    let runs = targets.iter().map(|t| h.run_at(t, "input", json!("hi")));
+    let results = futures::future::join_all(runs).await;
+    let failed: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} of 30 failed: {failed:?}",
+        failed.len()
+    );
+}
+
+#[tokio::test]
+async fn warm_sandboxes_are_capped_gateway_wide_and_shared_round_robin() {
+    let limits = Limits {
+        warm_sandboxes: 6,
+        ..common::limits()
+    };
+    let h = Harness::with_boots(
+        backend(Duration::from_millis(5)),
+        vec![
+            chain_for("a", json!({"warm": 10, "max": 10})),
+            chain_for("b", json!({"warm": 10, "max": 10})),
+            chain_for("c", json!({"warm": 1, "max": 10})),
+        ],
+        limits,
+        2,
+    )
+    .await;
+    assert!(
+        h.engine.pools().wait_warm(Duration::from_secs(20)).await,
+        "the pools never reached the cap"
+    );
+    // Nothing more is booted once the cap is reached.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let sizes = h.engine.pools().sizes();
+    let total: usize = sizes.iter().map(|(_, warm, _)| warm).sum();
+    assert_eq!(total, 6, "{sizes:?}");
+    for (name, warm, _) in &sizes {
+        assert!(*warm >= 1, "{name} got no warm sandbox: {sizes:?}");
+    }
+    // A chain still gets a sandbox for a request when the cap is reached.
+    let r = h.run_at("c", "input", json!("hi")).await;
+    assert!(r.is_ok(), "{r:?}");
+}
