@@ -127,16 +127,37 @@ async fn cell_ceiling(platform: &str) -> anyhow::Result<f64> {
         conns.push(conn);
     }
     let began = Instant::now();
+    let deaths = std::sync::atomic::AtomicU64::new(0);
     let counts = futures::future::join_all(conns.iter_mut().map(|conn| {
         let chain = &chain;
         let limits = &limits;
+        let backend = &backend;
+        let spec = &spec;
+        let deaths = &deaths;
         async move {
             let mut n = 0u64;
             while began.elapsed() < WINDOW {
-                conn.end(Duration::from_secs(30)).await?;
-                conn.prepare(chain, &limits.wire(), Duration::from_secs(30))
-                    .await?;
-                n += 1;
+                let cycle = async {
+                    conn.end(Duration::from_secs(30)).await?;
+                    conn.prepare(chain, &limits.wire(), Duration::from_secs(30))
+                        .await
+                };
+                match cycle.await {
+                    Ok(()) => n += 1,
+                    Err(e) => {
+                        // Counted and reported: a sandbox that dies here is a finding, not noise.
+                        deaths.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        eprintln!("cell ceiling: a sandbox died after {n} cells: {e}");
+                        let mut fresh =
+                            SupervisorConn::new(backend.start(spec).await?, limits.max_line());
+                        fresh.wait_ready(Duration::from_secs(30)).await?;
+                        fresh
+                            .prepare(chain, &limits.wire(), Duration::from_secs(30))
+                            .await?;
+                        let dead = std::mem::replace(conn, fresh);
+                        dead.close().await;
+                    }
+                }
             }
             anyhow::Ok(n)
         }
@@ -151,6 +172,10 @@ async fn cell_ceiling(platform: &str) -> anyhow::Result<f64> {
         .collect::<anyhow::Result<Vec<u64>>>()?
         .into_iter()
         .sum();
+    let deaths = deaths.load(std::sync::atomic::Ordering::Relaxed);
+    if deaths > 0 {
+        eprintln!("cell ceiling ({platform}): {deaths} sandbox deaths");
+    }
     Ok(total as f64 / elapsed)
 }
 
