@@ -69,14 +69,23 @@ pub enum CodeCheckError {
     Answer(#[from] serde_json::Error),
 }
 
-/// Per hook, in order, the problems found in its code.
+/// Per hook, in order, the problems found in its code, as the `python3` first on `PATH` parses it.
 pub fn analyse(hooks: &[HookSpec]) -> Result<Vec<Vec<CodeProblem>>, CodeCheckError> {
+    analyse_with(std::path::Path::new("python3"), hooks)
+}
+
+/// Per hook, in order, the problems found in its code, as `python` parses it: give the interpreter
+/// the sandboxes run, so that syntax it would refuse is refused here too.
+pub fn analyse_with(
+    python: &std::path::Path,
+    hooks: &[HookSpec],
+) -> Result<Vec<Vec<CodeProblem>>, CodeCheckError> {
     use std::io::Write;
     let input: Vec<serde_json::Value> = hooks
         .iter()
         .map(|h| serde_json::json!({"action": h.action.as_str(), "code": h.code}))
         .collect();
-    let mut child = std::process::Command::new("python3")
+    let mut child = std::process::Command::new(python)
         .args(["-I", "-S", "-c", ANALYSER])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())

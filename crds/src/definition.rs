@@ -35,6 +35,9 @@ pub struct Definition {
     /// `metadata.name`; empty when the object had none.
     pub name: String,
     pub spec: Spec,
+    /// Set when this is not the newest version of the resource but the last one that passed its
+    /// checks: says why the newest is not served. Runs on it say so in their audit.
+    pub superseded: Option<String>,
 }
 
 /// A resource that is not served, with where it came from and why.
@@ -65,6 +68,7 @@ mod from_manifest {
                 namespace: namespace_of(&meta),
                 name: meta.name.unwrap_or_default(),
                 spec,
+                superseded: None,
             }
         }
     }

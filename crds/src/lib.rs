@@ -14,6 +14,8 @@
 mod capability;
 pub mod code;
 pub mod definition;
+#[cfg(feature = "kube")]
+pub mod fields;
 mod hookchain;
 #[cfg(feature = "kube")]
 pub mod manifest;

@@ -2,7 +2,7 @@
 //! file and line of every problem. Objects of other kinds are passed over, as `kubectl apply` of a
 //! mixed directory would apply them elsewhere.
 
-use crate::{Capability, HookChain, validate};
+use crate::{Capability, HookChain, fields, validate};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -63,8 +63,30 @@ fn documents(text: &str) -> Vec<(usize, String)> {
     docs
 }
 
+/// The `openAPIV3Schema` of a kind's CRD, as the API server would check objects against it.
+fn open_api(kind: &str) -> Option<&'static serde_json::Value> {
+    use kube::CustomResourceExt;
+    use std::sync::OnceLock;
+    static HC: OnceLock<serde_json::Value> = OnceLock::new();
+    static CAP: OnceLock<serde_json::Value> = OnceLock::new();
+    let of = |crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition| {
+        crd.spec
+            .versions
+            .first()
+            .and_then(|v| v.schema.as_ref())
+            .and_then(|s| s.open_api_v3_schema.as_ref())
+            .and_then(|s| serde_json::to_value(s).ok())
+            .unwrap_or_default()
+    };
+    match kind {
+        "HookChain" => Some(HC.get_or_init(|| of(HookChain::crd()))),
+        "Capability" => Some(CAP.get_or_init(|| of(Capability::crd()))),
+        _ => None,
+    }
+}
+
 /// Reads every HookChain and Capability in one YAML text. Each document stands alone: a bad one is an
-/// error in the list and the rest still load.
+/// error in the list (one per problem, every problem of it at once) and the rest still load.
 pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>> {
     let mut out = Vec::new();
     for (start, doc) in documents(text) {
@@ -104,20 +126,50 @@ pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>>
             )));
             continue;
         }
+        let Some(schema) = open_api(kind) else {
+            out.push(Err(err(
+                start,
+                format!("kind {kind:?} is not a sluice.dev kind (HookChain, Capability)"),
+            )));
+            continue;
+        };
+        let shown_name = head
+            .get("metadata")
+            .and_then(|m| m.get("name"))
+            .and_then(|n| n.as_str())
+            .map(|n| format!("{kind} {n:?}"))
+            .unwrap_or_else(|| kind.to_string());
+        let at_path = |path: &[fields::Seg]| start + fields::line_of(&doc, path);
+        // Every field problem of the document at once; the typed read below would stop at the first.
+        let problems = match serde_json::to_value(&head) {
+            Ok(json) => fields::check(schema, &json),
+            Err(e) => vec![fields::FieldProblem {
+                path: vec![],
+                message: format!("not a JSON-compatible document: {e}"),
+            }],
+        };
+        if !problems.is_empty() {
+            let mut problems: Vec<(usize, fields::FieldProblem)> = problems
+                .into_iter()
+                .map(|p| (at_path(&p.path), p))
+                .collect();
+            problems.sort_by_key(|(line, _)| *line);
+            for (line, p) in problems {
+                let place = fields::display(&p.path);
+                let message = if place.is_empty() {
+                    format!("{shown_name}: {}", p.message)
+                } else {
+                    format!("{shown_name}: {place}: {}", p.message)
+                };
+                out.push(Err(err(line, message)));
+            }
+            continue;
+        }
         let object = match kind {
             "HookChain" => {
                 serde_yaml::from_str::<HookChain>(&doc).map(|c| Object::HookChain(Box::new(c)))
             }
-            "Capability" => {
-                serde_yaml::from_str::<Capability>(&doc).map(|c| Object::Capability(Box::new(c)))
-            }
-            other => {
-                out.push(Err(err(
-                    start,
-                    format!("kind {other:?} is not a sluice.dev kind (HookChain, Capability)"),
-                )));
-                continue;
-            }
+            _ => serde_yaml::from_str::<Capability>(&doc).map(|c| Object::Capability(Box::new(c))),
         };
         let object = match object {
             Ok(o) => o,
@@ -138,11 +190,10 @@ pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>>
             continue;
         };
         if !problems.is_empty() {
-            let list: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
-            out.push(Err(err(
-                start,
-                format!("{kind} {name:?}: {}", list.join("; ")),
-            )));
+            for p in problems {
+                let line = at_path(&fields::parse_dotted(&p.field));
+                out.push(Err(err(line, format!("{kind} {name:?}: {p}"))));
+            }
             continue;
         }
         let leading = doc
@@ -156,6 +207,56 @@ pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>>
         }));
     }
     out
+}
+
+/// Where hook `hook`'s code sits in a file: given the 1-based line its document starts on, the
+/// 1-based line such that line n of the hook's code is file line `result + n` (the `code: |` line
+/// for a block scalar). `None` when the hook or its code cannot be found in the text.
+pub fn hook_code_line(text: &str, start: usize, hook: &str) -> Option<usize> {
+    let lines: Vec<&str> = text.lines().collect();
+    let is_name = |l: &str| {
+        let t = l.trim_start();
+        let t = t.strip_prefix("- ").unwrap_or(t).trim_start();
+        t.strip_prefix("name:").is_some_and(|v| {
+            let v = v.split(" #").next().unwrap_or(v).trim();
+            v.trim_matches(['"', '\'']) == hook
+        })
+    };
+    let from = start.saturating_sub(1);
+    let name_at = (from..lines.len()).find(|&i| is_name(lines[i]))?;
+    // The item's own keys: from its `- ` line (at or above the name) down to the next item.
+    let item_indent = {
+        let item_line = (from..=name_at)
+            .rev()
+            .find(|&i| lines[i].trim_start().starts_with("- "))?;
+        lines[item_line].len() - lines[item_line].trim_start().len()
+    };
+    let mut i = name_at;
+    while i < lines.len() {
+        let l = lines[i];
+        let t = l.trim_start();
+        let ind = l.len() - t.len();
+        if i > name_at
+            && !t.is_empty()
+            && (ind < item_indent || (ind == item_indent && t.starts_with("- ")))
+        {
+            return None;
+        }
+        let key = t.strip_prefix("- ").unwrap_or(t).trim_start();
+        if let Some(v) = key.strip_prefix("code:") {
+            let v = v.trim();
+            // A block scalar's text starts on the next line; a one-line value is on this one.
+            return Some(
+                if v.starts_with('|') || v.starts_with('>') || v.is_empty() {
+                    i + 1
+                } else {
+                    i
+                },
+            );
+        }
+        i += 1;
+    }
+    None
 }
 
 /// Namespace of an object read from a file: its own, or `default` as kubectl would use.
@@ -193,7 +294,7 @@ spec:
     #[test]
     fn multi_document_files_load_each_document_and_skip_other_kinds() {
         let got = parse(Path::new("x.yaml"), TWO);
-        assert_eq!(got.len(), 2);
+        assert_eq!(got.len(), 3, "{got:#?}");
         assert!(matches!(
             &got[0],
             Ok(Located {
@@ -203,9 +304,46 @@ spec:
             })
         ));
         let err = got[1].as_ref().unwrap_err();
-        // The bad value sits on line 17 of the file.
+        // The bad value sits on line 17 of the file; the empty hook list on 18 is said too.
         assert_eq!(err.line, 17, "{err}");
         assert!(err.message.contains("sideways"), "{err}");
+        let err = got[2].as_ref().unwrap_err();
+        assert_eq!(err.line, 18, "{err}");
+        assert!(err.message.contains("spec.hooks"), "{err}");
+    }
+
+    #[test]
+    fn unknown_fields_are_errors_with_the_field_meant_and_every_problem_is_said() {
+        let text = "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: c}\nspec:\n  target: bot\n  triggerPoint: Input\n  failurepolicy: Closed\n  hooks:\n    - name: a\n      action: block\n      setting: {x: 1}\n      code: |\n        def execute(context, settings):\n            return {\"action\": \"pass\"}\n";
+        let got: Vec<LoadError> = parse(Path::new("c.yaml"), text)
+            .into_iter()
+            .map(|r| r.unwrap_err())
+            .collect();
+        let said: Vec<String> = got.iter().map(|e| e.to_string()).collect();
+        assert_eq!(got.len(), 3, "{said:#?}");
+        assert!(
+            said[0].starts_with("c.yaml:6: ") && said[0].contains("Input"),
+            "{said:#?}"
+        );
+        assert!(
+            said[1].starts_with("c.yaml:7: ") && said[1].contains("did you mean \"failurePolicy\""),
+            "{said:#?}"
+        );
+        assert!(
+            said[2].starts_with("c.yaml:11: ")
+                && said[2].contains("spec.hooks[0].setting")
+                && said[2].contains("did you mean \"settings\""),
+            "{said:#?}"
+        );
+    }
+
+    #[test]
+    fn hook_code_lines_are_found_per_hook() {
+        let text = "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: c}\nspec:\n  hooks:\n    - name: a\n      code: |\n        x = 1\n    - name: b\n      action: block\n      code: |\n        def execute(c, s):\n            pass\n";
+        // Hook b's code line 1 is file line 12.
+        assert_eq!(hook_code_line(text, 1, "b"), Some(11));
+        assert_eq!(hook_code_line(text, 1, "a"), Some(7));
+        assert_eq!(hook_code_line(text, 1, "zz"), None);
     }
 
     #[test]

@@ -15,6 +15,8 @@ pub struct Chain {
     pub sandbox: SandboxSpec,
     /// Each hook's settings, `{}` where none were given.
     pub settings: Vec<Value>,
+    /// Why a newer version of this chain is not served, when this is the last valid one.
+    pub superseded: Option<String>,
 }
 
 /// Why a HookChain cannot be served.
@@ -63,6 +65,7 @@ impl Chain {
             spec: spec.clone(),
             sandbox,
             settings,
+            superseded: None,
         })
     }
 

@@ -113,15 +113,14 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         &opts.limits,
         opts.boot_concurrency,
     );
-    let registry = local_dir::load_for(&opts.dir, &opts.platform_namespace)
+    let mut source =
+        local_dir::LocalSource::new(&opts.dir, &opts.platform_namespace, &opts.sandbox.python);
+    let registry = source
+        .reload()
         .with_context(|| format!("reading {}", opts.dir.display()))?;
     registry.log_summary();
     engine.set_registry(registry).await;
-    let source = tokio::spawn(watch(
-        engine.clone(),
-        opts.dir.clone(),
-        opts.platform_namespace.clone(),
-    ));
+    let source = tokio::spawn(watch(engine.clone(), opts.dir.clone(), source));
     let running = serve(
         engine,
         opts.listen,
@@ -339,7 +338,7 @@ async fn serve_metrics(metrics: Metrics, addr: SocketAddr) -> std::io::Result<()
 }
 
 /// Re-reads the directory whenever its YAML files change and swaps the registry.
-async fn watch(engine: Arc<Engine>, dir: PathBuf, platform_namespace: String) {
+async fn watch(engine: Arc<Engine>, dir: PathBuf, mut source: local_dir::LocalSource) {
     let mut seen = local_dir::fingerprint(&dir);
     loop {
         tokio::time::sleep(local_dir::POLL).await;
@@ -348,7 +347,21 @@ async fn watch(engine: Arc<Engine>, dir: PathBuf, platform_namespace: String) {
             continue;
         }
         seen = now;
-        match local_dir::load_for(&dir, &platform_namespace) {
+        // Reading checks hook code with python: kept off the async workers.
+        let (back, result) = match tokio::task::spawn_blocking(move || {
+            let result = source.reload();
+            (source, result)
+        })
+        .await
+        {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::error!(error = %e, "the chain directory reader failed; no longer watching");
+                return;
+            }
+        };
+        source = back;
+        match result {
             Ok(registry) => {
                 registry.log_summary();
                 engine.set_registry(registry).await;

@@ -84,6 +84,7 @@ pub fn chain(
         spec: Spec::HookChain(Box::new(
             serde_json::from_value(spec).expect("a valid HookChain spec"),
         )),
+        superseded: None,
     }
 }
 
