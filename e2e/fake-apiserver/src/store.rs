@@ -244,6 +244,12 @@ impl Store {
         }
         .unwrap_or(1);
         object["metadata"]["generation"] = json!(generation);
+        // An update keeps the object's identity, as the API server's does.
+        if object["metadata"]["uid"].is_null()
+            && let Some(uid) = previous.map(|p| p["metadata"]["uid"].clone())
+        {
+            object["metadata"]["uid"] = uid;
+        }
         if object["metadata"]["uid"].is_null() {
             object["metadata"]["uid"] = json!(format!("uid-{}-{}-{rv}", key.1, key.2));
         }

@@ -144,6 +144,9 @@ pub struct KubeOptions {
     pub sync_timeout: Duration,
     /// Where enforced baseline chains live.
     pub platform_namespace: String,
+    /// The interpreter that checks each HookChain generation's code: the sandbox image's Python
+    /// (`python3` on `PATH` by default, as in the gateway image).
+    pub python: PathBuf,
 }
 
 impl KubeOptions {
@@ -157,6 +160,7 @@ impl KubeOptions {
             limits: Limits::default(),
             sync_timeout: Duration::from_secs(30),
             platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
+            python: PathBuf::from("python3"),
         }
     }
 }
@@ -194,14 +198,15 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
         .max(opts.kube.claim_timeout + Duration::from_millis(250));
     // Claims are API calls, not boots: many may be in flight at once.
     let engine = engine(Arc::new(backend), opts.audit, metrics, &limits, 256);
-    let source = KubeSource::start(
+    let mut source = KubeSource::start(
         opts.client.clone(),
         &opts.kube.namespaces,
         &opts.platform_namespace,
+        opts.python.clone(),
         opts.sync_timeout,
     )
     .await?;
-    let registry = source.registry();
+    let registry = source.registry().await;
     registry.log_summary();
     engine.set_registry(registry).await;
     let feed = tokio::spawn(source.feed(engine.clone()));
