@@ -40,7 +40,7 @@ impl fmt::Display for LoadError {
 impl std::error::Error for LoadError {}
 
 /// Splits a YAML stream into documents, returning each with the 1-based line it starts on.
-fn documents(text: &str) -> Vec<(usize, String)> {
+pub fn documents(text: &str) -> Vec<(usize, String)> {
     let mut docs = Vec::new();
     let mut current = String::new();
     let mut start = 1;
@@ -104,7 +104,15 @@ pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>>
         let head: serde_yaml::Value = match serde_yaml::from_str(&doc) {
             Ok(v) => v,
             Err(e) => {
-                out.push(Err(err(line_of(&e), format!("invalid YAML: {e}"))));
+                let at = line_of(&e);
+                let message = match yaml_hint(&doc, at - start, &e.to_string()) {
+                    Some((line, hint)) => {
+                        out.push(Err(err(start + line, format!("{hint} (YAML said: {e})"))));
+                        continue;
+                    }
+                    None => format!("invalid YAML: {e}"),
+                };
+                out.push(Err(err(at, message)));
                 continue;
             }
         };
@@ -207,6 +215,74 @@ pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>>
         }));
     }
     out
+}
+
+fn indent_of(line: &str) -> usize {
+    line.len() - line.trim_start_matches([' ', '\t']).len()
+}
+
+/// A plain-language reading of a YAML syntax error, for the mistakes people make most: a tab in
+/// the indentation, an unquoted `: ` inside a value, code that slips out of its `code: |` block.
+/// `at` is the 0-based line of the document the parser stopped on; the answer is the 0-based line
+/// the mistake is on and what to do.
+pub fn yaml_hint(doc: &str, at: usize, error: &str) -> Option<(usize, String)> {
+    let lines: Vec<&str> = doc.lines().collect();
+    let upto = (at + 1).min(lines.len());
+    if let Some(i) = (0..upto).find(|&i| lines[i][..indent_of(lines[i])].contains('\t')) {
+        return Some((
+            i,
+            format!(
+                "line {} is indented with a tab; YAML indents with spaces only: replace the tab with spaces",
+                i + 1
+            ),
+        ));
+    }
+    // Code dedented out of its block: a line indented less than the code above it, then code again.
+    let block = (0..upto).rev().find(|&i| {
+        let t = lines[i].trim_start();
+        let t = t.strip_prefix("- ").unwrap_or(t);
+        t.starts_with("code: |") || t.starts_with("code: >")
+    });
+    if let Some(m) = block {
+        let key_indent = indent_of(lines[m]);
+        let content = lines[m + 1..]
+            .iter()
+            .find(|l| !l.trim().is_empty())
+            .map(|l| indent_of(l));
+        if let Some(c) = content.filter(|c| *c > key_indent) {
+            let end = (at + 2).min(lines.len());
+            let dedented =
+                (m + 1..end).find(|&i| !lines[i].trim().is_empty() && indent_of(lines[i]) < c);
+            if let Some(x) = dedented
+                && (x + 1..end).any(|j| !lines[j].trim().is_empty() && indent_of(lines[j]) >= c)
+            {
+                return Some((
+                    x,
+                    format!(
+                        "line {} is indented less than the code above it, so it falls out of `code: |` (line {}): indent every line of the hook's code by at least {c} spaces",
+                        x + 1,
+                        m + 1
+                    ),
+                ));
+            }
+        }
+    }
+    if error.contains("mapping values are not allowed") {
+        let line = (0..upto).rev().find(|&i| {
+            let t = lines[i].trim_start();
+            t.split_once(": ").is_some_and(|(_, value)| {
+                value.contains(": ") && !value.trim_start().starts_with(['"', '\'', '{', '['])
+            })
+        })?;
+        return Some((
+            line,
+            format!(
+                "the value on line {} contains \": \", which YAML reads as another key: put the whole value in quotes, e.g. message: \"Sorry: ...\"",
+                line + 1
+            ),
+        ));
+    }
+    None
 }
 
 /// Where hook `hook`'s code sits in a file: given the 1-based line its document starts on, the
@@ -344,6 +420,31 @@ spec:
         assert_eq!(hook_code_line(text, 1, "b"), Some(11));
         assert_eq!(hook_code_line(text, 1, "a"), Some(7));
         assert_eq!(hook_code_line(text, 1, "zz"), None);
+    }
+
+    #[test]
+    fn common_yaml_mistakes_are_said_in_plain_words() {
+        let head = "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: c}\nspec:\n  target: bot\n  triggerPoint: input\n  hooks:\n    - name: a\n      action: block\n";
+        let first = |text: &str| parse(Path::new("c.yaml"), text).remove(0).unwrap_err();
+        let tab = first(&format!("{head}\tsettings: {{}}\n      code: x\n"));
+        assert!(
+            tab.message.contains("line 10 is indented with a tab") && tab.line == 10,
+            "{tab}"
+        );
+        let colon = first(&format!(
+            "{head}      settings: {{}}\n      message: Sorry: we cannot\n      code: x\n"
+        ));
+        assert!(
+            colon.message.contains("put the whole value in quotes") && colon.line == 11,
+            "{colon}"
+        );
+        let dedent = first(&format!(
+            "{head}      code: |\n        def execute(context, settings):\n    x = 1\n            return {{\"action\": \"pass\"}}\n"
+        ));
+        assert!(
+            dedent.message.contains("falls out of `code: |` (line 10)") && dedent.line == 12,
+            "{dedent}"
+        );
     }
 
     #[test]

@@ -7,5 +7,5 @@
 mod check;
 mod hooktest;
 
-pub use check::{Finding, Report, check, expand};
+pub use check::{DEFAULT_PYTHON, Finding, Report, check, expand};
 pub use hooktest::{Case, CaseError, Expect, Local, TestFile, compare, response_json, run_file};

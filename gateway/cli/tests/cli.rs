@@ -181,3 +181,173 @@ fn every_example_chain_passes_its_test_cases() {
     assert_eq!(code, 0, "{out}");
     assert!(out.contains(" passed, 0 failed"), "{out}");
 }
+
+/// Every mistake here is one `check` must name, with its line, in one pass over the file.
+const MISTAKES: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: typo}
+spec:
+  target: bot
+  triggerPoint: input
+  failurepolicy: Closed
+  hooks:
+    - name: mask
+      action: modify
+      setting: {mask: "[id]"}
+      code: |
+        def execute(context, settings):
+            return {"action": "modify", "outgoing": settings["mask_text"]}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: reads}
+spec:
+  target: bot
+  triggerPoint: output
+  hooks:
+    - name: detect
+      action: detect
+      settings: {mask: x, limit: 3}
+      code: |
+        def execute(context, settings):
+            n = settings.get("limt", 3)
+            context["state"] = settings["mask"]
+"#;
+
+#[test]
+fn check_names_unknown_fields_undeclared_settings_and_a_missing_return_in_one_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "mistakes.yaml", MISTAKES);
+    let (code, out) = sluice(&["check", &file]);
+    assert_eq!(code, 1, "{out}");
+    let line = |needle: &str| {
+        out.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle:?} in:\n{out}"))
+            .to_string()
+    };
+    let l = line("failurepolicy");
+    assert!(
+        l.contains("mistakes.yaml:7:") && l.contains("did you mean \"failurePolicy\""),
+        "{l}"
+    );
+    let l = line("\"setting\"");
+    assert!(
+        l.contains("mistakes.yaml:11:") && l.contains("did you mean \"settings\""),
+        "{l}"
+    );
+    // The schema errors do not hide the code's problems.
+    let l = line("mask_text");
+    assert!(
+        l.contains("mistakes.yaml:14:") && l.contains("KeyError"),
+        "{l}"
+    );
+    let l = line("limt");
+    assert!(
+        l.contains("mistakes.yaml:28:")
+            && l.contains("always gets its default")
+            && l.contains("did you mean \"limit\""),
+        "{l}"
+    );
+    assert!(
+        !out.contains("settings[\"mask\"]"),
+        "a declared key is fine:\n{out}"
+    );
+    let l = line("never returns");
+    assert!(l.contains("mistakes.yaml:27:"), "{l}");
+    assert!(out.contains("5 problem(s) found"), "{out}");
+}
+
+#[test]
+fn check_reports_chain_conflicts_as_the_gateway_does() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "a.yaml", CHAIN);
+    write(
+        dir.path(),
+        "b.yaml",
+        &CHAIN.replace("name: upper}", "name: shout}"),
+    );
+    let (code, out) = sluice(&["check", &dir.path().to_string_lossy()]);
+    assert_eq!(code, 1, "{out}");
+    let l = out
+        .lines()
+        .find(|l| l.contains("only the first is served"))
+        .unwrap_or_else(|| panic!("no conflict in:\n{out}"));
+    assert!(
+        l.contains("b.yaml:1:") && l.contains("\"shout\"") && l.contains("\"upper\""),
+        "{l}"
+    );
+}
+
+#[test]
+fn check_parses_with_the_sandboxes_python_not_the_first_on_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let chain = write(dir.path(), "chain.yaml", CHAIN);
+    // A python3 first on PATH that refuses everything: check must not use it.
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let script = |path: &Path, body: &str| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(path, body).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    };
+    script(
+        &bin.join("python3"),
+        "#!/bin/sh\necho 'not this python' >&2\nexit 3\n",
+    );
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", &chain])
+        .env("PATH", &path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    // --python picks the interpreter.
+    let marker = dir.path().join("used");
+    let chosen = dir.path().join("chosen-python");
+    script(
+        &chosen,
+        &format!(
+            "#!/bin/sh\ntouch {}\nexec /usr/bin/python3 \"$@\"\n",
+            marker.display()
+        ),
+    );
+    let (code, out) = sluice(&["check", "--python", &chosen.to_string_lossy(), &chain]);
+    assert_eq!(code, 0, "{out}");
+    assert!(marker.exists(), "--python was not used");
+}
+
+#[test]
+fn check_says_yaml_mistakes_in_plain_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let tab = write(dir.path(), "tab.yaml", &CHAIN.replace("  pool:", "\tpool:"));
+    let colon = write(
+        dir.path(),
+        "colon.yaml",
+        &CHAIN.replace("  pool:", "  description: Sorry: we cannot\n  pool:"),
+    );
+    let dedent = write(
+        dir.path(),
+        "dedent.yaml",
+        &CHAIN.replace("            return", "    x = 1\n            return"),
+    );
+    let (code, out) = sluice(&["check", &tab, &colon, &dedent]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("tab.yaml:7: line 7 is indented with a tab"),
+        "{out}"
+    );
+    assert!(
+        out.contains("colon.yaml:7: the value on line 7 contains \": \""),
+        "{out}"
+    );
+    assert!(
+        out.contains("dedent.yaml:13: line 13 is indented less than the code above it"),
+        "{out}"
+    );
+}

@@ -29,6 +29,10 @@ enum Command {
         /// Files or directories of YAML.
         #[arg(required = true)]
         files: Vec<std::path::PathBuf>,
+        /// The Python that parses hook code: the one the sandboxes run, not whichever is first on
+        /// PATH, so that syntax the sandbox would refuse is refused here.
+        #[arg(long, default_value = sluice_cli::DEFAULT_PYTHON)]
+        python: std::path::PathBuf,
     },
     /// Run declarative test cases (YAML) against their chains in local gVisor sandboxes.
     Test {
@@ -178,7 +182,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Call(a) => call(a).await,
-        Command::Check { files } => return check(&files),
+        Command::Check { files, python } => return check(&files, &python),
         Command::Test { files } => return test(&files).await,
         Command::Run(a) => run(a).await,
     };
@@ -205,9 +209,9 @@ fn parse_context(pairs: &[String]) -> Result<std::collections::BTreeMap<String, 
         .collect()
 }
 
-fn check(files: &[std::path::PathBuf]) -> ExitCode {
+fn check(files: &[std::path::PathBuf], python: &std::path::Path) -> ExitCode {
     let files = sluice_cli::expand(files, false);
-    let report = sluice_cli::check(&files);
+    let report = sluice_cli::check(&files, python);
     for f in &report.findings {
         println!("{f}");
     }
