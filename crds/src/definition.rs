@@ -38,6 +38,9 @@ pub struct Definition {
     /// Set when this is not the newest version of the resource but the last one that passed its
     /// checks: says why the newest is not served. Runs on it say so in their audit.
     pub superseded: Option<String>,
+    /// Per hook, where its code sits in `origin.file`: code line n is file line `code_lines[i] + n`.
+    /// Empty where unknown (a cluster object).
+    pub code_lines: Vec<Option<usize>>,
 }
 
 /// A resource that is not served, with where it came from and why.
@@ -69,6 +72,7 @@ mod from_manifest {
                 name: meta.name.unwrap_or_default(),
                 spec,
                 superseded: None,
+                code_lines: Vec::new(),
             }
         }
     }

@@ -135,21 +135,39 @@ pub fn response_json(r: &proto::RunResponse) -> Value {
         }
         None => Value::Null,
     };
-    json!({
+    // A hook that failed took no action: it reads as "error" (never as the "pass" the gRPC enum
+    // carries beside its error), and every failure is listed at the top, where it is seen first.
+    let errors: Vec<Value> = r
+        .hooks
+        .iter()
+        .filter(|h| !h.error.is_empty())
+        .map(|h| json!({"hook": h.name, "error": h.error}))
+        .collect();
+    let mut out = json!({
         "run_id": r.run_id,
         "action": action(r.action),
         "payload": payload,
         "message": r.message,
         "terminal_index": r.terminal_index,
-        "hooks": r.hooks.iter().map(|h| json!({
-            "name": h.name,
-            "action": action(h.action),
-            "message": h.message,
-            "findings": h.findings.as_ref().map(from_proto),
-            "error": h.error,
-            "latency_us": h.latency_us,
-        })).collect::<Vec<_>>(),
-    })
+        "hooks": r.hooks.iter().map(|h| {
+            let failed = !h.error.is_empty();
+            let mut o = json!({
+                "name": h.name,
+                "action": if failed { "error".to_string() } else { action(h.action) },
+                "message": h.message,
+                "findings": h.findings.as_ref().map(from_proto),
+                "latency_us": h.latency_us,
+            });
+            if failed {
+                o["error"] = json!(h.error);
+            }
+            o
+        }).collect::<Vec<_>>(),
+    });
+    if !errors.is_empty() {
+        out["errors"] = Value::Array(errors);
+    }
+    out
 }
 
 /// An in-process gateway over the given chain files, with stubbed capabilities.
@@ -159,11 +177,22 @@ pub struct Local {
     _dir: tempfile::TempDir,
     _state: tempfile::TempDir,
     stubs: Option<tokio::task::JoinHandle<()>>,
+    /// The gateway serves copies of the chain files: (copy, original), so that file:line in errors
+    /// can name the file the author edits.
+    copies: Vec<(PathBuf, PathBuf)>,
+}
+
+/// `text` with every copy's path replaced by its original's.
+fn originals(copies: &[(PathBuf, PathBuf)], text: &str) -> String {
+    copies.iter().fold(text.to_string(), |t, (copy, original)| {
+        t.replace(&copy.display().to_string(), &original.display().to_string())
+    })
 }
 
 impl Local {
     pub async fn start(files: &[PathBuf], stubs: &BTreeMap<String, Stub>) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
+        let mut copies = Vec::new();
         for (i, f) in files.iter().enumerate() {
             let text =
                 std::fs::read_to_string(f).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
@@ -176,7 +205,9 @@ impl Local {
                         .any(|name| doc.contains("kind: Capability") && doc_names(doc, name))
                 })
                 .collect();
-            std::fs::write(dir.path().join(format!("{i:03}.yaml")), kept.join("\n---"))?;
+            let copy = dir.path().join(format!("{i:03}.yaml"));
+            std::fs::write(&copy, kept.join("\n---"))?;
+            copies.push((copy, f.clone()));
         }
         let mut stub_task = None;
         if !stubs.is_empty() {
@@ -199,7 +230,7 @@ impl Local {
         let gateway = start_local(opts).await?;
         for e in gateway.engine.registry().errors() {
             if !e.message.contains("will fail until it does") {
-                anyhow::bail!("{e}");
+                anyhow::bail!("{}", originals(&copies, &e.to_string()));
             }
         }
         let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
@@ -209,6 +240,7 @@ impl Local {
             _dir: dir,
             _state: state,
             stubs: stub_task,
+            copies,
         })
     }
 
@@ -239,7 +271,7 @@ impl Local {
             .run(req)
             .await
             .map_err(CaseError::refused)?;
-        Ok(response_json(&r.into_inner()))
+        Ok(self.with_originals(response_json(&r.into_inner())))
     }
 
     pub async fn stream(&self, case: &Case, chunks: &[String]) -> Result<Value, CaseError> {
@@ -277,7 +309,16 @@ impl Local {
                 None => {}
             }
         }
-        Ok(json!({"commits": commits, "blocked": blocked, "final": final_}))
+        Ok(self.with_originals(json!({"commits": commits, "blocked": blocked, "final": final_})))
+    }
+
+    fn with_originals(&self, v: Value) -> Value {
+        let text = v.to_string();
+        let fixed = originals(&self.copies, &text);
+        if fixed == text {
+            return v;
+        }
+        serde_json::from_str(&fixed).unwrap_or(v)
     }
 }
 
@@ -424,6 +465,28 @@ pub fn compare(expect: &Expect, got: &Value, streamed: bool) -> Vec<String> {
     diff
 }
 
+/// What each hook that failed said, for a failing case: the usual reason it failed.
+fn hook_failures(got: Option<&Value>, streamed: bool) -> Vec<String> {
+    let Some(got) = got else { return Vec::new() };
+    let result = if streamed { &got["final"] } else { got };
+    let mut out = Vec::new();
+    for h in result["hooks"].as_array().into_iter().flatten() {
+        if let Some(error) = h["error"].as_str().filter(|e| !e.is_empty()) {
+            out.push(format!(
+                "hook {} failed:\n    {}",
+                h["name"],
+                error.replace('\n', "\n    ")
+            ));
+        }
+    }
+    if !out.is_empty()
+        && let Some(m) = result["message"].as_str().filter(|m| !m.is_empty())
+    {
+        out.push(format!("message: {m:?}"));
+    }
+    out
+}
+
 fn diff_hook(diff: &mut Vec<String>, hook: &str, expected: &str, got: Option<String>) {
     match got {
         Some(a) if a == expected => {}
@@ -464,7 +527,10 @@ pub async fn run_file(path: &Path) -> anyhow::Result<(usize, usize)> {
         } else {
             failed += 1;
             println!("  FAIL  {}", case.name);
-            for d in diff {
+            for d in diff
+                .iter()
+                .chain(&hook_failures(got.as_ref().ok(), streamed))
+            {
                 for line in d.lines() {
                     println!("        {line}");
                 }

@@ -351,3 +351,68 @@ fn check_says_yaml_mistakes_in_plain_words() {
         "{out}"
     );
 }
+
+const FAILING: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: failing}
+spec:
+  target: bot
+  triggerPoint: input
+  failurePolicy: Closed
+  timeoutMs: 500
+  pool: {warm: 1, max: 4}
+  hooks:
+    - name: mask
+      action: modify
+      settings: {mask: "[id]"}
+      code: |
+        def execute(context, settings):
+            if context["outgoing"] == "slow":
+                while True:
+                    pass
+            text = settings["mask_text"]
+            return {"action": "modify", "outgoing": text}
+"#;
+
+#[test]
+fn a_failed_hook_reads_as_an_error_with_its_line_its_settings_and_its_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let chain = write(dir.path(), "chain.yaml", FAILING);
+    let (code, out) = sluice(&["run", &chain, "--text", "CUST-123"]);
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(v["action"], "block");
+    assert_eq!(v["hooks"][0]["action"], "error", "never pass: {v:#}");
+    let error = v["errors"][0]["error"].as_str().unwrap_or_default();
+    assert!(error.starts_with("KeyError: 'mask_text'"), "{error}");
+    assert!(
+        error.contains("chain.yaml:19), in execute: text = settings[\"mask_text\"]"),
+        "the source line and its file line: {error}"
+    );
+    assert!(error.contains("settings have mask"), "{error}");
+
+    let (_, out) = sluice(&["run", &chain, "--text", "slow"]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let error = v["hooks"][0]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("timed out after 500 ms") && error.contains("spec.timeoutMs is 500 ms"),
+        "{error}"
+    );
+    assert_eq!(v["hooks"][0]["latency_us"], 500_000, "{v:#}");
+
+    // `sluice test` shows why a case failed: the hook's exception and the message.
+    write(
+        dir.path(),
+        "mask.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: masks\n    target: bot\n    text: CUST-123\n    expect: {action: modify, text: \"[id]\"}\n",
+    );
+    let (code, out) = sluice(&["test", &dir.path().join("mask.test.yaml").to_string_lossy()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("FAIL  masks"), "{out}");
+    assert!(
+        out.contains("hook \"mask\" failed:") && out.contains("KeyError: 'mask_text'"),
+        "{out}"
+    );
+    assert!(out.contains("message: \"hook \\\"mask\\\" failed"), "{out}");
+}

@@ -54,6 +54,8 @@ impl Registry {
                 Spec::HookChain(spec) => {
                     match Chain::new(&d.namespace, &d.name, spec).map(|mut c| {
                         c.superseded = d.superseded.clone();
+                        c.origin = d.origin.clone();
+                        c.code_lines = d.code_lines.clone();
                         c
                     }) {
                         Ok(chain) if chain.spec.enforced => {
@@ -231,6 +233,7 @@ mod tests {
                 serde_json::from_value(spec).expect("a valid spec"),
             )),
             superseded: None,
+            code_lines: Vec::new(),
         }
     }
 

@@ -239,7 +239,18 @@ fn check_file(file: &Path, text: &str, python: &Path) -> FileRead {
                 ),
             }
         }
-        definitions.push(Definition::from(o));
+        let code_lines = match &o.value {
+            manifest::Object::HookChain(hc) => hc
+                .spec
+                .hooks
+                .iter()
+                .map(|h| code_line_of(text, o.line, &h.name))
+                .collect(),
+            manifest::Object::Capability(_) => Vec::new(),
+        };
+        let mut d = Definition::from(o);
+        d.code_lines = code_lines;
+        definitions.push(d);
     }
     FileRead {
         definitions,

@@ -85,6 +85,7 @@ pub fn chain(
             serde_json::from_value(spec).expect("a valid HookChain spec"),
         )),
         superseded: None,
+        code_lines: Vec::new(),
     }
 }
 
