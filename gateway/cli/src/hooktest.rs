@@ -499,44 +499,241 @@ fn diff_hook(diff: &mut Vec<String>, hook: &str, expected: &str, got: Option<Str
     }
 }
 
-/// Runs every case of one test file; returns (passed, failed) and prints each case.
-pub async fn run_file(path: &Path) -> anyhow::Result<(usize, usize)> {
-    let text = std::fs::read_to_string(path)?;
-    let file: TestFile = serde_yaml::from_str(&text).map_err(|e| {
-        let line = e.location().map(|l| l.line()).unwrap_or(0);
-        anyhow::anyhow!("{}:{line}: {e}", path.display())
-    })?;
-    let base = path.parent().unwrap_or(Path::new("."));
-    let chains: Vec<PathBuf> = file.chains.iter().map(|c| base.join(c)).collect();
-    let local = Local::start(&chains, &file.capabilities).await?;
-    let (mut passed, mut failed) = (0, 0);
-    println!("{}", path.display());
-    for case in &file.cases {
-        let streamed = case.chunks.is_some();
-        let got = match &case.chunks {
-            Some(chunks) => local.stream(case, chunks).await,
-            None => local.run(case).await,
-        };
-        let diff = match &got {
-            Ok(v) => compare(&case.expect, v, streamed),
-            Err(e) => vec![format!("the gateway refused the case: {e}")],
-        };
-        if diff.is_empty() {
-            passed += 1;
-            println!("  PASS  {}", case.name);
-        } else {
-            failed += 1;
-            println!("  FAIL  {}", case.name);
-            for d in diff
-                .iter()
-                .chain(&hook_failures(got.as_ref().ok(), streamed))
-            {
-                for line in d.lines() {
-                    println!("        {line}");
+/// How `sluice test` runs a file's cases.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Only the cases whose name contains this text (`--run`).
+    pub only: Option<String>,
+    /// Keep each case's full answer (`-v`).
+    pub verbose: bool,
+}
+
+/// One case's outcome.
+#[derive(Clone, Debug)]
+pub struct CaseReport {
+    pub name: String,
+    pub passed: bool,
+    /// Why it failed: mismatches, then what each failed hook said.
+    pub details: Vec<String>,
+    /// The answer, when `verbose`.
+    pub answer: Option<Value>,
+}
+
+/// Every case of one test file, in order (those `--run` left out are not listed).
+#[derive(Clone, Debug)]
+pub struct FileReport {
+    pub path: PathBuf,
+    pub cases: Vec<CaseReport>,
+}
+
+impl FileReport {
+    pub fn passed(&self) -> usize {
+        self.cases.iter().filter(|c| c.passed).count()
+    }
+
+    pub fn failed(&self) -> usize {
+        self.cases.len() - self.passed()
+    }
+}
+
+/// Why a test file could not be run at all.
+#[derive(Debug, thiserror::Error)]
+pub enum TestFileError {
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}: {message}")]
+    Invalid {
+        path: String,
+        line: usize,
+        message: String,
+    },
+    #[error("{path}: cannot start the local gateway: {message}")]
+    Gateway { path: String, message: String },
+}
+
+/// The keys a case may have, for "did you mean" on a misspelt one.
+const CASE_KEYS: &[&str] = &[
+    "name",
+    "target",
+    "triggerPoint",
+    "namespace",
+    "text",
+    "value",
+    "chunks",
+    "context",
+    "expect",
+];
+const EXPECT_KEYS: &[&str] = &[
+    "action", "text", "value", "contains", "excludes", "message", "hooks", "errors", "commits",
+    "blocked",
+];
+
+/// A case that does not read: names the misspelt key and the one meant.
+fn case_problem(raw: &serde_yaml::Value, e: &serde_yaml::Error) -> String {
+    let mut unknown = Vec::new();
+    if let Some(map) = raw.as_mapping() {
+        for k in map.keys().filter_map(|k| k.as_str()) {
+            if !CASE_KEYS.contains(&k) {
+                unknown.push((k.to_string(), CASE_KEYS));
+            }
+        }
+        if let Some(expect) = raw.get("expect").and_then(|e| e.as_mapping()) {
+            for k in expect.keys().filter_map(|k| k.as_str()) {
+                if !EXPECT_KEYS.contains(&k) {
+                    unknown.push((format!("expect.{k}"), EXPECT_KEYS));
                 }
             }
         }
     }
+    match unknown.first() {
+        Some((k, known)) => {
+            let bare = k.trim_start_matches("expect.");
+            let meant = sluice_crds::fields::did_you_mean(bare, known.iter().copied())
+                .map(|m| format!("; did you mean {m:?}?"))
+                .unwrap_or_else(|| format!(" (known: {})", known.join(", ")));
+            format!("unknown key {k:?} in this case{meant}")
+        }
+        None => format!("this case does not read: {e}"),
+    }
+}
+
+/// Runs the cases of one test file. A case that does not read (a misspelt key) fails alone; the
+/// others still run.
+pub async fn run_file(path: &Path, opts: &RunOptions) -> Result<FileReport, TestFileError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| TestFileError::Read {
+        path: shown.clone(),
+        source,
+    })?;
+    let invalid = |e: serde_yaml::Error| TestFileError::Invalid {
+        path: shown.clone(),
+        line: e.location().map(|l| l.line()).unwrap_or(1),
+        message: e.to_string(),
+    };
+    let mut raw: serde_yaml::Value = serde_yaml::from_str(&text).map_err(invalid)?;
+    let raw_cases = raw
+        .as_mapping_mut()
+        .and_then(|m| m.remove("cases"))
+        .unwrap_or(serde_yaml::Value::Sequence(vec![]));
+    if let Some(m) = raw.as_mapping_mut() {
+        m.insert("cases".into(), serde_yaml::Value::Sequence(vec![]));
+    }
+    let file: TestFile = serde_yaml::from_value(raw).map_err(|e| TestFileError::Invalid {
+        path: shown.clone(),
+        line: 1,
+        message: e.to_string(),
+    })?;
+    let mut cases: Vec<Result<Case, (String, String)>> = Vec::new();
+    for (i, c) in raw_cases.as_sequence().into_iter().flatten().enumerate() {
+        let name = c
+            .get("name")
+            .and_then(|n| n.as_str())
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("case #{}", i + 1));
+        cases.push(
+            serde_yaml::from_value::<Case>(c.clone()).map_err(|e| (name, case_problem(c, &e))),
+        );
+    }
+    let wanted = |name: &str| opts.only.as_deref().is_none_or(|p| name.contains(p));
+    cases.retain(|c| match c {
+        Ok(c) => wanted(&c.name),
+        Err((name, _)) => wanted(name),
+    });
+    let mut report = FileReport {
+        path: path.to_path_buf(),
+        cases: Vec::new(),
+    };
+    if cases.is_empty() {
+        return Ok(report);
+    }
+    let base = path.parent().unwrap_or(Path::new("."));
+    let chains: Vec<PathBuf> = file.chains.iter().map(|c| base.join(c)).collect();
+    let local = Local::start(&chains, &file.capabilities)
+        .await
+        .map_err(|e| TestFileError::Gateway {
+            path: shown.clone(),
+            message: format!("{e:#}"),
+        })?;
+    for case in cases {
+        let case = match case {
+            Ok(c) => c,
+            Err((name, problem)) => {
+                report.cases.push(CaseReport {
+                    name,
+                    passed: false,
+                    details: vec![problem],
+                    answer: None,
+                });
+                continue;
+            }
+        };
+        let streamed = case.chunks.is_some();
+        let got = match &case.chunks {
+            Some(chunks) => local.stream(&case, chunks).await,
+            None => local.run(&case).await,
+        };
+        let mut details = match &got {
+            Ok(v) => compare(&case.expect, v, streamed),
+            Err(e) => vec![format!("the gateway refused the case: {e}")],
+        };
+        let passed = details.is_empty();
+        if !passed {
+            details.extend(hook_failures(got.as_ref().ok(), streamed));
+        }
+        report.cases.push(CaseReport {
+            name: case.name.clone(),
+            passed,
+            details,
+            answer: got.ok().filter(|_| opts.verbose),
+        });
+    }
     local.stop().await;
-    Ok((passed, failed))
+    Ok(report)
+}
+
+/// JUnit XML for the reports (one testsuite per file), as CI systems read it.
+pub fn junit(reports: &[Result<FileReport, String>]) -> String {
+    fn esc(s: &str) -> String {
+        s.replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;")
+            .replace('"', "&quot;")
+    }
+    let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites>\n");
+    for r in reports {
+        match r {
+            Ok(f) => {
+                out.push_str(&format!(
+                    "  <testsuite name=\"{}\" tests=\"{}\" failures=\"{}\">\n",
+                    esc(&f.path.display().to_string()),
+                    f.cases.len(),
+                    f.failed()
+                ));
+                for c in &f.cases {
+                    out.push_str(&format!("    <testcase name=\"{}\"", esc(&c.name)));
+                    if c.passed {
+                        out.push_str("/>\n");
+                    } else {
+                        let first = c.details.first().cloned().unwrap_or_default();
+                        out.push_str(&format!(
+                            ">\n      <failure message=\"{}\">{}</failure>\n    </testcase>\n",
+                            esc(first.lines().next().unwrap_or_default()),
+                            esc(&c.details.join("\n"))
+                        ));
+                    }
+                }
+                out.push_str("  </testsuite>\n");
+            }
+            Err(e) => out.push_str(&format!(
+                "  <testsuite name=\"{}\" tests=\"1\" failures=\"0\" errors=\"1\">\n    <testcase name=\"(file)\">\n      <error message=\"{}\"/>\n    </testcase>\n  </testsuite>\n",
+                esc(e.split(':').next().unwrap_or_default()),
+                esc(e)
+            )),
+        }
+    }
+    out.push_str("</testsuites>\n");
+    out
 }

@@ -416,3 +416,134 @@ fn a_failed_hook_reads_as_an_error_with_its_line_its_settings_and_its_budget() {
     );
     assert!(out.contains("message: \"hook \\\"mask\\\" failed"), "{out}");
 }
+
+#[test]
+fn init_writes_a_starter_that_checks_and_tests_clean() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("starter");
+    let target = target.to_string_lossy();
+    let (code, out) = sluice(&["init", &target]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = sluice(&["check", &target]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = sluice(&["test", &target]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("3 passed, 0 failed"), "{out}");
+    let (code, out) = sluice(&["init", &target]);
+    assert_eq!(code, 1, "never overwrites: {out}");
+}
+
+#[test]
+fn test_runs_one_case_verbosely_writes_junit_and_a_misspelt_case_fails_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "chain.yaml", CHAIN);
+    let file = write(
+        dir.path(),
+        "cases.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: shouts\n    target: bot\n    text: hi\n    expect: {action: modify, text: HI}\n  - name: misspelt\n    target: bot\n    text: hi\n    expct: {action: modify}\n  - name: wrong\n    target: bot\n    text: hi\n    expect: {text: hi}\n",
+    );
+    let junit = dir.path().join("junit.xml");
+    let (code, out) = sluice(&["test", &file, "--junit", &junit.to_string_lossy()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("PASS  shouts"),
+        "the other cases still run:\n{out}"
+    );
+    assert!(
+        out.contains("FAIL  misspelt")
+            && out.contains("unknown key \"expct\" in this case; did you mean \"expect\"?"),
+        "{out}"
+    );
+    assert!(out.contains("1 passed, 2 failed"), "{out}");
+    let xml = std::fs::read_to_string(&junit).unwrap();
+    assert!(
+        xml.contains("<testsuite name=") && xml.contains("tests=\"3\" failures=\"2\""),
+        "{xml}"
+    );
+    assert!(xml.contains("<testcase name=\"shouts\"/>"), "{xml}");
+    assert!(
+        xml.contains("<testcase name=\"wrong\">\n      <failure"),
+        "{xml}"
+    );
+
+    let (code, out) = sluice(&["test", &file, "--run", "shou", "-v"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("PASS  shouts") && !out.contains("misspelt") && !out.contains("wrong"),
+        "{out}"
+    );
+    assert!(
+        out.contains("\"action\": \"modify\""),
+        "-v prints the answer:\n{out}"
+    );
+    assert!(out.contains("1 passed, 0 failed"), "{out}");
+}
+
+#[test]
+fn test_says_in_one_line_when_runsc_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "chain.yaml", CHAIN);
+    let file = write(
+        dir.path(),
+        "c.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: shouts\n    target: bot\n    text: hi\n    expect: {action: modify}\n",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["test", &file])
+        .env("PATH", dir.path())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+    assert!(text.contains("runsc (gVisor) is not on PATH"), "{text}");
+}
+
+#[test]
+fn test_watch_runs_again_when_a_chain_changes() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "chain.yaml", CHAIN);
+    let file = write(
+        dir.path(),
+        "c.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: shouts\n    target: bot\n    text: hi\n    expect: {text: HI}\n",
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["test", "--watch", &file])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A guard, not an assertion: should the change never be picked up, the run is ended so that
+    // the reads below see the end of its output instead of waiting forever.
+    let pid = child.id();
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(180));
+        let _ = Command::new("kill").arg(pid.to_string()).status();
+    });
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut next_summary = || {
+        lines
+            .by_ref()
+            .map_while(Result::ok)
+            .find(|l| l.contains(" passed, "))
+            .unwrap_or_default()
+    };
+    assert_eq!(next_summary(), "1 passed, 0 failed");
+    write(
+        dir.path(),
+        "chain.yaml",
+        &CHAIN.replace(".upper()", ".lower()"),
+    );
+    assert_eq!(
+        next_summary(),
+        "0 passed, 1 failed",
+        "the change was picked up"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
