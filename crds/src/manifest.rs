@@ -267,12 +267,24 @@ pub fn yaml_hint(doc: &str, at: usize, error: &str) -> Option<(usize, String)> {
             }
         }
     }
-    if error.contains("mapping values are not allowed") {
+    if error.contains("mapping values are not allowed")
+        || error.contains("did not find expected ',' or '}'")
+    {
+        // A plain value holding ": ", in block style or inside a flow mapping's `{key: value}`.
+        fn unquoted_colon(value: &str) -> bool {
+            let value = value.trim_start();
+            if let Some(inner) = value.strip_prefix('{') {
+                return inner
+                    .split_once(": ")
+                    .is_some_and(|(_, v)| unquoted_colon(v.trim_end_matches('}')));
+            }
+            value.contains(": ") && !value.starts_with(['"', '\'', '['])
+        }
         let line = (0..upto).rev().find(|&i| {
-            let t = lines[i].trim_start();
-            t.split_once(": ").is_some_and(|(_, value)| {
-                value.contains(": ") && !value.trim_start().starts_with(['"', '\'', '{', '['])
-            })
+            lines[i]
+                .trim_start()
+                .split_once(": ")
+                .is_some_and(|(_, value)| unquoted_colon(value))
         })?;
         return Some((
             line,
@@ -437,6 +449,13 @@ spec:
         assert!(
             colon.message.contains("put the whole value in quotes") && colon.line == 11,
             "{colon}"
+        );
+        let flow = first(&format!(
+            "{head}      settings: {{message: Sorry: we cannot}}\n      code: x\n"
+        ));
+        assert!(
+            flow.message.contains("put the whole value in quotes") && flow.line == 10,
+            "{flow}"
         );
         let dedent = first(&format!(
             "{head}      code: |\n        def execute(context, settings):\n    x = 1\n            return {{\"action\": \"pass\"}}\n"

@@ -1,5 +1,6 @@
 //! `sluice`: the command line for people who write and call hooks.
 //!
+//! - `sluice init DIR`: writes a starter chain and its test file.
 //! - `sluice check FILE...`: validates HookChain and Capability YAML without a cluster.
 //! - `sluice test FILE...`: runs declarative test cases against chains in local gVisor sandboxes.
 //! - `sluice run FILE... --text ...`: one run (or `--stream`) in local sandboxes, printed as JSON.
