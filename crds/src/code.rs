@@ -1,7 +1,9 @@
 //! Static analysis of hook code, shared by `sluice check` and the operator's `CodeValid` condition:
 //! the host's python3 parses each hook with `ast` (never executes it) and reports what would fail at
 //! load or call time: a syntax error, no `execute(context, settings)`, imports outside the standard
-//! library, returned actions other than the declared one or `pass`.
+//! library, returned actions other than the declared one or `pass`, an `execute` that never returns
+//! a value. It also lists the settings keys the code reads (`settings["k"]`, `settings.get("k")`), so
+//! `sluice check` can compare them with the keys the hook declares.
 
 use crate::HookSpec;
 
@@ -12,10 +14,12 @@ ACTIONS = ("modify", "block", "skip", "detect")
 out = []
 for hook in json.load(sys.stdin):
     problems = []
+    reads = []
+    hints = []
     try:
         tree = ast.parse(hook["code"], filename="<hook>")
     except SyntaxError as e:
-        out.append([{"line": e.lineno or 1, "message": "SyntaxError: %s" % e.msg}])
+        out.append({"problems": [{"line": e.lineno or 1, "message": "SyntaxError: %s" % e.msg}], "reads": [], "hints": []})
         continue
     execute = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "execute"]
     if not execute:
@@ -27,6 +31,15 @@ for hook in json.load(sys.stdin):
         n = len(f.args.posonlyargs) + len(f.args.args)
         if n < 2 and f.args.vararg is None:
             problems.append({"line": f.lineno, "message": "execute takes %d argument(s); it is called as execute(context, settings)" % n})
+        if not any(isinstance(r, ast.Return) and r.value is not None for r in ast.walk(f)):
+            hints.append({"line": f.lineno, "message": "execute never returns a value, so it returns None, which is a hook error; end it with a return, e.g. return {\"action\": \"pass\"}"})
+        params = f.args.posonlyargs + f.args.args
+        settings = params[1].arg if len(params) >= 2 else None
+        for node in ast.walk(tree) if settings else ():
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == settings and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+                reads.append({"line": node.lineno, "key": node.slice.value, "subscript": True})
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id == settings and node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                reads.append({"line": node.lineno, "key": node.args[0].value, "subscript": False})
     for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.Import):
@@ -44,7 +57,7 @@ for hook in json.load(sys.stdin):
                         problems.append({"line": v.lineno, "message": "returns action %r, which is not one of pass, %s" % (v.value, ", ".join(ACTIONS))})
                     elif v.value not in ("pass", hook["action"]):
                         problems.append({"line": v.lineno, "message": "returns action %r but the hook declares %r (a hook may return only its declared action or pass)" % (v.value, hook["action"])})
-    out.append(problems)
+    out.append({"problems": problems, "reads": reads, "hints": hints})
 print(json.dumps(out))
 "#;
 
@@ -54,6 +67,26 @@ pub struct CodeProblem {
     /// Line within the hook's code (1-based).
     pub line: usize,
     pub message: String,
+}
+
+/// A settings key the code reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SettingsRead {
+    /// Line within the hook's code (1-based).
+    pub line: usize,
+    pub key: String,
+    /// `settings["key"]` (a `KeyError` when missing) rather than `settings.get("key")`.
+    pub subscript: bool,
+}
+
+/// What the analyser found in one hook's code.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HookAnalysis {
+    pub problems: Vec<CodeProblem>,
+    pub settings_reads: Vec<SettingsRead>,
+    /// Likely mistakes that are not certain failures (an `execute` with no `return` may mean to
+    /// always raise): `sluice check` reports them, the gateway and operator do not refuse on them.
+    pub hints: Vec<CodeProblem>,
 }
 
 /// Why the code could not be checked at all (not a problem in the code).
@@ -69,14 +102,39 @@ pub enum CodeCheckError {
     Answer(#[from] serde_json::Error),
 }
 
-/// Per hook, in order, the problems found in its code.
+/// Per hook, in order, the problems found in its code, as the `python3` first on `PATH` parses it.
 pub fn analyse(hooks: &[HookSpec]) -> Result<Vec<Vec<CodeProblem>>, CodeCheckError> {
+    analyse_with(std::path::Path::new("python3"), hooks)
+}
+
+/// Per hook, in order, the problems found in its code, as `python` parses it: give the interpreter
+/// the sandboxes run, so that syntax it would refuse is refused here too.
+pub fn analyse_with(
+    python: &std::path::Path,
+    hooks: &[HookSpec],
+) -> Result<Vec<Vec<CodeProblem>>, CodeCheckError> {
+    let pairs: Vec<(&str, &str)> = hooks
+        .iter()
+        .map(|h| (h.action.as_str(), h.code.as_str()))
+        .collect();
+    Ok(analyse_code(python, &pairs)?
+        .into_iter()
+        .map(|a| a.problems)
+        .collect())
+}
+
+/// Per `(declared action, code)`, in order, everything the analyser finds, as `python` parses it.
+/// Works on raw text, so a document whose schema is wrong still has its code checked.
+pub fn analyse_code(
+    python: &std::path::Path,
+    hooks: &[(&str, &str)],
+) -> Result<Vec<HookAnalysis>, CodeCheckError> {
     use std::io::Write;
     let input: Vec<serde_json::Value> = hooks
         .iter()
-        .map(|h| serde_json::json!({"action": h.action.as_str(), "code": h.code}))
+        .map(|(action, code)| serde_json::json!({"action": action, "code": code}))
         .collect();
-    let mut child = std::process::Command::new("python3")
+    let mut child = std::process::Command::new(python)
         .args(["-I", "-S", "-c", ANALYSER])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -93,16 +151,25 @@ pub fn analyse(hooks: &[HookSpec]) -> Result<Vec<Vec<CodeProblem>>, CodeCheckErr
             String::from_utf8_lossy(&out.stderr).into_owned(),
         ));
     }
-    let parsed: Vec<Vec<serde_json::Value>> = serde_json::from_slice(&out.stdout)?;
+    let parsed: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    let list = |v: &serde_json::Value| v.as_array().cloned().unwrap_or_default();
+    let problem = |p: &serde_json::Value| CodeProblem {
+        line: p["line"].as_u64().unwrap_or(1) as usize,
+        message: p["message"].as_str().unwrap_or_default().to_string(),
+    };
     Ok(parsed
-        .into_iter()
-        .map(|ps| {
-            ps.into_iter()
-                .map(|p| CodeProblem {
-                    line: p["line"].as_u64().unwrap_or(1) as usize,
-                    message: p["message"].as_str().unwrap_or_default().to_string(),
+        .iter()
+        .map(|hook| HookAnalysis {
+            problems: list(&hook["problems"]).iter().map(problem).collect(),
+            hints: list(&hook["hints"]).iter().map(problem).collect(),
+            settings_reads: list(&hook["reads"])
+                .iter()
+                .map(|r| SettingsRead {
+                    line: r["line"].as_u64().unwrap_or(1) as usize,
+                    key: r["key"].as_str().unwrap_or_default().to_string(),
+                    subscript: r["subscript"].as_bool().unwrap_or(false),
                 })
-                .collect()
+                .collect(),
         })
         .collect())
 }

@@ -35,6 +35,12 @@ pub struct Definition {
     /// `metadata.name`; empty when the object had none.
     pub name: String,
     pub spec: Spec,
+    /// Set when this is not the newest version of the resource but the last one that passed its
+    /// checks: says why the newest is not served. Runs on it say so in their audit.
+    pub superseded: Option<String>,
+    /// Per hook, where its code sits in `origin.file`: code line n is file line `code_lines[i] + n`.
+    /// Empty where unknown (a cluster object).
+    pub code_lines: Vec<Option<usize>>,
 }
 
 /// A resource that is not served, with where it came from and why.
@@ -65,6 +71,8 @@ mod from_manifest {
                 namespace: namespace_of(&meta),
                 name: meta.name.unwrap_or_default(),
                 spec,
+                superseded: None,
+                code_lines: Vec::new(),
             }
         }
     }

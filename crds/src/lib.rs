@@ -15,6 +15,8 @@ mod capability;
 pub mod code;
 pub mod definition;
 pub mod duration;
+#[cfg(feature = "kube")]
+pub mod fields;
 mod hookchain;
 #[cfg(feature = "kube")]
 pub mod manifest;

@@ -2,7 +2,7 @@
 //! file and line of every problem. Objects of other kinds are passed over, as `kubectl apply` of a
 //! mixed directory would apply them elsewhere.
 
-use crate::{Capability, HookChain, validate};
+use crate::{Capability, HookChain, fields, validate};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -67,7 +67,7 @@ impl Document {
 /// under serde-saphyr). A document with a syntax error still gets its range: the parser resumes at
 /// the next document boundary (`---` or `...` at column 0, where the YAML spec forbids content),
 /// so one broken document does not hide the ones after it.
-fn documents(stream: &str) -> Vec<Document> {
+fn parsed_documents(stream: &str) -> Vec<Document> {
     use serde_saphyr::granit_parser::{Event, Marker, Parser};
     let offset = |m: &Marker| m.byte_offset().unwrap_or(stream.len()).min(stream.len());
     let line_start = |at: usize| stream[..at].rfind('\n').map_or(0, |i| i + 1);
@@ -131,29 +131,69 @@ fn documents(stream: &str) -> Vec<Document> {
     docs
 }
 
+/// Splits a YAML stream into documents, with the YAML parser (a broken document still gets its
+/// text): each with the 1-based line of its root node and its text, preceded by as many empty lines
+/// as come before it in the stream (so that a line within the text is a line of the file).
+pub fn documents(text: &str) -> Vec<(usize, String)> {
+    parsed_documents(text)
+        .into_iter()
+        .map(|d| (d.line(), d.text(text)))
+        .collect()
+}
+
+/// The `openAPIV3Schema` of a kind's CRD, as the API server would check objects against it.
+fn open_api(kind: &str) -> Option<&'static serde_json::Value> {
+    use kube::CustomResourceExt;
+    use std::sync::OnceLock;
+    static HC: OnceLock<serde_json::Value> = OnceLock::new();
+    static CAP: OnceLock<serde_json::Value> = OnceLock::new();
+    let of = |crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition| {
+        crd.spec
+            .versions
+            .first()
+            .and_then(|v| v.schema.as_ref())
+            .and_then(|s| s.open_api_v3_schema.as_ref())
+            .and_then(|s| serde_json::to_value(s).ok())
+            .unwrap_or_default()
+    };
+    match kind {
+        "HookChain" => Some(HC.get_or_init(|| of(HookChain::crd()))),
+        "Capability" => Some(CAP.get_or_init(|| of(Capability::crd()))),
+        _ => None,
+    }
+}
+
 /// Reads every HookChain and Capability in one YAML text. Each document stands alone: a bad one is an
-/// error in the list and the rest still load.
+/// error in the list (one per problem, every problem of it at once) and the rest still load.
 pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>> {
     let options = || serde_saphyr::options! { with_snippet: false };
     let mut out = Vec::new();
-    for document in documents(text) {
-        let start = document.line();
-        let doc = document.text(text);
+    for (start, doc) in documents(text) {
         let err = |line: usize, message: String| LoadError {
             file: file.to_path_buf(),
             line,
             message,
         };
+        // The text is padded to its place in the file: error lines are lines of the file.
         let line_of = |e: &serde_saphyr::Error| {
             e.location()
-                .and_then(|l| usize::try_from(l.line()).ok())
+                .map(|l| l.line() as usize)
                 .filter(|l| *l > 0)
                 .unwrap_or(start)
         };
         let head: serde_json::Value = match serde_saphyr::from_str_with_options(&doc, options()) {
             Ok(v) => v,
             Err(e) => {
-                out.push(Err(err(line_of(&e), format!("invalid YAML: {e}"))));
+                let at = line_of(&e);
+                // yaml_hint counts lines of the text from 0; the text is padded to its place in the file.
+                let message = match yaml_hint(&doc, at.saturating_sub(1), &e.to_string()) {
+                    Some((line, hint)) => {
+                        out.push(Err(err(line + 1, format!("{hint} (YAML said: {e})"))));
+                        continue;
+                    }
+                    None => format!("invalid YAML: {e}"),
+                };
+                out.push(Err(err(at, message)));
                 continue;
             }
         };
@@ -175,18 +215,47 @@ pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>>
             )));
             continue;
         }
+        let Some(schema) = open_api(kind) else {
+            out.push(Err(err(
+                start,
+                format!("kind {kind:?} is not a sluice.dev kind (HookChain, Capability)"),
+            )));
+            continue;
+        };
+        let shown_name = head
+            .get("metadata")
+            .and_then(|m| m.get("name"))
+            .and_then(|n| n.as_str())
+            .map(|n| format!("{kind} {n:?}"))
+            .unwrap_or_else(|| kind.to_string());
+        let at_path = |path: &[fields::Seg]| match fields::line_of(&doc, path) {
+            0 => start,
+            line => line + 1,
+        };
+        // Every field problem of the document at once; the typed read below would stop at the first.
+        let problems = fields::check(schema, &head);
+        if !problems.is_empty() {
+            let mut problems: Vec<(usize, fields::FieldProblem)> = problems
+                .into_iter()
+                .map(|p| (at_path(&p.path), p))
+                .collect();
+            problems.sort_by_key(|(line, _)| *line);
+            for (line, p) in problems {
+                let place = fields::display(&p.path);
+                let message = if place.is_empty() {
+                    format!("{shown_name}: {}", p.message)
+                } else {
+                    format!("{shown_name}: {place}: {}", p.message)
+                };
+                out.push(Err(err(line, message)));
+            }
+            continue;
+        }
         let object = match kind {
             "HookChain" => serde_saphyr::from_str_with_options::<HookChain>(&doc, options())
                 .map(|c| Object::HookChain(Box::new(c))),
-            "Capability" => serde_saphyr::from_str_with_options::<Capability>(&doc, options())
+            _ => serde_saphyr::from_str_with_options::<Capability>(&doc, options())
                 .map(|c| Object::Capability(Box::new(c))),
-            other => {
-                out.push(Err(err(
-                    start,
-                    format!("kind {other:?} is not a sluice.dev kind (HookChain, Capability)"),
-                )));
-                continue;
-            }
         };
         let object = match object {
             Ok(o) => o,
@@ -207,11 +276,10 @@ pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>>
             continue;
         };
         if !problems.is_empty() {
-            let list: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
-            out.push(Err(err(
-                start,
-                format!("{kind} {name:?}: {}", list.join("; ")),
-            )));
+            for p in problems {
+                let line = at_path(&fields::parse_dotted(&p.field));
+                out.push(Err(err(line, format!("{kind} {name:?}: {p}"))));
+            }
             continue;
         }
         out.push(Ok(Located {
@@ -221,6 +289,137 @@ pub fn parse(file: &Path, text: &str) -> Vec<Result<Located<Object>, LoadError>>
         }));
     }
     out
+}
+
+fn indent_of(line: &str) -> usize {
+    line.len() - line.trim_start_matches([' ', '\t']).len()
+}
+
+/// A plain-language reading of a YAML syntax error, for the mistakes people make most: a tab in
+/// the indentation, an unquoted `: ` inside a value, code that slips out of its `code: |` block.
+/// `at` is the 0-based line of the document the parser stopped on; the answer is the 0-based line
+/// the mistake is on and what to do.
+pub fn yaml_hint(doc: &str, at: usize, error: &str) -> Option<(usize, String)> {
+    let lines: Vec<&str> = doc.lines().collect();
+    // The parser may name the line before the one at fault (it notices at the next token).
+    let upto = (at + 2).min(lines.len());
+    if let Some(i) = (0..upto).find(|&i| lines[i][..indent_of(lines[i])].contains('\t')) {
+        return Some((
+            i,
+            format!(
+                "line {} is indented with a tab; YAML indents with spaces only: replace the tab with spaces",
+                i + 1
+            ),
+        ));
+    }
+    // Code dedented out of its block: a line indented less than the code above it, then code again.
+    let block = (0..upto).rev().find(|&i| {
+        let t = lines[i].trim_start();
+        let t = t.strip_prefix("- ").unwrap_or(t);
+        t.starts_with("code: |") || t.starts_with("code: >")
+    });
+    if let Some(m) = block {
+        let key_indent = indent_of(lines[m]);
+        let content = lines[m + 1..]
+            .iter()
+            .find(|l| !l.trim().is_empty())
+            .map(|l| indent_of(l));
+        if let Some(c) = content.filter(|c| *c > key_indent) {
+            let end = (at + 2).min(lines.len());
+            let dedented =
+                (m + 1..end).find(|&i| !lines[i].trim().is_empty() && indent_of(lines[i]) < c);
+            if let Some(x) = dedented
+                && (x + 1..end).any(|j| !lines[j].trim().is_empty() && indent_of(lines[j]) >= c)
+            {
+                return Some((
+                    x,
+                    format!(
+                        "line {} is indented less than the code above it, so it falls out of `code: |` (line {}): indent every line of the hook's code by at least {c} spaces",
+                        x + 1,
+                        m + 1
+                    ),
+                ));
+            }
+        }
+    }
+    if error.contains("mapping values are not allowed")
+        || error.contains("did not find expected ',' or '}'")
+    {
+        // A plain value holding ": ", in block style or inside a flow mapping's `{key: value}`.
+        fn unquoted_colon(value: &str) -> bool {
+            let value = value.trim_start();
+            if let Some(inner) = value.strip_prefix('{') {
+                return inner
+                    .split_once(": ")
+                    .is_some_and(|(_, v)| unquoted_colon(v.trim_end_matches('}')));
+            }
+            value.contains(": ") && !value.starts_with(['"', '\'', '['])
+        }
+        let line = (0..upto).rev().find(|&i| {
+            lines[i]
+                .trim_start()
+                .split_once(": ")
+                .is_some_and(|(_, value)| unquoted_colon(value))
+        })?;
+        return Some((
+            line,
+            format!(
+                "the value on line {} contains \": \", which YAML reads as another key: put the whole value in quotes, e.g. message: \"Sorry: ...\"",
+                line + 1
+            ),
+        ));
+    }
+    None
+}
+
+/// Where hook `hook`'s code sits in a file: given the 1-based line its document starts on, the
+/// 1-based line such that line n of the hook's code is file line `result + n` (the `code: |` line
+/// for a block scalar). `None` when the hook or its code cannot be found in the text.
+pub fn hook_code_line(text: &str, start: usize, hook: &str) -> Option<usize> {
+    let lines: Vec<&str> = text.lines().collect();
+    let is_name = |l: &str| {
+        let t = l.trim_start();
+        let t = t.strip_prefix("- ").unwrap_or(t).trim_start();
+        t.strip_prefix("name:").is_some_and(|v| {
+            let v = v.split(" #").next().unwrap_or(v).trim();
+            v.trim_matches(['"', '\'']) == hook
+        })
+    };
+    let from = start.saturating_sub(1);
+    let name_at = (from..lines.len()).find(|&i| is_name(lines[i]))?;
+    // The item's own keys: from its `- ` line (at or above the name) down to the next item.
+    let item_indent = {
+        let item_line = (from..=name_at)
+            .rev()
+            .find(|&i| lines[i].trim_start().starts_with("- "))?;
+        lines[item_line].len() - lines[item_line].trim_start().len()
+    };
+    let mut i = name_at;
+    while i < lines.len() {
+        let l = lines[i];
+        let t = l.trim_start();
+        let ind = l.len() - t.len();
+        if i > name_at
+            && !t.is_empty()
+            && (ind < item_indent || (ind == item_indent && t.starts_with("- ")))
+        {
+            return None;
+        }
+        let key = t.strip_prefix("- ").unwrap_or(t).trim_start();
+        if let Some(v) = key.strip_prefix("code:") {
+            let v = v.trim();
+            // A block scalar's text starts on the next line; a one-line value is on this one.
+            return Some(
+                if v.starts_with('|') || v.starts_with('>') || v.is_empty() {
+                    i + 1
+                } else {
+                    i
+                },
+            );
+        }
+        i += 1;
+    }
+    None
 }
 
 /// An object as YAML, the way Sluice writes manifests (`make crds`, `sluice-operator render`): a
@@ -268,7 +467,7 @@ spec:
     #[test]
     fn multi_document_files_load_each_document_and_skip_other_kinds() {
         let got = parse(Path::new("x.yaml"), TWO);
-        assert_eq!(got.len(), 2);
+        assert_eq!(got.len(), 3, "{got:#?}");
         assert!(matches!(
             &got[0],
             Ok(Located {
@@ -278,67 +477,78 @@ spec:
             })
         ));
         let err = got[1].as_ref().unwrap_err();
-        // The bad value sits on line 17 of the file.
+        // The bad value sits on line 17 of the file; the empty hook list on 18 is said too.
         assert_eq!(err.line, 17, "{err}");
         assert!(err.message.contains("sideways"), "{err}");
+        let err = got[2].as_ref().unwrap_err();
+        assert_eq!(err.line, 18, "{err}");
+        assert!(err.message.contains("spec.hooks"), "{err}");
     }
 
     #[test]
-    fn a_syntax_error_does_not_hide_the_documents_after_it() {
-        let text = "apiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: a}\nspec: {endpoint: {builtin: echo}}\n---\napiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: [\n---\n# comment\napiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: c}\nspec: {endpoint: {builtin: echo}}\n";
-        let got = parse(Path::new("x.yaml"), text);
-        assert_eq!(got.len(), 3, "{got:?}");
-        assert!(matches!(&got[0], Ok(Located { line: 1, .. })), "{got:?}");
-        let err = got[1].as_ref().unwrap_err();
-        assert!(err.message.starts_with("invalid YAML"), "{err}");
-        assert!((8..=9).contains(&err.line), "{err}");
-        assert!(matches!(&got[2], Ok(Located { line: 11, .. })), "{got:?}");
-    }
-
-    #[test]
-    fn document_markers_are_yaml_ones_not_lines_of_dashes() {
-        // `--- {...}` and `...` are markers; a `---` inside a block scalar is text.
-        let text = r#"--- {apiVersion: sluice.dev/v1alpha1, kind: Capability, metadata: {name: a}, spec: {endpoint: {builtin: echo}}}
-...
----
-apiVersion: sluice.dev/v1alpha1
-kind: HookChain
-metadata: {name: c}
-spec:
-  target: bot
-  triggerPoint: input
-  hooks:
-  - name: h
-    action: block
-    code: |
-      x = """
-      ---
-      """
----
----
-"#;
-        let got = parse(Path::new("x.yaml"), text);
-        assert_eq!(got.len(), 2, "{got:?}");
+    fn unknown_fields_are_errors_with_the_field_meant_and_every_problem_is_said() {
+        let text = "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: c}\nspec:\n  target: bot\n  triggerPoint: Input\n  failurepolicy: Closed\n  hooks:\n    - name: a\n      action: block\n      setting: {x: 1}\n      code: |\n        def execute(context, settings):\n            return {\"action\": \"pass\"}\n";
+        let got: Vec<LoadError> = parse(Path::new("c.yaml"), text)
+            .into_iter()
+            .map(|r| r.unwrap_err())
+            .collect();
+        let said: Vec<String> = got.iter().map(|e| e.to_string()).collect();
+        assert_eq!(got.len(), 3, "{said:#?}");
         assert!(
-            matches!(
-                &got[0],
-                Ok(Located {
-                    line: 1,
-                    value: Object::Capability(_),
-                    ..
-                })
-            ),
-            "{got:?}"
+            said[0].starts_with("c.yaml:6: ") && said[0].contains("Input"),
+            "{said:#?}"
         );
-        let Ok(Located {
-            line: 4,
-            value: Object::HookChain(c),
-            ..
-        }) = &got[1]
-        else {
-            panic!("{got:?}")
-        };
-        assert!(c.spec.hooks[0].code.contains("---"), "{c:?}");
+        assert!(
+            said[1].starts_with("c.yaml:7: ") && said[1].contains("did you mean \"failurePolicy\""),
+            "{said:#?}"
+        );
+        assert!(
+            said[2].starts_with("c.yaml:11: ")
+                && said[2].contains("spec.hooks[0].setting")
+                && said[2].contains("did you mean \"settings\""),
+            "{said:#?}"
+        );
+    }
+
+    #[test]
+    fn hook_code_lines_are_found_per_hook() {
+        let text = "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: c}\nspec:\n  hooks:\n    - name: a\n      code: |\n        x = 1\n    - name: b\n      action: block\n      code: |\n        def execute(c, s):\n            pass\n";
+        // Hook b's code line 1 is file line 12.
+        assert_eq!(hook_code_line(text, 1, "b"), Some(11));
+        assert_eq!(hook_code_line(text, 1, "a"), Some(7));
+        assert_eq!(hook_code_line(text, 1, "zz"), None);
+    }
+
+    #[test]
+    fn common_yaml_mistakes_are_said_in_plain_words() {
+        let head = "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: c}\nspec:\n  target: bot\n  triggerPoint: input\n  hooks:\n    - name: a\n      action: block\n";
+        let first = |text: &str| parse(Path::new("c.yaml"), text).remove(0).unwrap_err();
+        let tab = first(&format!("{head}\tsettings: {{}}\n      code: x\n"));
+        assert!(
+            tab.message.contains("line 10 is indented with a tab") && tab.line == 10,
+            "{tab}"
+        );
+        let colon = first(&format!(
+            "{head}      settings: {{}}\n      message: Sorry: we cannot\n      code: x\n"
+        ));
+        assert!(
+            colon.message.contains("put the whole value in quotes") && colon.line == 11,
+            "{colon}"
+        );
+        let flow = first(&format!(
+            "{head}      settings: {{message: Sorry: we cannot}}\n      code: x\n"
+        ));
+        assert!(
+            flow.message.contains("put the whole value in quotes") && flow.line == 10,
+            "{flow}"
+        );
+        let dedent = first(&format!(
+            "{head}      code: |\n        def execute(context, settings):\n    x = 1\n            return {{\"action\": \"pass\"}}\n"
+        ));
+        assert!(
+            dedent.message.contains("falls out of `code: |` (line 10)") && dedent.line == 12,
+            "{dedent}"
+        );
     }
 
     #[test]

@@ -12,7 +12,10 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     cargo build --release --locked -p sluice-gateway --bin sluice-gateway \
  && cp target/release/sluice-gateway /usr/local/bin/sluice-gateway
 
-FROM gcr.io/distroless/cc-debian12
+# The sandbox image's Python (python:3.11-slim-bookworm), so that the gateway checks each HookChain
+# generation's code with the interpreter the hooks will run on (sluice-gateway --python).
+FROM python:3.11-slim-bookworm
+ENV PYTHONDONTWRITEBYTECODE=1
 COPY --from=build /usr/local/bin/sluice-gateway /usr/local/bin/sluice-gateway
 USER 65534:65534
 EXPOSE 50051 9464

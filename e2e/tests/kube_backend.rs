@@ -498,3 +498,92 @@ async fn a_namespaced_gateway_still_runs_the_platform_baseline() {
     h.stop_kube_and_check(&api).await;
     api.stop().await;
 }
+
+/// Waits until the gateway's registry has `n` chains served from an older generation.
+async fn until_superseded(h: &Harness, n: i64) {
+    let gauge = &h.gateway().engine.metrics().chains_superseded;
+    for _ in 0..400 {
+        if gauge.get() == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "the registry never had {n} superseded chain(s): {}",
+        gauge.get()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broken_generation_keeps_the_previous_one_serving() {
+    let chain = chain_yaml("marker", "bot", "input", "", &[("mark", "modify", MARK)]);
+    let (api, h) = cluster(ExecProtocol::V5, &chain, 2).await;
+    assert_eq!(
+        text(&h.run_text("bot", "input", "hi").await.expect("run")),
+        "hi [checked]"
+    );
+
+    // Generation 2: a syntax error. Generation 1 keeps answering, and its runs say why.
+    let broken = chain
+        .replace("[checked]", "[checked v2]")
+        .replace("return {", "return {{");
+    api.apply(Resource::HookChains, manifest_json(&broken));
+    until_superseded(&h, 1).await;
+    let r = h.run_text("bot", "input", "hi").await.expect("run");
+    assert_eq!(text(&r), "hi [checked]");
+    assert!(r.hooks.iter().all(|o| o.error.is_empty()), "{r:?}");
+    let audit = h.audit();
+    let note = audit.last().expect("an audit line")["superseded"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        note.contains("serving generation 1") && note.contains("generation 2 fails"),
+        "{note}"
+    );
+    assert_eq!(
+        h.gateway().engine.metrics().definitions_invalid.get(),
+        1,
+        "the broken generation is counted"
+    );
+
+    // Generation 3: an action the hook does not declare. Still generation 1.
+    let undeclared = chain.replace("\"modify\", \"outgoing\"", "\"block\", \"message\"");
+    api.apply(Resource::HookChains, manifest_json(&undeclared));
+    let mut said = None;
+    for _ in 0..400 {
+        let errors = h.gateway().engine.registry().errors().to_vec();
+        if let Some(e) = errors.iter().find(|e| e.message.contains("generation 3")) {
+            said = Some(e.to_string());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let said = said.expect("generation 3 was judged");
+    assert!(
+        said.contains("declares") && said.contains("generation 1 keeps serving"),
+        "{said}"
+    );
+    assert_eq!(
+        text(&h.run_text("bot", "input", "hi").await.expect("run")),
+        "hi [checked]"
+    );
+
+    // Generation 4 is valid: it serves, and its runs are not marked.
+    let fixed = chain.replace("[checked]", "[checked v4]");
+    api.apply(Resource::HookChains, manifest_json(&fixed));
+    until_superseded(&h, 0).await;
+    assert_eq!(
+        text(&h.run_text("bot", "input", "hi").await.expect("run")),
+        "hi [checked v4]"
+    );
+    assert!(
+        h.audit()
+            .last()
+            .expect("an audit line")
+            .get("superseded")
+            .is_none()
+    );
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
+}

@@ -129,7 +129,8 @@ fn failing_hooks() -> Vec<(&'static str, &'static str, &'static str)> {
         (
             "undeclared",
             "detect",
-            "def execute(c, s):\n    return {'action': 'block', 'message': 'sneaky'}\n",
+            // Built at run time, so the static check passes it and the gateway's re-check must not.
+            "def execute(c, s):\n    return {'action': 'bl' + 'ock', 'message': 'sneaky'}\n",
         ),
         (
             "raises",
@@ -207,7 +208,12 @@ async fn compile_errors_are_hook_errors() {
         "input",
         "failurePolicy: Open",
         &[
-            ("broken", "modify", "def execute(c, s):\n    return {\n"),
+            // Parses (so the static check passes it) but does not compile: `break` outside a loop.
+            (
+                "broken",
+                "modify",
+                "def execute(c, s):\n    return {}\nbreak\n",
+            ),
             ("up", "modify", UPPER),
         ],
     );

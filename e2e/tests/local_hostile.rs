@@ -116,7 +116,7 @@ fn cases(port: u16) -> Vec<(&'static str, String)> {
         ("non-serializable", "    return {'action': 'pass', 'state': object()}\n".into()),
         ("nan-findings", "    return {'action': 'pass', 'findings': float('nan')}\n".into()),
         ("wrongly-typed", "    return {'action': 'modify', 'outgoing': 42}\n".into()),
-        ("undeclared-action", "    return {'action': 'block', 'message': 'gotcha'}\n".into()),
+        ("undeclared-action", "    return {'action': 'bl' + 'ock', 'message': 'gotcha'}\n".into()),
         ("deep-nesting", "    x = []\n    for _ in range(100000):\n        x = [x]\n    return {'action': 'pass', 'findings': x}\n".into()),
         ("sys-exit", "    import sys\n    sys.exit(3)\n".into()),
         ("os-exit", "    import os\n    os._exit(3)\n".into()),

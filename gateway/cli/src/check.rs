@@ -3,6 +3,7 @@
 //! `sluice_crds::code`), never executed on the host.
 
 use sluice_crds::code::CodeProblem;
+use sluice_crds::definition::Definition;
 use sluice_crds::manifest::{self, Located, Object};
 use std::path::{Path, PathBuf};
 
@@ -27,36 +28,17 @@ pub struct Report {
     pub capabilities: usize,
 }
 
-/// The file line holding line `code_line` of hook `hook`'s code, found by the code's first line.
-fn file_line(text: &str, doc_line: usize, hook: &str, code: &str, code_line: usize) -> usize {
-    let lines: Vec<&str> = text.lines().collect();
-    let start = doc_line.saturating_sub(1);
-    let name_at = (start..lines.len()).find(|&i| {
-        let l = lines[i].trim_start().trim_start_matches("- ");
-        l == format!("name: {hook}")
-            || l == format!("name: \"{hook}\"")
-            || l == format!("name: '{hook}'")
-    });
-    let first = code
-        .lines()
-        .find(|l| !l.trim().is_empty())
-        .map(str::trim)
-        .unwrap_or_default();
-    let lead = code.lines().take_while(|l| l.trim().is_empty()).count();
-    if let Some(n) = name_at {
-        if let Some(i) = (n..lines.len()).find(|&i| !first.is_empty() && lines[i].trim() == first) {
-            return i + 1 + code_line.saturating_sub(1 + lead);
-        }
-        return n + 1;
-    }
-    doc_line
-}
+/// The interpreter hook code is parsed with unless `--python` says otherwise: the one the local
+/// gateway mounts into its sandboxes.
+pub const DEFAULT_PYTHON: &str = "/usr/bin/python3";
 
-/// Checks the given files together: each is parsed and validated, hook code is analysed, and the
-/// capabilities hooks list must be defined in one of the files.
-pub fn check(files: &[PathBuf]) -> Report {
+/// Checks the given files together: each document is parsed and validated (every problem of it),
+/// hook code is analysed by `python` (also in documents whose schema is wrong), the settings keys the
+/// code reads must be declared, capabilities hooks list must be defined in one of the files, and
+/// two chains must not serve the same target at the same trigger point.
+pub fn check(files: &[PathBuf], python: &Path) -> Report {
     let mut report = Report::default();
-    let mut objects: Vec<(Located<Object>, String)> = Vec::new();
+    let mut objects: Vec<Located<Object>> = Vec::new();
     for file in files {
         let text = match std::fs::read_to_string(file) {
             Ok(t) => t,
@@ -80,7 +62,7 @@ pub fn check(files: &[PathBuf]) -> Report {
         }
         for d in docs {
             match d {
-                Ok(o) => objects.push((o, text.clone())),
+                Ok(o) => objects.push(o),
                 Err(e) => report.findings.push(Finding {
                     file: e.file,
                     line: e.line,
@@ -88,10 +70,11 @@ pub fn check(files: &[PathBuf]) -> Report {
                 }),
             }
         }
+        code_findings(file, &text, python, &mut report.findings);
     }
     let capabilities: Vec<(String, String)> = objects
         .iter()
-        .filter_map(|(o, _)| match &o.value {
+        .filter_map(|o| match &o.value {
             Object::Capability(c) => Some((
                 manifest::namespace_of(&c.metadata),
                 c.metadata.name.clone().unwrap_or_default(),
@@ -99,7 +82,7 @@ pub fn check(files: &[PathBuf]) -> Report {
             _ => None,
         })
         .collect();
-    for (o, text) in &objects {
+    for o in &objects {
         match &o.value {
             Object::Capability(c) => {
                 report.capabilities += 1;
@@ -140,30 +123,14 @@ pub fn check(files: &[PathBuf]) -> Report {
                         ),
                     });
                 }
-                match sluice_crds::code::analyse(&hc.spec.hooks) {
-                    Ok(per_hook) => {
-                        for (hook, problems) in hc.spec.hooks.iter().zip(per_hook) {
-                            for CodeProblem { line, message } in problems {
-                                report.findings.push(Finding {
-                                    file: o.file.clone(),
-                                    line: file_line(text, o.line, &hook.name, &hook.code, line),
-                                    message: format!("HookChain {chain:?}, hook {:?}, line {line} of its code: {message}", hook.name),
-                                });
-                            }
-                        }
-                    }
-                    Err(e) => report.findings.push(Finding {
-                        file: o.file.clone(),
-                        line: o.line,
-                        message: e.to_string(),
-                    }),
-                }
+                let text = std::fs::read_to_string(&o.file).unwrap_or_default();
                 for hook in &hc.spec.hooks {
                     for cap in &hook.capabilities {
                         if !capabilities.contains(&(ns.clone(), cap.clone())) {
                             report.findings.push(Finding {
                                 file: o.file.clone(),
-                                line: file_line(text, o.line, &hook.name, &hook.code, 1),
+                                line: manifest::hook_code_line(&text, o.line, &hook.name)
+                                    .unwrap_or(o.line),
                                 message: format!("HookChain {chain:?}, hook {:?}: capability {cap:?} is not defined in the files checked (namespace {ns})", hook.name),
                             });
                         }
@@ -172,10 +139,128 @@ pub fn check(files: &[PathBuf]) -> Report {
             }
         }
     }
+    // Conflicts exactly as the gateway judges them: it is the gateway's registry that decides.
+    let definitions: Vec<Definition> = objects
+        .iter()
+        .filter(|o| matches!(o.value, Object::HookChain(_)))
+        .cloned()
+        .map(Definition::from)
+        .collect();
+    let registry = sluice_engine::Registry::build_for(
+        sluice_crds::DEFAULT_PLATFORM_NAMESPACE,
+        definitions,
+        vec![],
+    );
+    for e in registry.errors() {
+        if e.message.contains("only the first is served") {
+            report.findings.push(Finding {
+                file: e.origin.file.clone(),
+                line: e.origin.line,
+                message: format!("{} (the gateway reports this conflict)", e.message),
+            });
+        }
+    }
     report
         .findings
         .sort_by(|a, b| (&a.file, a.line).cmp(&(&b.file, b.line)));
+    report.findings.dedup();
     report
+}
+
+/// The hook code of every HookChain document in `text`, read from the raw YAML so that code is
+/// checked even where the document's schema is wrong: the analyser's problems and settings keys the
+/// code reads that the hook does not declare.
+fn code_findings(file: &Path, text: &str, python: &Path, out: &mut Vec<Finding>) {
+    for (start, doc) in manifest::documents(text) {
+        let Ok(value) = serde_saphyr::from_str::<serde_json::Value>(&doc) else {
+            continue;
+        };
+        if value["kind"] != "HookChain"
+            || !value["apiVersion"]
+                .as_str()
+                .is_some_and(|v| v.starts_with("sluice.dev/"))
+        {
+            continue;
+        }
+        let chain = value["metadata"]["name"].as_str().unwrap_or_default();
+        let hooks: Vec<&serde_json::Value> = value["spec"]["hooks"]
+            .as_array()
+            .map(|h| h.iter().filter(|h| h["code"].is_string()).collect())
+            .unwrap_or_default();
+        if hooks.is_empty() {
+            continue;
+        }
+        let pairs: Vec<(&str, &str)> = hooks
+            .iter()
+            .map(|h| {
+                (
+                    h["action"].as_str().unwrap_or_default(),
+                    h["code"].as_str().unwrap_or_default(),
+                )
+            })
+            .collect();
+        let analysed = match sluice_crds::code::analyse_code(python, &pairs) {
+            Ok(a) => a,
+            Err(e) => {
+                out.push(Finding {
+                    file: file.to_path_buf(),
+                    line: start,
+                    message: format!("{e} (give the sandboxes' interpreter with --python)"),
+                });
+                continue;
+            }
+        };
+        for (hook, found) in hooks.iter().zip(analysed) {
+            let name = hook["name"].as_str().unwrap_or_default();
+            let base = manifest::hook_code_line(text, start, name);
+            let at = |line: usize| base.map(|b| b + line).unwrap_or(start);
+            for CodeProblem { line, message } in found.problems.into_iter().chain(found.hints) {
+                out.push(Finding {
+                    file: file.to_path_buf(),
+                    line: at(line),
+                    message: format!(
+                        "HookChain {chain:?}, hook {name:?}, line {line} of its code: {message}"
+                    ),
+                });
+            }
+            let declared: Vec<&str> = hook["settings"]
+                .as_object()
+                .map(|m| m.keys().map(String::as_str).collect())
+                .unwrap_or_default();
+            for read in found.settings_reads {
+                if declared.contains(&read.key.as_str()) {
+                    continue;
+                }
+                let how = if read.subscript {
+                    format!(
+                        "settings[{:?}], which raises KeyError at run time",
+                        read.key
+                    )
+                } else {
+                    format!(
+                        "settings.get({:?}), which always gets its default",
+                        read.key
+                    )
+                };
+                let meant = sluice_crds::fields::did_you_mean(&read.key, declared.iter().copied())
+                    .map(|k| format!("; did you mean {k:?}?"))
+                    .unwrap_or_default();
+                let list = if declared.is_empty() {
+                    "the hook declares no settings".to_string()
+                } else {
+                    format!("its settings declare {}", declared.join(", "))
+                };
+                out.push(Finding {
+                    file: file.to_path_buf(),
+                    line: at(read.line),
+                    message: format!(
+                        "HookChain {chain:?}, hook {name:?}, line {} of its code: reads {how}: {list}{meant}",
+                        read.line
+                    ),
+                });
+            }
+        }
+    }
 }
 
 /// Files given on the command line, with directories expanded to the YAML files inside: test files

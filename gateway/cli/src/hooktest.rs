@@ -135,21 +135,39 @@ pub fn response_json(r: &proto::RunResponse) -> Value {
         }
         None => Value::Null,
     };
-    json!({
+    // A hook that failed took no action: it reads as "error" (never as the "pass" the gRPC enum
+    // carries beside its error), and every failure is listed at the top, where it is seen first.
+    let errors: Vec<Value> = r
+        .hooks
+        .iter()
+        .filter(|h| !h.error.is_empty())
+        .map(|h| json!({"hook": h.name, "error": h.error}))
+        .collect();
+    let mut out = json!({
         "run_id": r.run_id,
         "action": action(r.action),
         "payload": payload,
         "message": r.message,
         "terminal_index": r.terminal_index,
-        "hooks": r.hooks.iter().map(|h| json!({
-            "name": h.name,
-            "action": action(h.action),
-            "message": h.message,
-            "findings": h.findings.as_ref().map(from_proto),
-            "error": h.error,
-            "latency_us": h.latency_us,
-        })).collect::<Vec<_>>(),
-    })
+        "hooks": r.hooks.iter().map(|h| {
+            let failed = !h.error.is_empty();
+            let mut o = json!({
+                "name": h.name,
+                "action": if failed { "error".to_string() } else { action(h.action) },
+                "message": h.message,
+                "findings": h.findings.as_ref().map(from_proto),
+                "latency_us": h.latency_us,
+            });
+            if failed {
+                o["error"] = json!(h.error);
+            }
+            o
+        }).collect::<Vec<_>>(),
+    });
+    if !errors.is_empty() {
+        out["errors"] = Value::Array(errors);
+    }
+    out
 }
 
 /// An in-process gateway over the given chain files, with stubbed capabilities.
@@ -159,11 +177,22 @@ pub struct Local {
     _dir: tempfile::TempDir,
     _state: tempfile::TempDir,
     stubs: Option<tokio::task::JoinHandle<()>>,
+    /// The gateway serves copies of the chain files: (copy, original), so that file:line in errors
+    /// can name the file the author edits.
+    copies: Vec<(PathBuf, PathBuf)>,
+}
+
+/// `text` with every copy's path replaced by its original's.
+fn originals(copies: &[(PathBuf, PathBuf)], text: &str) -> String {
+    copies.iter().fold(text.to_string(), |t, (copy, original)| {
+        t.replace(&copy.display().to_string(), &original.display().to_string())
+    })
 }
 
 impl Local {
     pub async fn start(files: &[PathBuf], stubs: &BTreeMap<String, Stub>) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
+        let mut copies = Vec::new();
         for (i, f) in files.iter().enumerate() {
             let text =
                 std::fs::read_to_string(f).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
@@ -176,7 +205,9 @@ impl Local {
                         .any(|name| doc.contains("kind: Capability") && doc_names(doc, name))
                 })
                 .collect();
-            std::fs::write(dir.path().join(format!("{i:03}.yaml")), kept.join("\n---"))?;
+            let copy = dir.path().join(format!("{i:03}.yaml"));
+            std::fs::write(&copy, kept.join("\n---"))?;
+            copies.push((copy, f.clone()));
         }
         let mut stub_task = None;
         if !stubs.is_empty() {
@@ -199,7 +230,7 @@ impl Local {
         let gateway = start_local(opts).await?;
         for e in gateway.engine.registry().errors() {
             if !e.message.contains("will fail until it does") {
-                anyhow::bail!("{e}");
+                anyhow::bail!("{}", originals(&copies, &e.to_string()));
             }
         }
         let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
@@ -209,6 +240,7 @@ impl Local {
             _dir: dir,
             _state: state,
             stubs: stub_task,
+            copies,
         })
     }
 
@@ -239,7 +271,7 @@ impl Local {
             .run(req)
             .await
             .map_err(CaseError::refused)?;
-        Ok(response_json(&r.into_inner()))
+        Ok(self.with_originals(response_json(&r.into_inner())))
     }
 
     pub async fn stream(&self, case: &Case, chunks: &[String]) -> Result<Value, CaseError> {
@@ -277,7 +309,16 @@ impl Local {
                 None => {}
             }
         }
-        Ok(json!({"commits": commits, "blocked": blocked, "final": final_}))
+        Ok(self.with_originals(json!({"commits": commits, "blocked": blocked, "final": final_})))
+    }
+
+    fn with_originals(&self, v: Value) -> Value {
+        let text = v.to_string();
+        let fixed = originals(&self.copies, &text);
+        if fixed == text {
+            return v;
+        }
+        serde_json::from_str(&fixed).unwrap_or(v)
     }
 }
 
@@ -424,6 +465,28 @@ pub fn compare(expect: &Expect, got: &Value, streamed: bool) -> Vec<String> {
     diff
 }
 
+/// What each hook that failed said, for a failing case: the usual reason it failed.
+fn hook_failures(got: Option<&Value>, streamed: bool) -> Vec<String> {
+    let Some(got) = got else { return Vec::new() };
+    let result = if streamed { &got["final"] } else { got };
+    let mut out = Vec::new();
+    for h in result["hooks"].as_array().into_iter().flatten() {
+        if let Some(error) = h["error"].as_str().filter(|e| !e.is_empty()) {
+            out.push(format!(
+                "hook {} failed:\n    {}",
+                h["name"],
+                error.replace('\n', "\n    ")
+            ));
+        }
+    }
+    if !out.is_empty()
+        && let Some(m) = result["message"].as_str().filter(|m| !m.is_empty())
+    {
+        out.push(format!("message: {m:?}"));
+    }
+    out
+}
+
 fn diff_hook(diff: &mut Vec<String>, hook: &str, expected: &str, got: Option<String>) {
     match got {
         Some(a) if a == expected => {}
@@ -436,41 +499,241 @@ fn diff_hook(diff: &mut Vec<String>, hook: &str, expected: &str, got: Option<Str
     }
 }
 
-/// Runs every case of one test file; returns (passed, failed) and prints each case.
-pub async fn run_file(path: &Path) -> anyhow::Result<(usize, usize)> {
-    let text = std::fs::read_to_string(path)?;
-    let file: TestFile = serde_saphyr::from_str(&text).map_err(|e| {
-        let line = e.location().map(|l| l.line()).unwrap_or(0);
-        anyhow::anyhow!("{}:{line}: {e}", path.display())
-    })?;
-    let base = path.parent().unwrap_or(Path::new("."));
-    let chains: Vec<PathBuf> = file.chains.iter().map(|c| base.join(c)).collect();
-    let local = Local::start(&chains, &file.capabilities).await?;
-    let (mut passed, mut failed) = (0, 0);
-    println!("{}", path.display());
-    for case in &file.cases {
-        let streamed = case.chunks.is_some();
-        let got = match &case.chunks {
-            Some(chunks) => local.stream(case, chunks).await,
-            None => local.run(case).await,
-        };
-        let diff = match &got {
-            Ok(v) => compare(&case.expect, v, streamed),
-            Err(e) => vec![format!("the gateway refused the case: {e}")],
-        };
-        if diff.is_empty() {
-            passed += 1;
-            println!("  PASS  {}", case.name);
-        } else {
-            failed += 1;
-            println!("  FAIL  {}", case.name);
-            for d in diff {
-                for line in d.lines() {
-                    println!("        {line}");
+/// How `sluice test` runs a file's cases.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Only the cases whose name contains this text (`--run`).
+    pub only: Option<String>,
+    /// Keep each case's full answer (`-v`).
+    pub verbose: bool,
+}
+
+/// One case's outcome.
+#[derive(Clone, Debug)]
+pub struct CaseReport {
+    pub name: String,
+    pub passed: bool,
+    /// Why it failed: mismatches, then what each failed hook said.
+    pub details: Vec<String>,
+    /// The answer, when `verbose`.
+    pub answer: Option<Value>,
+}
+
+/// Every case of one test file, in order (those `--run` left out are not listed).
+#[derive(Clone, Debug)]
+pub struct FileReport {
+    pub path: PathBuf,
+    pub cases: Vec<CaseReport>,
+}
+
+impl FileReport {
+    pub fn passed(&self) -> usize {
+        self.cases.iter().filter(|c| c.passed).count()
+    }
+
+    pub fn failed(&self) -> usize {
+        self.cases.len() - self.passed()
+    }
+}
+
+/// Why a test file could not be run at all.
+#[derive(Debug, thiserror::Error)]
+pub enum TestFileError {
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}: {message}")]
+    Invalid {
+        path: String,
+        line: usize,
+        message: String,
+    },
+    #[error("{path}: cannot start the local gateway: {message}")]
+    Gateway { path: String, message: String },
+}
+
+/// The keys a case may have, for "did you mean" on a misspelt one.
+const CASE_KEYS: &[&str] = &[
+    "name",
+    "target",
+    "triggerPoint",
+    "namespace",
+    "text",
+    "value",
+    "chunks",
+    "context",
+    "expect",
+];
+const EXPECT_KEYS: &[&str] = &[
+    "action", "text", "value", "contains", "excludes", "message", "hooks", "errors", "commits",
+    "blocked",
+];
+
+/// A case that does not read: names the misspelt key and the one meant.
+fn case_problem(raw: &Value, e: &serde_json::Error) -> String {
+    let mut unknown = Vec::new();
+    if let Some(map) = raw.as_object() {
+        for k in map.keys().map(String::as_str) {
+            if !CASE_KEYS.contains(&k) {
+                unknown.push((k.to_string(), CASE_KEYS));
+            }
+        }
+        if let Some(expect) = raw.get("expect").and_then(|e| e.as_object()) {
+            for k in expect.keys().map(String::as_str) {
+                if !EXPECT_KEYS.contains(&k) {
+                    unknown.push((format!("expect.{k}"), EXPECT_KEYS));
                 }
             }
         }
     }
+    match unknown.first() {
+        Some((k, known)) => {
+            let bare = k.trim_start_matches("expect.");
+            let meant = sluice_crds::fields::did_you_mean(bare, known.iter().copied())
+                .map(|m| format!("; did you mean {m:?}?"))
+                .unwrap_or_else(|| format!(" (known: {})", known.join(", ")));
+            format!("unknown key {k:?} in this case{meant}")
+        }
+        None => format!("this case does not read: {e}"),
+    }
+}
+
+/// Runs the cases of one test file. A case that does not read (a misspelt key) fails alone; the
+/// others still run.
+pub async fn run_file(path: &Path, opts: &RunOptions) -> Result<FileReport, TestFileError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| TestFileError::Read {
+        path: shown.clone(),
+        source,
+    })?;
+    let invalid = |e: serde_saphyr::Error| TestFileError::Invalid {
+        path: shown.clone(),
+        line: e.location().map(|l| l.line() as usize).unwrap_or(1),
+        message: e.to_string(),
+    };
+    let mut raw: Value = serde_saphyr::from_str(&text).map_err(invalid)?;
+    let raw_cases = raw
+        .as_object_mut()
+        .and_then(|m| m.remove("cases"))
+        .unwrap_or(Value::Array(vec![]));
+    if let Some(m) = raw.as_object_mut() {
+        m.insert("cases".into(), Value::Array(vec![]));
+    }
+    let file: TestFile = serde_json::from_value(raw).map_err(|e| TestFileError::Invalid {
+        path: shown.clone(),
+        line: 1,
+        message: e.to_string(),
+    })?;
+    let mut cases: Vec<Result<Case, (String, String)>> = Vec::new();
+    for (i, c) in raw_cases.as_array().into_iter().flatten().enumerate() {
+        let name = c
+            .get("name")
+            .and_then(|n| n.as_str())
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("case #{}", i + 1));
+        cases.push(
+            serde_json::from_value::<Case>(c.clone()).map_err(|e| (name, case_problem(c, &e))),
+        );
+    }
+    let wanted = |name: &str| opts.only.as_deref().is_none_or(|p| name.contains(p));
+    cases.retain(|c| match c {
+        Ok(c) => wanted(&c.name),
+        Err((name, _)) => wanted(name),
+    });
+    let mut report = FileReport {
+        path: path.to_path_buf(),
+        cases: Vec::new(),
+    };
+    if cases.is_empty() {
+        return Ok(report);
+    }
+    let base = path.parent().unwrap_or(Path::new("."));
+    let chains: Vec<PathBuf> = file.chains.iter().map(|c| base.join(c)).collect();
+    let local = Local::start(&chains, &file.capabilities)
+        .await
+        .map_err(|e| TestFileError::Gateway {
+            path: shown.clone(),
+            message: format!("{e:#}"),
+        })?;
+    for case in cases {
+        let case = match case {
+            Ok(c) => c,
+            Err((name, problem)) => {
+                report.cases.push(CaseReport {
+                    name,
+                    passed: false,
+                    details: vec![problem],
+                    answer: None,
+                });
+                continue;
+            }
+        };
+        let streamed = case.chunks.is_some();
+        let got = match &case.chunks {
+            Some(chunks) => local.stream(&case, chunks).await,
+            None => local.run(&case).await,
+        };
+        let mut details = match &got {
+            Ok(v) => compare(&case.expect, v, streamed),
+            Err(e) => vec![format!("the gateway refused the case: {e}")],
+        };
+        let passed = details.is_empty();
+        if !passed {
+            details.extend(hook_failures(got.as_ref().ok(), streamed));
+        }
+        report.cases.push(CaseReport {
+            name: case.name.clone(),
+            passed,
+            details,
+            answer: got.ok().filter(|_| opts.verbose),
+        });
+    }
     local.stop().await;
-    Ok((passed, failed))
+    Ok(report)
+}
+
+/// JUnit XML for the reports (one testsuite per file), as CI systems read it.
+pub fn junit(reports: &[Result<FileReport, String>]) -> String {
+    fn esc(s: &str) -> String {
+        s.replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;")
+            .replace('"', "&quot;")
+    }
+    let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites>\n");
+    for r in reports {
+        match r {
+            Ok(f) => {
+                out.push_str(&format!(
+                    "  <testsuite name=\"{}\" tests=\"{}\" failures=\"{}\">\n",
+                    esc(&f.path.display().to_string()),
+                    f.cases.len(),
+                    f.failed()
+                ));
+                for c in &f.cases {
+                    out.push_str(&format!("    <testcase name=\"{}\"", esc(&c.name)));
+                    if c.passed {
+                        out.push_str("/>\n");
+                    } else {
+                        let first = c.details.first().cloned().unwrap_or_default();
+                        out.push_str(&format!(
+                            ">\n      <failure message=\"{}\">{}</failure>\n    </testcase>\n",
+                            esc(first.lines().next().unwrap_or_default()),
+                            esc(&c.details.join("\n"))
+                        ));
+                    }
+                }
+                out.push_str("  </testsuite>\n");
+            }
+            Err(e) => out.push_str(&format!(
+                "  <testsuite name=\"{}\" tests=\"1\" failures=\"0\" errors=\"1\">\n    <testcase name=\"(file)\">\n      <error message=\"{}\"/>\n    </testcase>\n  </testsuite>\n",
+                esc(e.split(':').next().unwrap_or_default()),
+                esc(e)
+            )),
+        }
+    }
+    out.push_str("</testsuites>\n");
+    out
 }

@@ -7,5 +7,8 @@
 mod check;
 mod hooktest;
 
-pub use check::{Finding, Report, check, expand};
-pub use hooktest::{Case, CaseError, Expect, Local, TestFile, compare, response_json, run_file};
+pub use check::{DEFAULT_PYTHON, Finding, Report, check, expand};
+pub use hooktest::{
+    Case, CaseError, CaseReport, Expect, FileReport, Local, RunOptions, TestFile, TestFileError,
+    compare, junit, response_json, run_file,
+};

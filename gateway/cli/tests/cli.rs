@@ -181,3 +181,369 @@ fn every_example_chain_passes_its_test_cases() {
     assert_eq!(code, 0, "{out}");
     assert!(out.contains(" passed, 0 failed"), "{out}");
 }
+
+/// Every mistake here is one `check` must name, with its line, in one pass over the file.
+const MISTAKES: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: typo}
+spec:
+  target: bot
+  triggerPoint: input
+  failurepolicy: Closed
+  hooks:
+    - name: mask
+      action: modify
+      setting: {mask: "[id]"}
+      code: |
+        def execute(context, settings):
+            return {"action": "modify", "outgoing": settings["mask_text"]}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: reads}
+spec:
+  target: bot
+  triggerPoint: output
+  hooks:
+    - name: detect
+      action: detect
+      settings: {mask: x, limit: 3}
+      code: |
+        def execute(context, settings):
+            n = settings.get("limt", 3)
+            context["state"] = settings["mask"]
+"#;
+
+#[test]
+fn check_names_unknown_fields_undeclared_settings_and_a_missing_return_in_one_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "mistakes.yaml", MISTAKES);
+    let (code, out) = sluice(&["check", &file]);
+    assert_eq!(code, 1, "{out}");
+    let line = |needle: &str| {
+        out.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle:?} in:\n{out}"))
+            .to_string()
+    };
+    let l = line("failurepolicy");
+    assert!(
+        l.contains("mistakes.yaml:7:") && l.contains("did you mean \"failurePolicy\""),
+        "{l}"
+    );
+    let l = line("\"setting\"");
+    assert!(
+        l.contains("mistakes.yaml:11:") && l.contains("did you mean \"settings\""),
+        "{l}"
+    );
+    // The schema errors do not hide the code's problems.
+    let l = line("mask_text");
+    assert!(
+        l.contains("mistakes.yaml:14:") && l.contains("KeyError"),
+        "{l}"
+    );
+    let l = line("limt");
+    assert!(
+        l.contains("mistakes.yaml:28:")
+            && l.contains("always gets its default")
+            && l.contains("did you mean \"limit\""),
+        "{l}"
+    );
+    assert!(
+        !out.contains("settings[\"mask\"]"),
+        "a declared key is fine:\n{out}"
+    );
+    let l = line("never returns");
+    assert!(l.contains("mistakes.yaml:27:"), "{l}");
+    assert!(out.contains("5 problem(s) found"), "{out}");
+}
+
+#[test]
+fn check_reports_chain_conflicts_as_the_gateway_does() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "a.yaml", CHAIN);
+    write(
+        dir.path(),
+        "b.yaml",
+        &CHAIN.replace("name: upper}", "name: shout}"),
+    );
+    let (code, out) = sluice(&["check", &dir.path().to_string_lossy()]);
+    assert_eq!(code, 1, "{out}");
+    let l = out
+        .lines()
+        .find(|l| l.contains("only the first is served"))
+        .unwrap_or_else(|| panic!("no conflict in:\n{out}"));
+    assert!(
+        l.contains("b.yaml:1:") && l.contains("\"shout\"") && l.contains("\"upper\""),
+        "{l}"
+    );
+}
+
+#[test]
+fn check_parses_with_the_sandboxes_python_not_the_first_on_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let chain = write(dir.path(), "chain.yaml", CHAIN);
+    // A python3 first on PATH that refuses everything: check must not use it.
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let script = |path: &Path, body: &str| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(path, body).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    };
+    script(
+        &bin.join("python3"),
+        "#!/bin/sh\necho 'not this python' >&2\nexit 3\n",
+    );
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", &chain])
+        .env("PATH", &path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    // --python picks the interpreter.
+    let marker = dir.path().join("used");
+    let chosen = dir.path().join("chosen-python");
+    script(
+        &chosen,
+        &format!(
+            "#!/bin/sh\ntouch {}\nexec /usr/bin/python3 \"$@\"\n",
+            marker.display()
+        ),
+    );
+    let (code, out) = sluice(&["check", "--python", &chosen.to_string_lossy(), &chain]);
+    assert_eq!(code, 0, "{out}");
+    assert!(marker.exists(), "--python was not used");
+}
+
+#[test]
+fn check_says_yaml_mistakes_in_plain_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let tab = write(dir.path(), "tab.yaml", &CHAIN.replace("  pool:", "\tpool:"));
+    let colon = write(
+        dir.path(),
+        "colon.yaml",
+        &CHAIN.replace("  pool:", "  description: Sorry: we cannot\n  pool:"),
+    );
+    let dedent = write(
+        dir.path(),
+        "dedent.yaml",
+        &CHAIN.replace("            return", "    x = 1\n            return"),
+    );
+    let (code, out) = sluice(&["check", &tab, &colon, &dedent]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("tab.yaml:7: line 7 is indented with a tab"),
+        "{out}"
+    );
+    assert!(
+        out.contains("colon.yaml:7: the value on line 7 contains \": \""),
+        "{out}"
+    );
+    assert!(
+        out.contains("dedent.yaml:13: line 13 is indented less than the code above it"),
+        "{out}"
+    );
+}
+
+const FAILING: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: failing}
+spec:
+  target: bot
+  triggerPoint: input
+  failurePolicy: Closed
+  timeoutMs: 500
+  pool: {warm: 1, max: 4}
+  hooks:
+    - name: mask
+      action: modify
+      settings: {mask: "[id]"}
+      code: |
+        def execute(context, settings):
+            if context["outgoing"] == "slow":
+                while True:
+                    pass
+            text = settings["mask_text"]
+            return {"action": "modify", "outgoing": text}
+"#;
+
+#[test]
+fn a_failed_hook_reads_as_an_error_with_its_line_its_settings_and_its_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let chain = write(dir.path(), "chain.yaml", FAILING);
+    let (code, out) = sluice(&["run", &chain, "--text", "CUST-123"]);
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(v["action"], "block");
+    assert_eq!(v["hooks"][0]["action"], "error", "never pass: {v:#}");
+    let error = v["errors"][0]["error"].as_str().unwrap_or_default();
+    assert!(error.starts_with("KeyError: 'mask_text'"), "{error}");
+    assert!(
+        error.contains("chain.yaml:19), in execute: text = settings[\"mask_text\"]"),
+        "the source line and its file line: {error}"
+    );
+    assert!(error.contains("settings have mask"), "{error}");
+
+    let (_, out) = sluice(&["run", &chain, "--text", "slow"]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let error = v["hooks"][0]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("timed out after 500 ms") && error.contains("spec.timeoutMs is 500 ms"),
+        "{error}"
+    );
+    assert_eq!(v["hooks"][0]["latency_us"], 500_000, "{v:#}");
+
+    // `sluice test` shows why a case failed: the hook's exception and the message.
+    write(
+        dir.path(),
+        "mask.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: masks\n    target: bot\n    text: CUST-123\n    expect: {action: modify, text: \"[id]\"}\n",
+    );
+    let (code, out) = sluice(&["test", &dir.path().join("mask.test.yaml").to_string_lossy()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("FAIL  masks"), "{out}");
+    assert!(
+        out.contains("hook \"mask\" failed:") && out.contains("KeyError: 'mask_text'"),
+        "{out}"
+    );
+    assert!(out.contains("message: \"hook \\\"mask\\\" failed"), "{out}");
+}
+
+#[test]
+fn init_writes_a_starter_that_checks_and_tests_clean() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("starter");
+    let target = target.to_string_lossy();
+    let (code, out) = sluice(&["init", &target]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = sluice(&["check", &target]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = sluice(&["test", &target]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("3 passed, 0 failed"), "{out}");
+    let (code, out) = sluice(&["init", &target]);
+    assert_eq!(code, 1, "never overwrites: {out}");
+}
+
+#[test]
+fn test_runs_one_case_verbosely_writes_junit_and_a_misspelt_case_fails_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "chain.yaml", CHAIN);
+    let file = write(
+        dir.path(),
+        "cases.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: shouts\n    target: bot\n    text: hi\n    expect: {action: modify, text: HI}\n  - name: misspelt\n    target: bot\n    text: hi\n    expct: {action: modify}\n  - name: wrong\n    target: bot\n    text: hi\n    expect: {text: hi}\n",
+    );
+    let junit = dir.path().join("junit.xml");
+    let (code, out) = sluice(&["test", &file, "--junit", &junit.to_string_lossy()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("PASS  shouts"),
+        "the other cases still run:\n{out}"
+    );
+    assert!(
+        out.contains("FAIL  misspelt")
+            && out.contains("unknown key \"expct\" in this case; did you mean \"expect\"?"),
+        "{out}"
+    );
+    assert!(out.contains("1 passed, 2 failed"), "{out}");
+    let xml = std::fs::read_to_string(&junit).unwrap();
+    assert!(
+        xml.contains("<testsuite name=") && xml.contains("tests=\"3\" failures=\"2\""),
+        "{xml}"
+    );
+    assert!(xml.contains("<testcase name=\"shouts\"/>"), "{xml}");
+    assert!(
+        xml.contains("<testcase name=\"wrong\">\n      <failure"),
+        "{xml}"
+    );
+
+    let (code, out) = sluice(&["test", &file, "--run", "shou", "-v"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("PASS  shouts") && !out.contains("misspelt") && !out.contains("wrong"),
+        "{out}"
+    );
+    assert!(
+        out.contains("\"action\": \"modify\""),
+        "-v prints the answer:\n{out}"
+    );
+    assert!(out.contains("1 passed, 0 failed"), "{out}");
+}
+
+#[test]
+fn test_says_in_one_line_when_runsc_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "chain.yaml", CHAIN);
+    let file = write(
+        dir.path(),
+        "c.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: shouts\n    target: bot\n    text: hi\n    expect: {action: modify}\n",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["test", &file])
+        .env("PATH", dir.path())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+    assert!(text.contains("runsc (gVisor) is not on PATH"), "{text}");
+}
+
+#[test]
+fn test_watch_runs_again_when_a_chain_changes() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "chain.yaml", CHAIN);
+    let file = write(
+        dir.path(),
+        "c.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: shouts\n    target: bot\n    text: hi\n    expect: {text: HI}\n",
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["test", "--watch", &file])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A guard, not an assertion: should the change never be picked up, the run is ended so that
+    // the reads below see the end of its output instead of waiting forever.
+    let pid = child.id();
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(180));
+        let _ = Command::new("kill").arg(pid.to_string()).status();
+    });
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut next_summary = || {
+        lines
+            .by_ref()
+            .map_while(Result::ok)
+            .find(|l| l.contains(" passed, "))
+            .unwrap_or_default()
+    };
+    assert_eq!(next_summary(), "1 passed, 0 failed");
+    write(
+        dir.path(),
+        "chain.yaml",
+        &CHAIN.replace(".upper()", ".lower()"),
+    );
+    assert_eq!(
+        next_summary(),
+        "0 passed, 1 failed",
+        "the change was picked up"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

@@ -76,6 +76,10 @@ pub struct AuditEvent {
     pub chain: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub code_hash: Option<String>,
+    /// Set when the chain that served is the last valid version, not the newest (which fails its
+    /// checks): why the newest is not served.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub superseded: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub session_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -114,6 +118,7 @@ impl AuditEvent {
             trigger_point: String::new(),
             chain: None,
             code_hash: None,
+            superseded: None,
             session_id: None,
             sandbox: None,
             baseline: None,

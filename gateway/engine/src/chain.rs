@@ -15,6 +15,12 @@ pub struct Chain {
     pub sandbox: SandboxSpec,
     /// Each hook's settings, `{}` where none were given.
     pub settings: Vec<Value>,
+    /// Why a newer version of this chain is not served, when this is the last valid one.
+    pub superseded: Option<String>,
+    /// Where the chain was read from, and per hook where its code starts there (code line n is
+    /// file line `code_lines[i] + n`), so errors can point at the file people edit.
+    pub origin: sluice_crds::definition::Origin,
+    pub code_lines: Vec<Option<usize>>,
 }
 
 /// Why a HookChain cannot be served.
@@ -61,6 +67,9 @@ impl Chain {
             spec: spec.clone(),
             sandbox,
             settings,
+            superseded: None,
+            origin: Default::default(),
+            code_lines: Vec::new(),
         })
     }
 

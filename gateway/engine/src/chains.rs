@@ -67,6 +67,10 @@ impl Chains {
             audit.chain = Some(t.qualified_name());
             audit.code_hash = Some(t.code_hash.clone());
         }
+        audit.superseded = self
+            .ordered()
+            .find_map(|(c, _)| c.superseded.as_ref())
+            .map(|s| s.to_string());
         if let Some(b) = &self.baseline {
             audit.baseline = Some(AuditChain {
                 chain: b.qualified_name(),

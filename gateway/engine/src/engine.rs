@@ -86,6 +86,12 @@ impl Engine {
     /// Swaps in a new registry; pools follow. Runs in flight keep the chain they started with.
     pub async fn set_registry(&self, registry: Registry) {
         let registry = Arc::new(registry);
+        self.metrics
+            .definitions_invalid
+            .set(registry.errors().len() as i64);
+        self.metrics
+            .chains_superseded
+            .set(registry.superseded() as i64);
         self.registry.store(registry.clone());
         self.pools.sync(registry.all_chains()).await;
     }

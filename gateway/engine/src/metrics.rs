@@ -2,7 +2,8 @@
 //! them is `sluice-telemetry`'s.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 #[derive(Clone)]
@@ -21,6 +22,10 @@ pub struct Metrics {
     pub host_calls: IntCounterVec,
     pub rejected: IntCounterVec,
     pub pod_claims: IntCounterVec,
+    /// Definitions (files' documents, cluster objects) that fail their checks and are not served.
+    pub definitions_invalid: IntGauge,
+    /// Chains served from their last valid version because the newest fails its checks.
+    pub chains_superseded: IntGauge,
     /// Answers `/readyz`: set once the registry is loaded and the pools are warm, cleared at shutdown.
     pub ready: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
@@ -133,8 +138,20 @@ impl Metrics {
             &["result"],
         )
         .expect("valid metric");
+        let definitions_invalid = IntGauge::new(
+            "sluice_gateway_definitions_invalid",
+            "Problems found in the newest HookChain and Capability definitions (not served; a chain with a last valid version keeps serving it)",
+        )
+        .expect("valid metric");
+        let chains_superseded = IntGauge::new(
+            "sluice_gateway_chains_superseded",
+            "Chains served from their last valid version because the newest fails its checks",
+        )
+        .expect("valid metric");
         for c in [
             Box::new(pod_claims.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(definitions_invalid.clone()),
+            Box::new(chains_superseded.clone()),
             Box::new(runs.clone()),
             Box::new(run_seconds.clone()),
             Box::new(hook_errors.clone()),
@@ -165,6 +182,8 @@ impl Metrics {
             host_calls,
             rejected,
             pod_claims,
+            definitions_invalid,
+            chains_superseded,
             ready: Default::default(),
         }
     }

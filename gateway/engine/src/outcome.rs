@@ -60,6 +60,7 @@ impl Walk {
 
     /// Applies a hook failure under the chain's policy.
     fn hook_failed(&mut self, chain: &Chain, index: usize, error: String, latency_us: u64) {
+        let error = explain(chain, index, &error);
         let name = chain.spec.hooks[index].name.clone();
         let reason = format!("hook {name:?} failed: {error}");
         self.hooks.push(HookOutcome {
@@ -167,6 +168,85 @@ fn bounded(v: &Value, what: &str, max_bytes: usize, limits: &Limits) -> Result<(
         ));
     }
     Ok(())
+}
+
+/// A hook's error made readable where the hook was written: each traceback line the supervisor
+/// sends (`  line N, in f: source`) gets its source line from the hook's code when the sandbox had
+/// none, and the line of the file it came from; a `KeyError` on a key the hook's settings do not
+/// have lists the keys they do have.
+pub fn explain(chain: &Chain, index: usize, error: &str) -> String {
+    let Some(hook) = chain.spec.hooks.get(index) else {
+        return error.to_string();
+    };
+    let code: Vec<&str> = hook.code.lines().collect();
+    let base = chain.code_lines.get(index).copied().flatten();
+    let mut out: Vec<String> = error
+        .lines()
+        .map(|line| {
+            let Some(rest) = line.strip_prefix("  line ") else {
+                return line.to_string();
+            };
+            let Some((n, rest)) = rest.split_once(", in ") else {
+                return line.to_string();
+            };
+            let Ok(n) = n.parse::<usize>() else {
+                return line.to_string();
+            };
+            let (func, source) = rest
+                .split_once(": ")
+                .unwrap_or((rest.trim_end_matches(':'), ""));
+            let source = match source.trim() {
+                "" => code
+                    .get(n.wrapping_sub(1))
+                    .map(|l| l.trim())
+                    .unwrap_or_default(),
+                s => s,
+            };
+            let at = base
+                .map(|b| format!(" ({}:{})", chain.origin.file.display(), b + n))
+                .unwrap_or_default();
+            format!("  line {n}{at}, in {func}: {source}")
+        })
+        .collect();
+    if let Some(key) = out
+        .first()
+        .and_then(|l| l.strip_prefix("KeyError: "))
+        .map(|k| k.trim().trim_matches(['\'', '"']).to_string())
+    {
+        let settings = chain.settings.get(index).and_then(Value::as_object);
+        if !settings.is_some_and(|s| s.contains_key(&key)) {
+            let keys: Vec<&str> = settings
+                .map(|s| s.keys().map(String::as_str).collect())
+                .unwrap_or_default();
+            out.push(if keys.is_empty() {
+                format!(
+                    "  (if this is settings[{key:?}]: hook {:?} declares no settings)",
+                    hook.name
+                )
+            } else {
+                format!(
+                    "  (if this is settings[{key:?}]: hook {:?}'s settings have {})",
+                    hook.name,
+                    keys.join(", ")
+                )
+            });
+        }
+    }
+    out.join("\n")
+}
+
+/// What a sandbox failure says about the hook it stopped, and how long that hook ran.
+fn failure_text(chain: &Chain, failure: &SandboxFailure) -> (String, u64) {
+    match failure {
+        SandboxFailure::Timeout(ms) => (
+            format!(
+                "timed out after {ms} ms: the chain's spec.timeoutMs is {} ms (time in host_calls not counted); make the hook faster or raise spec.timeoutMs",
+                chain.spec.timeout_ms
+            ),
+            ms.saturating_mul(1000),
+        ),
+        other => (other.to_string(), 0),
+    }
 }
 
 /// Folds one walk report (hooks from `start`) into `walk`, updating `state`.
@@ -277,7 +357,8 @@ pub fn fold(
             walk.resume_at = Some(expected);
             return;
         }
-        walk.hook_failed(chain, expected, failure.to_string(), 0);
+        let (error, latency_us) = failure_text(chain, failure);
+        walk.hook_failed(chain, expected, error, latency_us);
         if !walk.is_terminal() && expected + 1 < hooks.len() {
             walk.resume_at = Some(expected + 1);
         }
@@ -334,6 +415,28 @@ mod tests {
         }))
         .unwrap();
         Chain::new("ns", "c", &spec).unwrap()
+    }
+
+    #[test]
+    fn errors_point_at_the_file_line_and_name_the_settings_keys() {
+        let spec: sluice_crds::HookChainSpec = serde_json::from_value(json!({
+            "target": "bot", "triggerPoint": "input", "hooks": [
+                {"name": "mask", "action": "modify", "settings": {"mask": "x", "limit": 2},
+                 "code": "def execute(context, settings):\n    m = settings['mask_text']\n    return {'action': 'pass'}\n"}
+            ]
+        }))
+        .unwrap();
+        let mut chain = Chain::new("ns", "c", &spec).unwrap();
+        chain.origin.file = "chains/mask.yaml".into();
+        chain.code_lines = vec![Some(20)];
+        let said = explain(&chain, 0, "KeyError: 'mask_text'\n  line 2, in execute: ");
+        assert_eq!(
+            said,
+            "KeyError: 'mask_text'\n  line 2 (chains/mask.yaml:22), in execute: m = settings['mask_text']\n  (if this is settings[\"mask_text\"]: hook \"mask\"'s settings have limit, mask)"
+        );
+        // A key the settings have is someone else's KeyError: nothing is added.
+        let said = explain(&chain, 0, "KeyError: 'mask'\n  line 2, in execute: x");
+        assert!(!said.contains("settings have"), "{said}");
     }
 
     fn result(index: usize, name: &str, action: &str) -> HookResult {
@@ -467,7 +570,12 @@ mod tests {
             (w.action, w.terminal_index, w.resume_at),
             (Action::Pass, None, Some(2))
         );
-        assert_eq!(w.hooks[1].error.as_deref(), Some("timed out after 2000 ms"));
+        let error = w.hooks[1].error.as_deref().unwrap_or_default();
+        assert!(
+            error.starts_with("timed out after 2000 ms: the chain's spec.timeoutMs is 2000 ms"),
+            "{error}"
+        );
+        assert_eq!(w.hooks[1].latency_us, 2_000_000, "the time spent is stated");
     }
 
     #[test]

@@ -51,38 +51,45 @@ impl Registry {
                 message,
             };
             match &d.spec {
-                Spec::HookChain(spec) => match Chain::new(&d.namespace, &d.name, spec) {
-                    Ok(chain) if chain.spec.enforced => {
-                        let tp = chain.spec.trigger_point;
-                        let here = d.origin.clone();
-                        if chain.namespace != platform_namespace {
-                            errors.push(at(format!(
+                Spec::HookChain(spec) => {
+                    match Chain::new(&d.namespace, &d.name, spec).map(|mut c| {
+                        c.superseded = d.superseded.clone();
+                        c.origin = d.origin.clone();
+                        c.code_lines = d.code_lines.clone();
+                        c
+                    }) {
+                        Ok(chain) if chain.spec.enforced => {
+                            let tp = chain.spec.trigger_point;
+                            let here = d.origin.clone();
+                            if chain.namespace != platform_namespace {
+                                errors.push(at(format!(
                                 "HookChain {:?}: spec.enforced is honoured only in the platform namespace {platform_namespace:?}, not in {:?}; not served",
                                 chain.name, chain.namespace
                             )));
-                        } else if let Some((other, there)) = baselines.get(&tp) {
-                            errors.push(at(format!(
+                            } else if let Some((other, there)) = baselines.get(&tp) {
+                                errors.push(at(format!(
                                 "HookChain {:?} is a second enforced baseline at {tp}, like {:?} ({there}); only the first is served (put both chains' hooks in one)",
                                 chain.name, other.name
                             )));
-                        } else {
-                            baselines.insert(tp, (Arc::new(chain), here));
+                            } else {
+                                baselines.insert(tp, (Arc::new(chain), here));
+                            }
                         }
-                    }
-                    Ok(chain) => {
-                        let key = chain.key();
-                        let here = d.origin.clone();
-                        if let Some((other, there)) = chains.get(&key) {
-                            errors.push(at(format!(
+                        Ok(chain) => {
+                            let key = chain.key();
+                            let here = d.origin.clone();
+                            if let Some((other, there)) = chains.get(&key) {
+                                errors.push(at(format!(
                                 "HookChain {:?} serves {}/{} at {} like {:?} ({there}); only the first is served",
                                 chain.name, key.namespace, key.target, key.trigger_point, other.name
                             )));
-                        } else {
-                            chains.insert(key, (Arc::new(chain), here));
+                            } else {
+                                chains.insert(key, (Arc::new(chain), here));
+                            }
                         }
+                        Err(e) => errors.push(at(format!("HookChain: {e}"))),
                     }
-                    Err(e) => errors.push(at(format!("HookChain: {e}"))),
-                },
+                }
                 Spec::Capability(spec) => {
                     let entry = CapabilityEntry {
                         namespace: d.namespace.clone(),
@@ -149,6 +156,11 @@ impl Registry {
         }
     }
 
+    /// Chains served from their last valid version because the newest one fails its checks.
+    pub fn superseded(&self) -> usize {
+        self.all_chains().filter(|c| c.superseded.is_some()).count()
+    }
+
     /// What could not be served, with where it came from and why.
     pub fn errors(&self) -> &[NotServed] {
         &self.errors
@@ -176,6 +188,7 @@ impl Registry {
             chains = chains.len(),
             capabilities = self.capabilities.len(),
             errors = self.errors.len(),
+            superseded = self.superseded(),
             "registry loaded: {}",
             chains.join(", ")
         );
@@ -219,6 +232,8 @@ mod tests {
             spec: Spec::HookChain(Box::new(
                 serde_json::from_value(spec).expect("a valid spec"),
             )),
+            superseded: None,
+            code_lines: Vec::new(),
         }
     }
 

@@ -2,6 +2,10 @@
 //! registry snapshot whenever either changes. Each object is decoded on its own
 //! (`DeserializeGuard`), so one malformed object is reported and skipped while the rest keep
 //! serving, and the watch itself never breaks on it.
+//!
+//! Each HookChain generation is checked as `sluice check` and the operator check it (semantic rules
+//! and the hook code analyser, once per generation); a generation that fails keeps the chain's last
+//! valid generation serving, marked as such in the audit, and the problem is reported.
 
 use crate::watch::{Tasks, apis};
 use futures::StreamExt;
@@ -31,7 +35,59 @@ pub struct KubeSource {
     capabilities: Vec<Store<Guarded<Capability>>>,
     changed: Arc<Notify>,
     platform_namespace: String,
+    /// The interpreter that judges hook code (the sandboxes' Python).
+    python: PathBuf,
+    /// Per (uid, generation): the problems found in that generation (none: it may serve).
+    verdicts: HashMap<(String, i64), Vec<String>>,
+    /// Per `namespace/name`: the last generation that passed its checks.
+    last_valid: HashMap<String, HookChain>,
     _tasks: Tasks,
+}
+
+/// `namespace/name` of an object.
+fn key_of(meta: &kube::api::ObjectMeta) -> String {
+    format!(
+        "{}/{}",
+        meta.namespace.as_deref().unwrap_or("default"),
+        meta.name.as_deref().unwrap_or_default()
+    )
+}
+
+/// (uid, generation) of an object: what a verdict is cached by.
+fn version_of(meta: &kube::api::ObjectMeta) -> (String, i64) {
+    (
+        meta.uid.clone().unwrap_or_default(),
+        meta.generation.unwrap_or_default(),
+    )
+}
+
+/// Every problem of one HookChain generation: the semantic rules, then its hooks' code.
+fn check_chain(python: &std::path::Path, hc: &HookChain) -> Vec<String> {
+    let mut out: Vec<String> = sluice_crds::validate::hookchain(&hc.spec)
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+    if !out.is_empty() {
+        return out;
+    }
+    match sluice_crds::code::analyse_with(python, &hc.spec.hooks) {
+        Ok(per_hook) => {
+            for (hook, problems) in hc.spec.hooks.iter().zip(per_hook) {
+                for p in problems {
+                    out.push(format!(
+                        "hook {:?}, line {} of its code: {}",
+                        hook.name, p.line, p.message
+                    ));
+                }
+            }
+        }
+        Err(e) => tracing::warn!(
+            chain = %key_of(&hc.metadata),
+            error = %e,
+            "hook code not analysed; serving it unchecked"
+        ),
+    }
+    out
 }
 
 fn watch_into<K>(
@@ -112,6 +168,7 @@ impl KubeSource {
         client: kube::Client,
         namespaces: &[String],
         platform_namespace: &str,
+        python: PathBuf,
         sync_timeout: Duration,
     ) -> anyhow::Result<Self> {
         let changed = Arc::new(Notify::new());
@@ -133,6 +190,9 @@ impl KubeSource {
             capabilities,
             changed,
             platform_namespace: platform_namespace.to_string(),
+            python,
+            verdicts: HashMap::new(),
+            last_valid: HashMap::new(),
             _tasks: Tasks(tasks),
         };
         let synced = async {
@@ -151,22 +211,99 @@ impl KubeSource {
         Ok(source)
     }
 
-    /// The registry the caches describe now.
-    pub fn registry(&self) -> Registry {
-        let mut objects = Vec::new();
-        let mut errors = Vec::new();
-        for guarded in self.chains.iter().flat_map(|s| s.state()) {
-            match &guarded.0 {
-                Ok(hc) => objects.push(definition(
-                    origin("HookChain", &hc.metadata),
-                    Object::HookChain(Box::new(hc.clone())),
-                )),
-                Err(bad) => errors.push(NotServed {
-                    origin: origin("HookChain", &bad.metadata),
-                    message: format!("cannot be read: {}", bad.error),
-                }),
+    /// The registry the caches describe now: each chain at its newest generation that passes its
+    /// checks, or at its last valid one.
+    pub async fn registry(&mut self) -> Registry {
+        let chains: Vec<Arc<Guarded<HookChain>>> =
+            self.chains.iter().flat_map(|s| s.state()).collect();
+        // Generations not judged yet are checked off the async workers (the analyser is python).
+        let new: Vec<HookChain> = chains
+            .iter()
+            .filter_map(|g| g.0.as_ref().ok())
+            .filter(|hc| !self.verdicts.contains_key(&version_of(&hc.metadata)))
+            .cloned()
+            .collect();
+        if !new.is_empty() {
+            let python = self.python.clone();
+            let judged = tokio::task::spawn_blocking(move || {
+                new.into_iter()
+                    .map(|hc| (version_of(&hc.metadata), check_chain(&python, &hc)))
+                    .collect::<Vec<_>>()
+            })
+            .await;
+            match judged {
+                Ok(judged) => self.verdicts.extend(judged),
+                Err(e) => tracing::error!(error = %e, "checking HookChains failed"),
             }
         }
+        let live: std::collections::HashSet<(String, i64)> = chains
+            .iter()
+            .filter_map(|g| g.0.as_ref().ok())
+            .map(|hc| version_of(&hc.metadata))
+            .collect();
+        self.verdicts.retain(|v, _| live.contains(v));
+        let mut objects = Vec::new();
+        let mut errors = Vec::new();
+        let mut present = std::collections::HashSet::new();
+        for guarded in &chains {
+            let (meta, problems) = match &guarded.0 {
+                Ok(hc) => {
+                    let problems = self
+                        .verdicts
+                        .get(&version_of(&hc.metadata))
+                        .cloned()
+                        .unwrap_or_default();
+                    if problems.is_empty() {
+                        self.last_valid.insert(key_of(&hc.metadata), hc.clone());
+                        present.insert(key_of(&hc.metadata));
+                        objects.push(definition(
+                            origin("HookChain", &hc.metadata),
+                            Object::HookChain(Box::new(hc.clone())),
+                        ));
+                        continue;
+                    }
+                    (&hc.metadata, problems)
+                }
+                Err(bad) => (
+                    &bad.metadata,
+                    vec![format!("cannot be read: {}", bad.error)],
+                ),
+            };
+            let key = key_of(meta);
+            present.insert(key.clone());
+            let generation = meta.generation.unwrap_or_default();
+            let kept = self
+                .last_valid
+                .get(&key)
+                .filter(|kept| kept.metadata.uid == meta.uid);
+            let message = match kept {
+                Some(kept) => {
+                    let kept_generation = kept.metadata.generation.unwrap_or_default();
+                    let mut d = definition(
+                        origin("HookChain", &kept.metadata),
+                        Object::HookChain(Box::new(kept.clone())),
+                    );
+                    d.superseded = Some(format!(
+                        "serving generation {kept_generation} of HookChain {key}; generation {generation} fails its checks: {}",
+                        problems.join("; ")
+                    ));
+                    objects.push(d);
+                    format!(
+                        "generation {generation} fails its checks: {}; generation {kept_generation} keeps serving",
+                        problems.join("; ")
+                    )
+                }
+                None => format!(
+                    "generation {generation} fails its checks: {}; not served",
+                    problems.join("; ")
+                ),
+            };
+            errors.push(NotServed {
+                origin: origin("HookChain", meta),
+                message,
+            });
+        }
+        self.last_valid.retain(|k, _| present.contains(k));
         for guarded in self.capabilities.iter().flat_map(|s| s.state()) {
             match &guarded.0 {
                 Ok(cap) => {
@@ -197,11 +334,11 @@ impl KubeSource {
     }
 
     /// Swaps the engine's registry whenever the caches change, until the task is dropped.
-    pub async fn feed(self, engine: Arc<Engine>) {
+    pub async fn feed(mut self, engine: Arc<Engine>) {
         loop {
             self.changed.notified().await;
             tokio::time::sleep(DEBOUNCE).await;
-            let registry = self.registry();
+            let registry = self.registry().await;
             registry.log_summary();
             engine.set_registry(registry).await;
         }

@@ -115,15 +115,14 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         &opts.limits,
         opts.boot_concurrency,
     );
-    let registry = local_dir::load_for(&opts.dir, &opts.platform_namespace)
+    let mut source =
+        local_dir::LocalSource::new(&opts.dir, &opts.platform_namespace, &opts.sandbox.python);
+    let registry = source
+        .reload()
         .with_context(|| format!("reading {}", opts.dir.display()))?;
     registry.log_summary();
     engine.set_registry(registry).await;
-    let source = tokio::spawn(watch(
-        engine.clone(),
-        opts.dir.clone(),
-        opts.platform_namespace.clone(),
-    ));
+    let source = tokio::spawn(watch(engine.clone(), opts.dir.clone(), source));
     let running = serve(engine, listener, opts.metrics, &opts.limits, vec![source]).await?;
     tracing::info!(addr = %running.addr, dir = %opts.dir.display(), "sluice gateway listening (local mode)");
     Ok(running)
@@ -140,6 +139,9 @@ pub struct KubeOptions {
     pub sync_timeout: Duration,
     /// Where enforced baseline chains live.
     pub platform_namespace: String,
+    /// The interpreter that checks each HookChain generation's code: the sandbox image's Python
+    /// (`python3` on `PATH` by default, as in the gateway image).
+    pub python: PathBuf,
 }
 
 impl KubeOptions {
@@ -153,6 +155,7 @@ impl KubeOptions {
             limits: Limits::default(),
             sync_timeout: Duration::from_secs(30),
             platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
+            python: PathBuf::from("python3"),
         }
     }
 }
@@ -191,14 +194,15 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
         .max(opts.kube.claim_timeout + Duration::from_millis(250));
     // Claims are API calls, not boots: many may be in flight at once.
     let engine = engine(Arc::new(backend), opts.audit, metrics, &limits, 256);
-    let source = KubeSource::start(
+    let mut source = KubeSource::start(
         opts.client.clone(),
         &opts.kube.namespaces,
         &opts.platform_namespace,
+        opts.python.clone(),
         opts.sync_timeout,
     )
     .await?;
-    let registry = source.registry();
+    let registry = source.registry().await;
     registry.log_summary();
     engine.set_registry(registry).await;
     let feed = tokio::spawn(source.feed(engine.clone()));
@@ -339,7 +343,7 @@ async fn serve_metrics(metrics: Metrics, addr: SocketAddr) -> std::io::Result<()
 }
 
 /// Re-reads the directory whenever its YAML files change and swaps the registry.
-async fn watch(engine: Arc<Engine>, dir: PathBuf, platform_namespace: String) {
+async fn watch(engine: Arc<Engine>, dir: PathBuf, mut source: local_dir::LocalSource) {
     let mut seen = local_dir::fingerprint(&dir);
     loop {
         tokio::time::sleep(local_dir::POLL).await;
@@ -348,7 +352,21 @@ async fn watch(engine: Arc<Engine>, dir: PathBuf, platform_namespace: String) {
             continue;
         }
         seen = now;
-        match local_dir::load_for(&dir, &platform_namespace) {
+        // Reading checks hook code with python: kept off the async workers.
+        let (back, result) = match tokio::task::spawn_blocking(move || {
+            let result = source.reload();
+            (source, result)
+        })
+        .await
+        {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::error!(error = %e, "the chain directory reader failed; no longer watching");
+                return;
+            }
+        };
+        source = back;
+        match result {
             Ok(registry) => {
                 registry.log_summary();
                 engine.set_registry(registry).await;

@@ -270,3 +270,97 @@ fn sigterm(child: &std::process::Child) {
         .expect("kill(1) runs");
     assert!(status.success(), "kill -TERM failed");
 }
+
+/// Waits until a run of `bot` answers `want` (the directory is re-read within a second).
+async fn until_answers(
+    client: &mut GatewayClient<tonic::transport::Channel>,
+    want: &str,
+) -> proto::RunResponse {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(r) = run(client, "bot", "hi").await
+            && text(&r) == want
+        {
+            return r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the chain never answered {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_save_keeps_the_last_valid_version_serving_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = tempfile::Builder::new()
+        .prefix("sluice-lv")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let file = dir.path().join("good.yaml");
+    let save = |text: String| {
+        let tmp = dir.path().join(".good.yaml.tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &file).unwrap();
+    };
+    std::fs::write(&file, GOOD).unwrap();
+    let gw = start(dir.path(), state.path());
+    let mut client = gw.client().await;
+    until_answers(&mut client, "v1").await;
+
+    // A syntax error in the hook: its code line 4 is line 16 of the file.
+    save(
+        GOOD.replace("tag: v1", "tag: v2")
+            .replace("time.sleep(1.5)", "time.sleep(1.5"),
+    );
+    let line = gw.wait_for_log("good.yaml:16", Duration::from_secs(30));
+    assert!(
+        line.contains("SyntaxError") && line.contains("last valid version keeps serving"),
+        "{line}"
+    );
+    let r = run(&mut client, "bot", "hi").await.unwrap();
+    assert_eq!(text(&r), "v1", "the last valid version answers");
+    assert!(r.hooks.iter().all(|h| h.error.is_empty()), "{r:?}");
+
+    // A schema typo: the chain neither disappears (NOT_FOUND) nor changes.
+    save(
+        GOOD.replace("tag: v1", "tag: v3")
+            .replace("triggerPoint: input", "triggerPoint: Input"),
+    );
+    let line = gw.wait_for_log("good.yaml:6", Duration::from_secs(30));
+    assert!(line.contains("Input"), "{line}");
+    let r = run(&mut client, "bot", "hi").await.expect("no NOT_FOUND");
+    assert_eq!(text(&r), "v1");
+
+    // An unknown field is a failed check too.
+    save(
+        GOOD.replace("tag: v1", "tag: v4")
+            .replace("  pool:", "  failurepolicy: Open\n  pool:"),
+    );
+    let line = gw.wait_for_log("failurepolicy", Duration::from_secs(30));
+    assert!(line.contains("did you mean \"failurePolicy\""), "{line}");
+    assert_eq!(text(&run(&mut client, "bot", "hi").await.unwrap()), "v1");
+
+    // The audit of runs served by the older version says so.
+    let audit = std::fs::read_to_string(state.path().join("audit.jsonl")).unwrap();
+    let last: serde_json::Value =
+        serde_json::from_str(audit.lines().last().expect("an audit line")).unwrap();
+    let note = last["superseded"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("last valid version") && note.contains("good.yaml"),
+        "{last}"
+    );
+
+    // Fixed: the newest version serves, and its runs are not marked.
+    save(GOOD.replace("tag: v1", "tag: v5"));
+    until_answers(&mut client, "v5").await;
+    let audit = std::fs::read_to_string(state.path().join("audit.jsonl")).unwrap();
+    let last: serde_json::Value =
+        serde_json::from_str(audit.lines().last().expect("an audit line")).unwrap();
+    assert!(last.get("superseded").is_none(), "{last}");
+    drop(client);
+    let mut gw = gw;
+    sigterm(&gw.child);
+    assert!(gw.child.wait().unwrap().success());
+}

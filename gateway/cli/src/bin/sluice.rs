@@ -1,5 +1,6 @@
 //! `sluice`: the command line for people who write and call hooks.
 //!
+//! - `sluice init DIR`: writes a starter chain and its test file.
 //! - `sluice check FILE...`: validates HookChain and Capability YAML without a cluster.
 //! - `sluice test FILE...`: runs declarative test cases against chains in local gVisor sandboxes.
 //! - `sluice run FILE... --text ...`: one run (or `--stream`) in local sandboxes, printed as JSON.
@@ -29,11 +30,38 @@ enum Command {
         /// Files or directories of YAML.
         #[arg(required = true)]
         files: Vec<std::path::PathBuf>,
+        /// The Python that parses hook code: the one the sandboxes run, not whichever is first on
+        /// PATH, so that syntax the sandbox would refuse is refused here.
+        #[arg(long, default_value = sluice_cli::DEFAULT_PYTHON)]
+        python: std::path::PathBuf,
     },
     /// Run declarative test cases (YAML) against their chains in local gVisor sandboxes.
+    ///
+    /// Needs root and runsc, as the local gateway does. Exit codes: 0 every case passed; 1 a case
+    /// failed; 2 something could not be run at all (no runsc or not root, a test file that cannot
+    /// be read, chains the local gateway refuses).
     Test {
+        /// Test files (*.test.yaml) or directories of them.
         #[arg(required = true)]
         files: Vec<std::path::PathBuf>,
+        /// Run only the cases whose name contains PATTERN.
+        #[arg(long, value_name = "PATTERN")]
+        run: Option<String>,
+        /// Print each case's answer (action, payload, every hook's outcome).
+        #[arg(short, long)]
+        verbose: bool,
+        /// Also write the results as JUnit XML to FILE.
+        #[arg(long, value_name = "FILE")]
+        junit: Option<std::path::PathBuf>,
+        /// Run again whenever a test file or a chain it uses changes (Ctrl-C ends).
+        #[arg(long)]
+        watch: bool,
+    },
+    /// Write a starter chain (DIR/redact-customer-ids.yaml) and its test file
+    /// (DIR/tests/redact-customer-ids.test.yaml) that `sluice check` and `sluice test` pass.
+    Init {
+        /// Directory to write into (created if missing); existing files are never overwritten.
+        dir: std::path::PathBuf,
     },
     /// Run the chains in FILE(s) once in local gVisor sandboxes and print the result as JSON.
     Run(RunArgs),
@@ -178,8 +206,18 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Call(a) => call(a).await,
-        Command::Check { files } => return check(&files),
-        Command::Test { files } => return test(&files).await,
+        Command::Check { files, python } => return check(&files, &python),
+        Command::Test {
+            files,
+            run,
+            verbose,
+            junit,
+            watch,
+        } => {
+            let opts = sluice_cli::RunOptions { only: run, verbose };
+            return test(&files, &opts, junit.as_deref(), watch).await;
+        }
+        Command::Init { dir } => return init(&dir),
         Command::Run(a) => run(a).await,
     };
     match result {
@@ -205,9 +243,9 @@ fn parse_context(pairs: &[String]) -> Result<std::collections::BTreeMap<String, 
         .collect()
 }
 
-fn check(files: &[std::path::PathBuf]) -> ExitCode {
+fn check(files: &[std::path::PathBuf], python: &std::path::Path) -> ExitCode {
     let files = sluice_cli::expand(files, false);
-    let report = sluice_cli::check(&files);
+    let report = sluice_cli::check(&files, python);
     for f in &report.findings {
         println!("{f}");
     }
@@ -225,27 +263,240 @@ fn check(files: &[std::path::PathBuf]) -> ExitCode {
     }
 }
 
-async fn test(files: &[std::path::PathBuf]) -> ExitCode {
+/// Exit code of `sluice test` when something could not be run at all.
+const TEST_COULD_NOT_RUN: u8 = 2;
+
+async fn test(
+    files: &[std::path::PathBuf],
+    opts: &sluice_cli::RunOptions,
+    junit: Option<&std::path::Path>,
+    watch: bool,
+) -> ExitCode {
     quiet_logs();
-    let (mut passed, mut failed) = (0, 0);
+    if let Err(missing) = preflight() {
+        println!("sluice test: {missing}");
+        return ExitCode::from(TEST_COULD_NOT_RUN);
+    }
+    // Taken before the run, so that a change made while it runs starts the next one.
+    let mut seen = watched(files);
+    let mut code = test_once(files, opts, junit).await;
+    if !watch {
+        return code;
+    }
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return code,
+            _ = tokio::time::sleep(std::time::Duration::from_millis(500)) => {}
+        }
+        let now = watched(files);
+        if now != seen {
+            seen = now;
+            println!("--- changed; running again ---");
+            code = test_once(files, opts, junit).await;
+        }
+    }
+}
+
+async fn test_once(
+    files: &[std::path::PathBuf],
+    opts: &sluice_cli::RunOptions,
+    junit: Option<&std::path::Path>,
+) -> ExitCode {
+    let (mut passed, mut failed, mut broken) = (0, 0, 0);
+    let mut reports = Vec::new();
     for f in sluice_cli::expand(files, true) {
-        match sluice_cli::run_file(&f).await {
-            Ok((p, n)) => {
-                passed += p;
-                failed += n;
+        match sluice_cli::run_file(&f, opts).await {
+            Ok(report) => {
+                println!("{}", report.path.display());
+                for c in &report.cases {
+                    println!("  {}  {}", if c.passed { "PASS" } else { "FAIL" }, c.name);
+                    for line in c.details.iter().flat_map(|d| d.lines()) {
+                        println!("        {line}");
+                    }
+                    if let Some(answer) = &c.answer {
+                        let pretty = serde_json::to_string_pretty(answer).unwrap_or_default();
+                        for line in pretty.lines() {
+                            println!("        {line}");
+                        }
+                    }
+                }
+                passed += report.passed();
+                failed += report.failed();
+                reports.push(Ok(report));
             }
             Err(e) => {
-                println!("{}: {e:#}", f.display());
-                failed += 1;
+                println!("{e}");
+                broken += 1;
+                reports.push(Err(e.to_string()));
             }
         }
     }
-    println!("{passed} passed, {failed} failed");
-    if failed == 0 {
-        ExitCode::SUCCESS
+    if broken > 0 {
+        println!("{passed} passed, {failed} failed, {broken} file(s) could not be run");
     } else {
-        ExitCode::FAILURE
+        println!("{passed} passed, {failed} failed");
     }
+    if let Some(path) = junit
+        && let Err(e) = std::fs::write(path, sluice_cli::junit(&reports))
+    {
+        println!("sluice test: cannot write {}: {e}", path.display());
+        return ExitCode::from(TEST_COULD_NOT_RUN);
+    }
+    if broken > 0 {
+        ExitCode::from(TEST_COULD_NOT_RUN)
+    } else if failed > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// What `sluice test` needs before it can run a hook: runsc on PATH and root, as the local gateway.
+fn preflight() -> Result<(), String> {
+    let runsc = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("runsc").is_file()))
+        .unwrap_or(false);
+    let root = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2).map(|euid| euid == "0"))
+        })
+        .unwrap_or(false);
+    let missing = match (runsc, root) {
+        (true, true) => return Ok(()),
+        (false, true) => "runsc (gVisor) is not on PATH",
+        (true, false) => "it is not running as root",
+        (false, false) => "runsc (gVisor) is not on PATH and it is not running as root",
+    };
+    Err(format!(
+        "hooks run in the same gVisor sandboxes as the gateway, which need runsc and root, but {missing}: install runsc (apt-get install runsc) and run as root (e.g. sudo sluice test ...)"
+    ))
+}
+
+/// Paths, sizes and modification times of the test files and the chain files they use.
+fn watched(
+    files: &[std::path::PathBuf],
+) -> Vec<(std::path::PathBuf, u64, Option<std::time::SystemTime>)> {
+    let mut paths = Vec::new();
+    for f in sluice_cli::expand(files, true) {
+        let chains = std::fs::read_to_string(&f)
+            .ok()
+            .and_then(|t| serde_saphyr::from_str::<Value>(&t).ok())
+            .and_then(|v| v["chains"].as_array().cloned())
+            .unwrap_or_default();
+        let base = f.parent().map(|p| p.to_path_buf()).unwrap_or_default();
+        paths.extend(
+            chains
+                .iter()
+                .filter_map(Value::as_str)
+                .map(|c| base.join(c)),
+        );
+        paths.push(f);
+    }
+    paths.sort();
+    paths.dedup();
+    paths
+        .into_iter()
+        .map(|p| {
+            let m = std::fs::metadata(&p).ok();
+            let len = m.as_ref().map(|m| m.len()).unwrap_or(0);
+            let modified = m.and_then(|m| m.modified().ok());
+            (p, len, modified)
+        })
+        .collect()
+}
+
+const STARTER_CHAIN: &str = r#"# A starter HookChain from `sluice init`: check it with `sluice check`, test it with `sluice test`.
+apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata:
+  name: redact-customer-ids
+  namespace: default
+spec:
+  target: support-bot        # the agent or app this chain serves
+  triggerPoint: input        # the user's message, before the agent sees it
+  failurePolicy: Closed      # a failing hook blocks the message
+  timeoutMs: 2000
+  hooks:
+    - name: redact-customer-id
+      action: modify
+      settings:
+        mask: "[customer id]"
+      code: |
+        import re
+
+        def execute(context, settings):
+            text = context["outgoing"]
+            redacted = re.sub(r"CUST-\d{6}", settings["mask"], text)
+            if redacted == text:
+                return {"action": "pass"}
+            return {"action": "modify", "outgoing": redacted}
+    - name: block-competitor
+      action: block
+      settings:
+        competitors: ["Acme Corp"]
+        message: "Sorry, we cannot discuss other companies."
+      code: |
+        def execute(context, settings):
+            text = context["outgoing"].lower()
+            for name in settings["competitors"]:
+                if name.lower() in text:
+                    return {"action": "block", "message": settings["message"]}
+            return {"action": "pass"}
+"#;
+
+const STARTER_TESTS: &str = r#"# Cases for ../redact-customer-ids.yaml: `sluice test tests/`
+chains: [../redact-customer-ids.yaml]
+cases:
+  - name: redacts a customer id
+    target: support-bot
+    text: "my account is CUST-123456"
+    expect:
+      action: modify
+      text: "my account is [customer id]"
+      hooks: {redact-customer-id: modify, block-competitor: pass}
+  - name: blocks a competitor
+    target: support-bot
+    text: "is Acme Corp cheaper?"
+    expect:
+      action: block
+      message: "Sorry, we cannot discuss other companies."
+  - name: leaves other messages alone
+    target: support-bot
+    text: "where is my order?"
+    expect: {action: pass, text: "where is my order?"}
+"#;
+
+fn init(dir: &std::path::Path) -> ExitCode {
+    let files = [
+        (dir.join("redact-customer-ids.yaml"), STARTER_CHAIN),
+        (
+            dir.join("tests").join("redact-customer-ids.test.yaml"),
+            STARTER_TESTS,
+        ),
+    ];
+    if let Some((existing, _)) = files.iter().find(|(p, _)| p.exists()) {
+        eprintln!(
+            "sluice init: {} already exists; nothing written",
+            existing.display()
+        );
+        return ExitCode::FAILURE;
+    }
+    for (path, text) in &files {
+        let written = path
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .and_then(|()| std::fs::write(path, text));
+        if let Err(e) = written {
+            eprintln!("sluice init: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        println!("wrote {}", path.display());
+    }
+    println!("next: sluice check {0} && sluice test {0}", dir.display());
+    ExitCode::SUCCESS
 }
 
 /// Logs only warnings and errors, on stderr, unless RUST_LOG says otherwise.

@@ -83,6 +83,8 @@ pub fn chain(
         spec: Spec::HookChain(Box::new(
             serde_json::from_value(spec).expect("a valid HookChain spec"),
         )),
+        superseded: None,
+        code_lines: Vec::new(),
     }
 }
 

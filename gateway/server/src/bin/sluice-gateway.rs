@@ -63,9 +63,11 @@ struct Args {
     /// The runsc binary.
     #[arg(long, default_value = "runsc")]
     runsc: PathBuf,
-    /// The Python interpreter mounted (read-only) into sandboxes.
-    #[arg(long, default_value = "/usr/bin/python3")]
-    python: PathBuf,
+    /// The Python interpreter: local mode mounts it (read-only) into sandboxes (default
+    /// /usr/bin/python3); both modes check hook code with it (kube mode: python3 on PATH by default,
+    /// the gateway image's, which matches the sandbox image's).
+    #[arg(long)]
+    python: Option<PathBuf>,
     /// gVisor platform: ptrace, systrap, or auto (the faster of the two at making a cell, measured
     /// at start; either must be able to make cells or the gateway does not start).
     #[arg(long, default_value = "auto", value_parser = ["auto", "ptrace", "systrap", "kvm"])]
@@ -104,7 +106,9 @@ async fn main() -> anyhow::Result<()> {
             opts.listen = args.listen;
             opts.metrics = args.metrics;
             opts.sandbox.runsc = args.runsc;
-            opts.sandbox.python = args.python;
+            if let Some(python) = args.python {
+                opts.sandbox.python = python;
+            }
             opts.sandbox.platform = args.platform;
             opts.platform_namespace = args.platform_namespace;
             opts.audit = audit;
@@ -129,6 +133,9 @@ async fn main() -> anyhow::Result<()> {
             opts.metrics = args.metrics;
             opts.audit = audit;
             opts.platform_namespace = args.platform_namespace;
+            if let Some(python) = args.python {
+                opts.python = python;
+            }
             opts.limits.claim_timeout = args.claim_timeout;
             opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
             start_kube(opts).await?
