@@ -240,9 +240,9 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
 }
 
 /// Time from `runsc exec` to the supervisor's `ready` line inside a warm pod-shaped sandbox: through
-/// the attach relay (what a claim runs) and, as the baseline, starting a whole supervisor with three
-/// workers (what a claim would run if the pod's main process did not wait warmed up). Each sample
-/// uses a fresh sandbox, as each claim uses a fresh pod.
+/// the attach relay (what a claim runs) and, as the baseline, starting a whole supervisor with its
+/// zygote and self-check cell (what a claim would run if the pod's main process did not wait warmed
+/// up). Each sample uses a fresh sandbox, as each claim uses a fresh pod.
 async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
     use sluice_engine::{SandboxBackend, SandboxSpec};
     use sluice_sandbox_local::{LocalBackend, LocalConfig};
@@ -267,17 +267,9 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
         "/sluice/attach.py".into(),
     ];
     let probe = [relay.clone(), vec!["--probe".into()]].concat();
-    let whole = [
-        python.as_str(),
-        "-I",
-        "-S",
-        "-u",
-        "/sluice/supervisor.py",
-        "--workers",
-        "3",
-    ]
-    .map(String::from)
-    .to_vec();
+    let whole = [python.as_str(), "-I", "-S", "-u", "/sluice/supervisor.py"]
+        .map(String::from)
+        .to_vec();
     let floor = [
         python.as_str(),
         "-I",
@@ -332,7 +324,7 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
         &attach,
     ));
     table.push(Row::latency(
-        "  baseline: exec that starts the supervisor (3 workers) until `ready`",
+        "  baseline: exec that starts the supervisor (zygote, self-check cell) until `ready`",
         &start,
     ));
     table.push(Row::latency(
@@ -385,7 +377,7 @@ async fn held_gateway(
 
 /// API writes per trigger point with recycled pods and with a pod per trigger point; Run latency
 /// from a recycled held pod and runs/s at 8 clients, beside the local Recycle figure.
-async fn recycled(table: &mut Table) -> anyhow::Result<()> {
+pub async fn recycled(table: &mut Table) -> anyhow::Result<()> {
     let text = text_1k();
     let mut writes = Vec::new();
     for (reuse, runs) in [("Recycle", 200usize), ("None", 20)] {

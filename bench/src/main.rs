@@ -1,6 +1,6 @@
 //! `make bench`: every number an issue asks for, printed as a table beside baselines measured in the
 //! same run on the same machine. `sluice-bench [SECTION...]` runs some sections only
-//! (cells, run, stream, host_call, load, kube).
+//! (cells, run, stream, host_call, load, kube; kube-recycle runs the kube section's recycled-pod rows alone).
 
 use anyhow::Context as _;
 use sluice_gateway::{LocalOptions, RunningGateway, start_local};
@@ -209,6 +209,10 @@ async fn main() -> anyhow::Result<()> {
     }
     if on("host_call") {
         stream::host_call(&mut table).await.context("host_call")?;
+    }
+    // Only the recycled-pod rows of the kube section, when asked by name.
+    if wanted.iter().any(|w| w == "kube-recycle") {
+        kube::recycled(&mut table).await.context("kube-recycle")?;
     }
     if on("kube") {
         kube::bench(&mut table).await.context("kube")?;

@@ -301,9 +301,10 @@ fn indent_of(line: &str) -> usize {
 /// the mistake is on and what to do.
 pub fn yaml_hint(doc: &str, at: usize, error: &str) -> Option<(usize, String)> {
     let lines: Vec<&str> = doc.lines().collect();
-    // The parser may name the line before the one at fault (it notices at the next token).
-    let upto = (at + 2).min(lines.len());
-    if let Some(i) = (0..upto).find(|&i| lines[i][..indent_of(lines[i])].contains('\t')) {
+    let upto = (at + 1).min(lines.len());
+    // A tab: the parser may name the line before the one that has it (it notices at the next token).
+    let upto_tab = (at + 2).min(lines.len());
+    if let Some(i) = (0..upto_tab).find(|&i| lines[i][..indent_of(lines[i])].contains('\t')) {
         return Some((
             i,
             format!(
