@@ -198,7 +198,7 @@ async fn burst(platform: &str) -> anyhow::Result<(Vec<Duration>, usize)> {
     Ok((runs.into_iter().map(|(d, _)| d).collect(), errors))
 }
 
-pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
+pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     let platforms = ["ptrace", "systrap"];
     // Ceilings first, on a quiet machine.
     let boots = crate::naive::boot_ceiling(WINDOW).await?;

@@ -334,7 +334,7 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
+pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     recycled(table).await?;
     claims(table).await?;
     exec_path(table).await?;
@@ -377,7 +377,7 @@ async fn held_gateway(
 
 /// API writes per trigger point with recycled pods and with a pod per trigger point; Run latency
 /// from a recycled held pod and runs/s at 8 clients, beside the local Recycle figure.
-pub async fn recycled(table: &mut Table) -> anyhow::Result<()> {
+pub(crate) async fn recycled(table: &mut Table) -> anyhow::Result<()> {
     let text = text_1k();
     let mut writes = Vec::new();
     for (reuse, runs) in [("Recycle", 200usize), ("None", 20)] {

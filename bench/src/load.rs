@@ -56,7 +56,7 @@ fn combined_chain() -> String {
     y.replace("action: block\n", "action: modify\n")
 }
 
-pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
+pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     let _ = HOOKS;
     let bench = Bench::start(&[
         (

@@ -11,12 +11,12 @@ use sluice_sandbox_local::{LocalBackend, LocalConfig};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub async fn in_process_floor(text: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
+pub(crate) async fn in_process_floor(text: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
     hooks_in_process(&HOOKS, text, n).await
 }
 
 /// The floor of a chain: its hooks called one after another in one Python process, `n` times.
-pub async fn hooks_in_process(
+pub(crate) async fn hooks_in_process(
     hooks: &[(&str, &str)],
     text: &str,
     n: usize,
@@ -63,7 +63,7 @@ print(json.dumps(out))
     Ok(ns.into_iter().map(Duration::from_nanos).collect())
 }
 
-pub fn bench_chain() -> anyhow::Result<Chain> {
+pub(crate) fn bench_chain() -> anyhow::Result<Chain> {
     let yaml = crate::chain_yaml("naive", "naive", "input", "{warm: 0, max: 1}", "");
     let hc: sluice_crds::HookChain = hookchain_from(&yaml)?;
     let namespace = sluice_crds::manifest::namespace_of(&hc.metadata);
@@ -123,7 +123,7 @@ async fn one_fresh_call(
     Ok((began.elapsed(), conn))
 }
 
-pub async fn fresh_runsc_per_call(text: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
+pub(crate) async fn fresh_runsc_per_call(text: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
     let (b, _state) = backend().await?;
     let chain = Arc::new(bench_chain()?);
     let mut out = Vec::new();
@@ -136,7 +136,7 @@ pub async fn fresh_runsc_per_call(text: &str, n: usize) -> anyhow::Result<Vec<Du
 }
 
 /// Fresh sandboxes booted to ready (and torn down) per second, as many at once as there are cores.
-pub async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
+pub(crate) async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
     let (b, _state) = backend().await?;
     let spec = SandboxSpec {
         namespace: "bench".into(),
@@ -172,7 +172,7 @@ pub async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
 }
 
 /// Where the time of one warm call goes (printed by `sluice-bench breakdown`).
-pub async fn breakdown(text: &str) -> anyhow::Result<()> {
+pub(crate) async fn breakdown(text: &str) -> anyhow::Result<()> {
     let (b, _state) = backend().await?;
     let chain = Arc::new(bench_chain()?);
     let limits = Limits::default();
@@ -227,6 +227,6 @@ pub async fn breakdown(text: &str) -> anyhow::Result<()> {
 }
 
 /// The stream benchmark's hook run on one batch in one Python process: the floor of a flush.
-pub async fn stream_flush_floor(batch: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
+pub(crate) async fn stream_flush_floor(batch: &str, n: usize) -> anyhow::Result<Vec<Duration>> {
     hooks_in_process(&[("redact", crate::stream::REDACTOR)], batch, n).await
 }

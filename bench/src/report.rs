@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-pub fn percentile(samples: &[Duration], p: f64) -> Duration {
+pub(crate) fn percentile(samples: &[Duration], p: f64) -> Duration {
     if samples.is_empty() {
         return Duration::ZERO;
     }
@@ -23,14 +23,14 @@ fn fmt(d: Duration) -> String {
     }
 }
 
-pub struct Row {
+pub(crate) struct Row {
     what: String,
     value: String,
     target: String,
 }
 
 impl Row {
-    pub fn latency(what: &str, samples: &[Duration]) -> Self {
+    pub(crate) fn latency(what: &str, samples: &[Duration]) -> Self {
         let value = format!(
             "p50 {} · p99 {} (n={})",
             fmt(percentile(samples, 50.0)),
@@ -44,7 +44,7 @@ impl Row {
         }
     }
 
-    pub fn value(what: &str, value: String) -> Self {
+    pub(crate) fn value(what: &str, value: String) -> Self {
         Self {
             what: what.into(),
             value,
@@ -52,22 +52,22 @@ impl Row {
         }
     }
 
-    pub fn target(mut self, t: &str) -> Self {
+    pub(crate) fn target(mut self, t: &str) -> Self {
         self.target = t.into();
         self
     }
 }
 
 #[derive(Default)]
-pub struct Table(Vec<Row>);
+pub(crate) struct Table(Vec<Row>);
 
 impl Table {
-    pub fn push(&mut self, row: Row) {
+    pub(crate) fn push(&mut self, row: Row) {
         println!("  {} … {}", row.what.trim(), row.value);
         self.0.push(row);
     }
 
-    pub fn print(&self) {
+    pub(crate) fn print(&self) {
         let w0 = self
             .0
             .iter()

@@ -6,7 +6,7 @@ use sluice_proto::{self as proto, stream_request::Msg as In, stream_response::Ms
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-pub const REDACTOR: &str = "import re\nP = re.compile(r'\\b\\d{2,4}-\\d{3,4}-\\d{4}\\b')\ndef execute(context, settings):\n    t = P.sub('[phone]', context['outgoing'])\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n";
+pub(crate) const REDACTOR: &str = "import re\nP = re.compile(r'\\b\\d{2,4}-\\d{3,4}-\\d{4}\\b')\ndef execute(context, settings):\n    t = P.sub('[phone]', context['outgoing'])\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n";
 
 fn stream_chain(pool: &str) -> String {
     let mut y = format!(
@@ -84,7 +84,7 @@ async fn expect_commit(out: &mut tonic::Streaming<proto::StreamResponse>) -> any
     }
 }
 
-pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
+pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     let bench = Bench::start(&[("out.yaml", stream_chain("{warm: 4, max: 60}"))]).await?;
 
     // Time to first commit, and per-flush latency: send one flush worth, wait for its commit.
@@ -192,7 +192,7 @@ pub async fn bench(table: &mut Table) -> anyhow::Result<()> {
 }
 
 /// host_call round trip inside a running hook, built-in echo, measured by the hook itself.
-pub async fn host_call(table: &mut Table) -> anyhow::Result<()> {
+pub(crate) async fn host_call(table: &mut Table) -> anyhow::Result<()> {
     let chain = "apiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: echo, namespace: default}\nspec: {endpoint: {builtin: echo}}\n---\napiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: hc, namespace: default}\nspec:\n  target: caller\n  triggerPoint: input\n  timeoutMs: 10000\n  pool: {warm: 1, max: 4}\n  resources: {cpu: '1', memory: 256Mi}\n  hooks:\n    - name: caller\n      action: detect\n      capabilities: [echo]\n      code: |\n        import time\n        def execute(context, settings):\n            out = []\n            for i in range(200):\n                t = time.perf_counter()\n                context.host_call('echo', {'i': i})\n                out.append(time.perf_counter() - t)\n            return {'action': 'detect', 'findings': {'s': out}}\n".to_string();
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("c.yaml"), chain)?;

@@ -33,7 +33,7 @@ fn command_ok(command: &[String]) -> bool {
         || command == sluice_crds::sandbox_pod::probe_command()
 }
 
-pub async fn upgrade(
+pub(crate) async fn upgrade(
     shared: Arc<Shared>,
     route: Route,
     params: HashMap<String, String>,

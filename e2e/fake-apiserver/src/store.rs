@@ -85,7 +85,7 @@ impl Resource {
 /// A request path taken apart: `/api/v1/namespaces/{ns}/pods/{name}/exec`,
 /// `/apis/sluice.dev/v1alpha1/hookchains`, ...
 #[derive(Debug)]
-pub struct Route {
+pub(crate) struct Route {
     pub resource: Resource,
     pub namespace: Option<String>,
     pub name: Option<String>,
@@ -93,7 +93,7 @@ pub struct Route {
 }
 
 impl Route {
-    pub fn parse(path: &str) -> Option<Route> {
+    pub(crate) fn parse(path: &str) -> Option<Route> {
         let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
         let (api_version, rest) = match parts.as_slice() {
             ["api", "v1", rest @ ..] => ("v1".to_string(), rest),
@@ -119,7 +119,7 @@ impl Route {
     }
 
     /// The resource as the audit log names it: `pods`, `pods/exec`, `hookchains/status`.
-    pub fn audit_resource(&self) -> String {
+    pub(crate) fn audit_resource(&self) -> String {
         match &self.subresource {
             Some(sub) => format!("{}/{sub}", self.resource.plural()),
             None => self.resource.plural().to_string(),
@@ -128,7 +128,7 @@ impl Route {
 }
 
 /// Query parameters, percent-decoded; a repeated key keeps its values joined by NUL (for `command`).
-pub fn query_params(query: &str) -> HashMap<String, String> {
+pub(crate) fn query_params(query: &str) -> HashMap<String, String> {
     let mut out: HashMap<String, String> = HashMap::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
@@ -170,7 +170,7 @@ fn decode(s: &str) -> String {
 }
 
 /// `a=b,c!=d,e`: equality, inequality and existence, as kubectl writes them.
-pub fn selector_matches(selector: Option<&str>, object: &Value) -> bool {
+pub(crate) fn selector_matches(selector: Option<&str>, object: &Value) -> bool {
     let Some(selector) = selector.filter(|s| !s.is_empty()) else {
         return true;
     };
@@ -187,7 +187,7 @@ pub fn selector_matches(selector: Option<&str>, object: &Value) -> bool {
 }
 
 #[derive(Clone, Debug)]
-pub struct Event {
+pub(crate) struct Event {
     rv: u64,
     resource: Resource,
     kind: &'static str,
@@ -221,7 +221,7 @@ pub enum StoreError {
 
 /// How a watch was asked for.
 #[derive(Clone, Debug, Default)]
-pub struct WatchParams {
+pub(crate) struct WatchParams {
     pub namespace: Option<String>,
     pub selector: Option<String>,
     /// `resourceVersion`: resume after it; `None` (or "0"): start with the current objects.
@@ -232,7 +232,7 @@ pub struct WatchParams {
     pub send_initial_events: bool,
 }
 
-pub struct Store {
+pub(crate) struct Store {
     inner: Mutex<Inner>,
     events: broadcast::Sender<Event>,
     history_limit: usize,
@@ -267,7 +267,7 @@ fn merge(target: &mut Value, patch: &Value) {
 /// Which part of an object a write may change: a status write only `status`, a write of an object
 /// whose status has its own endpoint everything else.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Part {
+pub(crate) enum Part {
     Main,
     Status,
 }
@@ -291,7 +291,7 @@ fn writable(resource: Resource, part: Part, patch: &Value) -> Value {
     }
 }
 
-pub fn now_rfc3339() -> String {
+pub(crate) fn now_rfc3339() -> String {
     jiff::Timestamp::now()
         .round(jiff::Unit::Second)
         .unwrap_or_else(|_| jiff::Timestamp::now())
@@ -299,7 +299,7 @@ pub fn now_rfc3339() -> String {
 }
 
 impl Store {
-    pub fn new(history_limit: usize, bookmark_interval: Duration) -> Self {
+    pub(crate) fn new(history_limit: usize, bookmark_interval: Duration) -> Self {
         Self {
             inner: Mutex::new(Inner {
                 rv: 100,
@@ -318,11 +318,11 @@ impl Store {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<Event> {
         self.events.subscribe()
     }
 
-    pub fn next_suffix(&self) -> String {
+    pub(crate) fn next_suffix(&self) -> String {
         let mut i = self.lock();
         i.suffix += 1;
         format!("{:05x}", i.suffix)
@@ -391,7 +391,7 @@ impl Store {
     }
 
     /// Creates or replaces an object (as `kubectl apply` would), bumping its resourceVersion.
-    pub fn upsert(&self, resource: Resource, object: Value) -> Value {
+    pub(crate) fn upsert(&self, resource: Resource, object: Value) -> Value {
         let mut inner = self.lock();
         let key = key_of(resource, &object);
         match inner.objects.get(&key).cloned() {
@@ -410,7 +410,7 @@ impl Store {
     }
 
     /// A create (POST): refused if the name is taken.
-    pub fn create(&self, resource: Resource, object: Value) -> Result<Value, StoreError> {
+    pub(crate) fn create(&self, resource: Resource, object: Value) -> Result<Value, StoreError> {
         let mut inner = self.lock();
         let key = key_of(resource, &object);
         if inner.objects.contains_key(&key) {
@@ -419,7 +419,7 @@ impl Store {
         Ok(self.insert_new(&mut inner, resource, key, object))
     }
 
-    pub fn get(&self, resource: Resource, namespace: &str, name: &str) -> Option<Value> {
+    pub(crate) fn get(&self, resource: Resource, namespace: &str, name: &str) -> Option<Value> {
         self.lock()
             .objects
             .get(&(resource, namespace.to_string(), name.to_string()))
@@ -428,7 +428,7 @@ impl Store {
 
     /// Changes an object in place; `change` says whether it changed anything (nothing is written
     /// otherwise). The object as stored afterwards, or `None` if there is no such object.
-    pub fn modify(
+    pub(crate) fn modify(
         &self,
         resource: Resource,
         namespace: &str,
@@ -446,7 +446,7 @@ impl Store {
     }
 
     /// Removes an object for good; with `precondition` (a resourceVersion) only if it matches.
-    pub fn remove(
+    pub(crate) fn remove(
         &self,
         resource: Resource,
         namespace: &str,
@@ -470,7 +470,7 @@ impl Store {
 
     /// A merge patch (or, with `create`, a server-side apply, which creates a missing object); a
     /// `metadata.resourceVersion` in the patch is a precondition.
-    pub fn patch(
+    pub(crate) fn patch(
         &self,
         resource: Resource,
         part: Part,
@@ -503,7 +503,7 @@ impl Store {
     }
 
     /// A replace (PUT): the whole object, preconditioned on the resourceVersion it carries.
-    pub fn replace(
+    pub(crate) fn replace(
         &self,
         resource: Resource,
         part: Part,
@@ -553,7 +553,7 @@ impl Store {
         Ok(self.store_changed(&mut inner, resource, key, &current, next))
     }
 
-    pub fn list(
+    pub(crate) fn list(
         &self,
         resource: Resource,
         namespace: Option<&str>,
@@ -580,7 +580,7 @@ impl Store {
             .collect()
     }
 
-    pub fn list_response(
+    pub(crate) fn list_response(
         &self,
         resource: Resource,
         namespace: Option<&str>,
@@ -599,7 +599,7 @@ impl Store {
     /// changes after it from the history (or, if the history no longer reaches back that far, an
     /// ERROR event with a `410 Expired` Status and the end of the response); without it, the
     /// current objects as ADDED. Then live changes, and BOOKMARKs when they were asked for.
-    pub fn watch(&self, resource: Resource, params: WatchParams) -> Response<Body> {
+    pub(crate) fn watch(&self, resource: Resource, params: WatchParams) -> Response<Body> {
         let WatchParams {
             namespace,
             selector,

@@ -65,7 +65,7 @@ impl Default for Transport {
 
 impl Transport {
     /// Calls the endpoint; answers (result, consumed).
-    pub async fn execute(
+    pub(crate) async fn execute(
         &self,
         name: &str,
         endpoint: &Endpoint,

@@ -194,7 +194,7 @@ impl Audit {
 }
 
 /// RFC 3339 UTC timestamp with milliseconds, without a date crate.
-pub fn now_rfc3339() -> String {
+pub(crate) fn now_rfc3339() -> String {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();

@@ -9,13 +9,13 @@ use crate::state_vector::StateVector;
 use std::sync::Arc;
 
 /// How a baseline hook's name reads in answers, the audit and metrics.
-pub const BASELINE_PREFIX: &str = "baseline/";
+pub(crate) const BASELINE_PREFIX: &str = "baseline/";
 /// How a baseline hook reads when it ran again on the tenant chain's output and changed or ended it.
-pub const RECHECK_PREFIX: &str = "baseline-recheck/";
+pub(crate) const RECHECK_PREFIX: &str = "baseline-recheck/";
 
 /// The chains that serve one (namespace, target, trigger point).
 #[derive(Clone, Debug)]
-pub struct Chains {
+pub(crate) struct Chains {
     /// The platform namespace's enforced chain at this trigger point.
     pub baseline: Option<Arc<Chain>>,
     /// The tenant's chain for this target.
@@ -24,7 +24,7 @@ pub struct Chains {
 
 impl Chains {
     /// In the order they run, each with whether it is the baseline.
-    pub fn ordered(&self) -> impl Iterator<Item = (&Arc<Chain>, bool)> {
+    pub(crate) fn ordered(&self) -> impl Iterator<Item = (&Arc<Chain>, bool)> {
         self.baseline
             .iter()
             .map(|c| (c, true))
@@ -32,7 +32,7 @@ impl Chains {
     }
 
     /// The chain whose streaming settings and pool a stream follows: the tenant's when it has one.
-    pub fn main(&self) -> &Arc<Chain> {
+    pub(crate) fn main(&self) -> &Arc<Chain> {
         match (&self.tenant, &self.baseline) {
             (Some(c), _) | (None, Some(c)) => c,
             (None, None) => unreachable!("Chains always holds at least one chain"),
@@ -43,7 +43,7 @@ impl Chains {
     /// and the tenant's, since a baseline runs on the same batches as the tenant's chain. A tenant
     /// can widen the window (hold back more) but never give a baseline's hooks a smaller one than
     /// the baseline's own: tighten-only holds on the stream path too.
-    pub fn stream_window(&self) -> (usize, usize) {
+    pub(crate) fn stream_window(&self) -> (usize, usize) {
         self.ordered()
             .fold((1, 0), |(flush, lookback), (chain, _)| {
                 let s = &chain.spec.streaming;
@@ -55,14 +55,14 @@ impl Chains {
     }
 
     /// A fresh state vector per chain, in run order.
-    pub fn fresh_states(&self) -> Vec<StateVector> {
+    pub(crate) fn fresh_states(&self) -> Vec<StateVector> {
         self.ordered()
             .map(|(c, _)| StateVector::fresh(c.spec.hooks.len()))
             .collect()
     }
 
     /// Records which chains serve a run in its audit event.
-    pub fn describe(&self, audit: &mut AuditEvent) {
+    pub(crate) fn describe(&self, audit: &mut AuditEvent) {
         if let Some(t) = &self.tenant {
             audit.chain = Some(t.qualified_name());
             audit.code_hash = Some(t.code_hash.clone());
@@ -82,7 +82,7 @@ impl Chains {
 
     /// The chains for a key: the baseline at its trigger point and the tenant's chain. Neither →
     /// NOT_FOUND; a baseline alone is enough.
-    pub fn resolve(registry: &Registry, key: &ChainKey) -> Result<Chains, EngineError> {
+    pub(crate) fn resolve(registry: &Registry, key: &ChainKey) -> Result<Chains, EngineError> {
         let chains = Chains {
             baseline: registry.baseline(key.trigger_point).cloned(),
             tenant: registry.chain(key).cloned(),

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// A chain bound to one claimed sandbox for one trigger point (a Run, or a whole Stream).
-pub struct ClaimedChain<'e> {
+pub(crate) struct ClaimedChain<'e> {
     engine: &'e Engine,
     pub chain: Arc<Chain>,
     claimed: Option<Claimed>,
@@ -32,7 +32,7 @@ pub struct ClaimedChain<'e> {
 
 impl<'e> ClaimedChain<'e> {
     /// Claims a sandbox and loads the chain into it. No sandbox in time → UNAVAILABLE.
-    pub async fn open(
+    pub(crate) async fn open(
         engine: &'e Engine,
         chain: Arc<Chain>,
         target: &Target,
@@ -112,7 +112,7 @@ impl<'e> ClaimedChain<'e> {
 
     /// Runs the chain on `payload`, threading `state`. Sandbox failures become hook errors under the
     /// chain's policy; under `Open` the walk resumes after the failed hook in a fresh sandbox.
-    pub async fn walk(&mut self, payload: Value, state: &mut StateVector) -> Walk {
+    pub(crate) async fn walk(&mut self, payload: Value, state: &mut StateVector) -> Walk {
         let mut walk = Walk::new(payload);
         let mut start = 0;
         let budget = Duration::from_millis(self.chain.spec.timeout_ms as u64);
@@ -174,7 +174,7 @@ impl<'e> ClaimedChain<'e> {
     }
 
     /// The host_calls made so far, for the audit.
-    pub fn host_calls(&self) -> HostCallReport {
+    pub(crate) fn host_calls(&self) -> HostCallReport {
         self.host.report()
     }
 }

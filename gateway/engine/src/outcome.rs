@@ -174,7 +174,7 @@ fn bounded(v: &Value, what: &str, max_bytes: usize, limits: &Limits) -> Result<(
 /// sends (`  line N, in f: source`) gets its source line from the hook's code when the sandbox had
 /// none, and the line of the file it came from; a `KeyError` on a key the hook's settings do not
 /// have lists the keys they do have.
-pub fn explain(chain: &Chain, index: usize, error: &str) -> String {
+pub(crate) fn explain(chain: &Chain, index: usize, error: &str) -> String {
     let Some(hook) = chain.spec.hooks.get(index) else {
         return error.to_string();
     };
@@ -250,7 +250,7 @@ fn failure_text(chain: &Chain, failure: &SandboxFailure) -> (String, u64) {
 }
 
 /// Folds one walk report (hooks from `start`) into `walk`, updating `state`.
-pub fn fold(
+pub(crate) fn fold(
     chain: &Chain,
     start: usize,
     report: &WalkReport,
@@ -390,7 +390,12 @@ pub fn fold(
 }
 
 /// Convenience for failures before any hook ran (init timeout, sandbox death at init).
-pub fn failure_before_walk(chain: &Chain, failure: &SandboxFailure, walk: &mut Walk, start: usize) {
+pub(crate) fn failure_before_walk(
+    chain: &Chain,
+    failure: &SandboxFailure,
+    walk: &mut Walk,
+    start: usize,
+) {
     let report = WalkReport {
         failure: Some(failure.clone()),
         ..Default::default()

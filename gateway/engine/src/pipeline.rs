@@ -25,14 +25,14 @@ struct Stage<'e> {
 }
 
 /// One claimed sandbox per chain, for one trigger point (a Run, or a whole Stream).
-pub struct Pipeline<'e> {
+pub(crate) struct Pipeline<'e> {
     stages: Vec<Stage<'e>>,
 }
 
 impl<'e> Pipeline<'e> {
     /// Claims and loads a sandbox for every chain (at the same time, so a baseline adds no claim
     /// latency of its own). No sandbox in time for either → UNAVAILABLE.
-    pub async fn open(
+    pub(crate) async fn open(
         engine: &'e Engine,
         chains: &Chains,
         target: &Target,
@@ -60,7 +60,7 @@ impl<'e> Pipeline<'e> {
     /// what it would block stays blocked. A tenant cannot re-add a tool a baseline removed. Before
     /// that, the fields the application owns (`turn`, `usage_so_far`, `usage`) are put back: a tenant
     /// cannot forge the figures a baseline's limits are judged on.
-    pub async fn walk(&mut self, payload: Value, states: &mut [StateVector]) -> Walk {
+    pub(crate) async fn walk(&mut self, payload: Value, states: &mut [StateVector]) -> Walk {
         let mut combined = Walk::new(payload);
         let mut offset = 0;
         let baseline_start = match self.stages.first() {
@@ -97,7 +97,7 @@ impl<'e> Pipeline<'e> {
     }
 
     /// Sandbox ids for the audit: the tenant chain's (if any) and the baseline's (if any).
-    pub fn record_sandboxes(&self, audit: &mut AuditEvent) {
+    pub(crate) fn record_sandboxes(&self, audit: &mut AuditEvent) {
         for stage in &self.stages {
             if stage.baseline {
                 if let Some(b) = audit.baseline.as_mut() {
@@ -111,7 +111,7 @@ impl<'e> Pipeline<'e> {
 
     /// Records the host_calls so far in the audit event, baseline hooks named as in the answer: the
     /// first `audit_host_calls` listed, and counts of all of them when that is not all.
-    pub fn record_host_calls(&self, audit: &mut AuditEvent, max_listed: usize) {
+    pub(crate) fn record_host_calls(&self, audit: &mut AuditEvent, max_listed: usize) {
         let mut all = HostCallReport::default();
         for stage in &self.stages {
             let prefix = if stage.baseline { BASELINE_PREFIX } else { "" };
@@ -152,7 +152,7 @@ fn restore_app_owned(trigger_point: TriggerPoint, payload: &mut Value, let_throu
 /// Folds one chain's walk into the combined walk: hooks appended (baseline names prefixed, indices
 /// shifted by the hooks of the chains before), payload carried on, and the top action re-derived
 /// over both: the terminal action when one ended the walk, else modify, else detect, else pass.
-pub fn absorb(combined: &mut Walk, walk: Walk, offset: usize, baseline: bool) {
+pub(crate) fn absorb(combined: &mut Walk, walk: Walk, offset: usize, baseline: bool) {
     absorb_named(
         combined,
         walk,

@@ -46,7 +46,7 @@ pub struct RunInput {
 
 /// Where a run goes: validated identity of the chain and the caller.
 #[derive(Clone, Debug)]
-pub struct Target {
+pub(crate) struct Target {
     pub key: ChainKey,
     pub context: BTreeMap<String, String>,
     pub session_id: String,
@@ -54,7 +54,7 @@ pub struct Target {
 
 impl Target {
     /// Checks what a caller sent: names, trigger point, context size.
-    pub fn check(
+    pub(crate) fn check(
         limits: &Limits,
         namespace: &str,
         target: &str,
@@ -104,7 +104,7 @@ impl Target {
 }
 
 /// Checks a payload against its trigger point: text for input/output, an object otherwise.
-pub fn check_payload(
+pub(crate) fn check_payload(
     limits: &Limits,
     tp: TriggerPoint,
     payload: &Option<Value>,

@@ -6,12 +6,12 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
 
-pub const PROTOCOL_VERSION: u32 = 2;
+pub(crate) const PROTOCOL_VERSION: u32 = 2;
 
 /// Messages the gateway sends on the supervisor's stdin.
 #[derive(Debug, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
-pub enum ToSupervisor<'a> {
+pub(crate) enum ToSupervisor<'a> {
     Init {
         trigger_point: &'a str,
         failure_policy: &'a str,
@@ -39,7 +39,7 @@ pub enum ToSupervisor<'a> {
 }
 
 #[derive(Debug, Serialize)]
-pub struct InitHook<'a> {
+pub(crate) struct InitHook<'a> {
     pub name: &'a str,
     pub action: &'a str,
     pub settings: &'a Value,
@@ -60,7 +60,7 @@ pub struct WireLimits {
 /// Messages the supervisor writes on its protocol descriptor (the sandbox's stderr).
 #[derive(Debug, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
-pub enum FromSupervisor {
+pub(crate) enum FromSupervisor {
     Ready {
         protocol: u32,
     },
@@ -121,7 +121,7 @@ fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum ReadError {
+pub(crate) enum ReadError {
     #[error("the sandbox closed its protocol stream")]
     Eof,
     #[error("a protocol line was longer than {0} bytes")]
@@ -133,7 +133,7 @@ pub enum ReadError {
 }
 
 /// Reads one newline-terminated JSON message, refusing lines over `max` bytes without buffering them.
-pub async fn read_message<R: AsyncBufRead + Unpin>(
+pub(crate) async fn read_message<R: AsyncBufRead + Unpin>(
     reader: &mut R,
     buf: &mut Vec<u8>,
     max: usize,

@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Field manager of the claim patch, so `managedFields` tell who flipped the label.
-pub const FIELD_MANAGER: &str = "sluice-gateway";
+pub(crate) const FIELD_MANAGER: &str = "sluice-gateway";
 
 /// What a run needs of a pod: its chain's, and (when set) under the right RuntimeClass.
-pub struct Wanted<'a> {
+pub(crate) struct Wanted<'a> {
     pub namespace: &'a str,
     pub chain: &'a str,
     pub runtime_class: Option<&'a str>,
@@ -25,7 +25,7 @@ pub struct Wanted<'a> {
 /// deleted, controlled by its HookChain and under the expected RuntimeClass. Labels alone are not
 /// trusted: anyone who may create pods in the namespace can set them, and a pod that is not the
 /// operator's (no gVisor, a network) must never receive hooks.
-pub fn is_warm(pod: &Pod, wanted: &Wanted) -> bool {
+pub(crate) fn is_warm(pod: &Pod, wanted: &Wanted) -> bool {
     let meta = &pod.metadata;
     let label = |k: &str| {
         meta.labels
@@ -72,7 +72,7 @@ pub fn is_warm(pod: &Pod, wanted: &Wanted) -> bool {
 
 /// The warm pods of a chain worth trying, in random order (so replicas spread over the pool instead
 /// of all racing for the first), leaving out pods whose version we already lost a race on.
-pub fn candidates(
+pub(crate) fn candidates(
     pods: &[Arc<Pod>],
     wanted: &Wanted,
     lost: &HashSet<(String, String)>,
@@ -92,7 +92,7 @@ pub fn candidates(
 }
 
 /// Renews a held pod's `claimed-at` every `every` until aborted (when the pod is let go).
-pub async fn heartbeat(api: Api<Pod>, name: String, every: Duration) {
+pub(crate) async fn heartbeat(api: Api<Pod>, name: String, every: Duration) {
     let params = PatchParams {
         field_manager: Some(FIELD_MANAGER.into()),
         ..Default::default()
@@ -111,7 +111,7 @@ pub async fn heartbeat(api: Api<Pod>, name: String, every: Duration) {
 
 /// The merge patch that claims a pod: the label flip and who claimed it when, valid only if the pod
 /// is still at `resource_version`.
-pub fn claim_patch(resource_version: &str, identity: &str, now: &str) -> serde_json::Value {
+pub(crate) fn claim_patch(resource_version: &str, identity: &str, now: &str) -> serde_json::Value {
     serde_json::json!({
         "metadata": {
             "resourceVersion": resource_version,
@@ -124,7 +124,7 @@ pub fn claim_patch(resource_version: &str, identity: &str, now: &str) -> serde_j
     })
 }
 
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// The pod is ours now.
     Claimed,
     /// Someone else changed or took the pod first (409), or it is gone (404).
@@ -132,7 +132,7 @@ pub enum Outcome {
 }
 
 /// One claim attempt on one pod.
-pub async fn try_claim(
+pub(crate) async fn try_claim(
     api: &Api<Pod>,
     name: &str,
     resource_version: &str,

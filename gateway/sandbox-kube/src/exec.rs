@@ -15,7 +15,7 @@ use tokio::io::AsyncWriteExt;
 /// of a big payload does not crawl through the default 1 KiB pipe.
 const BUFFER: usize = 256 << 10;
 
-pub struct Exec {
+pub(crate) struct Exec {
     pub process: AttachedProcess,
     pub stdin: tokio::io::WriteHalf<tokio::io::SimplexStream>,
     pub stderr: tokio::io::ReadHalf<tokio::io::SimplexStream>,
@@ -25,7 +25,7 @@ pub struct Exec {
 }
 
 /// Attaches to the supervisor waiting in `pod` and starts draining stdout.
-pub async fn start(api: &Api<Pod>, pod: &str) -> Result<Exec, kube::Error> {
+pub(crate) async fn start(api: &Api<Pod>, pod: &str) -> Result<Exec, kube::Error> {
     let params = AttachParams::default()
         .container(labels::CONTAINER)
         .stdin(true)

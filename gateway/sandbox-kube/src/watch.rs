@@ -5,7 +5,7 @@ use kube::api::Api;
 use kube::core::NamespaceResourceScope;
 
 /// The API of `K` in each of `namespaces`, or the cluster-wide one when it is empty.
-pub fn apis<K>(client: &kube::Client, namespaces: &[String]) -> Vec<Api<K>>
+pub(crate) fn apis<K>(client: &kube::Client, namespaces: &[String]) -> Vec<Api<K>>
 where
     K: kube::Resource<DynamicType = (), Scope = NamespaceResourceScope>,
 {
@@ -21,7 +21,7 @@ where
 
 /// Background watch tasks, aborted when their owner is dropped.
 #[derive(Default)]
-pub struct Tasks(pub Vec<tokio::task::JoinHandle<()>>);
+pub(crate) struct Tasks(pub Vec<tokio::task::JoinHandle<()>>);
 
 impl Drop for Tasks {
     fn drop(&mut self) {

@@ -40,7 +40,7 @@ pub fn load_for(dir: &Path, platform_namespace: &str) -> std::io::Result<Registr
 }
 
 /// The interpreter local sandboxes run, and so the one that judges hook code.
-pub const DEFAULT_PYTHON: &str = "/usr/bin/python3";
+pub(crate) const DEFAULT_PYTHON: &str = "/usr/bin/python3";
 
 /// What one read of one file gave: the definitions that passed every check, and every problem.
 #[derive(Clone)]
@@ -62,7 +62,7 @@ struct FileState {
 /// semantic rules, hook code analysis) keeps serving its last valid version, so a bad save never
 /// takes a chain away or breaks it; its problems are reported, and runs on the older version say so
 /// in their audit. A file with no valid version yet serves the documents of it that pass.
-pub struct LocalSource {
+pub(crate) struct LocalSource {
     dir: PathBuf,
     platform_namespace: String,
     python: PathBuf,
@@ -70,7 +70,7 @@ pub struct LocalSource {
 }
 
 impl LocalSource {
-    pub fn new(dir: &Path, platform_namespace: &str, python: impl Into<PathBuf>) -> Self {
+    pub(crate) fn new(dir: &Path, platform_namespace: &str, python: impl Into<PathBuf>) -> Self {
         Self {
             dir: dir.to_path_buf(),
             platform_namespace: platform_namespace.to_string(),
@@ -80,7 +80,7 @@ impl LocalSource {
     }
 
     /// Reads the directory again (only changed files are checked again) and builds the registry.
-    pub fn reload(&mut self) -> std::io::Result<Registry> {
+    pub(crate) fn reload(&mut self) -> std::io::Result<Registry> {
         let mut paths = Vec::new();
         yaml_files(&self.dir, &mut paths)?;
         paths.sort();
@@ -260,12 +260,12 @@ fn check_file(file: &Path, text: &str, python: &Path) -> FileRead {
 
 /// The 1-based line of the `code: |` key of hook `hook` in the document starting at line `start`:
 /// the hook's code line n is file line `code_line + n`.
-pub fn code_line_of(text: &str, start: usize, hook: &str) -> Option<usize> {
+pub(crate) fn code_line_of(text: &str, start: usize, hook: &str) -> Option<usize> {
     sluice_crds::manifest::hook_code_line(text, start, hook)
 }
 
 /// A cheap fingerprint of the directory: paths, sizes and modification times.
-pub fn fingerprint(dir: &Path) -> Vec<(PathBuf, u64, SystemTime)> {
+pub(crate) fn fingerprint(dir: &Path) -> Vec<(PathBuf, u64, SystemTime)> {
     let mut files = Vec::new();
     let _ = yaml_files(dir, &mut files);
     files.sort();
@@ -279,4 +279,4 @@ pub fn fingerprint(dir: &Path) -> Vec<(PathBuf, u64, SystemTime)> {
 }
 
 /// How often the directory is checked for changes.
-pub const POLL: Duration = Duration::from_millis(250);
+pub(crate) const POLL: Duration = Duration::from_millis(250);

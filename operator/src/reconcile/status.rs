@@ -15,7 +15,7 @@ use sluice_crds::{HookChain, HookChainStatus};
 use std::time::{Duration, Instant};
 
 /// Least time between two status writes that change nothing but the counts.
-pub const COUNTS_EVERY: Duration = Duration::from_secs(5);
+pub(super) const COUNTS_EVERY: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StatusError {

@@ -19,12 +19,12 @@ type Reply = tower_test::mock::SendResponse<Response<Body>>;
 /// Generous: only a bug makes the operator go silent, and then the test should fail, not hang.
 const PATIENCE: Duration = Duration::from_secs(60);
 
-pub struct ApiServer {
+pub(crate) struct ApiServer {
     handle: Handle,
 }
 
 /// One request the operator made.
-pub struct Call {
+pub(crate) struct Call {
     pub method: String,
     pub path: String,
     pub query: HashMap<String, String>,
@@ -45,7 +45,7 @@ impl std::fmt::Debug for Call {
 
 impl Call {
     /// Asserts method and path.
-    pub fn is(&self, method: &str, path: &str) -> &Self {
+    pub(crate) fn is(&self, method: &str, path: &str) -> &Self {
         assert_eq!(
             (self.method.as_str(), self.path.as_str()),
             (method, path),
@@ -54,12 +54,12 @@ impl Call {
         self
     }
 
-    pub fn query(&self, key: &str) -> Option<&str> {
+    pub(crate) fn query(&self, key: &str) -> Option<&str> {
         self.query.get(key).map(String::as_str)
     }
 
     /// Answers with `status` and a JSON body.
-    pub fn reply(mut self, status: u16, body: Value) {
+    pub(crate) fn reply(mut self, status: u16, body: Value) {
         let reply = self.reply.take().expect("answered once");
         reply.send_response(
             Response::builder()
@@ -71,30 +71,30 @@ impl Call {
     }
 
     /// Answers 200 with the request's own body, as an API server echoes what it stored.
-    pub fn echo(self) {
+    pub(crate) fn echo(self) {
         let body = self.body.clone();
         self.reply(200, body);
     }
 }
 
-pub fn status_error(code: u16, reason: &str) -> Value {
+pub(crate) fn status_error(code: u16, reason: &str) -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
            "message": format!("{reason} (mock)"), "reason": reason, "code": code})
 }
 
-pub fn mock_client() -> (Client, ApiServer) {
+pub(crate) fn mock_client() -> (Client, ApiServer) {
     let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     (Client::new(svc, "default"), ApiServer { handle })
 }
 
 impl ApiServer {
     /// The next request, or a panic if none comes.
-    pub async fn next(&mut self) -> Call {
+    pub(crate) async fn next(&mut self) -> Call {
         self.try_next().await.expect("the client is gone")
     }
 
     /// The next request, or `None` once every client is dropped.
-    pub async fn try_next(&mut self) -> Option<Call> {
+    pub(crate) async fn try_next(&mut self) -> Option<Call> {
         let (req, reply) = tokio::time::timeout(PATIENCE, self.handle.next_request())
             .await
             .expect("the operator made no further request")?;
@@ -133,7 +133,7 @@ impl ApiServer {
     }
 
     /// Waits for the task to end, failing on any request it makes meanwhile.
-    pub async fn finish<T>(&mut self, task: JoinHandle<T>) -> T {
+    pub(crate) async fn finish<T>(&mut self, task: JoinHandle<T>) -> T {
         let mut task = task;
         tokio::select! {
             biased;
@@ -148,7 +148,7 @@ impl ApiServer {
 }
 
 /// Runs `f` on its own task.
-pub fn spawn<F: Future + Send + 'static>(f: F) -> JoinHandle<F::Output>
+pub(crate) fn spawn<F: Future + Send + 'static>(f: F) -> JoinHandle<F::Output>
 where
     F::Output: Send + 'static,
 {

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-pub mod scripted;
+pub(crate) mod scripted;
 
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -20,17 +20,17 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-pub const NS: &str = "team";
-pub const TARGET: &str = "bot";
-pub const PLATFORM: &str = "sluice-system";
+pub(crate) const NS: &str = "team";
+pub(crate) const TARGET: &str = "bot";
+pub(crate) const PLATFORM: &str = "sluice-system";
 
 /// A hook of a chain spec.
-pub fn hook(name: &str, action: &str, code: &str) -> Value {
+pub(crate) fn hook(name: &str, action: &str, code: &str) -> Value {
     json!({"name": name, "action": action, "code": code})
 }
 
 /// A hook whose `execute` is `body` (indented by four spaces).
-pub fn py(name: &str, action: &str, body: &str) -> Value {
+pub(crate) fn py(name: &str, action: &str, body: &str) -> Value {
     let code = format!(
         "def execute(context, settings):\n{}",
         body.lines()
@@ -41,22 +41,26 @@ pub fn py(name: &str, action: &str, body: &str) -> Value {
 }
 
 /// A tenant chain of `NS` for `TARGET`; `extra` fields are merged into its spec.
-pub fn tenant(trigger_point: &str, hooks: Vec<Value>, extra: Value) -> Definition {
+pub(crate) fn tenant(trigger_point: &str, hooks: Vec<Value>, extra: Value) -> Definition {
     chain(NS, "tenant", TARGET, trigger_point, hooks, extra)
 }
 
 /// An enforced baseline of the platform namespace.
-pub fn baseline(trigger_point: &str, hooks: Vec<Value>) -> Definition {
+pub(crate) fn baseline(trigger_point: &str, hooks: Vec<Value>) -> Definition {
     baseline_with(trigger_point, hooks, json!({}))
 }
 
 /// An enforced baseline of the platform namespace; `extra` fields are merged into its spec.
-pub fn baseline_with(trigger_point: &str, hooks: Vec<Value>, mut extra: Value) -> Definition {
+pub(crate) fn baseline_with(
+    trigger_point: &str,
+    hooks: Vec<Value>,
+    mut extra: Value,
+) -> Definition {
     extra["enforced"] = json!(true);
     chain(PLATFORM, "baseline", "*", trigger_point, hooks, extra)
 }
 
-pub fn chain(
+pub(crate) fn chain(
     namespace: &str,
     name: &str,
     target: &str,
@@ -90,7 +94,7 @@ pub fn chain(
 
 /// Audit lines as the engine wrote them.
 #[derive(Clone, Default)]
-pub struct AuditLines(Arc<Mutex<Vec<u8>>>);
+pub(crate) struct AuditLines(Arc<Mutex<Vec<u8>>>);
 
 impl Write for AuditLines {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -104,11 +108,11 @@ impl Write for AuditLines {
 
 impl AuditLines {
     /// Everything written, as text.
-    pub fn raw(&self) -> String {
+    pub(crate) fn raw(&self) -> String {
         String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
     }
 
-    pub fn events(&self) -> Vec<Value> {
+    pub(crate) fn events(&self) -> Vec<Value> {
         let bytes = self.0.lock().unwrap().clone();
         String::from_utf8(bytes)
             .unwrap()
@@ -120,7 +124,7 @@ impl AuditLines {
 
 /// One host_call as the fake saw it.
 #[derive(Clone, Debug)]
-pub struct SeenCall {
+pub(crate) struct SeenCall {
     pub chain: String,
     pub hook: usize,
     pub name: String,
@@ -131,7 +135,7 @@ pub struct SeenCall {
 /// Capabilities for tests: `echo` answers `{"echo": payload}`, `sleep` waits `payload.ms`, `deny`
 /// refuses, anything else is unknown. Every call is recorded.
 #[derive(Clone, Default)]
-pub struct FakeCapabilities {
+pub(crate) struct FakeCapabilities {
     pub seen: Arc<Mutex<Vec<SeenCall>>>,
 }
 
@@ -205,14 +209,14 @@ impl Capabilities for FakeCapabilities {
     }
 }
 
-pub struct Harness {
+pub(crate) struct Harness {
     pub engine: Arc<Engine>,
     pub audit: AuditLines,
     pub capabilities: FakeCapabilities,
 }
 
 /// Limits for tests: a sandbox should always be there quickly.
-pub fn limits() -> Limits {
+pub(crate) fn limits() -> Limits {
     Limits {
         claim_timeout: Duration::from_secs(20),
         boot_timeout: Duration::from_secs(20),
@@ -223,12 +227,12 @@ pub fn limits() -> Limits {
 
 impl Harness {
     /// An engine serving `definitions` from supervisors run as child processes.
-    pub async fn process(definitions: Vec<Definition>) -> Self {
+    pub(crate) async fn process(definitions: Vec<Definition>) -> Self {
         let backend = ProcessBackend::new().expect("a temporary directory");
         Self::with_backend(Arc::new(backend), definitions, limits()).await
     }
 
-    pub async fn with_backend(
+    pub(crate) async fn with_backend(
         backend: Arc<dyn SandboxBackend>,
         definitions: Vec<Definition>,
         limits: Limits,
@@ -237,7 +241,7 @@ impl Harness {
     }
 
     /// An engine whose pools boot at most `boot_concurrency` sandboxes at once.
-    pub async fn with_boots(
+    pub(crate) async fn with_boots(
         backend: Arc<dyn SandboxBackend>,
         definitions: Vec<Definition>,
         limits: Limits,
@@ -271,12 +275,16 @@ impl Harness {
     }
 
     /// Runs `payload` through the tenant target at `trigger_point`.
-    pub async fn run(&self, trigger_point: &str, payload: Value) -> Result<RunResult, EngineError> {
+    pub(crate) async fn run(
+        &self,
+        trigger_point: &str,
+        payload: Value,
+    ) -> Result<RunResult, EngineError> {
         self.run_at(TARGET, trigger_point, payload).await
     }
 
     /// Runs `payload` through `target` of `NS` at `trigger_point`.
-    pub async fn run_at(
+    pub(crate) async fn run_at(
         &self,
         target: &str,
         trigger_point: &str,
@@ -295,14 +303,14 @@ impl Harness {
     }
 
     /// Streams `chunks` at `output` and collects everything the engine answered.
-    pub async fn stream(&self, chunks: &[&str]) -> Streamed {
+    pub(crate) async fn stream(&self, chunks: &[&str]) -> Streamed {
         let mut inputs = vec![StreamInput::Open(self.open("output"))];
         inputs.extend(chunks.iter().map(|c| StreamInput::Chunk(c.to_string())));
         inputs.push(StreamInput::Finish);
         self.stream_inputs(inputs).await
     }
 
-    pub fn open(&self, trigger_point: &str) -> StreamOpen {
+    pub(crate) fn open(&self, trigger_point: &str) -> StreamOpen {
         StreamOpen {
             namespace: NS.into(),
             target: TARGET.into(),
@@ -314,12 +322,12 @@ impl Harness {
 
     /// Streams `inputs` as a client slower than the chain: each message is run before the next
     /// arrives (no two chunks share a flush unless the window asks for more).
-    pub async fn stream_inputs(&self, inputs: Vec<StreamInput>) -> Streamed {
+    pub(crate) async fn stream_inputs(&self, inputs: Vec<StreamInput>) -> Streamed {
         collect(self.engine.stream(Paced::new(inputs))).await
     }
 
     /// Streams `inputs` as a client ahead of the chain: everything is waiting from the start.
-    pub async fn stream_all_at_once(&self, inputs: Vec<StreamInput>) -> Streamed {
+    pub(crate) async fn stream_all_at_once(&self, inputs: Vec<StreamInput>) -> Streamed {
         let inputs = futures::stream::iter(inputs.into_iter().map(Ok::<_, ClientStreamError>));
         collect(self.engine.stream(inputs)).await
     }
@@ -327,13 +335,13 @@ impl Harness {
 
 /// A client that is slower than the chain: each message is not there on the first look (the
 /// engine's "is more already waiting?"), only when the engine waits for it.
-pub struct Paced {
+pub(crate) struct Paced {
     items: std::collections::VecDeque<StreamInput>,
     armed: bool,
 }
 
 impl Paced {
-    pub fn new(items: Vec<StreamInput>) -> Self {
+    pub(crate) fn new(items: Vec<StreamInput>) -> Self {
         Self {
             items: items.into(),
             armed: false,
@@ -360,7 +368,7 @@ impl futures::Stream for Paced {
 
 /// Everything one stream answered, in order.
 #[derive(Debug, Default)]
-pub struct Streamed {
+pub(crate) struct Streamed {
     pub commits: Vec<String>,
     pub blocked: Option<(String, String)>,
     /// Commits that arrived after the block (there must be none).
@@ -369,7 +377,7 @@ pub struct Streamed {
     pub error: Option<StreamError>,
 }
 
-pub async fn collect(
+pub(crate) async fn collect(
     outputs: impl futures::Stream<Item = Result<StreamOutput, StreamError>>,
 ) -> Streamed {
     let mut s = Streamed::default();

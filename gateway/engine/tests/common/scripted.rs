@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 /// What a script is asked to answer: one `chunk` of a chain.
-pub struct Chunk<'a> {
+pub(crate) struct Chunk<'a> {
     pub id: u64,
     pub start: usize,
     pub outgoing: &'a Value,
@@ -21,9 +21,9 @@ pub struct Chunk<'a> {
 }
 
 /// Returns the lines to send for one chunk (`hook_result`s, `host_call`s and the `result`).
-pub type Script = Arc<dyn Fn(&Chunk) -> Vec<Value> + Send + Sync>;
+pub(crate) type Script = Arc<dyn Fn(&Chunk) -> Vec<Value> + Send + Sync>;
 
-pub struct ScriptedBackend {
+pub(crate) struct ScriptedBackend {
     script: Script,
     seq: AtomicU64,
     protocol: u32,
@@ -33,7 +33,7 @@ pub struct ScriptedBackend {
 }
 
 impl ScriptedBackend {
-    pub fn new(script: Script) -> Self {
+    pub(crate) fn new(script: Script) -> Self {
         Self {
             script,
             seq: AtomicU64::new(0),
@@ -45,24 +45,24 @@ impl ScriptedBackend {
     }
 
     /// Takes this long to start each sandbox, like a real boot (without using the CPU).
-    pub fn boot_delay(mut self, delay: std::time::Duration) -> Self {
+    pub(crate) fn boot_delay(mut self, delay: std::time::Duration) -> Self {
         self.boot_delay = delay;
         self
     }
 
     /// Every `host_result` the engine answered to a scripted `host_call`, in order.
-    pub fn host_results(&self) -> Arc<Mutex<Vec<Value>>> {
+    pub(crate) fn host_results(&self) -> Arc<Mutex<Vec<Value>>> {
         self.host_results.clone()
     }
 
     /// Says it speaks this protocol version in its `ready`.
-    pub fn protocol(mut self, version: u32) -> Self {
+    pub(crate) fn protocol(mut self, version: u32) -> Self {
         self.protocol = version;
         self
     }
 
     /// Ends every cell with a dirty verdict for this reason.
-    pub fn dirty(mut self, reason: &str) -> Self {
+    pub(crate) fn dirty(mut self, reason: &str) -> Self {
         self.dirty = Some(reason.into());
         self
     }
@@ -70,7 +70,7 @@ impl ScriptedBackend {
 
 /// The lines an honest supervisor sends for a chain of hooks that each map `outgoing` through `f`
 /// (modify when it changed the text, pass otherwise).
-pub fn honest(chunk: &Chunk, f: impl Fn(&str) -> String) -> Vec<Value> {
+pub(crate) fn honest(chunk: &Chunk, f: impl Fn(&str) -> String) -> Vec<Value> {
     let mut text = chunk.outgoing.as_str().unwrap_or_default().to_string();
     let mut lines = Vec::new();
     let mut top = "pass";
