@@ -3,8 +3,8 @@
 //! (Gateway, health, reflection) and metrics, with graceful shutdown. The binary and the tests both
 //! start gateways through here.
 
-use crate::local_dir;
 use crate::service::GatewayService;
+use crate::{dir_watch, local_dir};
 use anyhow::Context as _;
 use sluice_capabilities::Runner;
 use sluice_engine::{Audit, Engine, Limits, Metrics, Pools, SandboxBackend};
@@ -117,12 +117,17 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
     );
     let mut source =
         local_dir::LocalSource::new(&opts.dir, &opts.platform_namespace, &opts.sandbox.python);
-    let registry = source
-        .reload()
-        .with_context(|| format!("reading {}", opts.dir.display()))?;
+    // Reading checks hook code with python: kept off the async workers, each file bounded in time.
+    let (source, registry) = tokio::task::spawn_blocking(move || {
+        let registry = source.reload(local_dir::CHECK_BOUND);
+        (source, registry)
+    })
+    .await
+    .context("reading the chain directory")?;
+    let registry = registry.with_context(|| format!("reading {}", opts.dir.display()))?;
     registry.log_summary();
     engine.set_registry(registry).await;
-    let source = tokio::spawn(watch(engine.clone(), opts.dir.clone(), source));
+    let source = tokio::spawn(dir_watch::watch(engine.clone(), opts.dir.clone(), source));
     let running = serve(engine, listener, opts.metrics, &opts.limits, vec![source]).await?;
     tracing::info!(addr = %running.addr, dir = %opts.dir.display(), "sluice gateway listening (local mode)");
     Ok(running)
@@ -340,40 +345,4 @@ async fn serve_metrics(metrics: Metrics, addr: SocketAddr) -> std::io::Result<()
         Some(metrics.ready.clone()),
     )
     .await
-}
-
-/// Re-reads the directory whenever its YAML files change and swaps the registry.
-async fn watch(engine: Arc<Engine>, dir: PathBuf, mut source: local_dir::LocalSource) {
-    let mut seen = local_dir::fingerprint(&dir);
-    loop {
-        tokio::time::sleep(local_dir::POLL).await;
-        let now = local_dir::fingerprint(&dir);
-        if now == seen {
-            continue;
-        }
-        seen = now;
-        // Reading checks hook code with python: kept off the async workers.
-        let (back, result) = match tokio::task::spawn_blocking(move || {
-            let result = source.reload();
-            (source, result)
-        })
-        .await
-        {
-            Ok(done) => done,
-            Err(e) => {
-                tracing::error!(error = %e, "the chain directory reader failed; no longer watching");
-                return;
-            }
-        };
-        source = back;
-        match result {
-            Ok(registry) => {
-                registry.log_summary();
-                engine.set_registry(registry).await;
-            }
-            Err(e) => {
-                tracing::error!(dir = %dir.display(), error = %e, "cannot read the chain directory; keeping the last registry")
-            }
-        }
-    }
 }

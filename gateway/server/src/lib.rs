@@ -4,11 +4,12 @@
 //! `src/bin/sluice-gateway.rs`.
 //!
 //! Reading order: `assembly` (`start_local`, `start_kube`, `RunningGateway`) → `service` (gRPC ↔
-//! engine translation) → `local_dir` (local mode's chain source).
+//! engine translation) → `local_dir` (local mode's chain source) → `dir_watch` (noticing its changes).
 
 mod assembly;
+mod dir_watch;
 mod local_dir;
 mod service;
 
 pub use assembly::{KubeOptions, LocalOptions, RunningGateway, start_kube, start_local};
-pub use local_dir::{load, load_for};
+pub use local_dir::{LocalSource, load, load_for};

@@ -5,27 +5,162 @@ use sluice_crds::definition::{Definition, NotServed, Origin};
 use sluice_crds::{code, manifest};
 use sluice_engine::Registry;
 use std::collections::BTreeMap;
+use std::fs::OpenOptions;
+use std::io::Read as _;
+use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime};
 
-fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+/// The largest chain file read. The API server takes objects up to about 1.5 MiB, and a file may
+/// hold several; anything larger is a mistake or an attack, and is refused before it is parsed.
+pub(crate) const MAX_FILE_BYTES: u64 = 4 << 20;
+
+/// How long one file's checks (YAML, schema, hook code analysis by python) may take before the file
+/// is reported and not served. The same text is not checked again.
+pub(crate) const CHECK_BOUND: Duration = Duration::from_secs(10);
+
+/// How long a reload on a change waits for the changed files' checks before it swaps in what it has.
+/// A file still being checked keeps serving its previous version, and lands on a later reload, so a
+/// slow file never holds back the others.
+pub(crate) const RELOAD_WAIT: Duration = Duration::from_millis(500);
+
+/// What the walk found at one YAML path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// A regular file, to be read at `open` (the symlink's target, when `path` is a symlink).
+    File { path: PathBuf, open: PathBuf },
+    /// Not read, for the reason given.
+    Refused { path: PathBuf, reason: String },
+}
+
+impl Found {
+    fn path(&self) -> &Path {
+        match self {
+            Found::File { path, .. } | Found::Refused { path, .. } => path,
+        }
+    }
+}
+
+fn is_yaml(path: &Path) -> bool {
+    matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("yaml" | "yml")
+    )
+}
+
+fn kind_of(t: std::fs::FileType) -> &'static str {
+    if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Every YAML path under `dir`, sorted (so conflicts resolve the same way every time). Hidden
+/// entries are skipped; real subdirectories are walked. Only regular files are read: a FIFO, socket
+/// or device is refused (reading one would block or never end), and so is a symlink that leads out
+/// of the directory. A symlink inside it is followed, as a ConfigMap volume's `name -> ..data/name`.
+pub(crate) fn walk(dir: &Path) -> std::io::Result<Vec<Found>> {
+    let root = dir.canonicalize()?;
+    let mut out = Vec::new();
+    walk_into(&root, dir, &mut out)?;
+    out.sort_by(|a, b| a.path().cmp(b.path()));
+    Ok(out)
+}
+
+fn walk_into(root: &Path, dir: &Path, out: &mut Vec<Found>) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         let path = entry.path();
-        let name = entry.file_name();
-        if name.to_string_lossy().starts_with('.') {
+        if entry.file_name().to_string_lossy().starts_with('.') {
             continue;
         }
-        if entry.file_type()?.is_dir() {
-            yaml_files(&path, out)?;
-        } else if matches!(
-            path.extension().and_then(|e| e.to_str()),
-            Some("yaml" | "yml")
-        ) {
-            out.push(path);
+        let kind = entry.file_type()?;
+        if kind.is_dir() {
+            walk_into(root, &path, out)?;
+            continue;
         }
+        if !is_yaml(&path) {
+            continue;
+        }
+        let refused = |reason: String| Found::Refused {
+            path: path.clone(),
+            reason,
+        };
+        out.push(if kind.is_symlink() {
+            match path.canonicalize() {
+                Err(e) => refused(format!("a symlink that cannot be followed ({e}): not read")),
+                Ok(target) if !target.starts_with(root) => refused(format!(
+                    "a symlink to {}, outside the chain directory: not read",
+                    target.display()
+                )),
+                Ok(target) => match std::fs::metadata(&target) {
+                    Ok(m) if m.is_file() => Found::File {
+                        path: path.clone(),
+                        open: target,
+                    },
+                    Ok(m) => refused(format!(
+                        "a symlink to {}, {}: not read",
+                        target.display(),
+                        kind_of(m.file_type())
+                    )),
+                    Err(e) => refused(format!("cannot read: {e}")),
+                },
+            }
+        } else if kind.is_file() {
+            Found::File {
+                path: path.clone(),
+                open: path.clone(),
+            }
+        } else {
+            refused(format!("{}, not a regular file: not read", kind_of(kind)))
+        });
     }
     Ok(())
+}
+
+/// The text of the regular file at `open`, at most `MAX_FILE_BYTES`. Opened without blocking and
+/// without following a symlink, and checked again once open: a file swapped for a FIFO after the
+/// walk is refused, not waited on.
+fn read_text(open: &Path) -> Result<String, String> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(open)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    let meta = file.metadata().map_err(|e| format!("cannot read: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!(
+            "{}, not a regular file: not read",
+            kind_of(meta.file_type())
+        ));
+    }
+    let too_large = |n: u64| {
+        format!(
+            "{n} bytes, more than the {} MiB a chain file may have: not read",
+            MAX_FILE_BYTES >> 20
+        )
+    };
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(too_large(meta.len()));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(too_large(bytes.len() as u64));
+    }
+    String::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_string())
 }
 
 /// Reads every YAML file under `dir` (sorted, so conflicts resolve the same way every time), with
@@ -36,7 +171,7 @@ pub fn load(dir: &Path) -> std::io::Result<Registry> {
 
 /// Reads every YAML file under `dir` once; enforced chains in `platform_namespace` become baselines.
 pub fn load_for(dir: &Path, platform_namespace: &str) -> std::io::Result<Registry> {
-    LocalSource::new(dir, platform_namespace, DEFAULT_PYTHON).reload()
+    LocalSource::new(dir, platform_namespace, DEFAULT_PYTHON).reload(CHECK_BOUND)
 }
 
 /// The interpreter local sandboxes run, and so the one that judges hook code.
@@ -51,90 +186,141 @@ struct FileRead {
 
 /// One file as the source last saw it.
 struct FileState {
-    /// The text last read, so an unchanged file is not parsed and analysed again.
+    /// The text last checked, so an unchanged file is not parsed and analysed again.
     text: String,
     read: FileRead,
     /// The definitions of the last version of this file with no problem at all, and when it was read.
     last_valid: Option<(Vec<Definition>, SystemTime)>,
 }
 
+/// A file's checks running on their own thread.
+struct Pending {
+    text: String,
+    started: Instant,
+    done: mpsc::Receiver<FileRead>,
+}
+
+impl Pending {
+    fn start(file: &Path, text: String, python: &Path) -> Self {
+        let (tx, done) = mpsc::channel();
+        let (file, body, python) = (file.to_path_buf(), text.clone(), python.to_path_buf());
+        let spawned = std::thread::Builder::new()
+            .name("sluice-chain-check".into())
+            .spawn(move || {
+                // The receiver is gone when the file changed or timed out meanwhile: nothing to do.
+                let _ = tx.send(check_file(&file, &body, &python));
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start a thread to check a chain file");
+        }
+        Self {
+            text,
+            started: Instant::now(),
+            done,
+        }
+    }
+}
+
 /// The chain directory across reloads. A file that fails any check (YAML, schema, unknown fields,
 /// semantic rules, hook code analysis) keeps serving its last valid version, so a bad save never
 /// takes a chain away or breaks it; its problems are reported, and runs on the older version say so
-/// in their audit. A file with no valid version yet serves the documents of it that pass.
-pub(crate) struct LocalSource {
+/// in their audit. A file with no valid version yet serves the documents of it that pass. Each
+/// changed file is checked on a thread of its own, bounded by `CHECK_BOUND`.
+pub struct LocalSource {
     dir: PathBuf,
     platform_namespace: String,
     python: PathBuf,
+    check_bound: Duration,
     files: BTreeMap<PathBuf, FileState>,
+    pending: BTreeMap<PathBuf, Pending>,
 }
 
 impl LocalSource {
-    pub(crate) fn new(dir: &Path, platform_namespace: &str, python: impl Into<PathBuf>) -> Self {
+    pub fn new(dir: &Path, platform_namespace: &str, python: impl Into<PathBuf>) -> Self {
         Self {
             dir: dir.to_path_buf(),
             platform_namespace: platform_namespace.to_string(),
             python: python.into(),
+            check_bound: CHECK_BOUND,
             files: BTreeMap::new(),
+            pending: BTreeMap::new(),
         }
     }
 
-    /// Reads the directory again (only changed files are checked again) and builds the registry.
-    pub(crate) fn reload(&mut self) -> std::io::Result<Registry> {
-        let mut paths = Vec::new();
-        yaml_files(&self.dir, &mut paths)?;
-        paths.sort();
-        self.files.retain(|p, _| paths.contains(p));
-        let mut definitions = Vec::new();
-        let mut errors = Vec::new();
-        for file in paths {
-            let text = match std::fs::read(&file) {
-                Ok(bytes) => match String::from_utf8(bytes) {
-                    Ok(t) => Ok(t),
-                    Err(_) => Err("not UTF-8 text".to_string()),
-                },
-                Err(e) => Err(format!("cannot read: {e}")),
-            };
-            let text = match text {
-                Ok(t) => t,
-                Err(message) => {
-                    let problem = NotServed {
-                        origin: Origin {
-                            file: file.clone(),
-                            line: 1,
-                        },
-                        message,
-                    };
-                    match self.files.get(&file).and_then(|f| f.last_valid.as_ref()) {
-                        Some((defs, since)) => {
-                            definitions.extend(superseded(
-                                defs,
-                                &file,
-                                *since,
-                                std::slice::from_ref(&problem),
-                            ));
-                            errors.push(keeps_serving(problem));
-                        }
-                        None => errors.push(problem),
-                    }
+    /// How long one file's checks may take (`CHECK_BOUND` unless set).
+    pub fn with_check_bound(mut self, bound: Duration) -> Self {
+        self.check_bound = bound;
+        self
+    }
+
+    /// Whether some file's checks are still running: reload again soon to pick up their result.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Reads the directory again and builds the registry. Only changed files are checked again, each
+    /// on its own thread; the reload waits at most `wait` for them. A file whose checks are still
+    /// running serves what it served before (and is picked up by a later reload); one whose checks
+    /// outlast the check bound is reported and not served.
+    pub fn reload(&mut self, wait: Duration) -> std::io::Result<Registry> {
+        let found = walk(&self.dir)?;
+        self.files
+            .retain(|p, _| found.iter().any(|f| f.path() == p));
+        self.pending
+            .retain(|p, _| found.iter().any(|f| f.path() == p));
+        // Read every file and start the checks of the changed ones.
+        let mut refused: BTreeMap<PathBuf, String> = BTreeMap::new();
+        for f in &found {
+            let (path, text) = match f {
+                Found::Refused { path, reason } => {
+                    refused.insert(path.clone(), reason.clone());
                     continue;
                 }
-            };
-            let state = match self.files.remove(&file) {
-                Some(state) if state.text == text => state,
-                old => {
-                    let read = check_file(&file, &text, &self.python);
-                    let last_valid = if read.problems.is_empty() {
-                        Some((read.definitions.clone(), SystemTime::now()))
-                    } else {
-                        old.and_then(|o| o.last_valid)
-                    };
-                    FileState {
-                        text,
-                        read,
-                        last_valid,
+                Found::File { path, open } => match read_text(open) {
+                    Ok(text) => (path, text),
+                    Err(reason) => {
+                        refused.insert(path.clone(), reason);
+                        continue;
                     }
+                },
+            };
+            let checked = self.files.get(path).is_some_and(|s| s.text == text);
+            let checking = self.pending.get(path).is_some_and(|p| p.text == text);
+            if !checked && !checking {
+                self.pending
+                    .insert(path.clone(), Pending::start(path, text, &self.python));
+            }
+        }
+        self.collect(Instant::now() + wait);
+        let mut definitions = Vec::new();
+        let mut errors = Vec::new();
+        for f in &found {
+            let file = f.path();
+            if let Some(reason) = refused.get(file) {
+                let problem = NotServed {
+                    origin: Origin {
+                        file: file.to_path_buf(),
+                        line: 1,
+                    },
+                    message: reason.clone(),
+                };
+                match self.files.get(file).and_then(|s| s.last_valid.as_ref()) {
+                    Some((defs, since)) => {
+                        definitions.extend(superseded(
+                            defs,
+                            file,
+                            *since,
+                            std::slice::from_ref(&problem),
+                        ));
+                        errors.push(keeps_serving(problem));
+                    }
+                    None => errors.push(problem),
                 }
+                continue;
+            }
+            let Some(state) = self.files.get(file) else {
+                // First seen and still being checked: served once its checks finish.
+                continue;
             };
             match (&state.last_valid, state.read.problems.is_empty()) {
                 (_, true) | (None, false) => {
@@ -142,17 +328,67 @@ impl LocalSource {
                     errors.extend(state.read.problems.iter().cloned());
                 }
                 (Some((defs, since)), false) => {
-                    definitions.extend(superseded(defs, &file, *since, &state.read.problems));
+                    definitions.extend(superseded(defs, file, *since, &state.read.problems));
                     errors.extend(state.read.problems.iter().cloned().map(keeps_serving));
                 }
             }
-            self.files.insert(file, state);
         }
         Ok(Registry::build_for(
             &self.platform_namespace,
             definitions,
             errors,
         ))
+    }
+
+    /// Takes the results of finished checks (waiting until `deadline` for the rest), and turns a
+    /// check that outlasted the bound into a problem of its file.
+    fn collect(&mut self, deadline: Instant) {
+        let paths: Vec<PathBuf> = self.pending.keys().cloned().collect();
+        for path in paths {
+            let Some(p) = self.pending.get(&path) else {
+                continue;
+            };
+            let until = deadline.min(p.started + self.check_bound);
+            let read = match p
+                .done
+                .recv_timeout(until.saturating_duration_since(Instant::now()))
+            {
+                Ok(read) => read,
+                Err(mpsc::RecvTimeoutError::Timeout) if p.started.elapsed() < self.check_bound => {
+                    continue;
+                }
+                Err(_) => FileRead {
+                    definitions: Vec::new(),
+                    problems: vec![NotServed {
+                        origin: Origin {
+                            file: path.clone(),
+                            line: 1,
+                        },
+                        message: format!(
+                            "checking this file took longer than {} s: not served",
+                            self.check_bound.as_secs_f64()
+                        ),
+                    }],
+                },
+            };
+            let Some(p) = self.pending.remove(&path) else {
+                continue;
+            };
+            let old = self.files.remove(&path);
+            let last_valid = if read.problems.is_empty() {
+                Some((read.definitions.clone(), SystemTime::now()))
+            } else {
+                old.and_then(|o| o.last_valid)
+            };
+            self.files.insert(
+                path,
+                FileState {
+                    text: p.text,
+                    read,
+                    last_valid,
+                },
+            );
+        }
     }
 }
 
@@ -264,19 +500,19 @@ pub(crate) fn code_line_of(text: &str, start: usize, hook: &str) -> Option<usize
     sluice_crds::manifest::hook_code_line(text, start, hook)
 }
 
-/// A cheap fingerprint of the directory: paths, sizes and modification times.
-pub(crate) fn fingerprint(dir: &Path) -> Vec<(PathBuf, u64, SystemTime)> {
-    let mut files = Vec::new();
-    let _ = yaml_files(dir, &mut files);
-    files.sort();
-    files
+/// A cheap fingerprint of the directory: each YAML path, what it leads to, its size and time.
+pub(crate) fn fingerprint(dir: &Path) -> Vec<(Found, u64, Option<SystemTime>)> {
+    walk(dir)
+        .unwrap_or_default()
         .into_iter()
-        .filter_map(|f| {
-            let m = std::fs::metadata(&f).ok()?;
-            Some((f, m.len(), m.modified().ok()?))
+        .map(|f| {
+            let meta = match &f {
+                Found::File { open, .. } => std::fs::metadata(open).ok(),
+                Found::Refused { .. } => None,
+            };
+            let len = meta.as_ref().map(|m| m.len()).unwrap_or_default();
+            let modified = meta.and_then(|m| m.modified().ok());
+            (f, len, modified)
         })
         .collect()
 }
-
-/// How often the directory is checked for changes.
-pub(crate) const POLL: Duration = Duration::from_millis(250);

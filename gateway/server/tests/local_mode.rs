@@ -364,3 +364,37 @@ async fn a_bad_save_keeps_the_last_valid_version_serving_and_says_so() {
     sigterm(&gw.child);
     assert!(gw.child.wait().unwrap().success());
 }
+
+/// A FIFO among the chain files, present at start and while serving: the old reader blocked on it
+/// forever (the gateway never listened). Now it is reported, Runs answer, and a change to another
+/// file is picked up through file notifications.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_in_the_chain_directory_never_stalls_start_runs_or_reloads() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = tempfile::Builder::new()
+        .prefix("sluice-fifo")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let file = dir.path().join("good.yaml");
+    std::fs::write(&file, GOOD).unwrap();
+    let made = Command::new("mkfifo")
+        .arg(dir.path().join("zz.yaml"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let gw = start(dir.path(), state.path());
+    let line = gw.wait_for_log("zz.yaml", Duration::from_secs(60));
+    assert!(line.contains("a FIFO, not a regular file"), "{line}");
+    gw.wait_for_log("file notifications", Duration::from_secs(30));
+    let mut client = gw.client().await;
+    until_answers(&mut client, "v1").await;
+
+    let tmp = dir.path().join(".good.yaml.tmp");
+    std::fs::write(&tmp, GOOD.replace("tag: v1", "tag: v2")).unwrap();
+    std::fs::rename(&tmp, &file).unwrap();
+    until_answers(&mut client, "v2").await;
+    drop(client);
+    let mut gw = gw;
+    sigterm(&gw.child);
+    assert!(gw.child.wait().unwrap().success());
+}
