@@ -161,6 +161,25 @@ impl LocalBackend {
         c
     }
 
+    /// `runsc run` of the bundle at `bundle` as container `id` on `platform`, with no network and
+    /// none of the gateway's environment but `PATH`: the one way a sandbox is started.
+    fn runsc_run(&self, platform: &str, bundle: &Path, id: &str) -> Command {
+        let mut c = self.runsc();
+        c.args([
+            "--platform",
+            platform,
+            "--network",
+            "none",
+            "run",
+            "--bundle",
+        ])
+        .arg(bundle)
+        .arg(id)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default());
+        c
+    }
+
     /// The prefix shared by every container of this state directory, whichever process made it.
     fn dir_prefix(&self) -> &str {
         // "sluice-<tag>-<pid>": the part before the pid.
@@ -237,22 +256,10 @@ impl LocalBackend {
             .map_err(|e| e.to_string())?;
         let began = std::time::Instant::now();
         let run = self
-            .runsc()
-            .args([
-                "--platform",
-                platform,
-                "--network",
-                "none",
-                "run",
-                "--bundle",
-            ])
-            .arg(&bundle)
-            .arg(&id)
+            .runsc_run(platform, &bundle, &id)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .kill_on_drop(true)
             .output();
         let outcome = match tokio::time::timeout(Duration::from_secs(60), run).await {
@@ -556,22 +563,10 @@ impl SandboxBackend for LocalBackend {
             serde_json::to_vec(&self.oci_spec(&id, spec)?).map_err(|e| runtime(e.to_string()))?;
         tokio::fs::write(bundle.join("config.json"), config).await?;
         let spawned = self
-            .runsc()
-            .args([
-                "--platform",
-                &self.cfg.platform,
-                "--network",
-                "none",
-                "run",
-                "--bundle",
-            ])
-            .arg(&bundle)
-            .arg(&id)
+            .runsc_run(&self.cfg.platform, &bundle, &id)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .spawn();
         let mut child = match spawned {
             Ok(c) => c,

@@ -122,45 +122,46 @@ fn walk_into(root: &Path, dir: &Path, out: &mut Vec<Found>) -> std::io::Result<(
                 open: path.clone(),
             }
         } else {
-            refused(format!("{}, not a regular file: not read", kind_of(kind)))
+            refused(Unread::NotRegular(kind_of(kind)).to_string())
         });
     }
     Ok(())
 }
 
+/// Why a chain file was not read.
+#[derive(Debug, thiserror::Error)]
+enum Unread {
+    #[error("cannot read: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}, not a regular file: not read")]
+    NotRegular(&'static str),
+    #[error("{0} bytes, more than the {max} MiB a chain file may have: not read", max = MAX_FILE_BYTES >> 20)]
+    TooLarge(u64),
+    #[error("not UTF-8 text")]
+    NotUtf8,
+}
+
 /// The text of the regular file at `open`, at most `MAX_FILE_BYTES`. Opened without blocking and
 /// without following a symlink, and checked again once open: a file swapped for a FIFO after the
 /// walk is refused, not waited on.
-fn read_text(open: &Path) -> Result<String, String> {
+fn read_text(open: &Path) -> Result<String, Unread> {
     let file = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
-        .open(open)
-        .map_err(|e| format!("cannot read: {e}"))?;
-    let meta = file.metadata().map_err(|e| format!("cannot read: {e}"))?;
+        .open(open)?;
+    let meta = file.metadata()?;
     if !meta.is_file() {
-        return Err(format!(
-            "{}, not a regular file: not read",
-            kind_of(meta.file_type())
-        ));
+        return Err(Unread::NotRegular(kind_of(meta.file_type())));
     }
-    let too_large = |n: u64| {
-        format!(
-            "{n} bytes, more than the {} MiB a chain file may have: not read",
-            MAX_FILE_BYTES >> 20
-        )
-    };
     if meta.len() > MAX_FILE_BYTES {
-        return Err(too_large(meta.len()));
+        return Err(Unread::TooLarge(meta.len()));
     }
     let mut bytes = Vec::new();
-    file.take(MAX_FILE_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| format!("cannot read: {e}"))?;
+    file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(too_large(bytes.len() as u64));
+        return Err(Unread::TooLarge(bytes.len() as u64));
     }
-    String::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_string())
+    String::from_utf8(bytes).map_err(|_| Unread::NotUtf8)
 }
 
 /// Reads every YAML file under `dir` (sorted, so conflicts resolve the same way every time), with
@@ -279,7 +280,7 @@ impl LocalSource {
                 Found::File { path, open } => match read_text(open) {
                     Ok(text) => (path, text),
                     Err(reason) => {
-                        refused.insert(path.clone(), reason);
+                        refused.insert(path.clone(), reason.to_string());
                         continue;
                     }
                 },
