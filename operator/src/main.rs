@@ -7,6 +7,7 @@ use sluice_operator::build::{Settings, default_supervisor_image};
 use sluice_operator::controller::{self, LeaseTiming, RunConfig};
 use sluice_operator::leader::{self, LeaseLock};
 use sluice_operator::metrics::Metrics;
+use sluice_operator::webhook::{Judge, Webhook, WebhookConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,7 +28,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the controller (only the replica holding the leader lease reconciles).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print as YAML the objects the operator would create for the HookChains in FILE.
     Render {
         file: PathBuf,
@@ -55,10 +56,44 @@ impl PodArgs {
     }
 }
 
+/// The validating admission webhook (off unless --webhook-listen is given).
+#[derive(Args, Clone, Debug)]
+struct WebhookArgs {
+    /// Serve the validating admission webhook for HookChains and Capabilities (HTTPS) on this
+    /// address, on every replica (leader or not).
+    #[arg(long, requires_all = ["webhook_cert", "webhook_key"])]
+    webhook_listen: Option<SocketAddr>,
+    /// PEM certificate chain the webhook serves; read again whenever the file changes.
+    #[arg(long, requires = "webhook_listen")]
+    webhook_cert: Option<PathBuf>,
+    /// PEM private key of --webhook-cert; read again whenever the file changes.
+    #[arg(long, requires = "webhook_listen")]
+    webhook_key: Option<PathBuf>,
+    /// The python3 that parses hook code for the webhook (the sandboxes' Python version).
+    #[arg(long, default_value = "python3")]
+    webhook_python: PathBuf,
+}
+
+impl WebhookArgs {
+    fn config(&self, platform_namespace: &str) -> Option<WebhookConfig> {
+        Some(WebhookConfig {
+            listen: self.webhook_listen?,
+            cert: self.webhook_cert.clone()?,
+            key: self.webhook_key.clone()?,
+            judge: Judge {
+                python: self.webhook_python.clone(),
+                platform_namespace: platform_namespace.to_string(),
+            },
+        })
+    }
+}
+
 #[derive(Args)]
 struct RunArgs {
     #[command(flatten)]
     pod: PodArgs,
+    #[command(flatten)]
+    webhook: WebhookArgs,
     /// Address of the /metrics and /healthz server.
     #[arg(long, default_value = "0.0.0.0:9465")]
     metrics: SocketAddr,
@@ -119,6 +154,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {}: {e}", args.metrics))?;
     tokio::spawn(metrics.clone().serve_on(listener));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    // Every replica answers admission reviews; only the leader reconciles.
+    if let Some(webhook) = args.webhook.config(&args.platform_namespace) {
+        let webhook = Webhook::bind(webhook).await?;
+        tokio::spawn(webhook.serve(stop_rx.clone()));
+    }
 
     let config = RunConfig {
         settings: args.pod.settings(),
@@ -131,7 +172,6 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     tracing::info!(identity = %config.identity, runtime_class = %config.settings.runtime_class,
         image = %config.settings.supervisor_image, namespaces = ?config.watched_namespaces(), "starting");
 
-    let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         signalled().await;
         stop_tx.send_replace(true);
@@ -185,7 +225,7 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match rt.block_on(run(args)) {
+            match rt.block_on(run(*args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!(error = %e, "sluice-operator failed");
@@ -221,6 +261,33 @@ mod tests {
             err.contains("has no unit") && err.contains("500ms"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_webhook_is_off_by_default_and_needs_its_certificate() {
+        let run = |args: &[&str]| {
+            Cli::try_parse_from(args).map(|c| match c.command {
+                Command::Run(args) => args.webhook.config("sluice-system"),
+                Command::Render { .. } => unreachable!(),
+            })
+        };
+        assert!(run(&["sluice-operator", "run"]).unwrap().is_none());
+        let err = run(&["sluice-operator", "run", "--webhook-listen=0.0.0.0:9443"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("--webhook-cert"), "{err}");
+        let on = run(&[
+            "sluice-operator",
+            "run",
+            "--webhook-listen=0.0.0.0:9443",
+            "--webhook-cert=/tls/tls.crt",
+            "--webhook-key=/tls/tls.key",
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(on.listen.port(), 9443);
+        assert_eq!(on.judge.platform_namespace, "sluice-system");
     }
 
     #[test]
