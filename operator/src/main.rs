@@ -157,7 +157,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     // Every replica answers admission reviews; only the leader reconciles.
     if let Some(webhook) = args.webhook.config(&args.platform_namespace) {
-        let webhook = Webhook::bind(webhook).await?;
+        let webhook = Webhook::bind(webhook).await?.with_metrics(metrics.clone());
         tokio::spawn(webhook.serve(stop_rx.clone()));
     }
 

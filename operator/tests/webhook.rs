@@ -6,6 +6,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
 use serde_json::{Value, json};
+use sluice_operator::metrics::Metrics;
 use sluice_operator::webhook::{CertReloader, Judge, Webhook};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -39,6 +40,7 @@ struct Server {
     addr: SocketAddr,
     dir: tempfile::TempDir,
     pair: Pair,
+    metrics: Metrics,
     _stop: watch::Sender<bool>,
 }
 
@@ -66,6 +68,8 @@ async fn start() -> Server {
             platform_namespace: "sluice-system".into(),
         },
     );
+    let metrics = Metrics::new();
+    let webhook = webhook.with_metrics(metrics.clone());
     let addr = webhook.local_addr().unwrap();
     let (stop, stopped) = watch::channel(false);
     tokio::spawn(webhook.serve(stopped));
@@ -73,6 +77,7 @@ async fn start() -> Server {
         addr,
         dir,
         pair,
+        metrics,
         _stop: stop,
     }
 }
@@ -132,8 +137,14 @@ async fn post(server: &Server, body: Vec<u8>) -> (u16, Vec<u8>) {
         .unwrap()
 }
 
-/// The AdmissionReview the API server sends for `object`.
+/// The AdmissionReview the API server sends for `object`; an UPDATE's old object had another spec.
 fn review_of(uid: &str, operation: &str, object: &Value) -> Vec<u8> {
+    let mut old = object.clone();
+    old["spec"]["timeoutMs"] = json!(1999);
+    review_with_old(uid, operation, object, &old)
+}
+
+fn review_with_old(uid: &str, operation: &str, object: &Value, old: &Value) -> Vec<u8> {
     let kind = object["kind"].as_str().unwrap();
     let resource = if kind == "HookChain" {
         "hookchains"
@@ -153,7 +164,7 @@ fn review_of(uid: &str, operation: &str, object: &Value) -> Vec<u8> {
             "operation": operation,
             "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
             "object": object,
-            "oldObject": if operation == "UPDATE" { object.clone() } else { Value::Null },
+            "oldObject": if operation == "UPDATE" { old.clone() } else { Value::Null },
             "dryRun": false,
             "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}
         }
@@ -413,6 +424,39 @@ async fn a_chain_over_the_code_limit_is_refused() {
             && message.contains("is longer than 262144 characters"),
         "{message}"
     );
+}
+
+#[tokio::test]
+async fn updates_that_leave_the_spec_alone_are_admitted() {
+    // A chain applied before the webhook (or while it was ignored) must not block its own cleanup.
+    let server = start().await;
+    let broken = chain(json!([{"name": "x", "action": "modify", "code": "def ("}]));
+    let mut labelled = broken.clone();
+    labelled["metadata"]["labels"] = json!({"team": "a"});
+    labelled["metadata"]["finalizers"] = json!(["example.com/cleanup"]);
+    let answer = |body: Vec<u8>| async {
+        let (status, body) = post(&server, body).await;
+        assert_eq!(status, 200);
+        serde_json::from_slice::<Value>(&body).unwrap()["response"].clone()
+    };
+    let response = answer(review_with_old("uid-meta", "UPDATE", &labelled, &broken)).await;
+    assert_eq!(response["allowed"], true, "{response}");
+    let mut deleting = broken.clone();
+    deleting["metadata"]["deletionTimestamp"] = json!("2026-11-26T01:00:00Z");
+    deleting["spec"]["timeoutMs"] = json!(1000);
+    let response = answer(review_with_old(
+        "uid-deleting",
+        "UPDATE",
+        &deleting,
+        &broken,
+    ))
+    .await;
+    assert_eq!(response["allowed"], true, "{response}");
+    // A change to the spec is judged.
+    let mut changed = broken.clone();
+    changed["spec"]["timeoutMs"] = json!(1000);
+    let response = answer(review_with_old("uid-changed", "UPDATE", &changed, &broken)).await;
+    assert_eq!(response["allowed"], false, "{response}");
 }
 
 #[tokio::test]

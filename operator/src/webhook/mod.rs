@@ -14,6 +14,7 @@ mod tls;
 pub use review::{Judge, MalformedReview, Verdict, judge_object, review};
 pub use tls::{CertReloader, TlsError};
 
+use crate::metrics::Metrics;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
@@ -62,6 +63,7 @@ pub struct Webhook {
     listener: TcpListener,
     certs: Arc<CertReloader>,
     judge: Arc<Judge>,
+    metrics: Option<Metrics>,
 }
 
 impl Webhook {
@@ -83,7 +85,14 @@ impl Webhook {
             listener,
             certs: Arc::new(certs),
             judge: Arc::new(judge),
+            metrics: None,
         }
+    }
+
+    /// Counts the reviews answered in `sluice_operator_webhook_reviews_total`.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -112,6 +121,7 @@ impl Webhook {
             let acceptor = tokio_rustls::TlsAcceptor::from(self.certs.current());
             let judge = self.judge.clone();
             let turns = turns.clone();
+            let metrics = self.metrics.clone();
             tokio::spawn(async move {
                 let tls = match tokio::time::timeout(IO_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(tls)) => tls,
@@ -125,7 +135,7 @@ impl Webhook {
                     }
                 };
                 let service = hyper::service::service_fn(move |req| {
-                    handle(req, judge.clone(), turns.clone())
+                    handle(req, judge.clone(), turns.clone(), metrics.clone())
                 });
                 let conn = hyper::server::conn::http1::Builder::new()
                     .header_read_timeout(IO_TIMEOUT)
@@ -153,10 +163,17 @@ async fn handle(
     req: Request<Incoming>,
     judge: Arc<Judge>,
     turns: Arc<Semaphore>,
+    metrics: Option<Metrics>,
 ) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
     Ok(match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
-        (&Method::POST, "/validate") => validate(req, judge, turns).await,
+        (&Method::POST, "/validate") => {
+            let (response, result) = validate(req, judge, turns).await;
+            if let Some(m) = &metrics {
+                m.webhook_reviews.with_label_values(&[result]).inc();
+            }
+            response
+        }
         (_, "/validate") => text(
             StatusCode::METHOD_NOT_ALLOWED,
             "POST an admission.k8s.io/v1 AdmissionReview\n",
@@ -172,19 +189,27 @@ async fn validate(
     req: Request<Incoming>,
     judge: Arc<Judge>,
     turns: Arc<Semaphore>,
-) -> Response<Full<Bytes>> {
+) -> (Response<Full<Bytes>>, &'static str) {
     let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            return text(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the AdmissionReview is over the webhook's limit of {MAX_BODY} bytes\n"),
+            return (
+                text(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!(
+                        "the AdmissionReview is over the webhook's limit of {MAX_BODY} bytes\n"
+                    ),
+                ),
+                "malformed",
             );
         }
         Err(e) => {
-            return text(
-                StatusCode::BAD_REQUEST,
-                format!("cannot read the request body: {e}\n"),
+            return (
+                text(
+                    StatusCode::BAD_REQUEST,
+                    format!("cannot read the request body: {e}\n"),
+                ),
+                "malformed",
             );
         }
     };
@@ -199,9 +224,12 @@ async fn validate(
         Ok(Ok(answer)) => answer,
         Ok(Err(e)) => {
             tracing::error!(error = %e, "webhook review panicked");
-            return text(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "the review failed inside the webhook\n",
+            return (
+                text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the review failed inside the webhook\n",
+                ),
+                "failed",
             );
         }
         Err(_) => timed_out(&body),
@@ -209,24 +237,31 @@ async fn validate(
     match answer {
         Ok(review) => match serde_json::to_vec(&review) {
             Ok(json) => {
+                let allowed = review.response.as_ref().is_some_and(|r| r.allowed);
                 if let Some(r) = &review.response {
-                    tracing::info!(uid = %r.uid, allowed = r.allowed, "admission review");
+                    tracing::info!(uid = %r.uid, allowed, "admission review");
                 }
                 let mut r = Response::new(Full::new(Bytes::from(json)));
                 r.headers_mut().insert(
                     hyper::header::CONTENT_TYPE,
                     hyper::header::HeaderValue::from_static("application/json"),
                 );
-                r
+                (r, if allowed { "admitted" } else { "refused" })
             }
-            Err(e) => text(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("cannot write the answer: {e}\n"),
+            Err(e) => (
+                text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("cannot write the answer: {e}\n"),
+                ),
+                "failed",
             ),
         },
-        Err(malformed) => text(
-            StatusCode::BAD_REQUEST,
-            format!("malformed AdmissionReview: {malformed}\n"),
+        Err(malformed) => (
+            text(
+                StatusCode::BAD_REQUEST,
+                format!("malformed AdmissionReview: {malformed}\n"),
+            ),
+            "malformed",
         ),
     }
 }

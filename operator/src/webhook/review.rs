@@ -122,6 +122,14 @@ fn judge_request(
         // Deletes, and kinds the webhook is not configured for, are not its business.
         return Verdict::Admit { warnings: vec![] };
     }
+    if request.operation == Operation::Update
+        && (object["metadata"]["deletionTimestamp"].is_string()
+            || object.get("spec") == request_old_spec(request))
+    {
+        // Labels, annotations, finalizers, a deletion under way: the spec that was admitted (or
+        // was there before the webhook) is unchanged, and refusing would only block cleanup.
+        return Verdict::Admit { warnings: vec![] };
+    }
     if !object.is_object() {
         return Verdict::Refuse {
             problems: vec!["the request carries no object to check".into()],
@@ -141,6 +149,10 @@ fn judge_request(
         meta.insert("namespace".into(), Value::String(ns.into()));
     }
     judge_object(&object, judge)
+}
+
+fn request_old_spec(request: &AdmissionRequest<DynamicObject>) -> Option<&Value> {
+    request.old_object.as_ref().and_then(|o| o.data.get("spec"))
 }
 
 /// Every problem `sluice check` finds in one object (a HookChain or Capability as JSON), and the
