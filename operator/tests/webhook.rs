@@ -533,6 +533,17 @@ async fn malformed_and_oversized_bodies_are_refused_cleanly() {
     )
     .await;
     assert_eq!(response["allowed"], true);
+    let count = |result: &str| {
+        server
+            .metrics
+            .webhook_reviews
+            .with_label_values(&[result])
+            .get()
+    };
+    assert_eq!(
+        (count("malformed"), count("refused"), count("admitted")),
+        (4, 1, 1)
+    );
 }
 
 #[tokio::test]
