@@ -54,6 +54,10 @@ impl Server {
 }
 
 async fn start() -> Server {
+    start_with(PYTHON).await
+}
+
+async fn start_with(python: &str) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let pair = new_pair();
     let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
@@ -64,7 +68,7 @@ async fn start() -> Server {
         listener,
         CertReloader::load(&cert, &key).unwrap(),
         Judge {
-            python: PYTHON.into(),
+            python: python.into(),
             platform_namespace: "sluice-system".into(),
         },
     );
@@ -457,6 +461,29 @@ async fn updates_that_leave_the_spec_alone_are_admitted() {
     changed["spec"]["timeoutMs"] = json!(1000);
     let response = answer(review_with_old("uid-changed", "UPDATE", &changed, &broken)).await;
     assert_eq!(response["allowed"], false, "{response}");
+}
+
+#[tokio::test]
+async fn code_that_cannot_be_checked_is_not_admitted() {
+    let server = start_with("/nonexistent/python3").await;
+    let response = judged(
+        &server,
+        "uid-nopy",
+        "CREATE",
+        &chain(json!([redact_hook()])),
+    )
+    .await;
+    assert_eq!(response["allowed"], false, "{response}");
+    let message = response["status"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("cannot run python3 to check hook code")
+            && message.contains("the hook code was not checked"),
+        "{message}"
+    );
+    // Capabilities carry no code: they are still judged.
+    let good = capability(json!({"type": "object"}));
+    let response = judged(&server, "uid-nopy-cap", "CREATE", &good).await;
+    assert_eq!(response["allowed"], true, "{response}");
 }
 
 #[tokio::test]

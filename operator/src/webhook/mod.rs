@@ -4,9 +4,9 @@
 //! read again when its files change (`tls`).
 //!
 //! Bounds, so that no request can stall or crash it: bodies over [`MAX_BODY`] are refused with 413,
-//! a TLS handshake or a request that takes longer than [`IO_TIMEOUT`] is dropped, at most
-//! [`MAX_REVIEWS`] reviews run python at once (the rest wait their turn), and a review whose code
-//! check overruns [`REVIEW_TIMEOUT`] is refused with the reason.
+//! a TLS handshake, request head or body that takes longer than [`IO_TIMEOUT`] is dropped (408 for
+//! a body), at most [`MAX_REVIEWS`] reviews run python at once (the rest wait their turn), and a
+//! review whose code check overruns [`REVIEW_TIMEOUT`] is refused with the reason.
 
 mod review;
 mod tls;
@@ -190,7 +190,26 @@ async fn validate(
     judge: Arc<Judge>,
     turns: Arc<Semaphore>,
 ) -> (Response<Full<Bytes>>, &'static str) {
-    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+    let read = tokio::time::timeout(
+        IO_TIMEOUT,
+        Limited::new(req.into_body(), MAX_BODY).collect(),
+    );
+    let body = match read.await {
+        Err(_) => {
+            return (
+                text(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!(
+                        "the request body did not arrive within {}s\n",
+                        IO_TIMEOUT.as_secs()
+                    ),
+                ),
+                "malformed",
+            );
+        }
+        Ok(read) => read,
+    };
+    let body = match body {
         Ok(b) => b.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             return (
@@ -215,10 +234,16 @@ async fn validate(
     };
     let judged = async {
         // Closed only if the semaphore is dropped, which it never is while serving.
-        let _turn = turns.acquire_owned().await.ok();
+        let turn = turns.acquire_owned().await.ok();
         let judge = judge.clone();
         let body = body.clone();
-        tokio::task::spawn_blocking(move || review(&body, &judge)).await
+        // The turn is held by the work, not by the wait: a review that overruns its time keeps
+        // its turn until python ends, so stuck checks cannot pile up past MAX_REVIEWS.
+        tokio::task::spawn_blocking(move || {
+            let _turn = turn;
+            review(&body, &judge)
+        })
+        .await
     };
     let answer = match tokio::time::timeout(REVIEW_TIMEOUT, judged).await {
         Ok(Ok(answer)) => answer,
