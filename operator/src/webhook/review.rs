@@ -226,3 +226,45 @@ fn refusal(request: &AdmissionRequest<DynamicObject>, problems: &[String]) -> St
     }
     message
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The object is judged through YAML text: every string must come back as it was sent.
+    #[test]
+    fn objects_survive_the_trip_through_yaml() {
+        let nasty = [
+            "def execute(context, settings):\n\treturn {'action': 'pass'}\n",
+            "def execute(c, s):\r\n    return {'action': 'pass'}\r\n",
+            "---\n...\n# ünïcödé ✓ \u{7f}\ndef execute(c, s): return {'action': 'pass'}",
+            "  leading spaces\ntrailing spaces   \n\n\n",
+            "yes",
+            "0x1F",
+            "'quoted' \"double\" \\back: colon # hash & anchor * alias ! tag % | >",
+        ];
+        for code in nasty {
+            let object = json!({
+                "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
+                "metadata": {"name": "c", "namespace": "ns"},
+                "spec": {"target": "bot", "triggerPoint": "input",
+                         "hooks": [{"name": "h", "action": "modify", "settings": {"on": "no", "n": "1.0"}, "code": code}]}
+            });
+            let text = manifest::to_yaml(&object).unwrap();
+            let parsed = manifest::parse(Path::new("x"), &text);
+            let [Ok(loaded)] = parsed.as_slice() else {
+                panic!("{code:?}: {parsed:?}\n{text}");
+            };
+            let Object::HookChain(hc) = &loaded.value else {
+                panic!("not a chain")
+            };
+            assert_eq!(hc.spec.hooks[0].code, code, "{text}");
+            assert_eq!(
+                hc.spec.hooks[0].settings,
+                Some(json!({"on": "no", "n": "1.0"})),
+                "{text}"
+            );
+        }
+    }
+}
