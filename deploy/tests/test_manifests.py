@@ -351,7 +351,7 @@ class ChartTest(ManifestCase):
         self.assertEqual({p["name"]: p["containerPort"] for p in c["ports"]}, {"metrics": 9465, "webhook": 9443})
         self.assertEqual([a for a in c["args"] if a.startswith("--webhook")],
                          ["--webhook-listen=0.0.0.0:9443", "--webhook-cert=/etc/sluice/webhook/tls.crt",
-                          "--webhook-key=/etc/sluice/webhook/tls.key"])
+                          "--webhook-key=/etc/sluice/webhook/tls.key", "--webhook-review-timeout=8s"])
         (mount,) = [m for m in c["volumeMounts"] if m["name"] == "webhook-tls"]
         self.assertEqual(mount["mountPath"], "/etc/sluice/webhook")
         self.assertNotIn("subPath", mount, "a subPath mount would never see the rotated certificate")
@@ -374,6 +374,9 @@ class ChartTest(ManifestCase):
         pod = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]
         (volume,) = [v for v in pod["volumes"] if v["name"] == "webhook-tls"]
         self.assertEqual(volume["secret"]["secretName"], "my-webhook-tls")
+        self.assertIn("--webhook-review-timeout=3s", pod["containers"][0]["args"], "2 s under timeoutSeconds")
+        short = self.find(helm_template("webhook.enabled=true", "webhook.timeoutSeconds=2"), "Deployment", "sluice-operator")
+        self.assertIn("--webhook-review-timeout=1s", short["spec"]["template"]["spec"]["containers"][0]["args"])
         proc = subprocess.run([HELM, "template", "sluice", CHART, "--set", "webhook.enabled=true",
                                "--set", "webhook.certificate.source=secret"], capture_output=True, text=True, timeout=120)
         self.assertNotEqual(proc.returncode, 0)

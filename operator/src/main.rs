@@ -72,6 +72,10 @@ struct WebhookArgs {
     /// The python3 that parses hook code for the webhook (the sandboxes' Python version).
     #[arg(long, default_value = "python3")]
     webhook_python: PathBuf,
+    /// A review not finished in this long is refused as unfinished; keep it under the webhook's
+    /// timeoutSeconds so the reason reaches kubectl (8s, 1500ms).
+    #[arg(long, default_value = "8s", value_parser = parse_duration)]
+    webhook_review_timeout: Duration,
 }
 
 impl WebhookArgs {
@@ -84,6 +88,7 @@ impl WebhookArgs {
                 python: self.webhook_python.clone(),
                 platform_namespace: platform_namespace.to_string(),
             },
+            review_timeout: self.webhook_review_timeout,
         })
     }
 }

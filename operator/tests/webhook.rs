@@ -487,6 +487,46 @@ async fn code_that_cannot_be_checked_is_not_admitted() {
 }
 
 #[tokio::test]
+async fn a_check_that_does_not_finish_in_time_is_refused_with_the_uid() {
+    // A python that never answers in time: the review is refused with the reason, not left hanging.
+    let dir = tempfile::tempdir().unwrap();
+    let python = dir.path().join("python3");
+    std::fs::write(&python, "#!/bin/sh\nexec sleep 2\n").unwrap();
+    std::fs::set_permissions(&python, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let server = start_with(python.to_str().unwrap()).await;
+    let (cert, key) = (server.cert_path(), server.key_path());
+    // A second server on the same pair with a short review time.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let webhook = Webhook::on(
+        listener,
+        CertReloader::load(&cert, &key).unwrap(),
+        Judge {
+            python: python.clone(),
+            platform_namespace: "sluice-system".into(),
+        },
+    )
+    .with_review_timeout(std::time::Duration::from_millis(300));
+    let addr = webhook.local_addr().unwrap();
+    let (_stop, stopped) = watch::channel(false);
+    tokio::spawn(webhook.serve(stopped));
+    let body = review_of("uid-slow", "CREATE", &chain(json!([redact_hook()])));
+    let (status, body) = post_trusting(addr, &server.pair.cert, "POST", "/validate", body)
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let response = serde_json::from_slice::<Value>(&body).unwrap()["response"].clone();
+    assert_eq!(response["uid"], "uid-slow");
+    assert_eq!(response["allowed"], false);
+    assert!(
+        response["status"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("the check did not finish within 300ms"),
+        "{response}"
+    );
+}
+
+#[tokio::test]
 async fn deletes_and_other_kinds_are_not_judged() {
     let server = start().await;
     let broken = chain(json!([{"name": "x", "action": "modify", "code": "def ("}]));

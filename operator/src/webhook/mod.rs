@@ -6,7 +6,7 @@
 //! Bounds, so that no request can stall or crash it: bodies over [`MAX_BODY`] are refused with 413,
 //! a TLS handshake, request head or body that takes longer than [`IO_TIMEOUT`] is dropped (408 for
 //! a body), at most [`MAX_REVIEWS`] reviews run python at once (the rest wait their turn), and a
-//! review whose code check overruns [`REVIEW_TIMEOUT`] is refused with the reason.
+//! review that overruns its time ([`DEFAULT_REVIEW_TIMEOUT`] unless set) is refused with the reason.
 
 mod review;
 mod tls;
@@ -32,9 +32,10 @@ pub const MAX_BODY: usize = 8 << 20;
 pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Reviews judged at once; hook code analysis runs a python process each.
 pub const MAX_REVIEWS: usize = 4;
-/// Longest one review may take (waiting for its turn included); under the API server's webhook
-/// timeout (`timeoutSeconds`, 10 s by default in the chart), so the refusal reaches the user.
-pub const REVIEW_TIMEOUT: Duration = Duration::from_secs(8);
+/// Longest one review may take (waiting for its turn included) unless `--webhook-review-timeout`
+/// says otherwise; under the API server's webhook timeout (`timeoutSeconds`, 10 s by default in the
+/// chart, which passes 2 s less), so the refusal reaches the user instead of a timeout.
+pub const DEFAULT_REVIEW_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// Where and how the webhook is served (`--webhook-*` flags).
 #[derive(Clone, Debug)]
@@ -43,6 +44,7 @@ pub struct WebhookConfig {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub judge: Judge,
+    pub review_timeout: Duration,
 }
 
 /// Why the webhook cannot start.
@@ -64,6 +66,7 @@ pub struct Webhook {
     certs: Arc<CertReloader>,
     judge: Arc<Judge>,
     metrics: Option<Metrics>,
+    review_timeout: Duration,
 }
 
 impl Webhook {
@@ -76,7 +79,7 @@ impl Webhook {
                     addr: config.listen,
                     source,
                 })?;
-        Ok(Self::on(listener, certs, config.judge))
+        Ok(Self::on(listener, certs, config.judge).with_review_timeout(config.review_timeout))
     }
 
     /// A webhook on a listener the caller bound (tests bind port 0).
@@ -86,7 +89,14 @@ impl Webhook {
             certs: Arc::new(certs),
             judge: Arc::new(judge),
             metrics: None,
+            review_timeout: DEFAULT_REVIEW_TIMEOUT,
         }
+    }
+
+    /// How long one review may take before it is refused as unfinished.
+    pub fn with_review_timeout(mut self, timeout: Duration) -> Self {
+        self.review_timeout = timeout;
+        self
     }
 
     /// Counts the reviews answered in `sluice_operator_webhook_reviews_total`.
@@ -122,6 +132,7 @@ impl Webhook {
             let judge = self.judge.clone();
             let turns = turns.clone();
             let metrics = self.metrics.clone();
+            let review_timeout = self.review_timeout;
             tokio::spawn(async move {
                 let tls = match tokio::time::timeout(IO_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(tls)) => tls,
@@ -135,7 +146,13 @@ impl Webhook {
                     }
                 };
                 let service = hyper::service::service_fn(move |req| {
-                    handle(req, judge.clone(), turns.clone(), metrics.clone())
+                    handle(
+                        req,
+                        judge.clone(),
+                        turns.clone(),
+                        metrics.clone(),
+                        review_timeout,
+                    )
                 });
                 let conn = hyper::server::conn::http1::Builder::new()
                     .header_read_timeout(IO_TIMEOUT)
@@ -164,11 +181,12 @@ async fn handle(
     judge: Arc<Judge>,
     turns: Arc<Semaphore>,
     metrics: Option<Metrics>,
+    review_timeout: Duration,
 ) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
     Ok(match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
         (&Method::POST, "/validate") => {
-            let (response, result) = validate(req, judge, turns).await;
+            let (response, result) = validate(req, judge, turns, review_timeout).await;
             if let Some(m) = &metrics {
                 m.webhook_reviews.with_label_values(&[result]).inc();
             }
@@ -189,6 +207,7 @@ async fn validate(
     req: Request<Incoming>,
     judge: Arc<Judge>,
     turns: Arc<Semaphore>,
+    review_timeout: Duration,
 ) -> (Response<Full<Bytes>>, &'static str) {
     let read = tokio::time::timeout(
         IO_TIMEOUT,
@@ -245,7 +264,7 @@ async fn validate(
         })
         .await
     };
-    let answer = match tokio::time::timeout(REVIEW_TIMEOUT, judged).await {
+    let answer = match tokio::time::timeout(review_timeout, judged).await {
         Ok(Ok(answer)) => answer,
         Ok(Err(e)) => {
             tracing::error!(error = %e, "webhook review panicked");
@@ -257,7 +276,7 @@ async fn validate(
                 "failed",
             );
         }
-        Err(_) => timed_out(&body),
+        Err(_) => timed_out(&body, review_timeout),
     };
     match answer {
         Ok(review) => match serde_json::to_vec(&review) {
@@ -294,6 +313,7 @@ async fn validate(
 /// The refusal for a review that did not finish in time, answered with its uid when it has one.
 fn timed_out(
     body: &[u8],
+    limit: Duration,
 ) -> Result<kube::core::admission::AdmissionReview<kube::core::DynamicObject>, MalformedReview> {
     let raw: serde_json::Value = serde_json::from_slice(body).map_err(MalformedReview::NotJson)?;
     let uid = raw["request"]["uid"]
@@ -301,8 +321,8 @@ fn timed_out(
         .filter(|u| !u.is_empty())
         .ok_or(MalformedReview::NoUid)?;
     let mut response = kube::core::admission::AdmissionResponse::invalid(format!(
-        "sluice admission webhook: the check did not finish within {}s (the webhook is busy or python is stuck); try again",
-        REVIEW_TIMEOUT.as_secs()
+        "sluice admission webhook: the check did not finish within {:?} (the webhook is busy or python is stuck); try again",
+        limit
     ));
     response.uid = uid.to_string();
     response.result.code = 503;
