@@ -155,16 +155,17 @@ async fn signalled() {
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let client = Client::try_default().await?;
     let metrics = Metrics::new();
-    let listener = tokio::net::TcpListener::bind(args.metrics)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {}: {e}", args.metrics))?;
-    tokio::spawn(metrics.clone().serve_on(listener));
     let (stop_tx, stop_rx) = watch::channel(false);
-    // Every replica answers admission reviews; only the leader reconciles.
+    // Every replica answers admission reviews; only the leader reconciles. Bound before /healthz
+    // answers, so a replica is never ready (in the webhook Service) without its webhook.
     if let Some(webhook) = args.webhook.config(&args.platform_namespace) {
         let webhook = Webhook::bind(webhook).await?.with_metrics(metrics.clone());
         tokio::spawn(webhook.serve(stop_rx.clone()));
     }
+    let listener = tokio::net::TcpListener::bind(args.metrics)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {}: {e}", args.metrics))?;
+    tokio::spawn(metrics.clone().serve_on(listener));
 
     let config = RunConfig {
         settings: args.pod.settings(),

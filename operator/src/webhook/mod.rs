@@ -111,8 +111,10 @@ impl Webhook {
 
     /// Serves until `stop` turns true; connections in flight finish on their own.
     pub async fn serve(self, mut stop: watch::Receiver<bool>) {
-        let addr = self.listener.local_addr().ok();
-        tracing::info!(?addr, "admission webhook listening");
+        match self.listener.local_addr() {
+            Ok(addr) => tracing::info!(%addr, "admission webhook listening"),
+            Err(e) => tracing::info!(error = %e, "admission webhook listening"),
+        }
         let turns = Arc::new(Semaphore::new(MAX_REVIEWS));
         loop {
             let (tcp, peer) = tokio::select! {
