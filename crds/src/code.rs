@@ -173,3 +173,116 @@ pub fn analyse_code(
         })
         .collect())
 }
+
+/// What kind of finding a [`HookFinding`] is: whether it stops a hook from serving.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FindingKind {
+    /// The hook fails at load or call time (syntax, `execute`, imports, undeclared actions).
+    Problem,
+    /// A likely mistake that is not a certain failure (an `execute` that never returns).
+    Hint,
+    /// A settings key the code reads that the hook does not declare: `subscript` reads
+    /// (`settings["k"]`) raise `KeyError`; `settings.get("k")` reads always get their default.
+    UndeclaredSetting { subscript: bool },
+}
+
+/// One finding in one hook's code, worded as `sluice check` prints it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HookFinding {
+    /// The hook's `name`.
+    pub hook: String,
+    /// Line within the hook's code (1-based).
+    pub line: usize,
+    pub kind: FindingKind,
+    /// `HookChain "c", hook "h", line 3 of its code: ...`.
+    pub message: String,
+}
+
+/// Everything the analyser finds in the hooks of one HookChain document, read as a JSON value (a
+/// YAML document or an object sent to the admission webhook) so that code is checked even where the
+/// document's schema is wrong. Documents that are not sluice.dev HookChains have no findings.
+/// `sluice check` and the operator's admission webhook both word their findings with this.
+#[cfg(feature = "kube")]
+pub fn document_findings(
+    python: &std::path::Path,
+    doc: &serde_json::Value,
+) -> Result<Vec<HookFinding>, CodeCheckError> {
+    if doc["kind"] != "HookChain"
+        || !doc["apiVersion"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("sluice.dev/"))
+    {
+        return Ok(Vec::new());
+    }
+    let chain = doc["metadata"]["name"].as_str().unwrap_or_default();
+    let hooks: Vec<&serde_json::Value> = doc["spec"]["hooks"]
+        .as_array()
+        .map(|h| h.iter().filter(|h| h["code"].is_string()).collect())
+        .unwrap_or_default();
+    if hooks.is_empty() {
+        return Ok(Vec::new());
+    }
+    let pairs: Vec<(&str, &str)> = hooks
+        .iter()
+        .map(|h| {
+            (
+                h["action"].as_str().unwrap_or_default(),
+                h["code"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    let mut out = Vec::new();
+    for (hook, found) in hooks.iter().zip(analyse_code(python, &pairs)?) {
+        let name = hook["name"].as_str().unwrap_or_default();
+        let finding = |line: usize, kind: FindingKind, message: String| HookFinding {
+            hook: name.to_string(),
+            line,
+            kind,
+            message: format!(
+                "HookChain {chain:?}, hook {name:?}, line {line} of its code: {message}"
+            ),
+        };
+        for p in found.problems {
+            out.push(finding(p.line, FindingKind::Problem, p.message));
+        }
+        for p in found.hints {
+            out.push(finding(p.line, FindingKind::Hint, p.message));
+        }
+        let declared: Vec<&str> = hook["settings"]
+            .as_object()
+            .map(|m| m.keys().map(String::as_str).collect())
+            .unwrap_or_default();
+        for read in found.settings_reads {
+            if declared.contains(&read.key.as_str()) {
+                continue;
+            }
+            let how = if read.subscript {
+                format!(
+                    "settings[{:?}], which raises KeyError at run time",
+                    read.key
+                )
+            } else {
+                format!(
+                    "settings.get({:?}), which always gets its default",
+                    read.key
+                )
+            };
+            let meant = crate::fields::did_you_mean(&read.key, declared.iter().copied())
+                .map(|k| format!("; did you mean {k:?}?"))
+                .unwrap_or_default();
+            let list = if declared.is_empty() {
+                "the hook declares no settings".to_string()
+            } else {
+                format!("its settings declare {}", declared.join(", "))
+            };
+            out.push(finding(
+                read.line,
+                FindingKind::UndeclaredSetting {
+                    subscript: read.subscript,
+                },
+                format!("reads {how}: {list}{meant}"),
+            ));
+        }
+    }
+    Ok(out)
+}

@@ -181,7 +181,7 @@ pub fn check(open_api: &Value, object: &Value) -> Vec<FieldProblem> {
             .iter_errors(object)
             .map(|e| FieldProblem {
                 path: pointer_segments(&e.instance_path().to_string()),
-                message: e.to_string(),
+                message: without_long_value(e.to_string(), e.instance()),
             })
             .collect::<Vec<_>>(),
         Err(_) => Vec::new(),
@@ -192,6 +192,22 @@ pub fn check(open_api: &Value, object: &Value) -> Vec<FieldProblem> {
         }
     }
     out
+}
+
+/// The validator's message with a long offending value (a hook's whole code) said by its size
+/// instead of quoted whole: the place and the rule are what a person needs.
+fn without_long_value(message: String, value: &Value) -> String {
+    let shown = value.to_string();
+    if shown.len() <= 200 {
+        return message;
+    }
+    let what = match value {
+        Value::String(s) => format!("a text of {} characters", s.chars().count()),
+        Value::Array(items) => format!("a list of {} items", items.len()),
+        Value::Object(map) => format!("a mapping of {} keys", map.len()),
+        _ => "the value".to_string(),
+    };
+    message.replacen(&shown, &what, 1)
 }
 
 fn pointer_segments(pointer: &str) -> Vec<Seg> {
@@ -302,6 +318,22 @@ mod tests {
         assert_eq!(line_of(DOC, &parse_dotted("spec.hooks[1].setting")), 9);
         assert_eq!(line_of(DOC, &parse_dotted("spec.hooks[1]")), 8);
         assert_eq!(line_of(DOC, &parse_dotted("metadata.name")), 2);
+    }
+
+    #[test]
+    fn long_values_are_said_by_their_size() {
+        let schema = serde_json::json!({"type": "object", "properties": {"code": {"type": "string", "maxLength": 10}}});
+        let p = check(&schema, &serde_json::json!({"code": "x".repeat(300)}));
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(
+            p[0].message, "a text of 300 characters is longer than 10 characters",
+            "{p:?}"
+        );
+        let p = check(&schema, &serde_json::json!({"code": "x".repeat(11)}));
+        assert!(
+            p[0].message.starts_with("\"xxxxxxxxxxx\" is longer"),
+            "{p:?}"
+        );
     }
 
     #[test]

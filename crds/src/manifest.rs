@@ -433,6 +433,36 @@ pub fn to_yaml<T: serde::Serialize>(value: &T) -> Result<String, serde_saphyr::S
     )
 }
 
+/// What is wrong with one object that its schema and the semantic rules cannot see alone, worded as
+/// `sluice check` prints it: a Capability's JSON Schema that does not compile, and an enforced
+/// HookChain outside `platform_namespace` (the gateway would not serve it). The admission webhook
+/// refuses on the same findings.
+pub fn object_problems(object: &Object, platform_namespace: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    match object {
+        Object::Capability(c) => {
+            if let Some(schema) = &c.spec.schema
+                && let Err(e) = crate::schema::check_schema(schema)
+            {
+                out.push(format!(
+                    "Capability {:?}: spec.schema: {e}",
+                    c.metadata.name.clone().unwrap_or_default()
+                ));
+            }
+        }
+        Object::HookChain(hc) => {
+            let ns = namespace_of(&hc.metadata);
+            if hc.spec.enforced && ns != platform_namespace {
+                out.push(format!(
+                    "HookChain {:?}: spec.enforced is honoured only in the platform namespace ({platform_namespace:?} unless the gateway runs with --platform-namespace), not in {ns:?}; the gateway will not serve it",
+                    hc.metadata.name.clone().unwrap_or_default()
+                ));
+            }
+        }
+    }
+    out
+}
+
 /// Namespace of an object read from a file: its own, or `default` as kubectl would use.
 pub fn namespace_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
     meta.namespace

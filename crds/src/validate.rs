@@ -34,6 +34,10 @@ fn valid_name(name: &str) -> bool {
         && name.as_bytes()[0].is_ascii_alphanumeric()
 }
 
+/// Most hook code one chain may carry, all hooks together (UTF-8 bytes). Every trigger point's cell
+/// loads all of it, and a HookChain object must fit in etcd (1.5 MiB by default) with room to spare.
+pub const MAX_CODE_BYTES: usize = 512 << 10;
+
 /// Smallest memory a sandbox with Python in it can start with.
 pub const MIN_MEMORY_BYTES: u64 = 32 << 20;
 
@@ -82,6 +86,15 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
     }
     if spec.hooks.is_empty() {
         out.push(problem("spec.hooks", "a chain needs at least one hook"));
+    }
+    let code_bytes: usize = spec.hooks.iter().map(|h| h.code.len()).sum();
+    if code_bytes > MAX_CODE_BYTES {
+        out.push(problem(
+            "spec.hooks",
+            format!(
+                "the hooks' code is {code_bytes} bytes in all, over the {MAX_CODE_BYTES} bytes (512 KiB) a chain may carry: move shared logic out or split the chain"
+            ),
+        ));
     }
     let mut seen = HashSet::new();
     for (i, hook) in spec.hooks.iter().enumerate() {
@@ -238,6 +251,25 @@ mod tests {
                 .any(|p| p.starts_with("spec.resources.memory")),
             "{problems:?}"
         );
+    }
+
+    #[test]
+    fn code_over_the_chain_limit_is_refused() {
+        let mut c = chain();
+        let line = "# padding\n";
+        c.hooks[0].code = format!(
+            "{}{}",
+            line.repeat(MAX_CODE_BYTES / line.len()),
+            c.hooks[0].code
+        );
+        let p = hookchain(&c);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(
+            p[0].field == "spec.hooks" && p[0].message.contains("512 KiB"),
+            "{p:?}"
+        );
+        c.hooks[0].code.truncate(MAX_CODE_BYTES);
+        assert_eq!(hookchain(&c), vec![]);
     }
 
     #[test]

@@ -17,5 +17,6 @@ FROM python:3.11-slim-bookworm
 ENV PYTHONDONTWRITEBYTECODE=1
 COPY --from=build /usr/local/bin/sluice-operator /usr/local/bin/sluice-operator
 USER 65534:65534
-EXPOSE 9465
+# 9465: metrics and /healthz; 9443: the admission webhook (HTTPS), with --webhook-listen.
+EXPOSE 9465 9443
 ENTRYPOINT ["/usr/local/bin/sluice-operator"]

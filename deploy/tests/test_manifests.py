@@ -141,6 +141,13 @@ class Validator:
             if not obj.get("metadata", {}).get("name"):
                 errors.append(f"{what}: metadata.name is required")
             return errors
+        if key == ("cert-manager.io/v1", "Certificate"):
+            # No schema for cert-manager's CRDs here: check the fields Sluice sets.
+            spec = obj.get("spec", {})
+            ok = spec.get("secretName") and spec.get("dnsNames") and spec.get("issuerRef", {}).get("name")
+            return [] if ok else [f"{what}: needs spec.secretName, dnsNames and issuerRef.name"]
+        if key == ("cert-manager.io/v1", "Issuer"):
+            return [] if obj.get("spec", {}).get("selfSigned") == {} else [f"{what}: needs spec.selfSigned"]
         if key == ("monitoring.coreos.com/v1", "ServiceMonitor"):
             # No schema for the Prometheus Operator's CRDs here: check the fields Sluice sets.
             spec = obj.get("spec", {})
@@ -202,6 +209,12 @@ class ChartTest(ManifestCase):
         "one namespace": ["watchNamespace=team-a"],
         "features off": ["networkPolicy.enabled=false", "runtimeClass.create=false", "rbac.create=false",
                          "serviceAccount.create=false"],
+        "webhook (cert-manager)": ["webhook.enabled=true", "operator.replicas=2"],
+        "webhook (own issuer, one namespace)": ["webhook.enabled=true", "webhook.certificate.issuerRef.kind=ClusterIssuer",
+                                                "webhook.certificate.issuerRef.name=internal-ca", "watchNamespace=team-a"],
+        "webhook (own Secret)": ["webhook.enabled=true", "webhook.certificate.source=secret",
+                                 "webhook.certificate.secretName=my-webhook-tls", "webhook.certificate.caBundle=Y2E=",
+                                 "webhook.failurePolicy=Ignore", "webhook.timeoutSeconds=5"],
     }
 
     def test_helm_lint_strict(self):
@@ -211,7 +224,9 @@ class ChartTest(ManifestCase):
 
     def test_values_schema_refuses_typos_and_wrong_types(self):
         for bad in ("operator.replica=2", "gateway.claimTimeout=soon", "operator.claimDeadline=300", "operator.claimDeadline=5d", "gateway.claimTimeout=5", "image.pullPolicy=Sometimes", "gateway.replicas=0",
-                    "networkPolicy.apiServer.ports[0]=https"):
+                    "networkPolicy.apiServer.ports[0]=https",
+                    "webhook.failurePolicy=Sometimes", "webhook.timeoutSeconds=60", "webhook.certificate.source=vault",
+                    "webhook.certificat.source=secret"):
             proc = subprocess.run([HELM, "template", "sluice", CHART, "--set", bad], capture_output=True, text=True, timeout=120)
             self.assertNotEqual(proc.returncode, 0, f"--set {bad} was accepted")
             self.assertIn("schema", proc.stderr, bad)
@@ -287,6 +302,94 @@ class ChartTest(ManifestCase):
         self.assertEqual(egress_ports, [53, 443, 6443])
         self.assertEqual(policy["egress"][-1], {"to": [{"namespaceSelector": {}}]}, "capability endpoints")
         self.assertFalse([o for o in helm_template("networkPolicy.enabled=false") if o["kind"] == "NetworkPolicy"])
+
+    WEBHOOK_KINDS = ("ValidatingWebhookConfiguration", "Certificate", "Issuer")
+
+    def webhook_objects(self, objs):
+        return sorted((o["kind"], o["metadata"]["name"]) for o in objs
+                      if o["kind"] in self.WEBHOOK_KINDS or o["metadata"]["name"] == "sluice-operator-webhook")
+
+    def test_the_webhook_is_off_by_default(self):
+        objs = helm_template()
+        self.assertEqual(self.webhook_objects(objs), [])
+        operator = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]
+        self.assertFalse([a for a in operator["containers"][0]["args"] if a.startswith("--webhook")])
+        self.assertEqual([v["name"] for v in operator["volumes"]], ["tmp"])
+        policy = self.find(objs, "NetworkPolicy", "sluice-operator")["spec"]
+        self.assertEqual([p["port"] for rule in policy["ingress"] for p in rule["ports"]], [9465])
+
+    def test_webhook_with_cert_manager_is_wired_end_to_end(self):
+        objs = helm_template("webhook.enabled=true")
+        self.assertEqual(self.webhook_objects(objs), [
+            ("Certificate", "sluice-operator-webhook"), ("Issuer", "sluice-operator-webhook-selfsigned"),
+            ("Service", "sluice-operator-webhook"), ("ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")])
+        config = self.find(objs, "ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")
+        certificate = self.find(objs, "Certificate", "sluice-operator-webhook")
+        # cert-manager injects the CA of this very Certificate.
+        self.assertEqual(config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+                         f"{NAMESPACE}/sluice-operator-webhook")
+        (hook,) = config["webhooks"]
+        self.assertEqual((hook["failurePolicy"], hook["timeoutSeconds"], hook["sideEffects"], hook["admissionReviewVersions"]),
+                         ("Fail", 10, "None", ["v1"]))
+        (rule,) = hook["rules"]
+        self.assertEqual((rule["apiGroups"], sorted(rule["operations"]), sorted(rule["resources"])),
+                         (["sluice.dev"], ["CREATE", "UPDATE"], ["capabilities", "hookchains"]))
+        self.assertEqual(hook["namespaceSelector"], {})
+        self.assertNotIn("caBundle", hook["clientConfig"])
+        # The Service the API server calls reaches the operator's webhook port, and the certificate names it.
+        ref = hook["clientConfig"]["service"]
+        self.assertEqual((ref["namespace"], ref["path"]), (NAMESPACE, "/validate"))
+        service = self.find(objs, "Service", ref["name"])
+        (port,) = service["spec"]["ports"]
+        self.assertEqual((port["port"], port["targetPort"]), (ref["port"], "webhook"))
+        self.assertIn(f"{ref['name']}.{NAMESPACE}.svc", certificate["spec"]["dnsNames"])
+        self.assertEqual(certificate["spec"]["issuerRef"], {"kind": "Issuer", "name": "sluice-operator-webhook-selfsigned"})
+        deployment = self.find(objs, "Deployment", "sluice-operator")
+        self.assertEqual(service["spec"]["selector"], deployment["spec"]["selector"]["matchLabels"])
+        pod = deployment["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        self.assertEqual({p["name"]: p["containerPort"] for p in c["ports"]}, {"metrics": 9465, "webhook": 9443})
+        self.assertEqual([a for a in c["args"] if a.startswith("--webhook")],
+                         ["--webhook-listen=0.0.0.0:9443", "--webhook-cert=/etc/sluice/webhook/tls.crt",
+                          "--webhook-key=/etc/sluice/webhook/tls.key", "--webhook-review-timeout=8s"])
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "webhook-tls"]
+        self.assertEqual(mount["mountPath"], "/etc/sluice/webhook")
+        self.assertNotIn("subPath", mount, "a subPath mount would never see the rotated certificate")
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "webhook-tls"]
+        self.assertEqual(volume["secret"]["secretName"], certificate["spec"]["secretName"])
+        # The API server (matched by address, it is not a pod) may reach the webhook port.
+        policy = self.find(objs, "NetworkPolicy", "sluice-operator")["spec"]
+        webhook_rules = [r for r in policy["ingress"] if any(p["port"] == 9443 for p in r["ports"])]
+        self.assertEqual(webhook_rules, [{"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"protocol": "TCP", "port": 9443}]}])
+
+    def test_webhook_with_an_own_secret_or_issuer(self):
+        objs = helm_template("webhook.enabled=true", "webhook.certificate.source=secret",
+                             "webhook.certificate.secretName=my-webhook-tls", "webhook.certificate.caBundle=Y2E=",
+                             "webhook.failurePolicy=Ignore", "webhook.timeoutSeconds=5")
+        self.assertFalse([o for o in objs if o["kind"] in ("Certificate", "Issuer")])
+        config = self.find(objs, "ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")
+        self.assertNotIn("annotations", config["metadata"])
+        (hook,) = config["webhooks"]
+        self.assertEqual((hook["clientConfig"]["caBundle"], hook["failurePolicy"], hook["timeoutSeconds"]), ("Y2E=", "Ignore", 5))
+        pod = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "webhook-tls"]
+        self.assertEqual(volume["secret"]["secretName"], "my-webhook-tls")
+        self.assertIn("--webhook-review-timeout=3s", pod["containers"][0]["args"], "2 s under timeoutSeconds")
+        short = self.find(helm_template("webhook.enabled=true", "webhook.timeoutSeconds=2"), "Deployment", "sluice-operator")
+        self.assertIn("--webhook-review-timeout=1s", short["spec"]["template"]["spec"]["containers"][0]["args"])
+        proc = subprocess.run([HELM, "template", "sluice", CHART, "--set", "webhook.enabled=true",
+                               "--set", "webhook.certificate.source=secret"], capture_output=True, text=True, timeout=120)
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("needs webhook.certificate.secretName and webhook.certificate.caBundle", proc.stderr)
+
+        objs = helm_template("webhook.enabled=true", "webhook.certificate.issuerRef.kind=ClusterIssuer",
+                             "webhook.certificate.issuerRef.name=internal-ca", "watchNamespace=team-a")
+        self.assertFalse([o for o in objs if o["kind"] == "Issuer"])
+        self.assertEqual(self.find(objs, "Certificate", "sluice-operator-webhook")["spec"]["issuerRef"],
+                         {"kind": "ClusterIssuer", "name": "internal-ca"})
+        (hook,) = self.find(objs, "ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")["webhooks"]
+        self.assertEqual(hook["namespaceSelector"], {"matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", NAMESPACE]}]})
 
     def test_optional_objects_follow_their_toggles(self):
         kinds = lambda objs: sorted(o["kind"] for o in objs)  # noqa: E731

@@ -614,3 +614,60 @@ async fn recycled_pods_serve_many_trigger_points_and_retire_at_max_uses() {
         .collect();
     assert!(unhealthy.is_empty(), "probe failures: {unhealthy:?}");
 }
+
+#[tokio::test]
+async fn the_admission_webhook_refuses_broken_chains_at_apply() {
+    let Some(c) = cluster("webhook").await else {
+        return;
+    };
+    // Installed with `--set webhook.enabled=true` (e2e/cluster/README.md, step 3b), or not at all.
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    let configs = Api::<ValidatingWebhookConfiguration>::all(c.client.clone())
+        .list(&ListParams::default().labels("app.kubernetes.io/part-of=sluice"))
+        .await
+        .expect("list ValidatingWebhookConfigurations");
+    if configs.items.is_empty() {
+        println!("SKIPPED: the chart was installed without webhook.enabled=true (webhook)");
+        return;
+    }
+    let chain = |code: &str| {
+        json!({
+            "apiVersion": "sluice.dev/v1alpha1",
+            "kind": "HookChain",
+            "metadata": {"name": "guarded", "namespace": c.ns},
+            "spec": {"target": "guarded-bot", "triggerPoint": "input",
+                     "hooks": [{"name": "upper", "action": "modify", "code": code}]},
+        })
+    };
+    let apply = |object: Value| {
+        let chains = c.chains();
+        async move {
+            chains
+                .patch(
+                    "guarded",
+                    &PatchParams::apply("sluice-e2e").force(),
+                    &Patch::Apply(&object),
+                )
+                .await
+        }
+    };
+    let broken =
+        "def execute(context, settings):\n    return {'action': 'block', 'message': 'no'\n";
+    let err = apply(chain(broken))
+        .await
+        .expect_err("a chain with a syntax error is refused");
+    let said = err.to_string();
+    assert!(
+        said.contains("denied the request")
+            && said
+                .contains("HookChain \"guarded\", hook \"upper\", line 2 of its code: SyntaxError"),
+        "{said}"
+    );
+    assert!(
+        c.chains().get_opt("guarded").await.expect("get").is_none(),
+        "nothing was stored"
+    );
+    apply(chain(UPPER))
+        .await
+        .expect("a valid chain is admitted");
+}

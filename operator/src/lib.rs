@@ -5,7 +5,7 @@
 //! `expectations` (what the cache does not show yet) → `validate` and `status` (the verdict and the
 //! conditions, pure) → `reconcile` (its stages, one module each: read → validate → build → decide →
 //! apply → status) → `controller` (the watches) → `leader` (one active replica) → `metrics`,
-//! `render`.
+//! `render`, and `webhook` (the validating admission webhook every replica serves).
 
 pub mod build;
 pub mod controller;
@@ -17,3 +17,4 @@ pub mod reconcile;
 pub mod render;
 pub mod status;
 pub mod validate;
+pub mod webhook;

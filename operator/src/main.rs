@@ -7,6 +7,7 @@ use sluice_operator::build::{Settings, default_supervisor_image};
 use sluice_operator::controller::{self, LeaseTiming, RunConfig};
 use sluice_operator::leader::{self, LeaseLock};
 use sluice_operator::metrics::Metrics;
+use sluice_operator::webhook::{Judge, Webhook, WebhookConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,7 +28,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the controller (only the replica holding the leader lease reconciles).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print as YAML the objects the operator would create for the HookChains in FILE.
     Render {
         file: PathBuf,
@@ -55,10 +56,49 @@ impl PodArgs {
     }
 }
 
+/// The validating admission webhook (off unless --webhook-listen is given).
+#[derive(Args, Clone, Debug)]
+struct WebhookArgs {
+    /// Serve the validating admission webhook for HookChains and Capabilities (HTTPS) on this
+    /// address, on every replica (leader or not).
+    #[arg(long, requires_all = ["webhook_cert", "webhook_key"])]
+    webhook_listen: Option<SocketAddr>,
+    /// PEM certificate chain the webhook serves; read again whenever the file changes.
+    #[arg(long, requires = "webhook_listen")]
+    webhook_cert: Option<PathBuf>,
+    /// PEM private key of --webhook-cert; read again whenever the file changes.
+    #[arg(long, requires = "webhook_listen")]
+    webhook_key: Option<PathBuf>,
+    /// The python3 that parses hook code for the webhook (the sandboxes' Python version).
+    #[arg(long, default_value = "python3")]
+    webhook_python: PathBuf,
+    /// A review not finished in this long is refused as unfinished; keep it under the webhook's
+    /// timeoutSeconds so the reason reaches kubectl (8s, 1500ms).
+    #[arg(long, default_value = "8s", value_parser = parse_duration)]
+    webhook_review_timeout: Duration,
+}
+
+impl WebhookArgs {
+    fn config(&self, platform_namespace: &str) -> Option<WebhookConfig> {
+        Some(WebhookConfig {
+            listen: self.webhook_listen?,
+            cert: self.webhook_cert.clone()?,
+            key: self.webhook_key.clone()?,
+            judge: Judge {
+                python: self.webhook_python.clone(),
+                platform_namespace: platform_namespace.to_string(),
+            },
+            review_timeout: self.webhook_review_timeout,
+        })
+    }
+}
+
 #[derive(Args)]
 struct RunArgs {
     #[command(flatten)]
     pod: PodArgs,
+    #[command(flatten)]
+    webhook: WebhookArgs,
     /// Address of the /metrics and /healthz server.
     #[arg(long, default_value = "0.0.0.0:9465")]
     metrics: SocketAddr,
@@ -115,6 +155,13 @@ async fn signalled() {
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let client = Client::try_default().await?;
     let metrics = Metrics::new();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    // Every replica answers admission reviews; only the leader reconciles. Bound before /healthz
+    // answers, so a replica is never ready (in the webhook Service) without its webhook.
+    if let Some(webhook) = args.webhook.config(&args.platform_namespace) {
+        let webhook = Webhook::bind(webhook).await?.with_metrics(metrics.clone());
+        tokio::spawn(webhook.serve(stop_rx.clone()));
+    }
     let listener = tokio::net::TcpListener::bind(args.metrics)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {}: {e}", args.metrics))?;
@@ -131,7 +178,6 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     tracing::info!(identity = %config.identity, runtime_class = %config.settings.runtime_class,
         image = %config.settings.supervisor_image, namespaces = ?config.watched_namespaces(), "starting");
 
-    let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         signalled().await;
         stop_tx.send_replace(true);
@@ -185,7 +231,7 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match rt.block_on(run(args)) {
+            match rt.block_on(run(*args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!(error = %e, "sluice-operator failed");
@@ -221,6 +267,33 @@ mod tests {
             err.contains("has no unit") && err.contains("500ms"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_webhook_is_off_by_default_and_needs_its_certificate() {
+        let run = |args: &[&str]| {
+            Cli::try_parse_from(args).map(|c| match c.command {
+                Command::Run(args) => args.webhook.config("sluice-system"),
+                Command::Render { .. } => unreachable!(),
+            })
+        };
+        assert!(run(&["sluice-operator", "run"]).unwrap().is_none());
+        let err = run(&["sluice-operator", "run", "--webhook-listen=0.0.0.0:9443"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("--webhook-cert"), "{err}");
+        let on = run(&[
+            "sluice-operator",
+            "run",
+            "--webhook-listen=0.0.0.0:9443",
+            "--webhook-cert=/tls/tls.crt",
+            "--webhook-key=/tls/tls.key",
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(on.listen.port(), 9443);
+        assert_eq!(on.judge.platform_namespace, "sluice-system");
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub struct Metrics {
     pub pods_created: IntCounter,
     pub pods_deleted: IntCounterVec,
     pub leader: IntGauge,
+    pub webhook_reviews: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -83,6 +84,17 @@ impl Metrics {
                 IntGauge::new(
                     "sluice_operator_leader",
                     "1 while this replica holds the leader lease",
+                )
+                .expect("valid metric"),
+            ),
+            webhook_reviews: reg(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "sluice_operator_webhook_reviews_total",
+                        "Admission reviews answered, by result (admitted, refused, malformed, failed)",
+                    ),
+                    &["result"],
                 )
                 .expect("valid metric"),
             ),

@@ -2,7 +2,6 @@
 //! cluster and without running any hook. Hook code is only parsed (Python's `ast`, through
 //! `sluice_crds::code`), never executed on the host.
 
-use sluice_crds::code::CodeProblem;
 use sluice_crds::definition::Definition;
 use sluice_crds::manifest::{self, Located, Object};
 use std::path::{Path, PathBuf};
@@ -83,21 +82,18 @@ pub fn check(files: &[PathBuf], python: &Path) -> Report {
         })
         .collect();
     for o in &objects {
+        // What the admission webhook refuses as well: the same rules, worded once.
+        for message in manifest::object_problems(&o.value, sluice_crds::DEFAULT_PLATFORM_NAMESPACE)
+        {
+            report.findings.push(Finding {
+                file: o.file.clone(),
+                line: o.line,
+                message,
+            });
+        }
         match &o.value {
             Object::Capability(c) => {
                 report.capabilities += 1;
-                if let Some(schema) = &c.spec.schema
-                    && let Err(e) = sluice_crds::schema::check_schema(schema)
-                {
-                    report.findings.push(Finding {
-                        file: o.file.clone(),
-                        line: o.line,
-                        message: format!(
-                            "Capability {:?}: spec.schema: {e}",
-                            c.metadata.name.clone().unwrap_or_default()
-                        ),
-                    });
-                }
                 let ns = manifest::namespace_of(&c.metadata);
                 for step in c.spec.gates.iter().chain(&c.spec.dispatch) {
                     if !capabilities.contains(&(ns.clone(), step.clone())) {
@@ -113,16 +109,6 @@ pub fn check(files: &[PathBuf], python: &Path) -> Report {
                 report.chains += 1;
                 let chain = hc.metadata.name.clone().unwrap_or_default();
                 let ns = manifest::namespace_of(&hc.metadata);
-                if hc.spec.enforced && ns != sluice_crds::DEFAULT_PLATFORM_NAMESPACE {
-                    report.findings.push(Finding {
-                        file: o.file.clone(),
-                        line: o.line,
-                        message: format!(
-                            "HookChain {chain:?}: spec.enforced is honoured only in the platform namespace ({:?} unless the gateway runs with --platform-namespace), not in {ns:?}; the gateway will not serve it",
-                            sluice_crds::DEFAULT_PLATFORM_NAMESPACE
-                        ),
-                    });
-                }
                 let text = std::fs::read_to_string(&o.file).unwrap_or_default();
                 for hook in &hc.spec.hooks {
                     for cap in &hook.capabilities {
@@ -175,32 +161,8 @@ fn code_findings(file: &Path, text: &str, python: &Path, out: &mut Vec<Finding>)
         let Ok(value) = serde_saphyr::from_str::<serde_json::Value>(&doc) else {
             continue;
         };
-        if value["kind"] != "HookChain"
-            || !value["apiVersion"]
-                .as_str()
-                .is_some_and(|v| v.starts_with("sluice.dev/"))
-        {
-            continue;
-        }
-        let chain = value["metadata"]["name"].as_str().unwrap_or_default();
-        let hooks: Vec<&serde_json::Value> = value["spec"]["hooks"]
-            .as_array()
-            .map(|h| h.iter().filter(|h| h["code"].is_string()).collect())
-            .unwrap_or_default();
-        if hooks.is_empty() {
-            continue;
-        }
-        let pairs: Vec<(&str, &str)> = hooks
-            .iter()
-            .map(|h| {
-                (
-                    h["action"].as_str().unwrap_or_default(),
-                    h["code"].as_str().unwrap_or_default(),
-                )
-            })
-            .collect();
-        let analysed = match sluice_crds::code::analyse_code(python, &pairs) {
-            Ok(a) => a,
+        let found = match sluice_crds::code::document_findings(python, &value) {
+            Ok(found) => found,
             Err(e) => {
                 out.push(Finding {
                     file: file.to_path_buf(),
@@ -210,55 +172,15 @@ fn code_findings(file: &Path, text: &str, python: &Path, out: &mut Vec<Finding>)
                 continue;
             }
         };
-        for (hook, found) in hooks.iter().zip(analysed) {
-            let name = hook["name"].as_str().unwrap_or_default();
-            let base = manifest::hook_code_line(text, start, name);
-            let at = |line: usize| base.map(|b| b + line).unwrap_or(start);
-            for CodeProblem { line, message } in found.problems.into_iter().chain(found.hints) {
-                out.push(Finding {
-                    file: file.to_path_buf(),
-                    line: at(line),
-                    message: format!(
-                        "HookChain {chain:?}, hook {name:?}, line {line} of its code: {message}"
-                    ),
-                });
-            }
-            let declared: Vec<&str> = hook["settings"]
-                .as_object()
-                .map(|m| m.keys().map(String::as_str).collect())
-                .unwrap_or_default();
-            for read in found.settings_reads {
-                if declared.contains(&read.key.as_str()) {
-                    continue;
-                }
-                let how = if read.subscript {
-                    format!(
-                        "settings[{:?}], which raises KeyError at run time",
-                        read.key
-                    )
-                } else {
-                    format!(
-                        "settings.get({:?}), which always gets its default",
-                        read.key
-                    )
-                };
-                let meant = sluice_crds::fields::did_you_mean(&read.key, declared.iter().copied())
-                    .map(|k| format!("; did you mean {k:?}?"))
-                    .unwrap_or_default();
-                let list = if declared.is_empty() {
-                    "the hook declares no settings".to_string()
-                } else {
-                    format!("its settings declare {}", declared.join(", "))
-                };
-                out.push(Finding {
-                    file: file.to_path_buf(),
-                    line: at(read.line),
-                    message: format!(
-                        "HookChain {chain:?}, hook {name:?}, line {} of its code: reads {how}: {list}{meant}",
-                        read.line
-                    ),
-                });
-            }
+        for f in found {
+            let line = manifest::hook_code_line(text, start, &f.hook)
+                .map(|b| b + f.line)
+                .unwrap_or(start);
+            out.push(Finding {
+                file: file.to_path_buf(),
+                line,
+                message: f.message,
+            });
         }
     }
 }
