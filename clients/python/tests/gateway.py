@@ -1,0 +1,108 @@
+"""A real `sluice-gateway --local` for the client tests: the binary the workspace built
+(target/debug/sluice-gateway, or $SLUICE_GATEWAY_BIN), real runsc sandboxes, the chains of
+chains.py, a free loopback port and its own temporary state dir. One gateway serves every test of a
+run (booting sandboxes is the expensive part); it is stopped with SIGTERM when the run ends.
+
+Tests that need it skip, saying why, only when runsc is not installed; a missing gateway binary or
+a gateway that does not start is a failure."""
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import unittest
+from typing import List, Optional
+
+from . import chains
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+RUNSC_MISSING = (
+    "runsc (gVisor) is not installed, so no local gateway can run: these client tests need one "
+    "(`make deps` installs runsc from bookworm-backports)"
+)
+
+
+def requires_runsc(cls):
+    return unittest.skipUnless(shutil.which("runsc"), RUNSC_MISSING)(cls)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalGateway:
+    def __init__(self) -> None:
+        binary = os.environ.get("SLUICE_GATEWAY_BIN") or os.path.join(REPO, "target", "debug", "sluice-gateway")
+        if not os.access(binary, os.X_OK):
+            raise RuntimeError(f"{binary} is missing: build it with `cargo build -p sluice-gateway`")
+        self.dir = tempfile.mkdtemp(prefix="sluice-pyclient-chains")
+        self.state = tempfile.mkdtemp(prefix="sluice-pyclient-state", dir="/tmp")
+        for name, text in chains.ALL.items():
+            with open(os.path.join(self.dir, name), "w") as f:
+                f.write(text)
+        self.address = f"127.0.0.1:{free_port()}"
+        self.log: List[str] = []
+        self.proc = subprocess.Popen(
+            [binary, "--local", self.dir, "--listen", self.address, "--state-dir", self.state,
+             "--audit", os.path.join(self.state, "audit.jsonl")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RUST_LOG": "info", "NO_COLOR": "1"},
+        )
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        from sluice_client import Client, Unavailable
+
+        with Client(self.address) as c:
+            try:
+                c.wait_ready(timeout)
+            except Unavailable as e:
+                tail = "\n".join(self.log[-20:])
+                raise RuntimeError(f"the gateway never became ready: {e}\nits log:\n{tail}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+_gateway: Optional[LocalGateway] = None
+_failed: Optional[str] = None
+
+
+def shared() -> LocalGateway:
+    """The run's gateway, started (and waited for) on first use; a start that failed fails every
+    later caller at once with the same reason."""
+    global _gateway, _failed
+    if _failed is not None:
+        raise RuntimeError(_failed)
+    if _gateway is None:
+        g = LocalGateway()
+        try:
+            g.wait_ready()
+        except Exception as e:
+            g.stop()
+            _failed = str(e)
+            raise
+        atexit.register(g.stop)
+        _gateway = g
+    return _gateway
