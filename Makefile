@@ -49,7 +49,7 @@ test-clients: deps
 	$(CARGO) build -q -p sluice-gateway --bin sluice-gateway
 	@test -x $(CLIENTS_VENV)/bin/python || python3 -m venv $(CLIENTS_VENV)
 	$(CLIENTS_VENV)/bin/python -m pip install -q --disable-pip-version-check './clients/python[test]'
-	cd clients/python && SLUICE_GATEWAY_BIN=$(CURDIR)/target/debug/sluice-gateway \
+	cd clients/python && GRPC_VERBOSITY=ERROR SLUICE_GATEWAY_BIN=$(CURDIR)/target/debug/sluice-gateway \
 		$(abspath $(CLIENTS_VENV))/bin/python -m unittest discover -s tests -t . -v
 
 # Installs the manifest tools into $(TOOLS) once (PyPI only; a no-op when they are there).

@@ -270,6 +270,7 @@ class Client:
     ) -> Stream:
         """Streams `chunks` (any iterable of str, e.g. a generator over the model's stream) through
         the chain. `timeout` bounds the whole stream (default: none, the gateway's idle limit)."""
+        rq.check_chunks(chunks)
         first = rq.stream_open(namespace or self.namespace, target, trigger_point, context, session_id)
         feed = _Feed(first, chunks)
         call = self._stub.Stream(iter(feed), timeout=timeout, metadata=metadata)

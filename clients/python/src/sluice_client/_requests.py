@@ -64,6 +64,12 @@ def stream_open(
     )
 
 
+def check_chunks(chunks: Any) -> None:
+    """A str is iterable (by character), but streaming one is a mistake worth naming."""
+    if isinstance(chunks, (str, bytes)):
+        raise TypeError("chunks must be an iterable of str, not a single string: pass [text]")
+
+
 def chunk(text: Any) -> "pb.StreamRequest":
     if not isinstance(text, str):
         raise TypeError(f"stream chunks must be str, got {type(text).__name__}")

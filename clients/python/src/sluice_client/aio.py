@@ -252,6 +252,7 @@ class AsyncClient:
         timeout: Optional[float] = None,
         metadata: Optional[Metadata] = None,
     ) -> AsyncStream:
+        rq.check_chunks(chunks)
         first = rq.stream_open(namespace or self.namespace, target, trigger_point, context, session_id)
         feed = _Feed(first, chunks)
         call = self._stub.Stream(feed.__aiter__(), timeout=timeout, metadata=metadata)
