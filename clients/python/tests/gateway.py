@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import unittest
@@ -74,6 +75,11 @@ class LocalGateway:
                 raise RuntimeError(f"the gateway never became ready: {e}\nits log:\n{tail}") from None
 
     def stop(self) -> None:
+        # A healthy run logs no warnings; when a test failed, these say what the gateway saw.
+        troubles = [line for line in self.log if " WARN " in line or " ERROR " in line]
+        if troubles:
+            print("\nsluice-gateway warnings and errors during the client tests:", *troubles[-30:],
+                  sep="\n  ", file=sys.stderr)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -115,7 +115,10 @@ class RunTest(unittest.TestCase):
         with self.assertRaises(InvalidArgument) as cm:
             self.client.run("support-bot", "upside_down", "hi")
         self.assertIn("upside_down", cm.exception.details)
-        with self.assertRaises(InvalidArgument):
+        with self.assertRaises(InvalidArgument) as cm:
+            self.client.run("support-bot", "input", "x" * (2 * 1024 * 1024))
+        self.assertIn("over the limit", cm.exception.details)
+        with self.assertRaises(InvalidArgument):  # over the transport limit: refused before decoding
             self.client.run("support-bot", "input", "x" * (5 * 1024 * 1024))
 
     def test_bad_python_values_are_refused_before_sending(self):
