@@ -1,5 +1,5 @@
 """Test certificates made with `cryptography`: a CA, a server certificate for 127.0.0.1 and
-localhost, a client certificate for mutual TLS, and an unrelated CA that must not be trusted."""
+localhost, a client certificate (with a SPIFFE URI SAN) for mutual TLS, and an unrelated CA that must not be trusted."""
 
 import datetime
 from dataclasses import dataclass
@@ -10,6 +10,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+
+# The client certificate's URI SAN (a SPIFFE ID), as a gateway caller policy would match it.
+SPIFFE_APP = "spiffe://example.org/ns/default/sa/app"
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,8 @@ class Certs:
         )
         self.server = Pair(server.public_bytes(serialization.Encoding.PEM), _pem_key(server_key))
         client_key = ec.generate_private_key(ec.SECP256R1())
-        client = _cert("support-app", client_key, (ca, ca_key), ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+        client = _cert("support-app", client_key, (ca, ca_key), ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+                       sans=[x509.UniformResourceIdentifier(SPIFFE_APP)])
         self.client = Pair(client.public_bytes(serialization.Encoding.PEM), _pem_key(client_key))
         other_key = ec.generate_private_key(ec.SECP256R1())
         self.other_ca = _cert("someone else's CA", other_key, None, ca=True).public_bytes(serialization.Encoding.PEM)

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import unittest
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from . import chains
 
@@ -37,21 +37,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def binary() -> str:
+    path = os.environ.get("SLUICE_GATEWAY_BIN") or os.path.join(REPO, "target", "debug", "sluice-gateway")
+    if not os.access(path, os.X_OK):
+        raise RuntimeError(f"{path} is missing: build it with `cargo build -p sluice-gateway`")
+    return path
+
+
 class LocalGateway:
-    def __init__(self) -> None:
-        binary = os.environ.get("SLUICE_GATEWAY_BIN") or os.path.join(REPO, "target", "debug", "sluice-gateway")
-        if not os.access(binary, os.X_OK):
-            raise RuntimeError(f"{binary} is missing: build it with `cargo build -p sluice-gateway`")
+    """`files` are the chain files it serves (name -> YAML), `args` extra command-line options,
+    `client` the options of the client that waits for it to be ready (TLS, token)."""
+
+    def __init__(self, files: Optional[Dict[str, str]] = None, args: Sequence[str] = (),
+                 client: Optional[Dict[str, Any]] = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="sluice-pyclient-chains")
         self.state = tempfile.mkdtemp(prefix="sluice-pyclient-state", dir="/tmp")
-        for name, text in chains.ALL.items():
+        for name, text in (chains.ALL if files is None else files).items():
             with open(os.path.join(self.dir, name), "w") as f:
                 f.write(text)
         self.address = f"127.0.0.1:{free_port()}"
+        self.client = client or {}
         self.log: List[str] = []
         self.proc = subprocess.Popen(
-            [binary, "--local", self.dir, "--listen", self.address, "--state-dir", self.state,
-             "--audit", os.path.join(self.state, "audit.jsonl")],
+            [binary(), "--local", self.dir, "--listen", self.address, "--state-dir", self.state,
+             "--audit", os.path.join(self.state, "audit.jsonl"), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -67,7 +76,7 @@ class LocalGateway:
     def wait_ready(self, timeout: float = 120.0) -> None:
         from sluice_client import Client, Unavailable
 
-        with Client(self.address) as c:
+        with Client(self.address, **self.client) as c:
             try:
                 c.wait_ready(timeout)
             except Unavailable as e:
