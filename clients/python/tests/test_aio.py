@@ -56,6 +56,14 @@ class AsyncClientTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(s.blocked, Blocked(message="The reply was withheld.", hook="no-forbidden"))
         self.assertNotIn("FORBIDDEN", s.committed)
 
+    async def test_a_stream_refused_at_open_reports_the_gateways_status(self):
+        # The gateway refuses at `open` while chunks are still being written; grpc.aio's own stream
+        # call can then report INTERNAL instead (grpc/grpc#36066). Repeated to give the race room.
+        chunks = [f"chunk {i} " for i in range(200)]
+        for _ in range(20):
+            with self.assertRaises(NotFound):
+                await self.client.stream("no-such-bot", chunks).result()
+
     async def test_errors_are_mapped(self):
         with self.assertRaises(NotFound):
             await self.client.run("no-such-bot", "input", "hi")

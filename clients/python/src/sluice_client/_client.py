@@ -78,6 +78,10 @@ class Stream:
         except grpc.RpcError as e:
             self._done = True
             self._feed.stop()
+            if self._final is not None:
+                # The final result is what the gateway answered; a status racing behind it (the
+                # call torn down while chunks were still being sent) changes nothing.
+                raise StopIteration from None
             if self._feed.error is not None:
                 raise self._feed.error from None
             raise from_rpc_error(e) from None

@@ -6,66 +6,79 @@
             ..."""
 
 import asyncio
+import threading
 import time
-from typing import Any, AsyncIterable, AsyncIterator, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import _requests as rq
 from ._channel import GATEWAY_SERVICE, Pem, endpoint
-from ._client import Metadata
-from ._errors import SluiceError, Unavailable, from_rpc_error
+from ._client import Client, Metadata, Stream
+from ._errors import Unavailable, from_rpc_error
 from ._proto import gateway_pb2_grpc
-from ._results import Blocked, Commit, Final, RunResult, StreamEvent, event_from_proto
+from ._results import Blocked, Commit, Final, RunResult, StreamEvent
 
 Chunks = Union[Iterable[str], AsyncIterable[str]]
 
 
-class _Feed:
-    """Open, the chunks (sync or async iterable), finish; stops pulling chunks once the gateway
-    blocked or answered, and keeps a chunk source's exception for the application."""
+def _pull(chunks: Chunks, loop: asyncio.AbstractEventLoop) -> Iterable[Any]:
+    """The chunks as a plain iterable for the stream's gRPC thread: an async source is read on the
+    event loop, one chunk at a time, while the application awaits the stream's events."""
+    if not hasattr(chunks, "__aiter__"):
+        return chunks  # type: ignore[return-value]
+    source = chunks.__aiter__()  # type: ignore[union-attr]
 
-    def __init__(self, first: Any, chunks: Chunks):
-        self._first = first
-        self._chunks = chunks
-        self.stopped = False
-        self.error: Optional[BaseException] = None
+    async def next_chunk() -> Any:
+        return await source.__anext__()
 
-    async def _texts(self) -> AsyncIterator[Any]:
-        if hasattr(self._chunks, "__aiter__"):
-            async for text in self._chunks:  # type: ignore[union-attr]
-                yield text
-        else:
-            for text in self._chunks:  # type: ignore[union-attr]
-                yield text
+    def pull() -> Iterator[Any]:
+        while True:
+            try:
+                yield asyncio.run_coroutine_threadsafe(next_chunk(), loop).result()
+            except StopAsyncIteration:
+                return
 
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        yield self._first
-        try:
-            async for text in self._texts():
-                if self.stopped:
-                    return
-                yield rq.chunk(text)
-                if self.stopped:
-                    return
-        except Exception as e:  # noqa: BLE001 (raised to the application by AsyncStream)
-            self.error = e
-            return
-        yield rq.FINISH
+    return pull()
 
 
 class AsyncStream:
-    """`async for event in stream`: `Commit`, `Blocked`, `Final`; `await stream.result()`."""
+    """`async for event in stream`: `Commit`, `Blocked`, `Final`; `await stream.result()`.
 
-    def __init__(self, call: Any, feed: _Feed):
-        self._call = call
-        self._feed = feed
+    The call itself runs on the synchronous client, its events read on a thread of their own and
+    handed to the event loop: with a request iterator, grpc.aio can report `INTERNAL: Internal error
+    from Core` instead of the gateway's status when the gateway ends the stream while chunks are
+    still being written (grpc/grpc#36066), which would turn a NOT_FOUND or PERMISSION_DENIED at open
+    into a meaningless error. The sync API reports the gateway's status."""
+
+    def __init__(self, stream: Stream, loop: asyncio.AbstractEventLoop):
+        self._stream = stream
+        self._loop = loop
+        self._queue: "asyncio.Queue[Tuple[str, Any]]" = asyncio.Queue()
         self._commits: List[str] = []
         self._final: Optional[RunResult] = None
         self.blocked: Optional[Blocked] = None
         self._done = False
-        self._responses = call.__aiter__()
+        threading.Thread(target=self._pump, name="sluice-stream", daemon=True).start()
+
+    def _hand(self, kind: str, value: Any) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, value))
+            return True
+        except RuntimeError:  # the event loop is closed: nobody is reading any more
+            self._stream.cancel()
+            return False
+
+    def _pump(self) -> None:
+        try:
+            for event in self._stream:
+                if not self._hand("event", event):
+                    return
+        except BaseException as e:  # noqa: BLE001 (raised on the event loop by __anext__)
+            self._hand("error", e)
+            return
+        self._hand("end", None)
 
     def __aiter__(self) -> "AsyncStream":
         return self
@@ -73,30 +86,20 @@ class AsyncStream:
     async def __anext__(self) -> StreamEvent:
         if self._done:
             raise StopAsyncIteration
-        try:
-            resp = await self._responses.__anext__()
-        except StopAsyncIteration:
+        kind, value = await self._queue.get()
+        if kind == "end":
             self._done = True
-            self._feed.stopped = True
-            if self._final is None:
-                raise SluiceError(grpc.StatusCode.INTERNAL, "the stream ended without a final result") from None
-            raise
-        except grpc.RpcError as e:
+            raise StopAsyncIteration
+        if kind == "error":
             self._done = True
-            self._feed.stopped = True
-            if self._feed.error is not None:
-                raise self._feed.error from None
-            raise from_rpc_error(e) from None
-        event = event_from_proto(resp)
-        if isinstance(event, Commit):
-            self._commits.append(event.text)
-        elif isinstance(event, Blocked):
-            self._feed.stopped = True
-            self.blocked = event
-        elif isinstance(event, Final):
-            self._feed.stopped = True
-            self._final = event.result
-        return event
+            raise value
+        if isinstance(value, Commit):
+            self._commits.append(value.text)
+        elif isinstance(value, Blocked):
+            self.blocked = value
+        elif isinstance(value, Final):
+            self._final = value.result
+        return value
 
     @property
     def committed(self) -> str:
@@ -105,14 +108,11 @@ class AsyncStream:
     async def result(self) -> RunResult:
         async for _ in self:
             pass
-        assert self._final is not None
+        assert self._final is not None  # the stream raises when it ends without one
         return self._final
 
     def cancel(self) -> None:
-        self._feed.stopped = True
-        if not self._done:
-            self._call.cancel()
-            self._done = True
+        self._stream.cancel()
 
     async def __aenter__(self) -> "AsyncStream":
         return self
@@ -157,9 +157,16 @@ class AsyncClient:
         self.timeout = timeout
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        # Streams go through a synchronous channel (see AsyncStream).
+        self._sync = Client(
+            address, namespace=namespace, tls=tls, root_certificates=root_certificates,
+            client_certificate=client_certificate, client_key=client_key, token=token,
+            server_name=server_name, timeout=timeout, options=options,
+        )
 
     async def close(self) -> None:
         await self._channel.close()
+        self._sync.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -253,7 +260,9 @@ class AsyncClient:
         metadata: Optional[Metadata] = None,
     ) -> AsyncStream:
         rq.check_chunks(chunks)
-        first = rq.stream_open(namespace or self.namespace, target, trigger_point, context, session_id)
-        feed = _Feed(first, chunks)
-        call = self._stub.Stream(feed.__aiter__(), timeout=timeout, metadata=metadata)
-        return AsyncStream(call, feed)
+        loop = asyncio.get_running_loop()
+        stream = self._sync.stream(
+            target, _pull(chunks, loop), trigger_point=trigger_point, namespace=namespace, context=context,
+            session_id=session_id, timeout=timeout, metadata=metadata,
+        )
+        return AsyncStream(stream, loop)
