@@ -8,6 +8,7 @@ protoc names imports after the proto's path (`from sluice.v1 import gateway_pb2`
 inside the sluice_client package instead, so that import is rewritten to a relative one."""
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -25,10 +26,8 @@ RELATIVE_IMPORT = "from . import gateway_pb2 as"
 
 def generate(out):
     """Writes FILES into `out` (a directory that exists)."""
-    try:
-        from grpc_tools import protoc  # noqa: F401 (only checks it is installed)
-    except ImportError:
-        sys.exit("grpcio-tools is not installed: pip install 'clients/python[test]'")
+    if importlib.util.find_spec("grpc_tools") is None:
+        sys.exit("grpcio-tools is not installed: pip install './clients/python[test]'")
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
             [sys.executable, "-m", "grpc_tools.protoc", "-I", PROTO_ROOT,
