@@ -49,12 +49,15 @@ class LocalGateway:
     `client` the options of the client that waits for it to be ready (TLS, token)."""
 
     def __init__(self, files: Optional[Dict[str, str]] = None, args: Sequence[str] = (),
-                 client: Optional[Dict[str, Any]] = None) -> None:
-        self.dir = tempfile.mkdtemp(prefix="sluice-pyclient-chains")
+                 client: Optional[Dict[str, Any]] = None, serve: Optional[str] = None) -> None:
+        # `serve`: an existing directory to serve as it is (never removed) instead of `files`.
+        self.own_dir = serve is None
+        self.dir = serve or tempfile.mkdtemp(prefix="sluice-pyclient-chains")
         self.state = tempfile.mkdtemp(prefix="sluice-pyclient-state", dir="/tmp")
-        for name, text in (chains.ALL if files is None else files).items():
-            with open(os.path.join(self.dir, name), "w") as f:
-                f.write(text)
+        if self.own_dir:
+            for name, text in (chains.ALL if files is None else files).items():
+                with open(os.path.join(self.dir, name), "w") as f:
+                    f.write(text)
         self.address = f"127.0.0.1:{free_port()}"
         self.client = client or {}
         self.log: List[str] = []
@@ -96,7 +99,8 @@ class LocalGateway:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
         shutil.rmtree(self.state, ignore_errors=True)
 
 
