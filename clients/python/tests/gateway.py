@@ -69,7 +69,8 @@ class LocalGateway:
             text=True,
             env={**os.environ, "RUST_LOG": "info", "NO_COLOR": "1"},
         )
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
@@ -87,11 +88,6 @@ class LocalGateway:
                 raise RuntimeError(f"the gateway never became ready: {e}\nits log:\n{tail}") from None
 
     def stop(self) -> None:
-        # A healthy run logs no warnings; when a test failed, these say what the gateway saw.
-        troubles = [line for line in self.log if " WARN " in line or " ERROR " in line]
-        if troubles:
-            print("\nsluice-gateway warnings and errors during the client tests:", *troubles[-30:],
-                  sep="\n  ", file=sys.stderr)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -99,6 +95,14 @@ class LocalGateway:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._drainer.join(5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        # A healthy run logs no warnings; when a test failed, these say what the gateway saw.
+        troubles = [line for line in self.log if " WARN " in line or " ERROR " in line]
+        if troubles:
+            print("\nsluice-gateway warnings and errors during the client tests:", *troubles[-30:],
+                  sep="\n  ", file=sys.stderr)
         if self.own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
         shutil.rmtree(self.state, ignore_errors=True)
