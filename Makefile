@@ -5,12 +5,14 @@ METRICS ?= 127.0.0.1:9464
 STATE_DIR ?= /run/sluice/gateway
 # Manifest tools (kubernetes-validate, kubectl, helm), pinned in deploy/tools/requirements.txt.
 TOOLS ?= .venv-tools
+# The Python client (clients/python) and its test dependencies, installed from PyPI.
+CLIENTS_VENV ?= .venv-clients
 # Images: $(REGISTRY)/sluice-{supervisor,operator,gateway}:$(TAG); the tag defaults to the workspace version.
 REGISTRY ?= ghcr.io/sluice-dev
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 DOCKER ?= docker
 
-.PHONY: deps build run test test-rust test-python test-manifests tools deploy-base images e2e-cluster crds bench fmt lint clean
+.PHONY: deps build run test test-rust test-python test-clients test-manifests tools deploy-base images e2e-cluster crds bench fmt lint clean
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
 # venv for the manifest tools). runsc comes from bookworm-backports (0.0~20240729 or newer): cells
@@ -36,10 +38,19 @@ run: build
 	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR)
 
 # test-manifests runs last: it validates what the built `sluice-operator render` prints.
-test: deps test-python test-rust test-manifests
+test: deps test-python test-rust test-clients test-manifests
 
 test-python:
 	python3 -m unittest discover -s supervisor
+
+# The Python client, installed into $(CLIENTS_VENV) as an application would (with its `test` extra),
+# tested against a real local gateway (runsc sandboxes; those tests skip, saying so, without runsc).
+test-clients: deps
+	$(CARGO) build -q -p sluice-gateway --bin sluice-gateway
+	@test -x $(CLIENTS_VENV)/bin/python || python3 -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install -q --disable-pip-version-check './clients/python[test]'
+	cd clients/python && GRPC_VERBOSITY=ERROR SLUICE_GATEWAY_BIN=$(CURDIR)/target/debug/sluice-gateway \
+		$(abspath $(CLIENTS_VENV))/bin/python -m unittest discover -s tests -t . -v
 
 # Installs the manifest tools into $(TOOLS) once (PyPI only; a no-op when they are there).
 tools: deps
