@@ -38,7 +38,13 @@ impl<'e> ClaimedChain<'e> {
         target: &Target,
         run_id: &str,
     ) -> Result<Self, EngineError> {
-        let caller = Caller::new(&target.key, &target.session_id, &target.context, run_id);
+        let caller = Caller::new(
+            &target.key,
+            &target.session_id,
+            &target.context,
+            run_id,
+            target.caller.as_deref(),
+        );
         let context = json!({
             "namespace": target.key.namespace,
             "target": target.key.target,
