@@ -66,6 +66,10 @@ struct Args {
     /// Read the bearer token from this file.
     #[arg(long, value_name = "FILE")]
     token_file: Option<PathBuf>,
+    /// The name the gateway's certificate must carry when it is not the address's host (e.g.
+    /// sluice-gateway.sluice-system.svc through a port-forward to 127.0.0.1).
+    #[arg(long, value_name = "NAME")]
+    tls_server_name: Option<String>,
 }
 
 #[tokio::main]
@@ -77,6 +81,7 @@ async fn main() -> anyhow::Result<()> {
         key: args.key,
         token: args.token,
         token_file: args.token_file,
+        server_name: args.tls_server_name,
     };
     let mut hooks = Hooks::connect_with(
         &args.gateway,

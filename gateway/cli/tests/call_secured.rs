@@ -26,11 +26,11 @@ spec:
 
 fn leaf(
     issuer: &Issuer<'_, KeyPair>,
-    san: SanType,
+    sans: Vec<SanType>,
     usage: ExtendedKeyUsagePurpose,
 ) -> (String, String) {
     let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.subject_alt_names = vec![san];
+    params.subject_alt_names = sans;
     params.extended_key_usages = vec![usage];
     let key = KeyPair::generate().unwrap();
     let cert = params.signed_by(&key, issuer).unwrap();
@@ -72,12 +72,17 @@ async fn sluice_call_speaks_tls_mutual_tls_and_bearer_tokens() {
     let ca = Issuer::new(ca_params, ca_key);
     let (server_cert, server_key) = leaf(
         &ca,
-        SanType::IpAddress([127, 0, 0, 1].into()),
+        vec![
+            SanType::IpAddress([127, 0, 0, 1].into()),
+            SanType::DnsName("sluice-gateway.sluice-system.svc".try_into().unwrap()),
+        ],
         ExtendedKeyUsagePurpose::ServerAuth,
     );
     let (client_cert, client_key) = leaf(
         &ca,
-        SanType::URI("spiffe://example.org/ns/support/sa/app".try_into().unwrap()),
+        vec![SanType::URI(
+            "spiffe://example.org/ns/support/sa/app".try_into().unwrap(),
+        )],
         ExtendedKeyUsagePurpose::ClientAuth,
     );
     let token_digest: String = Sha256::digest(b"t0ken")
@@ -137,6 +142,30 @@ async fn sluice_call_speaks_tls_mutual_tls_and_bearer_tokens() {
     let (ok, out) = sluice(call(&["--ca", &ca_file, "--token-file", &token_file])).await;
     assert!(ok, "{out}");
     assert!(out.contains("\"HI\""), "{out}");
+    // The certificate's name given apart from the address (a port-forward).
+    let (ok, out) = sluice(call(&[
+        "--ca",
+        &ca_file,
+        "--token-file",
+        &token_file,
+        "--tls-server-name",
+        "sluice-gateway.sluice-system.svc",
+    ]))
+    .await;
+    assert!(ok, "{out}");
+    let (ok, out) = sluice(call(&[
+        "--ca",
+        &ca_file,
+        "--token-file",
+        &token_file,
+        "--tls-server-name",
+        "someone-else.example",
+    ]))
+    .await;
+    assert!(
+        !ok,
+        "a certificate without the name asked for must fail: {out}"
+    );
     // A wrong token, no credentials at all, and a gateway certificate not trusted: refused.
     let (ok, out) = sluice(call(&["--ca", &ca_file, "--token", "wrong"])).await;
     assert!(!ok && out.contains("matches no caller"), "{out}");

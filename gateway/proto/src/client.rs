@@ -21,6 +21,9 @@ pub struct ClientAuth {
     pub token: Option<String>,
     /// File holding the bearer token (surrounding whitespace ignored), e.g. a mounted Secret.
     pub token_file: Option<PathBuf>,
+    /// The name the gateway's certificate must carry, when it is not the address's host (a
+    /// port-forward to 127.0.0.1 of `sluice-gateway.sluice-system.svc`).
+    pub server_name: Option<String>,
 }
 
 /// Why no client could be made.
@@ -72,11 +75,17 @@ fn read(path: &Path) -> Result<Vec<u8>, ConnectError> {
 impl ClientAuth {
     /// Whether the connection is TLS: an https address, or any TLS option given.
     fn wants_tls(&self, addr: &str) -> bool {
-        addr.starts_with("https://") || self.ca.is_some() || self.cert.is_some()
+        addr.starts_with("https://")
+            || self.ca.is_some()
+            || self.cert.is_some()
+            || self.server_name.is_some()
     }
 
     fn tls(&self) -> Result<ClientTlsConfig, ConnectError> {
         let mut tls = ClientTlsConfig::new();
+        if let Some(name) = &self.server_name {
+            tls = tls.domain_name(name);
+        }
         tls = match &self.ca {
             Some(ca) => tls.ca_certificate(Certificate::from_pem(read(ca)?)),
             None => tls.with_native_roots(),

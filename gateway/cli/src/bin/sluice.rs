@@ -145,6 +145,10 @@ struct GatewayAuthArgs {
     /// Read the bearer token from this file.
     #[arg(long, value_name = "FILE")]
     token_file: Option<std::path::PathBuf>,
+    /// The name the gateway's certificate must carry when it is not the address's host (e.g.
+    /// sluice-gateway.sluice-system.svc through a port-forward to 127.0.0.1).
+    #[arg(long, value_name = "NAME")]
+    tls_server_name: Option<String>,
 }
 
 impl GatewayAuthArgs {
@@ -155,6 +159,7 @@ impl GatewayAuthArgs {
             key: self.key.clone(),
             token: self.token.clone(),
             token_file: self.token_file.clone(),
+            server_name: self.tls_server_name.clone(),
         }
     }
 }
