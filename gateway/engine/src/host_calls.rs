@@ -21,16 +21,10 @@ impl Caller {
         session_id: &str,
         context: &BTreeMap<String, String>,
         run_id: &str,
-        identity: Option<&str>,
     ) -> Self {
-        // The application's context first, so the session's own fields always win over it.
+        // The application's context first (its `caller` already the verified one, see
+        // `Target::caller_context`), so the session's own fields always win over it.
         let mut m = context.clone();
-        // `caller` is the authenticated identity alone: a context key of that name never passes
-        // for one, with or without a caller policy.
-        match identity {
-            Some(name) => m.insert("caller".into(), name.into()),
-            None => m.remove("caller"),
-        };
         m.insert("namespace".into(), key.namespace.clone());
         m.insert("target".into(), key.target.clone());
         m.insert("trigger_point".into(), key.trigger_point.as_str().into());

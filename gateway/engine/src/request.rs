@@ -114,6 +114,17 @@ pub(crate) struct Target {
 }
 
 impl Target {
+    /// The application's context as hooks and capabilities see it: its `caller` entry is the
+    /// verified caller's name, or absent; a context key of that name never passes for one.
+    pub(crate) fn caller_context(&self) -> BTreeMap<String, String> {
+        let mut m = self.context.clone();
+        match &self.caller {
+            Some(name) => m.insert("caller".into(), name.clone()),
+            None => m.remove("caller"),
+        };
+        m
+    }
+
     /// Checks who sent it (identity, then the namespace it may use), then what it sent: names,
     /// trigger point, context size.
     #[allow(clippy::too_many_arguments)]

@@ -12,7 +12,7 @@ async fn harness() -> Harness {
     Harness::process(vec![tenant(
         "input",
         vec![json!({"name": "ask", "action": "modify", "capabilities": ["echo"], "code":
-            "def execute(context, settings):\n    context.host_call('echo', {})\n    return {'action': 'modify', 'outgoing': 'asked'}\n"})],
+            "def execute(context, settings):\n    context.host_call('echo', {})\n    return {'action': 'modify', 'outgoing': 'asked by ' + str(context['caller'].get('caller'))}\n"})],
         json!({}),
     )])
     .await
@@ -46,7 +46,11 @@ async fn a_verified_caller_is_named_in_the_audit_and_in_the_capabilitys_caller()
         .run(input(verified("support-app", &[NS])))
         .await
         .expect("the caller may use its namespace");
-    assert_eq!(r.walk.payload, json!("asked"));
+    assert_eq!(
+        r.walk.payload,
+        json!("asked by support-app"),
+        "the hook sees the verified caller too"
+    );
     let seen = h.capabilities.seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].caller.0["caller"], "support-app");
@@ -57,7 +61,8 @@ async fn a_verified_caller_is_named_in_the_audit_and_in_the_capabilitys_caller()
 #[tokio::test]
 async fn without_a_caller_policy_a_context_key_never_passes_for_the_caller() {
     let h = harness().await;
-    h.engine.run(input(CallerAuth::Unchecked)).await.unwrap();
+    let r = h.engine.run(input(CallerAuth::Unchecked)).await.unwrap();
+    assert_eq!(r.walk.payload, json!("asked by None"));
     let seen = h.capabilities.seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 1);
     assert!(

@@ -377,6 +377,46 @@ async fn a_rotated_certificate_and_a_changed_policy_are_served_without_a_restart
     g.gateway.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_caller_policy_mutual_tls_requires_a_client_certificate() {
+    let ca = Ca::new("test CA");
+    let dir = tempfile::tempdir().unwrap();
+    install(dir.path(), "server", &ca.server());
+    std::fs::write(dir.path().join("ca.crt"), &ca.pem).unwrap();
+    let chains = dir.path().join("chains");
+    std::fs::create_dir(&chains).unwrap();
+    let mut opts = LocalOptions::new(&chains, dir.path().join("sandboxes"));
+    opts.security = Security {
+        tls: Some(tls_files(dir.path())),
+        callers: None,
+        insecure: false,
+    };
+    let gateway = start_local(opts).await.expect("the gateway starts");
+    let port = gateway.addr.port();
+    // With a certificate of the CA: in (and on to the chain lookup: there is no chain).
+    let mut c = tls_client(port, &ca.pem, Some(&ca.client_dns("anyone.internal")))
+        .await
+        .unwrap();
+    let status = run(&mut c, "support", None).await.expect_err("no chain");
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    // Without one: the handshake refuses it (seen at the first request under TLS 1.3).
+    let refused = match tls_client(port, &ca.pem, None).await {
+        Err(_) => None,
+        Ok(mut c) => Some(run(&mut c, "support", None).await),
+    };
+    if let Some(r) = refused {
+        let status = r.expect_err("no client certificate must not get in");
+        assert!(
+            matches!(
+                status.code(),
+                Code::Unavailable | Code::Cancelled | Code::Unknown
+            ),
+            "{status:?}"
+        );
+    }
+    gateway.shutdown().await;
+}
+
 fn bogus_runsc(dir: &Path) -> PathBuf {
     dir.join("no-such-runsc")
 }
