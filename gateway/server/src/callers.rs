@@ -107,7 +107,7 @@ impl CallerPolicy {
             )));
         }
         let mut names = BTreeSet::new();
-        let mut callers = Vec::new();
+        let mut callers: Vec<(Match, Identity)> = Vec::new();
         for (i, c) in file.callers.into_iter().enumerate() {
             let at = || format!("callers[{i}] ({:?})", c.name);
             if c.name.is_empty() {
@@ -142,6 +142,13 @@ impl CallerPolicy {
                     )));
                 }
             };
+            if let Some((_, other)) = callers.iter().find(|(seen, _)| *seen == m) {
+                return Err(Parsed::Invalid(format!(
+                    "{}: the same match as {:?}: one identity is one caller",
+                    at(),
+                    other.name
+                )));
+            }
             callers.push((
                 m,
                 Identity {
@@ -364,6 +371,12 @@ mod tests {
                     "{HEAD}callers:\n  - {{name: a, match: {{dnsSAN: d}}, namespaces: [x]}}\n  - {{name: a, match: {{dnsSAN: e}}, namespaces: [x]}}\n"
                 ),
                 "used twice",
+            ),
+            (
+                &format!(
+                    "{HEAD}callers:\n  - {{name: a, match: {{dnsSAN: d}}, namespaces: [x]}}\n  - {{name: b, match: {{dnsSAN: D}}, namespaces: [y]}}\n"
+                ),
+                "the same match as \"a\"",
             ),
             (
                 &format!(
