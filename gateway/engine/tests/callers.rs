@@ -90,6 +90,8 @@ async fn a_namespace_the_caller_may_not_use_is_permission_denied_and_audited() {
     assert_eq!(event["caller"], "other-app");
     assert_eq!(event["namespace"], NS);
     assert!(event["error"].as_str().unwrap().contains("may not use"));
+    let rejected = &h.engine.metrics().rejected;
+    assert_eq!(rejected.with_label_values(&["permission_denied"]).get(), 1);
     // "*" opens every namespace.
     h.engine
         .run(input(verified("platform", &["*"])))
@@ -108,6 +110,8 @@ async fn an_unauthenticated_request_is_refused_and_audited() {
     assert!(matches!(err, EngineError::Unauthenticated(_)), "{err:?}");
     assert!(h.capabilities.seen.lock().unwrap().is_empty());
     assert_eq!(h.audit.events().pop().unwrap()["error"], "no identity");
+    let rejected = &h.engine.metrics().rejected;
+    assert_eq!(rejected.with_label_values(&["unauthenticated"]).get(), 1);
 }
 
 #[tokio::test]
