@@ -6,7 +6,7 @@
 use crate::callers::ReloadingPolicy;
 use crate::local_dir;
 use crate::service::GatewayService;
-use crate::tls::{ReloadingTls, TlsFiles};
+use crate::tls::{ReloadingTls, TlsFiles, TlsMetrics};
 use anyhow::Context as _;
 use sluice_capabilities::Runner;
 use sluice_engine::{Audit, Engine, Limits, Metrics, Pools, SandboxBackend};
@@ -338,8 +338,12 @@ async fn serve(
         .register_encoded_file_descriptor_set(sluice_proto::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("building the reflection service")?;
+    let registry = &engine.metrics().registry;
     if let Some(callers) = &secured.callers {
-        tasks.push(tokio::spawn(callers.clone().watch()));
+        let reloads = crate::callers::reload_counter(registry)
+            .inspect_err(|e| tracing::warn!(error = %e, "caller policy metrics not registered"))
+            .ok();
+        tasks.push(tokio::spawn(callers.clone().watch(reloads)));
     }
     let service = GatewayServer::new(GatewayService {
         engine: engine.clone(),
@@ -362,7 +366,10 @@ async fn serve(
     };
     let server = match secured.tls {
         Some(tls) => {
-            tasks.push(tokio::spawn(tls.clone().watch()));
+            let metrics = TlsMetrics::register(registry)
+                .inspect_err(|e| tracing::warn!(error = %e, "TLS metrics not registered"))
+                .ok();
+            tasks.push(tokio::spawn(tls.clone().watch(metrics)));
             let (incoming, accept) = tls.incoming(listener);
             tasks.push(accept);
             tokio::spawn(router.serve_with_incoming_shutdown(incoming, stop))

@@ -261,6 +261,21 @@ impl Sans {
     }
 }
 
+/// `sluice_gateway_caller_policy_reloads_total{result}`, registered in `registry`.
+pub(crate) fn reload_counter(
+    registry: &prometheus::Registry,
+) -> prometheus::Result<prometheus::IntCounterVec> {
+    let c = prometheus::IntCounterVec::new(
+        prometheus::Opts::new(
+            "sluice_gateway_caller_policy_reloads_total",
+            "Changed caller policy files read, by result (ok, failed: the last good policy stays)",
+        ),
+        &["result"],
+    )?;
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
 /// The policy in force, re-read when its file changes.
 pub(crate) struct ReloadingPolicy {
     path: PathBuf,
@@ -282,7 +297,13 @@ impl ReloadingPolicy {
         self.current.load_full()
     }
 
-    pub(crate) async fn watch(self: Arc<Self>) {
+    /// Re-reads the file whenever its contents change; `reloads` counts how that went (ok, failed).
+    pub(crate) async fn watch(self: Arc<Self>, reloads: Option<prometheus::IntCounterVec>) {
+        let count = |result: &str| {
+            if let Some(r) = &reloads {
+                r.with_label_values(&[result]).inc();
+            }
+        };
         let mut seen = std::fs::read(&self.path).ok();
         loop {
             tokio::time::sleep(POLL).await;
@@ -295,9 +316,11 @@ impl ReloadingPolicy {
                 Ok(policy) => {
                     tracing::info!(path = %self.path.display(), callers = policy.callers.len(), "caller policy reloaded");
                     self.current.store(Arc::new(policy));
+                    count("ok");
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "cannot use the changed caller policy; the last good one stays in force")
+                    tracing::error!(error = %e, "cannot use the changed caller policy; the last good one stays in force");
+                    count("failed");
                 }
             }
         }

@@ -9,6 +9,7 @@
 //! has one: a caller may then authenticate with a bearer token instead.
 
 use arc_swap::ArcSwap;
+use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::{Path, PathBuf};
@@ -154,23 +155,69 @@ pub(crate) struct ReloadingTls {
     files: TlsFiles,
     require_client_cert: bool,
     current: ArcSwap<ServerConfig>,
+    /// notAfter of the certificate being served (Unix seconds), for the expiry gauge.
+    not_after: std::sync::atomic::AtomicI64,
+}
+
+/// What the listener's TLS tells Prometheus: when the served certificate expires (alert on it: a
+/// rotation that keeps failing leaves the old one serving) and how reloads went.
+pub(crate) struct TlsMetrics {
+    expiry: IntGauge,
+    reloads: IntCounterVec,
+}
+
+impl TlsMetrics {
+    pub(crate) fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let expiry = IntGauge::new(
+            "sluice_gateway_tls_certificate_expiry_timestamp_seconds",
+            "notAfter of the certificate the gRPC listener serves, Unix seconds",
+        )?;
+        let reloads = IntCounterVec::new(
+            Opts::new(
+                "sluice_gateway_tls_reloads_total",
+                "Changed TLS files read, by result (ok, failed: the last good certificate serves)",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(expiry.clone()))?;
+        registry.register(Box::new(reloads.clone()))?;
+        Ok(Self { expiry, reloads })
+    }
+}
+
+/// notAfter of the first (leaf) certificate of a PEM chain, Unix seconds; 0 if it does not parse.
+fn leaf_not_after(config_files: &TlsFiles) -> i64 {
+    let Ok(certs) = read_certs(&config_files.cert, "certificate") else {
+        return 0;
+    };
+    certs
+        .first()
+        .and_then(|c| x509_parser::parse_x509_certificate(c.as_ref()).ok())
+        .map(|(_, c)| c.validity().not_after.timestamp())
+        .unwrap_or(0)
 }
 
 impl ReloadingTls {
     /// Reads the files once; a bad file here stops the start.
     pub(crate) fn new(files: TlsFiles, require_client_cert: bool) -> Result<Self, TlsError> {
         let config = files.server_config(require_client_cert)?;
+        let not_after = leaf_not_after(&files).into();
         Ok(Self {
             files,
             require_client_cert,
             current: ArcSwap::from_pointee(config),
+            not_after,
         })
     }
 
     /// Re-reads the files whenever their contents change. A broken rotation (a key that does not
     /// match, a half-written file) is logged and the last good configuration keeps serving.
-    pub(crate) async fn watch(self: Arc<Self>) {
+    pub(crate) async fn watch(self: Arc<Self>, metrics: Option<TlsMetrics>) {
+        use std::sync::atomic::Ordering::Relaxed;
         let mut seen = self.files.contents();
+        if let Some(m) = &metrics {
+            m.expiry.set(self.not_after.load(Relaxed));
+        }
         loop {
             tokio::time::sleep(POLL).await;
             let now = self.files.contents();
@@ -181,10 +228,18 @@ impl ReloadingTls {
             match self.files.server_config(self.require_client_cert) {
                 Ok(config) => {
                     self.current.store(Arc::new(config));
+                    self.not_after.store(leaf_not_after(&self.files), Relaxed);
                     tracing::info!(cert = %self.files.cert.display(), "TLS certificate reloaded");
+                    if let Some(m) = &metrics {
+                        m.reloads.with_label_values(&["ok"]).inc();
+                        m.expiry.set(self.not_after.load(Relaxed));
+                    }
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "cannot use the changed TLS files; serving the last good certificate")
+                    tracing::error!(error = %e, "cannot use the changed TLS files; serving the last good certificate");
+                    if let Some(m) = &metrics {
+                        m.reloads.with_label_values(&["failed"]).inc();
+                    }
                 }
             }
         }

@@ -314,6 +314,28 @@ async fn the_identity_is_in_the_audit_and_the_capabilitys_caller_and_cannot_be_f
     g.gateway.shutdown().await;
 }
 
+/// The value of a gauge or counter of the gateway's metrics, with `result` as its label if given.
+fn metric(g: &Secured, name: &str, result: Option<&str>) -> f64 {
+    let families = g.gateway.engine.metrics().registry.gather();
+    let family = families
+        .iter()
+        .find(|f| f.name() == name)
+        .unwrap_or_else(|| panic!("no metric {name}"));
+    let gauge = family.get_field_type() == prometheus::proto::MetricType::GAUGE;
+    family
+        .get_metric()
+        .iter()
+        .find(|m| result.is_none_or(|r| m.get_label().iter().any(|l| l.get_value() == r)))
+        .map(|m| {
+            if gauge {
+                m.get_gauge().get_value()
+            } else {
+                m.get_counter().get_value()
+            }
+        })
+        .unwrap_or(0.0)
+}
+
 /// Polls `f` until it is true, for at most 20 s (the files are looked at every 2 s).
 async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -336,7 +358,7 @@ async fn a_rotated_certificate_and_a_changed_policy_are_served_without_a_restart
             .is_err(),
         "a client trusting only the next CA cannot connect yet"
     );
-    install(g.files.path(), "server", &next_ca.server());
+    install(g.files.path(), "server", &next_ca.server_until(2031));
     eventually("serving the rotated certificate", async || {
         tls_client(port, &next_ca.pem, Some(&support)).await.is_ok()
     })
@@ -351,11 +373,23 @@ async fn a_rotated_certificate_and_a_changed_policy_are_served_without_a_restart
     run(&mut c, "support", None)
         .await
         .expect("served under the rotated certificate");
+    // 2031-01-01T00:00:00Z: what an expiry alert watches.
+    assert_eq!(
+        metric(
+            &g,
+            "sluice_gateway_tls_certificate_expiry_timestamp_seconds",
+            None
+        ),
+        1_924_992_000.0
+    );
 
     // A broken rotation (a key that is not the certificate's) keeps the last good certificate.
     std::fs::write(g.files.path().join("server.key"), Ca::new("x").server().key).unwrap();
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(tls_client(port, &next_ca.pem, Some(&support)).await.is_ok());
+    let tls_reloads = "sluice_gateway_tls_reloads_total";
+    assert!(metric(&g, tls_reloads, Some("ok")) >= 1.0);
+    assert!(metric(&g, tls_reloads, Some("failed")) >= 1.0);
 
     // The policy grows: support-app may now use billing too.
     assert_eq!(
@@ -374,6 +408,9 @@ async fn a_rotated_certificate_and_a_changed_policy_are_served_without_a_restart
     run(&mut c, "billing", None)
         .await
         .expect("the last good policy still serves");
+    let policy_reloads = "sluice_gateway_caller_policy_reloads_total";
+    assert!(metric(&g, policy_reloads, Some("ok")) >= 1.0);
+    assert!(metric(&g, policy_reloads, Some("failed")) >= 1.0);
     g.gateway.shutdown().await;
 }
 

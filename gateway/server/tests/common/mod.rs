@@ -43,7 +43,12 @@ impl Ca {
     }
 
     fn leaf(&self, sans: Vec<SanType>, usage: ExtendedKeyUsagePurpose) -> Leaf {
+        self.leaf_until(sans, usage, 4096)
+    }
+
+    fn leaf_until(&self, sans: Vec<SanType>, usage: ExtendedKeyUsagePurpose, year: i32) -> Leaf {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.not_after = rcgen::date_time_ymd(year, 1, 1);
         params.subject_alt_names = sans;
         params.extended_key_usages = vec![usage];
         let key = KeyPair::generate().unwrap();
@@ -56,12 +61,18 @@ impl Ca {
 
     /// A server certificate for `localhost` and 127.0.0.1.
     pub(crate) fn server(&self) -> Leaf {
-        self.leaf(
+        self.server_until(4096)
+    }
+
+    /// A server certificate for `localhost` and 127.0.0.1, valid until January 1st of `year`.
+    pub(crate) fn server_until(&self, year: i32) -> Leaf {
+        self.leaf_until(
             vec![
                 SanType::DnsName("localhost".try_into().unwrap()),
                 SanType::IpAddress([127, 0, 0, 1].into()),
             ],
             ExtendedKeyUsagePurpose::ServerAuth,
+            year,
         )
     }
 
