@@ -325,7 +325,7 @@ fn metric(g: &Secured, name: &str, result: Option<&str>) -> f64 {
     family
         .get_metric()
         .iter()
-        .find(|m| result.is_none_or(|r| m.get_label().iter().any(|l| l.get_value() == r)))
+        .find(|m| result.is_none_or(|r| m.get_label().iter().any(|l| l.value() == r)))
         .map(|m| {
             if gauge {
                 m.get_gauge().get_value()
