@@ -518,3 +518,57 @@ fn the_binary_refuses_a_plain_non_loopback_listener_without_insecure() {
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_tls_and_the_caller_policy_from_its_flags() {
+    let ca = Ca::new("test CA");
+    let dir = tempfile::tempdir().unwrap();
+    install(dir.path(), "server", &ca.server());
+    std::fs::write(dir.path().join("ca.crt"), &ca.pem).unwrap();
+    std::fs::write(dir.path().join("callers.yaml"), policy()).unwrap();
+    let chains = dir.path().join("chains");
+    std::fs::create_dir(&chains).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let arg = |name: &str| dir.path().join(name).to_string_lossy().to_string();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_sluice-gateway"))
+        .arg("--local")
+        .arg(&chains)
+        // Every address: allowed without --insecure because TLS and a policy are given.
+        .args(["--listen", &format!("0.0.0.0:{port}")])
+        .args([
+            "--tls-cert",
+            &arg("server.crt"),
+            "--tls-key",
+            &arg("server.key"),
+        ])
+        .args([
+            "--client-ca",
+            &arg("ca.crt"),
+            "--callers",
+            &arg("callers.yaml"),
+        ])
+        .args(["--state-dir", &arg("state"), "--audit", &arg("audit.jsonl")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut client = loop {
+        if let Ok(c) = tls_client(port, &ca.pem, Some(&ca.client_dns("billing.internal"))).await {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "the gateway never served TLS");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // billing-svc (its DNS SAN) is admitted and finds no chain; support is not its namespace.
+    let status = run(&mut client, "billing", None).await.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    let status = run(&mut client, "support", None).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    child.kill().await.unwrap();
+}
