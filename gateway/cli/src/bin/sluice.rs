@@ -205,7 +205,7 @@ async fn call(a: CallArgs) -> Result<Value, String> {
         let mut out = client
             .stream(futures::stream::iter(msgs))
             .await
-            .map_err(|s| s.message().to_string())?
+            .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
             .into_inner();
         let (mut commits, mut blocked, mut final_) = (vec![], Value::Null, Value::Null);
         while let Some(msg) = out
