@@ -24,8 +24,9 @@ struct PolicyFile {
     #[serde(rename = "apiVersion")]
     api_version: String,
     kind: String,
-    #[serde(default)]
-    metadata: Option<serde_json::Value>,
+    /// Allowed (a name, labels) and not used.
+    #[serde(default, rename = "metadata")]
+    _metadata: Option<serde::de::IgnoredAny>,
     #[serde(default)]
     callers: Vec<CallerEntry>,
 }
@@ -99,7 +100,6 @@ impl CallerPolicy {
     fn parse(text: &str) -> Result<Self, Parsed> {
         let file: PolicyFile =
             serde_saphyr::from_str(text).map_err(|e| Parsed::Yaml(e.to_string()))?;
-        let _ = file.metadata;
         if file.api_version != API_VERSION || file.kind != KIND {
             return Err(Parsed::Invalid(format!(
                 "expected apiVersion {API_VERSION} and kind {KIND}, found {} {}",
@@ -337,7 +337,7 @@ mod tests {
         })
     }
 
-    const HEAD: &str = "apiVersion: sluice.dev/v1alpha1\nkind: CallerPolicy\n";
+    const HEAD: &str = "apiVersion: sluice.dev/v1alpha1\nkind: CallerPolicy\nmetadata: {name: callers, labels: {team: platform}}\n";
 
     #[test]
     fn a_token_caller_is_found_by_the_sha256_of_its_bearer_token() {
