@@ -163,8 +163,13 @@ async fn client_certificates_are_verified_and_their_sans_bound_to_namespaces() {
     };
     if let Some(r) = refused {
         let status = r.expect_err("a certificate of an unknown CA must not get in");
+        // The server's alert (UnknownCA) or the closed connection, depending on timing: a transport
+        // failure either way, never an answer of the policy.
         assert!(
-            matches!(status.code(), Code::Unavailable | Code::Cancelled),
+            matches!(
+                status.code(),
+                Code::Unavailable | Code::Cancelled | Code::Unknown
+            ),
             "refused by the transport, not by the policy: {status:?}"
         );
     }
