@@ -127,7 +127,6 @@ impl Target {
 
     /// Checks who sent it (identity, then the namespace it may use), then what it sent: names,
     /// trigger point, context size.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn check(
         limits: &Limits,
         auth: &CallerAuth,
