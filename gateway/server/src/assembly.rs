@@ -167,7 +167,8 @@ impl RunningGateway {
 
 /// Starts a gateway serving the chains under `opts.dir` from local runsc sandboxes.
 pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
-    // The port first: "address in use" must not wait for the backend's checks or any boot.
+    // The listener's security (a few file reads), then the port: a refused exposure, a bad
+    // certificate or "address in use" must not wait for the backend's checks or any boot.
     let secured = opts.security.prepare(opts.listen)?;
     let listener = bind(opts.listen).await?;
     let backend = LocalBackend::new(opts.sandbox.clone())
