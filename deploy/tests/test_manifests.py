@@ -119,6 +119,28 @@ def crd_schema(schema):
     return schema
 
 
+def cert_manager_errors(what, obj):
+    """No schema for cert-manager's CRDs here: check the fields Sluice sets (the gateway's TLS)."""
+    spec = obj.get("spec") or {}
+    if obj["kind"] == "Issuer":
+        kinds = [k for k in ("selfSigned", "ca", "acme", "vault", "venafi") if k in spec]
+        ok = len(kinds) == 1 and (kinds[0] != "ca" or spec["ca"].get("secretName"))
+        return [] if ok else [f"{what}: needs exactly one issuer type (selfSigned, ca with a secretName, ...)"]
+    ref = spec.get("issuerRef") or {}
+    errors = []
+    if not spec.get("secretName"):
+        errors.append(f"{what}: spec.secretName is required")
+    if not ref.get("name") or ref.get("kind", "Issuer") not in ("Issuer", "ClusterIssuer"):
+        errors.append(f"{what}: spec.issuerRef needs a name and kind Issuer or ClusterIssuer")
+    if not spec.get("isCA") and not (spec.get("dnsNames") or spec.get("uris") or spec.get("ipAddresses")):
+        errors.append(f"{what}: a serving certificate needs dnsNames, uris or ipAddresses")
+    unknown = set(spec) - {"secretName", "issuerRef", "isCA", "commonName", "duration", "renewBefore", "privateKey",
+                           "usages", "dnsNames", "uris", "ipAddresses", "subject", "secretTemplate"}
+    if unknown:
+        errors.append(f"{what}: unknown fields {sorted(unknown)}")
+    return errors
+
+
 class Validator:
     """Validates any object Sluice ships; `errors(obj)` lists what is wrong (empty when valid)."""
 
@@ -141,13 +163,8 @@ class Validator:
             if not obj.get("metadata", {}).get("name"):
                 errors.append(f"{what}: metadata.name is required")
             return errors
-        if key == ("cert-manager.io/v1", "Certificate"):
-            # No schema for cert-manager's CRDs here: check the fields Sluice sets.
-            spec = obj.get("spec", {})
-            ok = spec.get("secretName") and spec.get("dnsNames") and spec.get("issuerRef", {}).get("name")
-            return [] if ok else [f"{what}: needs spec.secretName, dnsNames and issuerRef.name"]
-        if key == ("cert-manager.io/v1", "Issuer"):
-            return [] if obj.get("spec", {}).get("selfSigned") == {} else [f"{what}: needs spec.selfSigned"]
+        if key in (("cert-manager.io/v1", "Certificate"), ("cert-manager.io/v1", "Issuer")):
+            return cert_manager_errors(what, obj)
         if key == ("monitoring.coreos.com/v1", "ServiceMonitor"):
             # No schema for the Prometheus Operator's CRDs here: check the fields Sluice sets.
             spec = obj.get("spec", {})
@@ -215,6 +232,13 @@ class ChartTest(ManifestCase):
         "webhook (own Secret)": ["webhook.enabled=true", "webhook.certificate.source=secret",
                                  "webhook.certificate.secretName=my-webhook-tls", "webhook.certificate.caBundle=Y2E=",
                                  "webhook.failurePolicy=Ignore", "webhook.timeoutSeconds=5"],
+        "gateway TLS from a Secret, mutual TLS": ["gateway.tls.mode=secret", "gateway.tls.secretName=gw-tls",
+                                                  "gateway.tls.clientCA.enabled=true",
+                                                  "gateway.callers.existingConfigMap=my-callers"],
+        "gateway TLS from an issuer": ["gateway.tls.certManager.issuerRef.name=corp-ca",
+                                       "gateway.tls.certManager.issuerRef.kind=ClusterIssuer",
+                                       "gateway.tls.certManager.dnsNames[0]=sluice.example.com"],
+        "gateway plain (insecure)": ["gateway.tls.mode=none", "gateway.callers.enabled=false", "gateway.insecure=true"],
     }
 
     def test_helm_lint_strict(self):
@@ -223,7 +247,8 @@ class ChartTest(ManifestCase):
                 run(HELM, "lint", "--strict", CHART, *[a for v in values for a in ("--set", v)])
 
     def test_values_schema_refuses_typos_and_wrong_types(self):
-        for bad in ("operator.replica=2", "gateway.claimTimeout=soon", "operator.claimDeadline=300", "operator.claimDeadline=5d", "gateway.claimTimeout=5", "image.pullPolicy=Sometimes", "gateway.replicas=0",
+        for bad in ("gateway.tls.mode=plain", "gateway.callers.callers[0].name=x", "gateway.tls.clientCA.enabled=yes",
+                    "operator.replica=2", "gateway.claimTimeout=soon", "operator.claimDeadline=300", "operator.claimDeadline=5d", "gateway.claimTimeout=5", "image.pullPolicy=Sometimes", "gateway.replicas=0",
                     "networkPolicy.apiServer.ports[0]=https",
                     "webhook.failurePolicy=Sometimes", "webhook.timeoutSeconds=60", "webhook.certificate.source=vault",
                     "webhook.certificat.source=secret"):
@@ -276,7 +301,9 @@ class ChartTest(ManifestCase):
         gateway = self.find(objs, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(gateway["args"], ["--kube", f"--platform-namespace={NAMESPACE}", "--listen=0.0.0.0:50051",
                                            "--metrics=0.0.0.0:9464", "--claim-timeout=2s",
-                                           "--kube-hold=1", "--runtime-class=gvisor"])
+                                           "--kube-hold=1", "--runtime-class=gvisor",
+                                           "--tls-cert=/etc/sluice/tls/tls.crt", "--tls-key=/etc/sluice/tls/tls.key",
+                                           "--callers=/etc/sluice/callers/callers.yaml"])
         self.assertEqual(gateway["readinessProbe"]["httpGet"]["path"], "/readyz")
         operator = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(operator["args"], ["run", "--runtime-class=gvisor",
@@ -293,6 +320,54 @@ class ChartTest(ManifestCase):
         for name in ports:
             args = self.find(one_ns, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]["args"]
             self.assertIn("--namespace=team-a", args)
+
+    def test_gateway_is_secured_by_default_and_plain_only_when_asked(self):
+        objs = helm_template()
+        pod = self.find(objs, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        self.assertEqual(volumes["tls"]["secret"]["secretName"], "sluice-gateway-tls")
+        self.assertEqual(volumes["callers"]["configMap"]["name"], "sluice-gateway-callers")
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        self.assertEqual((mounts["tls"], mounts["callers"]), ("/etc/sluice/tls", "/etc/sluice/callers"))
+        # The chart-made CA signs the serving certificate, for the Service's names.
+        cert = self.find(objs, "Certificate", "sluice-gateway")["spec"]
+        self.assertEqual(cert["secretName"], "sluice-gateway-tls")
+        self.assertEqual(cert["issuerRef"]["name"], "sluice-gateway-ca")
+        self.assertIn(f"sluice-gateway.{NAMESPACE}.svc", cert["dnsNames"])
+        self.assertTrue(self.find(objs, "Certificate", "sluice-gateway-ca")["spec"]["isCA"])
+        self.assertEqual(self.find(objs, "Issuer", "sluice-gateway-ca")["spec"]["ca"]["secretName"], "sluice-gateway-ca")
+        # The callers ConfigMap is a CallerPolicy as the gateway reads it; empty by default.
+        policy = yaml.safe_load(self.find(objs, "ConfigMap", "sluice-gateway-callers")["data"]["callers.yaml"])
+        self.assertEqual((policy["apiVersion"], policy["kind"], policy["callers"]),
+                         ("sluice.dev/v1alpha1", "CallerPolicy", []))
+        listed = helm_template("gateway.callers.callers[0].name=app",
+                               "gateway.callers.callers[0].match.uriSAN=spiffe://example.org/ns/a/sa/app",
+                               "gateway.callers.callers[0].namespaces[0]=team-a")
+        policy = yaml.safe_load(self.find(listed, "ConfigMap", "sluice-gateway-callers")["data"]["callers.yaml"])
+        self.assertEqual(policy["callers"], [{"name": "app", "match": {"uriSAN": "spiffe://example.org/ns/a/sa/app"},
+                                              "namespaces": ["team-a"]}])
+        # An issuer of the user's: no chart-made CA.
+        issued = helm_template("gateway.tls.certManager.issuerRef.name=corp-ca",
+                               "gateway.tls.certManager.issuerRef.kind=ClusterIssuer")
+        self.assertFalse([o for o in issued if o["kind"] == "Issuer"])
+        self.assertEqual(self.find(issued, "Certificate", "sluice-gateway")["spec"]["issuerRef"],
+                         {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"})
+        # Mutual TLS against the serving Secret's ca.crt.
+        mtls = helm_template("gateway.tls.clientCA.enabled=true")
+        args = self.find(mtls, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]["containers"][0]["args"]
+        self.assertIn("--client-ca=/etc/sluice/client-ca/ca.crt", args)
+        # Plain gRPC or no caller policy only with gateway.insecure, which the gateway then gets.
+        for plain in (["gateway.tls.mode=none"], ["gateway.callers.enabled=false"]):
+            proc = subprocess.run([HELM, "template", "sluice", CHART, *[a for v in plain for a in ("--set", v)]],
+                                  capture_output=True, text=True, timeout=120)
+            self.assertNotEqual(proc.returncode, 0, plain)
+            self.assertIn("gateway.insecure=true", proc.stderr)
+        plain = helm_template("gateway.tls.mode=none", "gateway.callers.enabled=false", "gateway.insecure=true")
+        pod = self.find(plain, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]
+        self.assertEqual([a for a in pod["containers"][0]["args"] if a.startswith(("--tls", "--callers", "--insecure"))],
+                         ["--insecure"])
+        self.assertEqual([v["name"] for v in pod["volumes"]], ["tmp"])
+        self.assertFalse([o for o in plain if o["kind"] in ("Certificate", "Issuer", "ConfigMap")])
 
     def test_gateway_network_policy_allows_clients_api_server_and_capabilities_only(self):
         policy = self.find(helm_template(), "NetworkPolicy", "sluice-gateway")["spec"]

@@ -5,7 +5,8 @@
 //! Opt-in: the suite runs only when `KUBECONFIG` is set (never against whatever `~/.kube/config`
 //! happens to point at) and the API server answers; otherwise each test prints
 //! `SKIPPED: no cluster: ...` and passes. The gateway is reached at `SLUICE_GATEWAY` (default
-//! `http://127.0.0.1:50051`, a `kubectl port-forward`). Each test works in a namespace of its own,
+//! `http://127.0.0.1:50051`, a `kubectl port-forward`), over TLS trusting `SLUICE_CA` and with the
+//! bearer token `SLUICE_TOKEN` when they are set. Each test works in a namespace of its own,
 //! labelled `sluice.dev/e2e=true`, deleted when the test ends (even when it fails).
 
 use futures::StreamExt;
@@ -15,11 +16,11 @@ use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use sluice_crds::HookChain;
-use sluice_proto::{self as proto, Action, gateway_client::GatewayClient};
+use sluice_proto::client::{Client as GatewayClient, ClientAuth};
+use sluice_proto::{self as proto, Action};
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::time::{Duration, Instant};
-use tonic::transport::Channel;
 
 /// A sandbox pod can take a while the first time a node pulls the supervisor image.
 const POOL_READY: Duration = Duration::from_secs(300);
@@ -34,7 +35,7 @@ const DIGITS: &str = "import re\ndef execute(context, settings):\n    return {'a
 struct Cluster {
     client: Client,
     ns: String,
-    gateway: GatewayClient<Channel>,
+    gateway: GatewayClient,
 }
 
 /// Connects, or says why the suite is skipped. `None` means: print nothing more, pass.
@@ -67,7 +68,15 @@ async fn cluster(test: &str) -> Option<Cluster> {
         .await
         .expect("the HookChain CRD is installed (helm install sluice charts/sluice, see e2e/cluster/README.md)");
     let addr = std::env::var("SLUICE_GATEWAY").unwrap_or_else(|_| "http://127.0.0.1:50051".into());
-    let gateway = GatewayClient::connect(addr.clone())
+    // A gateway installed with the chart's defaults speaks TLS and wants a caller: SLUICE_CA (its CA
+    // bundle) and SLUICE_TOKEN (a token its caller policy admits to every namespace).
+    let auth = ClientAuth {
+        ca: std::env::var_os("SLUICE_CA").map(Into::into),
+        token: std::env::var("SLUICE_TOKEN").ok(),
+        ..Default::default()
+    };
+    let gateway = auth
+        .connect(&addr)
         .await
         .unwrap_or_else(|e| panic!("gateway at {addr} (SLUICE_GATEWAY) is reachable: {e}"));
     let ns = format!("sluice-e2e-{test}-{:05x}", rand_suffix());
@@ -243,7 +252,7 @@ impl Cluster {
 
 /// One `Gateway.Run` of `text` at the input trigger point of `target`.
 async fn run_input(
-    mut gateway: GatewayClient<Channel>,
+    mut gateway: GatewayClient,
     ns: &str,
     target: &str,
     text: &str,

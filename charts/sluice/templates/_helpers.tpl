@@ -62,3 +62,32 @@ seccompProfile:
     fieldRef:
       fieldPath: metadata.namespace
 {{- end -}}
+
+{{/* The Secret holding the gateway's serving certificate (tls.crt, tls.key, and ca.crt from cert-manager). */}}
+{{- define "sluice.gateway.tlsSecret" -}}
+{{- .Values.gateway.tls.secretName | default (printf "%s-tls" (include "sluice.gateway.name" .)) -}}
+{{- end -}}
+
+{{/* The gateway's TLS and caller-policy arguments; a listener without either needs gateway.insecure. */}}
+{{- define "sluice.gateway.securityArgs" -}}
+{{- $g := .Values.gateway -}}
+{{- if and (eq $g.tls.mode "secret") (not $g.tls.secretName) -}}
+{{- fail "gateway.tls.mode=secret needs gateway.tls.secretName (a kubernetes.io/tls Secret)" -}}
+{{- end -}}
+{{- if and (not $g.insecure) (or (eq $g.tls.mode "none") (not $g.callers.enabled)) -}}
+{{- fail "the gateway listens on the pod network: gateway.tls.mode=none or gateway.callers.enabled=false needs gateway.insecure=true" -}}
+{{- end -}}
+{{- if ne $g.tls.mode "none" }}
+- --tls-cert=/etc/sluice/tls/tls.crt
+- --tls-key=/etc/sluice/tls/tls.key
+{{- if $g.tls.clientCA.enabled }}
+- --client-ca=/etc/sluice/client-ca/{{ $g.tls.clientCA.key }}
+{{- end }}
+{{- end }}
+{{- if $g.callers.enabled }}
+- --callers=/etc/sluice/callers/callers.yaml
+{{- end }}
+{{- if $g.insecure }}
+- --insecure
+{{- end }}
+{{- end -}}

@@ -2,10 +2,10 @@
 //! payload of that point, and the gateway's decision handed back in a form the loop can act on.
 
 use serde_json::Value;
+use sluice_proto::client::{Client, ClientAuth};
 use sluice_proto::convert::{from_proto, to_proto};
-use sluice_proto::{self as proto, Action, gateway_client::GatewayClient};
+use sluice_proto::{self as proto, Action};
 use std::collections::HashMap;
-use tonic::transport::Channel;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HookError {
@@ -71,7 +71,7 @@ impl Decision {
 /// A gateway client bound to one conversation of one target.
 #[derive(Clone)]
 pub struct Hooks {
-    client: GatewayClient<Channel>,
+    client: Client,
     pub namespace: String,
     pub target: String,
     pub session_id: String,
@@ -84,9 +84,9 @@ pub struct Hooks {
 }
 
 impl Hooks {
-    pub fn new(channel: Channel, namespace: &str, target: &str, session_id: &str) -> Self {
+    pub fn new(client: Client, namespace: &str, target: &str, session_id: &str) -> Self {
         Self {
-            client: GatewayClient::new(channel),
+            client,
             namespace: namespace.into(),
             target: target.into(),
             session_id: session_id.into(),
@@ -101,14 +101,34 @@ impl Hooks {
         self
     }
 
+    /// Connects to a gateway on plain HTTP/2 (a loopback gateway needs nothing more).
     pub async fn connect(
         gateway: &str,
         namespace: &str,
         target: &str,
         session_id: &str,
     ) -> anyhow::Result<Self> {
-        let channel = Channel::from_shared(gateway.to_string())?.connect().await?;
-        Ok(Self::new(channel, namespace, target, session_id))
+        Self::connect_with(
+            gateway,
+            &ClientAuth::default(),
+            namespace,
+            target,
+            session_id,
+        )
+        .await
+    }
+
+    /// Connects with TLS (`auth.ca`), a client certificate (`auth.cert`/`auth.key`) and a bearer
+    /// token, as the gateway's caller policy asks.
+    pub async fn connect_with(
+        gateway: &str,
+        auth: &ClientAuth,
+        namespace: &str,
+        target: &str,
+        session_id: &str,
+    ) -> anyhow::Result<Self> {
+        let client = auth.connect(gateway).await?;
+        Ok(Self::new(client, namespace, target, session_id))
     }
 
     /// Runs `payload` through the chains at `trigger_point`. No chain there → the payload goes on,

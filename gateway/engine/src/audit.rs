@@ -69,6 +69,9 @@ pub struct AuditEvent {
     pub ts: String,
     pub run_id: String,
     pub mode: &'static str,
+    /// The verified caller (its name in the caller policy), when the gateway has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub caller: Option<String>,
     pub namespace: String,
     pub target: String,
     pub trigger_point: String,
@@ -113,6 +116,7 @@ impl AuditEvent {
             ts: now_rfc3339(),
             run_id: run_id.to_string(),
             mode,
+            caller: None,
             namespace: String::new(),
             target: String::new(),
             trigger_point: String::new(),

@@ -38,14 +38,15 @@ impl<'e> ClaimedChain<'e> {
         target: &Target,
         run_id: &str,
     ) -> Result<Self, EngineError> {
-        let caller = Caller::new(&target.key, &target.session_id, &target.context, run_id);
+        let app_context = target.caller_context();
+        let caller = Caller::new(&target.key, &target.session_id, &app_context, run_id);
         let context = json!({
             "namespace": target.key.namespace,
             "target": target.key.target,
             "trigger_point": target.key.trigger_point.as_str(),
             "session_id": target.session_id,
             "run_id": run_id,
-            "caller": target.context,
+            "caller": app_context,
         });
         let registry = engine.registry();
         let host = Arc::new(HostCallGuard::new(

@@ -22,7 +22,8 @@ impl Caller {
         context: &BTreeMap<String, String>,
         run_id: &str,
     ) -> Self {
-        // The application's context first, so the session's own fields always win over it.
+        // The application's context first (its `caller` already the verified one, see
+        // `Target::caller_context`), so the session's own fields always win over it.
         let mut m = context.clone();
         m.insert("namespace".into(), key.namespace.clone());
         m.insert("target".into(), key.target.clone());

@@ -47,7 +47,7 @@ pub use log_text::Escaped;
 pub use metrics::Metrics;
 pub use outcome::{HookOutcome, Walk};
 pub use registry::{CapabilityEntry, Registry};
-pub use request::{EngineError, RunInput};
+pub use request::{CallerAuth, EngineError, Identity, RunInput};
 pub use run::RunResult;
 pub use sandbox::{
     OUTPUT_LIMIT, Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, Writer,

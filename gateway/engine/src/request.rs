@@ -16,6 +16,12 @@ pub enum EngineError {
     NotFound(String),
     #[error("{0}")]
     Unavailable(String),
+    /// No verified identity where the gateway has a caller policy.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// The caller's identity may not use the namespace it asked for.
+    #[error("{0}")]
+    PermissionDenied(String),
 }
 
 impl EngineError {
@@ -25,12 +31,64 @@ impl EngineError {
             EngineError::InvalidArgument(_) => "invalid_argument",
             EngineError::NotFound(_) => "not_found",
             EngineError::Unavailable(_) => "unavailable",
+            EngineError::Unauthenticated(_) => "unauthenticated",
+            EngineError::PermissionDenied(_) => "permission_denied",
         }
     }
 }
 
 fn invalid(msg: impl Into<String>) -> EngineError {
     EngineError::InvalidArgument(msg.into())
+}
+
+/// Who sent a request, as the transport established it (TLS session or `authorization` metadata),
+/// never from the request's body or context.
+#[derive(Clone, Debug, Default)]
+pub enum CallerAuth {
+    /// The gateway has no caller policy: whoever reaches the port may use any namespace.
+    #[default]
+    Unchecked,
+    /// A caller of the policy, with the namespaces it may use.
+    Verified(Identity),
+    /// The gateway has a caller policy and the request matched none of it: why.
+    Unauthenticated(String),
+}
+
+/// A caller the policy knows: its name (in the audit and in every capability's `caller`) and the
+/// namespaces it may use (`*` for all).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub name: String,
+    pub namespaces: Vec<String>,
+}
+
+impl Identity {
+    pub fn may_use(&self, namespace: &str) -> bool {
+        self.namespaces.iter().any(|n| n == "*" || n == namespace)
+    }
+}
+
+impl CallerAuth {
+    /// The caller's name, when it has one.
+    pub fn name(&self) -> Option<&str> {
+        match self {
+            CallerAuth::Verified(i) => Some(&i.name),
+            _ => None,
+        }
+    }
+
+    /// Whether this caller may send a request for `namespace`.
+    fn admit(&self, namespace: &str) -> Result<(), EngineError> {
+        match self {
+            CallerAuth::Unchecked => Ok(()),
+            CallerAuth::Unauthenticated(why) => Err(EngineError::Unauthenticated(why.clone())),
+            CallerAuth::Verified(i) if i.may_use(namespace) => Ok(()),
+            CallerAuth::Verified(i) => Err(EngineError::PermissionDenied(format!(
+                "caller {:?} may not use namespace {namespace:?}",
+                i.name
+            ))),
+        }
+    }
 }
 
 /// One request to run a payload through a trigger point, as the transport hands it over.
@@ -42,6 +100,7 @@ pub struct RunInput {
     pub payload: Option<Value>,
     pub context: BTreeMap<String, String>,
     pub session_id: String,
+    pub auth: CallerAuth,
 }
 
 /// Where a run goes: validated identity of the chain and the caller.
@@ -50,12 +109,27 @@ pub(crate) struct Target {
     pub key: ChainKey,
     pub context: BTreeMap<String, String>,
     pub session_id: String,
+    /// The verified caller's name, if the gateway has a caller policy.
+    pub caller: Option<String>,
 }
 
 impl Target {
-    /// Checks what a caller sent: names, trigger point, context size.
+    /// The application's context as hooks and capabilities see it: its `caller` entry is the
+    /// verified caller's name, or absent; a context key of that name never passes for one.
+    pub(crate) fn caller_context(&self) -> BTreeMap<String, String> {
+        let mut m = self.context.clone();
+        match &self.caller {
+            Some(name) => m.insert("caller".into(), name.clone()),
+            None => m.remove("caller"),
+        };
+        m
+    }
+
+    /// Checks who sent it (identity, then the namespace it may use), then what it sent: names,
+    /// trigger point, context size.
     pub(crate) fn check(
         limits: &Limits,
+        auth: &CallerAuth,
         namespace: &str,
         target: &str,
         trigger_point: &str,
@@ -65,6 +139,7 @@ impl Target {
         if namespace.is_empty() || namespace.len() > 253 {
             return Err(invalid("namespace must be 1-253 characters"));
         }
+        auth.admit(namespace)?;
         if target.is_empty() || target.len() > 253 {
             return Err(invalid("target must be 1-253 characters"));
         }
@@ -99,6 +174,7 @@ impl Target {
             },
             context,
             session_id,
+            caller: auth.name().map(str::to_string),
         })
     }
 }

@@ -39,9 +39,11 @@ impl Engine {
                 &input.trigger_point,
                 &input.session_id,
             );
+            audit.caller = input.auth.name().map(str::to_string);
             let prepared = (|| {
                 let target = Target::check(
                     self.limits(),
+                    &input.auth,
                     &input.namespace,
                     &input.target,
                     &input.trigger_point,

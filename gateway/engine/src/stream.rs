@@ -13,7 +13,7 @@ use crate::chains::Chains;
 use crate::engine::Engine;
 use crate::outcome::Walk;
 use crate::pipeline::Pipeline;
-use crate::request::{EngineError, Target};
+use crate::request::{CallerAuth, EngineError, Target};
 use crate::run::RunResult;
 use crate::window::Window;
 use futures::{Stream, StreamExt};
@@ -44,6 +44,7 @@ pub struct StreamOpen {
     pub trigger_point: String,
     pub context: BTreeMap<String, String>,
     pub session_id: String,
+    pub auth: CallerAuth,
 }
 
 /// What a stream answers: commits, then either `Final` or a `Blocked` followed by `Final`.
@@ -219,9 +220,11 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
         &open.trigger_point,
         &open.session_id,
     );
+    audit.caller = open.auth.name().map(str::to_string);
     let prepared = (|| {
         let target = Target::check(
             engine.limits(),
+            &open.auth,
             &open.namespace,
             &open.target,
             &open.trigger_point,

@@ -53,6 +53,7 @@ async fn a_newline_in_caller_strings_does_not_start_a_log_line() {
             payload: Some(json!("hi")),
             context: [(format!("k{FORGED}"), format!("v{FORGED}"))].into(),
             session_id: format!("s{FORGED}"),
+            ..Default::default()
         })
         .await;
     assert!(refused.is_err());
@@ -76,6 +77,7 @@ async fn a_newline_in_caller_strings_does_not_start_a_log_line() {
             trigger_point: "output".into(),
             context: Default::default(),
             session_id: format!("s{FORGED}"),
+            ..Default::default()
         }),
         StreamInput::Finish,
     ])))

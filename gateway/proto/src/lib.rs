@@ -1,14 +1,15 @@
 //! The gRPC API of Sluice, `sluice.v1` (`sluice/v1/gateway.proto` beside this crate): the generated
 //! tonic/prost types of `Gateway` and `CapabilityService`, the descriptor set for server reflection,
-//! and `convert` (JSON values ↔ `google.protobuf.Value`).
+//! `convert` (JSON values ↔ `google.protobuf.Value`), and `client` (connecting with TLS and a token).
 //!
-//! Reading order: the .proto file → `convert`.
+//! Reading order: the .proto file → `convert` → `client`.
 
 mod generated {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("sluice.v1");
 }
 
+pub mod client;
 pub mod convert;
 
 pub use generated::*;

@@ -3,7 +3,9 @@
 //! (Gateway, health, reflection) and metrics, with graceful shutdown. The binary and the tests both
 //! start gateways through here.
 
+use crate::callers::ReloadingPolicy;
 use crate::service::GatewayService;
+use crate::tls::{ReloadingTls, TlsFiles, TlsMetrics};
 use crate::{dir_watch, local_dir};
 use anyhow::Context as _;
 use sluice_capabilities::Runner;
@@ -18,10 +20,79 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+/// How the gRPC listener is secured: TLS (`tls`), who may call (`callers`), and the explicit
+/// opt-out for a network-reachable listener without them.
+#[derive(Clone, Debug, Default)]
+pub struct Security {
+    pub tls: Option<TlsFiles>,
+    /// A `CallerPolicy` file (`--callers`).
+    pub callers: Option<PathBuf>,
+    /// Serve a non-loopback address without TLS or without a caller policy (`--insecure`).
+    pub insecure: bool,
+}
+
+/// A listener anyone on the network could reach, left open without `--insecure`.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "refusing to listen on {listen} without {missing}: any client that reaches it could pick any \
+     namespace. Give --tls-cert/--tls-key and --callers, listen on a loopback address, or pass \
+     --insecure to accept the risk"
+)]
+pub struct ExposureError {
+    pub listen: SocketAddr,
+    pub missing: &'static str,
+}
+
+impl Security {
+    /// A loopback listener needs nothing; any other needs TLS and a caller policy, or `insecure`
+    /// (then a warning is logged).
+    pub fn check_exposure(&self, listen: SocketAddr) -> Result<(), ExposureError> {
+        let missing = match (self.tls.is_some(), self.callers.is_some()) {
+            (true, true) => return Ok(()),
+            (false, false) => "TLS and a caller policy",
+            (false, true) => "TLS",
+            (true, false) => "a caller policy",
+        };
+        if listen.ip().is_loopback() {
+            return Ok(());
+        }
+        if !self.insecure {
+            return Err(ExposureError { listen, missing });
+        }
+        tracing::warn!(%listen, missing, "--insecure: serving a network-reachable gRPC listener without {missing}");
+        Ok(())
+    }
+
+    /// Checks exposure and reads the TLS files and the caller policy: all before the port is bound.
+    fn prepare(&self, listen: SocketAddr) -> anyhow::Result<Secured> {
+        self.check_exposure(listen)?;
+        let callers = match &self.callers {
+            Some(path) => Some(Arc::new(ReloadingPolicy::new(path.clone())?)),
+            None => None,
+        };
+        let tls = match &self.tls {
+            // Without a caller policy a client certificate is the only way in.
+            Some(files) => Some(Arc::new(ReloadingTls::new(
+                files.clone(),
+                callers.is_none(),
+            )?)),
+            None => None,
+        };
+        Ok(Secured { tls, callers })
+    }
+}
+
+/// The listener's TLS and caller policy, loaded and ready to watch.
+struct Secured {
+    tls: Option<Arc<ReloadingTls>>,
+    callers: Option<Arc<ReloadingPolicy>>,
+}
+
 pub struct LocalOptions {
     /// Directory of HookChain and Capability YAML.
     pub dir: PathBuf,
     pub listen: SocketAddr,
+    pub security: Security,
     pub metrics: Option<SocketAddr>,
     pub sandbox: LocalConfig,
     pub audit: Audit,
@@ -37,6 +108,7 @@ impl LocalOptions {
         Self {
             dir: dir.into(),
             listen: "127.0.0.1:0".parse().expect("a valid address"),
+            security: Security::default(),
             metrics: None,
             sandbox: LocalConfig::new(state_dir),
             audit: Audit::discard(),
@@ -95,7 +167,9 @@ impl RunningGateway {
 
 /// Starts a gateway serving the chains under `opts.dir` from local runsc sandboxes.
 pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
-    // The port first: "address in use" must not wait for the backend's checks or any boot.
+    // The listener's security (a few file reads), then the port: a refused exposure, a bad
+    // certificate or "address in use" must not wait for the backend's checks or any boot.
+    let secured = opts.security.prepare(opts.listen)?;
     let listener = bind(opts.listen).await?;
     let backend = LocalBackend::new(opts.sandbox.clone())
         .await
@@ -128,7 +202,15 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
     registry.log_summary();
     engine.set_registry(registry).await;
     let source = tokio::spawn(dir_watch::watch(engine.clone(), opts.dir.clone(), source));
-    let running = serve(engine, listener, opts.metrics, &opts.limits, vec![source]).await?;
+    let running = serve(
+        engine,
+        listener,
+        secured,
+        opts.metrics,
+        &opts.limits,
+        vec![source],
+    )
+    .await?;
     tracing::info!(addr = %running.addr, dir = %opts.dir.display(), "sluice gateway listening (local mode)");
     Ok(running)
 }
@@ -137,6 +219,7 @@ pub struct KubeOptions {
     pub client: kube::Client,
     pub kube: KubeConfig,
     pub listen: SocketAddr,
+    pub security: Security,
     pub metrics: Option<SocketAddr>,
     pub audit: Audit,
     pub limits: Limits,
@@ -155,6 +238,7 @@ impl KubeOptions {
             client,
             kube,
             listen: "127.0.0.1:0".parse().expect("a valid address"),
+            security: Security::default(),
             metrics: None,
             audit: Audit::discard(),
             limits: Limits::default(),
@@ -174,6 +258,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     {
         opts.kube.namespaces.push(opts.platform_namespace.clone());
     }
+    let secured = opts.security.prepare(opts.listen)?;
     let listener = bind(opts.listen).await?;
     let metrics = Metrics::new();
     let backend = KubeBackend::new(
@@ -211,7 +296,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     registry.log_summary();
     engine.set_registry(registry).await;
     let feed = tokio::spawn(source.feed(engine.clone()));
-    let running = serve(engine, listener, opts.metrics, &limits, vec![feed]).await?;
+    let running = serve(engine, listener, secured, opts.metrics, &limits, vec![feed]).await?;
     tracing::info!(addr = %running.addr, identity = %opts.kube.identity, "sluice gateway listening (kube mode)");
     Ok(running)
 }
@@ -246,6 +331,7 @@ async fn bind(listen: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
 async fn serve(
     engine: Arc<Engine>,
     listener: tokio::net::TcpListener,
+    secured: Secured,
     metrics_addr: Option<SocketAddr>,
     limits: &Limits,
     mut tasks: Vec<JoinHandle<()>>,
@@ -258,28 +344,47 @@ async fn serve(
         .register_encoded_file_descriptor_set(sluice_proto::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("building the reflection service")?;
+    let registry = &engine.metrics().registry;
+    if let Some(callers) = &secured.callers {
+        let reloads = crate::callers::reload_counter(registry)
+            .inspect_err(|e| tracing::warn!(error = %e, "caller policy metrics not registered"))
+            .ok();
+        tasks.push(tokio::spawn(callers.clone().watch(reloads)));
+    }
     let service = GatewayServer::new(GatewayService {
         engine: engine.clone(),
+        callers: secured.callers,
     })
     .max_decoding_message_size(limits.request_bytes)
     .max_encoding_message_size(limits.request_bytes * 2);
     let addr = listener.local_addr()?;
     let (tx, rx) = oneshot::channel::<()>();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .layer(tower::util::MapResponseLayer::new(
-                oversized_is_invalid_argument,
-            ))
-            .add_service(health_service)
-            .add_service(reflection)
-            .add_service(service)
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
-                async {
-                    let _ = rx.await;
-                },
-            ),
-    );
+    // Health and reflection answer anyone (probes, grpcurl); only Gateway checks callers.
+    let router = tonic::transport::Server::builder()
+        .layer(tower::util::MapResponseLayer::new(
+            oversized_is_invalid_argument,
+        ))
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(service);
+    let stop = async {
+        let _ = rx.await;
+    };
+    let server = match secured.tls {
+        Some(tls) => {
+            let metrics = TlsMetrics::register(registry)
+                .inspect_err(|e| tracing::warn!(error = %e, "TLS metrics not registered"))
+                .ok();
+            tasks.push(tokio::spawn(tls.clone().watch(metrics)));
+            let (incoming, accept) = tls.incoming(listener);
+            tasks.push(accept);
+            tokio::spawn(router.serve_with_incoming_shutdown(incoming, stop))
+        }
+        None => tokio::spawn(router.serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            stop,
+        )),
+    };
     let ready = {
         let (engine, health) = (engine.clone(), health.clone());
         tokio::spawn(async move {

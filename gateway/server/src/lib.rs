@@ -4,12 +4,20 @@
 //! `src/bin/sluice-gateway.rs`.
 //!
 //! Reading order: `assembly` (`start_local`, `start_kube`, `RunningGateway`) → `service` (gRPC ↔
-//! engine translation) → `local_dir` (local mode's chain source) → `dir_watch` (noticing its changes).
+//! engine translation) → `local_dir` (local mode's chain source) → `dir_watch` (noticing its
+//! changes) → `tls` (the listener's reloading TLS) and `callers` (the caller policy: who may use
+//! which namespace).
 
 mod assembly;
+mod callers;
 mod dir_watch;
 mod local_dir;
 mod service;
+mod tls;
 
-pub use assembly::{KubeOptions, LocalOptions, RunningGateway, start_kube, start_local};
+pub use assembly::{
+    ExposureError, KubeOptions, LocalOptions, RunningGateway, Security, start_kube, start_local,
+};
+pub use callers::PolicyError;
 pub use local_dir::{LocalSource, load, load_for};
+pub use tls::{TlsError, TlsFiles};

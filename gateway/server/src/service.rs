@@ -1,12 +1,13 @@
 //! The gRPC face of the engine: `sluice.v1.Gateway`. Translates requests and answers (`Run` and
 //! `Stream`); every decision is the engine's.
 
+use crate::callers::ReloadingPolicy;
 use futures::StreamExt;
 use serde_json::Value;
 use sluice_crds::Action;
 use sluice_engine::{
-    ClientStreamError, Engine, EngineError, RunInput, StreamError, StreamInput, StreamOpen,
-    StreamOutput, Walk,
+    CallerAuth, ClientStreamError, Engine, EngineError, RunInput, StreamError, StreamInput,
+    StreamOpen, StreamOutput, Walk,
 };
 use sluice_proto::convert::{from_proto, to_proto};
 use sluice_proto::{self as proto, gateway_server::Gateway};
@@ -16,6 +17,25 @@ use tonic::{Request, Response, Status};
 
 pub(crate) struct GatewayService {
     pub(crate) engine: Arc<Engine>,
+    /// The caller policy, if the gateway has one; without it every caller is `Unchecked`.
+    pub(crate) callers: Option<Arc<ReloadingPolicy>>,
+}
+
+impl GatewayService {
+    /// Who sent `request`: from its TLS session and `authorization` metadata only.
+    fn auth<T>(&self, request: &Request<T>) -> CallerAuth {
+        let Some(callers) = &self.callers else {
+            return CallerAuth::Unchecked;
+        };
+        let certs = request.peer_certs();
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes());
+        callers
+            .current()
+            .identify(certs.as_deref().map(Vec::as_slice), authorization)
+    }
 }
 
 fn engine_status(e: EngineError) -> Status {
@@ -23,6 +43,8 @@ fn engine_status(e: EngineError) -> Status {
         EngineError::InvalidArgument(m) => Status::invalid_argument(m),
         EngineError::NotFound(m) => Status::not_found(m),
         EngineError::Unavailable(m) => Status::unavailable(m),
+        EngineError::Unauthenticated(m) => Status::unauthenticated(m),
+        EngineError::PermissionDenied(m) => Status::permission_denied(m),
     }
 }
 
@@ -40,6 +62,7 @@ fn stream_status(e: StreamError) -> Status {
 /// A stream request as the engine takes it. A request without a message ends the stream, as the
 /// end of the client's stream does.
 fn stream_input(
+    auth: &CallerAuth,
     r: Result<proto::StreamRequest, Status>,
 ) -> Option<Result<StreamInput, ClientStreamError>> {
     use proto::stream_request::Msg;
@@ -53,6 +76,7 @@ fn stream_input(
                 trigger_point: o.trigger_point,
                 context: o.context.into_iter().collect(),
                 session_id: o.session_id,
+                auth: auth.clone(),
             }),
             Msg::Chunk(text) => StreamInput::Chunk(text),
             Msg::Finish(_) => StreamInput::Finish,
@@ -127,6 +151,7 @@ impl Gateway for GatewayService {
         &self,
         request: Request<proto::RunRequest>,
     ) -> Result<Response<proto::RunResponse>, Status> {
+        let auth = self.auth(&request);
         let r = request.into_inner();
         let input = RunInput {
             namespace: r.namespace,
@@ -135,6 +160,7 @@ impl Gateway for GatewayService {
             payload: payload_from_proto(r.payload),
             context: r.context.into_iter().collect(),
             session_id: r.session_id,
+            auth,
         };
         let result = self.engine.run(input).await.map_err(engine_status)?;
         Ok(Response::new(run_response(&result.run_id, &result.walk)))
@@ -146,9 +172,10 @@ impl Gateway for GatewayService {
         &self,
         request: Request<tonic::Streaming<proto::StreamRequest>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
+        let auth = self.auth(&request);
         let inputs = request
             .into_inner()
-            .map(stream_input)
+            .map(move |r| stream_input(&auth, r))
             .take_while(|m| futures::future::ready(m.is_some()))
             .filter_map(futures::future::ready);
         let out = self.engine.stream(inputs).map(stream_response);

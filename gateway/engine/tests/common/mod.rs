@@ -298,6 +298,7 @@ impl Harness {
                 payload: Some(payload),
                 context: [("user_id".to_string(), "u-1".to_string())].into(),
                 session_id: "s-1".into(),
+                ..Default::default()
             })
             .await
     }
@@ -317,6 +318,7 @@ impl Harness {
             trigger_point: trigger_point.into(),
             context: Default::default(),
             session_id: "s-1".into(),
+            ..Default::default()
         }
     }
 

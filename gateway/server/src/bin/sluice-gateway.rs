@@ -4,7 +4,7 @@
 use anyhow::Context as _;
 use clap::Parser;
 use sluice_engine::Audit;
-use sluice_gateway::{KubeOptions, LocalOptions, start_kube, start_local};
+use sluice_gateway::{KubeOptions, LocalOptions, Security, TlsFiles, start_kube, start_local};
 use sluice_sandbox_kube::KubeConfig;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -48,9 +48,26 @@ struct Args {
     /// regardless (its boot goes before every warm-up boot).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     max_warm_sandboxes: u32,
-    /// gRPC listen address.
+    /// gRPC listen address. A non-loopback address needs TLS and --callers, or --insecure.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
+    /// Serve gRPC over TLS with this PEM certificate chain (re-read when the file changes).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert (re-read when the file changes).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Mutual TLS: verify client certificates against these PEM CAs. Without --callers a client
+    /// certificate is required; with it, optional (a caller may send a bearer token instead).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    client_ca: Option<PathBuf>,
+    /// CallerPolicy YAML: which client certificates (URI/DNS SAN) and bearer tokens may call, and
+    /// the namespaces each may use (re-read when the file changes).
+    #[arg(long, value_name = "FILE")]
+    callers: Option<PathBuf>,
+    /// Allow a non-loopback --listen without TLS or without --callers (logged as a warning).
+    #[arg(long)]
+    insecure: bool,
     /// Prometheus metrics address (GET /metrics).
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -100,10 +117,23 @@ async fn main() -> anyhow::Result<()> {
     } else {
         Audit::to_file(args.audit.as_ref())?
     };
+    let security = Security {
+        tls: match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: args.client_ca.clone(),
+            }),
+            _ => None,
+        },
+        callers: args.callers.clone(),
+        insecure: args.insecure,
+    };
     let gateway = match &args.local {
         Some(dir) => {
             let mut opts = LocalOptions::new(dir, &args.state_dir);
             opts.listen = args.listen;
+            opts.security = security;
             opts.metrics = args.metrics;
             opts.sandbox.runsc = args.runsc;
             if let Some(python) = args.python {
@@ -130,6 +160,7 @@ async fn main() -> anyhow::Result<()> {
             cfg.runtime_class = Some(args.runtime_class.clone()).filter(|r| !r.is_empty());
             let mut opts = KubeOptions::new(client, cfg);
             opts.listen = args.listen;
+            opts.security = security;
             opts.metrics = args.metrics;
             opts.audit = audit;
             opts.platform_namespace = args.platform_namespace;
