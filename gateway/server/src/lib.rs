@@ -4,10 +4,12 @@
 //! `src/bin/sluice-gateway.rs`.
 //!
 //! Reading order: `assembly` (`start_local`, `start_kube`, `RunningGateway`) → `service` (gRPC ↔
-//! engine translation) → `local_dir` (local mode's chain source).
+//! engine translation) → `local_dir` (local mode's chain source) → `observability` (logs, and
+//! OpenTelemetry traces when the environment configures them).
 
 mod assembly;
 mod local_dir;
+pub mod observability;
 mod service;
 
 pub use assembly::{KubeOptions, LocalOptions, RunningGateway, start_kube, start_local};

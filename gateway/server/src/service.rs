@@ -13,6 +13,7 @@ use sluice_proto::{self as proto, gateway_server::Gateway};
 use std::pin::Pin;
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 pub(crate) struct GatewayService {
     pub(crate) engine: Arc<Engine>,
@@ -127,6 +128,7 @@ impl Gateway for GatewayService {
         &self,
         request: Request<proto::RunRequest>,
     ) -> Result<Response<proto::RunResponse>, Status> {
+        let span = crate::observability::request_span(request.metadata(), "sluice.v1.Gateway/Run");
         let r = request.into_inner();
         let input = RunInput {
             namespace: r.namespace,
@@ -136,7 +138,12 @@ impl Gateway for GatewayService {
             context: r.context.into_iter().collect(),
             session_id: r.session_id,
         };
-        let result = self.engine.run(input).await.map_err(engine_status)?;
+        let result = self
+            .engine
+            .run(input)
+            .instrument(span)
+            .await
+            .map_err(engine_status)?;
         Ok(Response::new(run_response(&result.run_id, &result.walk)))
     }
 
@@ -146,12 +153,17 @@ impl Gateway for GatewayService {
         &self,
         request: Request<tonic::Streaming<proto::StreamRequest>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
+        let span =
+            crate::observability::request_span(request.metadata(), "sluice.v1.Gateway/Stream");
         let inputs = request
             .into_inner()
             .map(stream_input)
             .take_while(|m| futures::future::ready(m.is_some()))
             .filter_map(futures::future::ready);
-        let out = self.engine.stream(inputs).map(stream_response);
+        // The engine's stream task starts in the request's span.
+        let out = span
+            .in_scope(|| self.engine.stream(inputs))
+            .map(stream_response);
         Ok(Response::new(Box::pin(out)))
     }
 }
