@@ -621,6 +621,20 @@ impl Drop for Claimed {
     }
 }
 
+/// Warm sandboxes against the pools' targets (`Pools::warm_progress`).
+#[derive(Clone, Debug, Default)]
+pub struct WarmProgress {
+    pub chains: usize,
+    pub warm: usize,
+    /// The sum of the pools' warm targets.
+    pub target: usize,
+    pub booting: usize,
+    /// `--max-warm-sandboxes`: warm-up stops there even below the targets.
+    pub cap: usize,
+    /// Pools below their target, as `namespace/name warm/target`.
+    pub below: Vec<String>,
+}
+
 /// Identity of a pool: the chain and the sandbox shape it boots.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct PoolKey {
@@ -838,6 +852,30 @@ impl Pools {
         while Instant::now() < deadline && !all.iter().chain(&retired).all(|p| p.drained()) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// How far the pools are from their warm targets, for the start-up and warm-up logs.
+    pub fn warm_progress(&self) -> WarmProgress {
+        let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        let mut progress = WarmProgress {
+            chains: pools.len(),
+            cap: self.shared.scheduler.max_warm,
+            ..Default::default()
+        };
+        for p in pools.values() {
+            let c = p.lock();
+            let target = p.warm_target.min(p.max);
+            progress.warm += c.warm.len();
+            progress.target += target;
+            progress.booting += c.booting;
+            if c.warm.len() < target {
+                progress
+                    .below
+                    .push(format!("{} {}/{}", p.name, c.warm.len(), target));
+            }
+        }
+        progress.below.sort();
+        progress
     }
 
     /// (warm, claimed) per chain, for status.
