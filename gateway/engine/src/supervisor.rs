@@ -360,8 +360,14 @@ impl SupervisorConn {
                             tracing::field::display(crate::log_text::Escaped(e)),
                         );
                     }
+                    // The walk goes on after a non-terminal result, and after a failed hook under
+                    // `Open`; a span for a hook that then does not run would be a lie.
+                    let open = self
+                        .cell
+                        .as_ref()
+                        .is_some_and(|c| c.spec.failure_policy == sluice_crds::FailurePolicy::Open);
                     let goes_on = matches!(h.action.as_str(), "pass" | "modify" | "detect")
-                        && h.error.is_none();
+                        && (h.error.is_none() || open);
                     current = if goes_on {
                         hook_span(h.index + 1)
                     } else {

@@ -214,3 +214,81 @@ pub(crate) fn request_span(metadata: &tonic::metadata::MetadataMap, method: &str
     let _ = span.set_parent(parent);
     span
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(vars: &[(&str, &str)]) -> Result<Option<TracingConfig>, TracingError> {
+        TracingConfig::from_env(|name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn tracing_is_off_unless_the_environment_configures_it() {
+        assert_eq!(config(&[]).unwrap(), None);
+        assert_eq!(config(&[("OTEL_SERVICE_NAME", "x")]).unwrap(), None);
+        assert_eq!(
+            config(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "")]).unwrap(),
+            None
+        );
+        let on = [("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318")];
+        assert!(config(&on).unwrap().is_some());
+        assert_eq!(
+            config(&[on[0], ("OTEL_SDK_DISABLED", "true")]).unwrap(),
+            None
+        );
+        assert_eq!(
+            config(&[on[0], ("OTEL_TRACES_EXPORTER", "none")]).unwrap(),
+            None
+        );
+        assert!(
+            config(&[("OTEL_TRACES_EXPORTER", "otlp")])
+                .unwrap()
+                .is_some(),
+            "otlp with the default endpoint"
+        );
+        assert!(
+            config(&[(
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "http://c:4318/v1/traces"
+            )])
+            .unwrap()
+            .is_some()
+        );
+    }
+
+    #[test]
+    fn protocol_and_service_name_follow_the_specification() {
+        let on = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317");
+        let c = config(&[on]).unwrap().unwrap();
+        assert_eq!(c.protocol, OtlpProtocol::HttpProtobuf, "the spec's default");
+        assert_eq!(c.service_name, "sluice-gateway");
+        let c = config(&[
+            on,
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
+            ("OTEL_SERVICE_NAME", "edge-gateway"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.protocol, OtlpProtocol::Grpc, "the traces variable wins");
+        assert_eq!(c.service_name, "edge-gateway");
+    }
+
+    #[test]
+    fn unsupported_settings_are_refused_with_the_variable_named() {
+        let on = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318");
+        let e = config(&[on, ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")]).unwrap_err();
+        assert!(
+            e.to_string().contains("OTEL_EXPORTER_OTLP_PROTOCOL")
+                && e.to_string().contains("http/json"),
+            "{e}"
+        );
+        let e = config(&[("OTEL_TRACES_EXPORTER", "zipkin")]).unwrap_err();
+        assert!(e.to_string().contains("zipkin"), "{e}");
+    }
+}
