@@ -4,7 +4,7 @@
 //! `traceparent` must come back as one tree under that parent: the gRPC server span → `run` →
 //! `claim` and one `hook` span per hook → the hook's `host_call` → its `capability_request`; and the
 //! capability service (HTTP in one test, gRPC in the other) receives the `traceparent` of that
-//! capability request span.
+//! capability request span. A Stream is a `stream` span under its server span, the same way.
 
 use http_body_util::BodyExt;
 use opentelemetry_proto::tonic::collector::trace::v1::{
@@ -270,6 +270,8 @@ fn free_port() -> u16 {
         .port()
 }
 
+type Client = GatewayClient<tonic::transport::Channel>;
+
 /// The gateway binary, stopped (SIGTERM, then waited for) when dropped.
 struct Gateway(Child);
 
@@ -288,7 +290,7 @@ async fn traced_run(
     protocol: &str,
     otlp: &str,
     capability_endpoint: &str,
-) -> (String, Gateway, tempfile::TempDir) {
+) -> (String, Client, Gateway, tempfile::TempDir) {
     let dir = chain_dir(capability_endpoint);
     let state = tempfile::Builder::new()
         .prefix("sluice-otel")
@@ -343,27 +345,36 @@ async fn traced_run(
         other => panic!("a text answer: {other:?}"),
     };
     assert_eq!(text, "looked up", "the hook's host_call went through");
-    (answer.run_id, gateway, dir)
+    (answer.run_id, client, gateway, dir)
 }
 
-/// Waits until the receiver holds a `capability_request` span (the last one to end is `run`'s
-/// parent; all of them are wanted).
-async fn until_exported(exports: &Exports) -> (Vec<Span>, Vec<HashMap<String, String>>) {
+/// The span names of a traced Run (or, with `stream`, of a traced Stream), server span first.
+fn tree_names(stream: bool) -> [&'static str; 6] {
+    let (server, top) = if stream {
+        ("sluice.v1.Gateway/Stream", "stream")
+    } else {
+        ("sluice.v1.Gateway/Run", "run")
+    };
+    [
+        server,
+        top,
+        "claim",
+        "hook",
+        "host_call",
+        "capability_request",
+    ]
+}
+
+/// Waits until the receiver holds every kind of span of a traced Run (or Stream).
+async fn until_exported(
+    exports: &Exports,
+    stream: bool,
+) -> (Vec<Span>, Vec<HashMap<String, String>>) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (spans, resources) = spans(exports);
         let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
-        if [
-            "sluice.v1.Gateway/Run",
-            "run",
-            "claim",
-            "hook",
-            "host_call",
-            "capability_request",
-        ]
-        .iter()
-        .all(|n| names.contains(n))
-        {
+        if tree_names(stream).iter().all(|n| names.contains(n)) {
             return (spans, resources);
         }
         assert!(
@@ -420,6 +431,11 @@ fn assert_tree(
             s.trace_id, TRACE_ID,
             "every span is in the caller's trace: {s:?}"
         );
+        // Nothing else of the process is exported: no library's (h2, hyper, tonic) spans.
+        assert!(
+            tree_names(false).contains(&s.name.as_str()),
+            "unexpected {s:?}"
+        );
     }
 
     let run = one(spans, "run", server);
@@ -468,10 +484,83 @@ fn assert_tree(
 async fn spans_go_over_otlp_grpc_under_the_callers_traceparent() {
     let (otlp, exports) = grpc_receiver().await;
     let (capability, seen) = http_capability().await;
-    let (run_id, _gateway, _dir) =
-        traced_run("grpc", &otlp, &format!("{{http: \"{capability}\"}}")).await;
-    let (spans, resources) = until_exported(&exports).await;
+    let endpoint = format!("{{http: \"{capability}\"}}");
+    let (run_id, client, _gateway, _dir) = traced_run("grpc", &otlp, &endpoint).await;
+    let (spans, resources) = until_exported(&exports, false).await;
     assert_tree(&spans, &resources, &run_id, "grpc", &seen);
+
+    // A Stream joins its caller's trace the same way: its flushes and final path under one span.
+    exports.lock().unwrap().clear();
+    let run_id = traced_stream(client).await;
+    let (spans, _) = until_exported(&exports, true).await;
+    assert!(
+        spans.iter().all(|s| s.trace_id == STREAM_TRACE_ID),
+        "{spans:#?}"
+    );
+    let server: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == "sluice.v1.Gateway/Stream")
+        .collect();
+    assert_eq!(server.len(), 1, "{spans:#?}");
+    assert_eq!(server[0].parent, PARENT_SPAN);
+    let stream = one(&spans, "stream", server[0]);
+    assert_eq!(
+        stream.attrs.get("run_id").map(String::as_str),
+        Some(run_id.as_str())
+    );
+    assert_eq!(
+        stream.attrs.get("action").map(String::as_str),
+        Some("modify")
+    );
+    one(&spans, "claim", stream);
+    let asks: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == "hook" && s.parent == stream.span_id)
+        .filter(|s| s.attrs.get("hook").map(String::as_str) == Some("ask"))
+        .collect();
+    assert!(!asks.is_empty(), "hook spans under the stream: {spans:#?}");
+    for ask in asks {
+        let call = one(&spans, "host_call", ask);
+        one(&spans, "capability_request", call);
+    }
+}
+
+const STREAM_TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
+
+/// Streams a short reply through `bot` (stream path and final path) with a traceparent; answers
+/// the final answer's run id.
+async fn traced_stream(mut client: Client) -> String {
+    use proto::stream_request::Msg;
+    let msgs = [
+        Msg::Open(proto::StreamOpen {
+            namespace: "default".into(),
+            target: "bot".into(),
+            trigger_point: "input".into(),
+            ..Default::default()
+        }),
+        Msg::Chunk("hello ".into()),
+        Msg::Chunk("there".into()),
+        Msg::Finish(proto::StreamFinish {}),
+    ]
+    .map(|m| proto::StreamRequest { msg: Some(m) });
+    let mut req = tonic::Request::new(futures::stream::iter(msgs));
+    req.metadata_mut().insert(
+        "traceparent",
+        format!("00-{STREAM_TRACE_ID}-{PARENT_SPAN}-01")
+            .parse()
+            .unwrap(),
+    );
+    let mut responses = client
+        .stream(req)
+        .await
+        .expect("the stream opens")
+        .into_inner();
+    while let Some(m) = responses.message().await.expect("the stream answers") {
+        if let Some(proto::stream_response::Msg::Final(f)) = m.msg {
+            return f.run_id;
+        }
+    }
+    panic!("the stream ended without a final answer");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -479,7 +568,7 @@ async fn spans_go_over_otlp_http_protobuf_and_grpc_capabilities_carry_the_contex
     let (otlp, exports) = http_receiver().await;
     let (capability, seen) = grpc_capability().await;
     let endpoint = format!("{{grpc: \"{capability}\"}}");
-    let (run_id, _gateway, _dir) = traced_run("http/protobuf", &otlp, &endpoint).await;
-    let (spans, resources) = until_exported(&exports).await;
+    let (run_id, _client, _gateway, _dir) = traced_run("http/protobuf", &otlp, &endpoint).await;
+    let (spans, resources) = until_exported(&exports, false).await;
     assert_tree(&spans, &resources, &run_id, "http/protobuf", &seen);
 }
