@@ -128,7 +128,7 @@ impl Engine {
         audit.error = Some(e.to_string());
         audit.action = "none";
         audit.latency_us = began.elapsed().as_micros() as u64;
-        if matches!(e, EngineError::NotFound(_)) {
+        let written = if matches!(e, EngineError::NotFound(_)) {
             let mut sample = self.not_found.lock().unwrap_or_else(|p| p.into_inner());
             let now = Instant::now();
             if sample
@@ -137,16 +137,23 @@ impl Engine {
             {
                 sample.unwritten += 1;
                 self.metrics.audit_sampled_out.inc();
+                false
             } else {
                 audit.not_found_unwritten = Some(std::mem::take(&mut sample.unwritten));
                 sample.last_written = Some(now);
-                self.audit.write(audit);
+                true
             }
         } else {
+            true
+        };
+        // Refusals quote what the caller sent. NOT_FOUND left out of the audit stays out of the info
+        // log as well.
+        if written {
             self.audit.write(audit);
+            tracing::info!(error = %Escaped(&e.to_string()), "run refused");
+        } else {
+            tracing::debug!(error = %Escaped(&e.to_string()), "run refused (audit sampled)");
         }
-        // Refusals quote what the caller sent.
-        tracing::info!(error = %Escaped(&e.to_string()), "run refused");
         e
     }
 
