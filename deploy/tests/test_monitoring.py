@@ -7,7 +7,8 @@
   PromQL parsed by promtool (as recording rules), and every Sluice metric it reads existing in the
   code (the names registered in gateway/ and operator/, with histogram suffixes and the process
   collector's names);
-- both validators are shown to refuse a broken expression and a made-up metric."""
+- both validators are shown to refuse a broken expression and a made-up metric;
+- every metric the code registers is in docs/operations.md's tables."""
 
 import glob
 import json
@@ -195,6 +196,14 @@ class MonitoringTest(unittest.TestCase):
         for wanted in ("sluice_gateway_run_duration_seconds_bucket", "sluice_gateway_claim_wait_seconds_bucket",
                        "sluice_gateway_sandboxes", "sluice_gateway_hook_errors_total", "sluice_gateway_cells_prepared_total"):
             self.assertIn(wanted, used, "the dashboard shows it")
+
+    def test_every_metric_is_documented_in_operations_md(self):
+        with open(os.path.join(ROOT, "docs", "operations.md")) as f:
+            doc = f.read()
+        registered = {n for n in self.known if "_process_" not in n}
+        self.assertGreater(len(registered), 25)
+        missing = sorted(n for n in registered if f"`{n}`" not in doc)
+        self.assertEqual(missing, [], "metrics the code registers that docs/operations.md does not list")
 
     def test_the_checks_refuse_a_broken_query_and_a_made_up_metric(self):
         ok, _ = check_rules([{"name": "bad", "rules": [{"record": "x:y", "expr": "sum(rate(sluice_gateway_runs_total[5m])"}]}])
