@@ -121,7 +121,7 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     ));
 
     // 60 s at the highest sustainable rate: 8 clients, each as fast as answers come.
-    let started0 = bench.gateway.engine.metrics().sandboxes_started.get();
+    let started0 = bench.gateway.engine.metrics().boots();
     let cpu0 = machine_cpu_seconds();
     let began = Instant::now();
     let window = Duration::from_secs(60);
@@ -143,7 +143,7 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     let results = futures::future::join_all(clients).await;
     let elapsed = began.elapsed().as_secs_f64();
     let cpu = machine_cpu_seconds() - cpu0;
-    let started = bench.gateway.engine.metrics().sandboxes_started.get() - started0;
+    let started = bench.gateway.engine.metrics().boots() - started0;
     let lat: Vec<Duration> = results.iter().flat_map(|r| r.0.clone()).collect();
     let errors: u64 = results.iter().map(|r| r.1).sum();
     let runs = lat.len() as f64;

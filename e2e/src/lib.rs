@@ -158,7 +158,7 @@ impl Harness {
 
     /// Sandboxes booted so far (`sluice_gateway_sandboxes_started_total`).
     pub fn boots(&self) -> u64 {
-        self.gateway().engine.metrics().sandboxes_started.get()
+        self.gateway().engine.metrics().boots()
     }
 
     /// Sandboxes retired so far, by reason (`sluice_gateway_sandbox_retirements_total`).
@@ -173,12 +173,7 @@ impl Harness {
             "pool_closed",
         ]
         .iter()
-        .map(|r| {
-            (
-                r.to_string(),
-                m.sandbox_retirements.with_label_values(&[r]).get(),
-            )
-        })
+        .map(|r| (r.to_string(), m.retirements(r)))
         .filter(|(_, n)| *n > 0)
         .collect()
     }

@@ -23,6 +23,35 @@ impl Default for Metrics {
     }
 }
 
+/// Adds `sluice_operator_build_info` and the process metrics (`sluice_operator_process_*`: CPU,
+/// memory, open descriptors, start time).
+fn with_process_and_build_info(registry: Registry) -> Registry {
+    let build_info = IntGaugeVec::new(
+        Opts::new(
+            "sluice_operator_build_info",
+            "Always 1; the operator's version in a label",
+        ),
+        &["version"],
+    )
+    .expect("valid metric");
+    build_info
+        .with_label_values(&[env!("CARGO_PKG_VERSION")])
+        .set(1);
+    registry
+        .register(Box::new(build_info))
+        .expect("distinct metric names");
+    #[cfg(target_os = "linux")]
+    registry
+        .register(Box::new(
+            prometheus::process_collector::ProcessCollector::new(
+                std::process::id() as i32,
+                "sluice_operator",
+            ),
+        ))
+        .expect("distinct metric names");
+    registry
+}
+
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
@@ -98,7 +127,7 @@ impl Metrics {
                 )
                 .expect("valid metric"),
             ),
-            registry,
+            registry: with_process_and_build_info(registry),
         }
     }
 

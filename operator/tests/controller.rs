@@ -326,6 +326,14 @@ async fn metrics_and_health_are_served() {
         body.contains("sluice_operator_reconciles_total 0"),
         "{body}"
     );
+    // Build and process metrics, as a platform team's dashboards expect them.
+    for name in [
+        "sluice_operator_build_info{version=",
+        "sluice_operator_process_cpu_seconds_total",
+        "sluice_operator_process_resident_memory_bytes",
+    ] {
+        assert!(body.contains(name), "no {name} in {body}");
+    }
     assert!(get("/healthz").await.starts_with("HTTP/1.1 200"));
     assert!(get("/nope").await.starts_with("HTTP/1.1 404"));
 }

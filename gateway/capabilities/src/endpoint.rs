@@ -98,13 +98,14 @@ impl Transport {
         let body = serde_json::to_vec(
             &json!({"name": name, "payload": payload, "caller": caller.to_json()}),
         )?;
-        let req = hyper::Request::post(url)
+        let mut req = hyper::Request::post(url)
             .header("content-type", "application/json")
             .body(http_body_util::Full::new(bytes::Bytes::from(body)))
             .map_err(|e| {
                 let (url, reason) = at(&e);
                 EndpointError::BadUrl { url, reason }
             })?;
+        crate::propagation::inject_http(req.headers_mut());
         let resp = self.http.request(req).await.map_err(|e| {
             let (url, reason) = at(&e);
             EndpointError::Unreachable { url, reason }
@@ -160,11 +161,12 @@ impl Transport {
         };
         let mut client =
             sluice_proto::capability_service_client::CapabilityServiceClient::new(channel);
-        let req = sluice_proto::ExecuteRequest {
+        let mut req = tonic::Request::new(sluice_proto::ExecuteRequest {
             name: name.to_string(),
             payload: Some(to_proto(&payload)),
             caller: caller.0.clone().into_iter().collect(),
-        };
+        });
+        crate::propagation::inject_grpc(req.metadata_mut());
         let resp = client
             .execute(req)
             .await

@@ -2,9 +2,11 @@
 //! resolve → schema → gates → execute → dispatch, with execute going to a gRPC
 //! (`sluice.v1.CapabilityService`), HTTP or built-in endpoint.
 //!
-//! Reading order: `runner` (the steps of one host_call) → `endpoint` (where execute goes).
+//! Reading order: `runner` (the steps of one host_call) → `endpoint` (where execute goes) →
+//! `propagation` (the trace context a request carries on).
 
 mod endpoint;
+mod propagation;
 mod runner;
 
 pub use runner::{CallError, Runner};

@@ -13,6 +13,7 @@ use sluice_engine::{
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 /// Errors a hook sees as `HostCallError` with this text.
 #[derive(Debug, thiserror::Error)]
@@ -97,10 +98,33 @@ impl RunHostCalls {
         payload: Value,
     ) -> Result<(Value, Option<Value>), CallError> {
         let ms = cap.spec.timeout_ms as u64;
+        let endpoint = &cap.spec.endpoint;
+        let kind = if endpoint.http.is_some() {
+            "http"
+        } else if endpoint.grpc.is_some() {
+            "grpc"
+        } else {
+            "builtin"
+        };
+        // One span per request (gate, execute or dispatch step); its trace context goes out with it.
+        let span = tracing::info_span!(
+            "capability_request",
+            otel.kind = "client",
+            capability = %cap.name,
+            endpoint = kind,
+            error = tracing::field::Empty,
+        );
         let call = self
             .transport
-            .execute(&cap.name, &cap.spec.endpoint, payload, &self.caller);
-        match tokio::time::timeout(Duration::from_millis(ms), call).await {
+            .execute(&cap.name, endpoint, payload, &self.caller)
+            .instrument(span.clone());
+        let answer = tokio::time::timeout(Duration::from_millis(ms), call).await;
+        if let Ok(Err(e)) = &answer {
+            span.record("error", tracing::field::display(e));
+        } else if answer.is_err() {
+            span.record("error", "timed out");
+        }
+        match answer {
             Ok(Ok((result, consumed))) => {
                 let size = serde_json::to_vec(&result)
                     .map(|b| b.len())

@@ -1,4 +1,6 @@
-//! The audit: exactly one structured JSON line per run, failures included.
+//! The audit: one structured JSON line per run, failures included. NOT_FOUND requests (a caller
+//! asking for chains that do not exist) are sampled: at most one line per 10 s, saying how many it
+//! stands for (`Engine::refuse`).
 
 use serde::Serialize;
 use serde_json::Value;
@@ -101,6 +103,20 @@ pub struct AuditEvent {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub terminal_index: Option<usize>,
     pub latency_us: u64,
+    /// The block or skip message the caller got (for a failure under `Closed`: the failure).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// What the failure policy did with hook errors: `blocked` (a failure ended the run under
+    /// `Closed`, or the sandbox could not be trusted) or `passed_over` (`Open` went on without it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy_outcome: Option<&'static str>,
+    /// The failure behind `policy_outcome`: the one that ended the run, or the first passed over.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
+    /// On a sampled NOT_FOUND event: how many NOT_FOUND requests since the previous written one had
+    /// no event of their own (`sluice_gateway_requests_total` counts them all).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_found_unwritten: Option<u64>,
     /// Why the run did not produce a verdict (unknown chain, no sandbox, client went away...).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -132,6 +148,10 @@ impl AuditEvent {
             action: "none",
             terminal_index: None,
             latency_us: 0,
+            message: None,
+            policy_outcome: None,
+            failure_reason: None,
+            not_found_unwritten: None,
             error: None,
             stream: None,
         }

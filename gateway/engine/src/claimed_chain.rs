@@ -15,6 +15,7 @@ use crate::supervisor::SandboxFailure;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 /// A chain bound to one claimed sandbox for one trigger point (a Run, or a whole Stream).
 pub(crate) struct ClaimedChain<'e> {
@@ -78,11 +79,18 @@ impl<'e> ClaimedChain<'e> {
 
     async fn claim(&mut self) -> Result<(), ClaimOrInit> {
         let pool = self.engine.pools().pool_for(&self.chain);
+        let span = tracing::info_span!(
+            "claim",
+            chain = %self.chain.qualified_name(),
+            sandbox = tracing::field::Empty,
+        );
         let mut claimed = pool
             .claim(self.engine.limits().claim_timeout)
+            .instrument(span.clone())
             .await
             .map_err(|e| ClaimOrInit::Claim(e.to_string()))?;
         self.sandbox_id = claimed.conn().id.clone();
+        span.record("sandbox", self.sandbox_id.as_str());
         let conn = claimed.conn();
         // The cell was opened ahead of the claim, for the chain's version of that moment; after a
         // rollout a sandbox may still hold the old code: its cell is replaced here.

@@ -4,18 +4,22 @@
 //! Rust: no gRPC, no cluster.
 
 use crate::audit::{Audit, AuditEvent, AuditHook};
-use crate::chains::{BASELINE_PREFIX, Chains};
+use crate::chains::{BASELINE_PREFIX, Chains, RECHECK_PREFIX};
 use crate::host_calls::Capabilities;
 use crate::limits::Limits;
 use crate::log_text::Escaped;
-use crate::metrics::Metrics;
+use crate::metrics::{ChainLabels, Metrics};
 use crate::outcome::Walk;
 use crate::registry::Registry;
 use crate::request::EngineError;
 use crate::sandbox_pool::Pools;
 use arc_swap::ArcSwap;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// At most one audit event of a NOT_FOUND request is written per this interval; it says how many
+/// were left out before it (a caller probing made-up targets cannot flood the audit).
+const NOT_FOUND_AUDIT_EVERY: Duration = Duration::from_secs(10);
 
 pub struct Engine {
     registry: ArcSwap<Registry>,
@@ -26,6 +30,14 @@ pub struct Engine {
     capabilities: Arc<dyn Capabilities>,
     /// Flips to true when the gateway starts shutting down: open streams end with UNAVAILABLE.
     stopping: tokio::sync::watch::Sender<bool>,
+    not_found: Mutex<NotFoundSample>,
+}
+
+/// When the last NOT_FOUND audit event was written, and how many were left out since.
+#[derive(Default)]
+struct NotFoundSample {
+    last_written: Option<Instant>,
+    unwritten: u64,
 }
 
 impl Engine {
@@ -45,6 +57,7 @@ impl Engine {
             limits,
             capabilities,
             stopping: tokio::sync::watch::channel(false).0,
+            not_found: Mutex::default(),
         }
     }
 
@@ -96,20 +109,51 @@ impl Engine {
         self.pools.sync(registry.all_chains()).await;
     }
 
-    /// Records a refused request (audit, metrics) and hands the error back.
+    /// Records a refused request (audit, metrics) and hands the error back. `chains`: the chains
+    /// it was for, when it got that far (else it counts under `_unknown`).
     pub(crate) fn refuse(
         &self,
         audit: &mut AuditEvent,
         e: EngineError,
         began: Instant,
+        chains: Option<&Chains>,
     ) -> EngineError {
         self.metrics.rejected.with_label_values(&[e.code()]).inc();
+        let labels = chains.map_or_else(ChainLabels::unknown, |c| ChainLabels::of(c.main()));
+        self.metrics
+            .requests
+            .with_label_values(&labels.with(&[e.code()]))
+            .inc();
+        tracing::Span::current().record("code", e.code());
         audit.error = Some(e.to_string());
         audit.action = "none";
         audit.latency_us = began.elapsed().as_micros() as u64;
-        self.audit.write(audit);
-        // Refusals quote what the caller sent.
-        tracing::info!(error = %Escaped(&e.to_string()), "run refused");
+        let written = if matches!(e, EngineError::NotFound(_)) {
+            let mut sample = self.not_found.lock().unwrap_or_else(|p| p.into_inner());
+            let now = Instant::now();
+            if sample
+                .last_written
+                .is_some_and(|t| now.duration_since(t) < NOT_FOUND_AUDIT_EVERY)
+            {
+                sample.unwritten += 1;
+                self.metrics.audit_sampled_out.inc();
+                false
+            } else {
+                audit.not_found_unwritten = Some(std::mem::take(&mut sample.unwritten));
+                sample.last_written = Some(now);
+                true
+            }
+        } else {
+            true
+        };
+        // Refusals quote what the caller sent. NOT_FOUND left out of the audit stays out of the info
+        // log as well.
+        if written {
+            self.audit.write(audit);
+            tracing::info!(error = %Escaped(&e.to_string()), "run refused");
+        } else {
+            tracing::debug!(error = %Escaped(&e.to_string()), "run refused (audit sampled)");
+        }
         e
     }
 
@@ -133,32 +177,67 @@ impl Engine {
                 findings: h.findings.clone(),
             })
             .collect();
-        // Hook errors count against the chain the hook belongs to.
-        for (chain, baseline) in chains.ordered() {
-            let errors = walk
-                .hooks
-                .iter()
-                .filter(|h| h.error.is_some() && h.name.starts_with(BASELINE_PREFIX) == baseline)
-                .count();
-            if errors > 0 {
-                self.metrics
-                    .hook_errors
-                    .with_label_values(&[&chain.qualified_name()])
-                    .inc_by(errors as u64);
-            }
+        // Hook errors count against the chain the hook belongs to, by the hook's own name.
+        for h in walk.hooks.iter().filter(|h| h.error.is_some()) {
+            let (name, baseline) = match h
+                .name
+                .strip_prefix(BASELINE_PREFIX)
+                .or_else(|| h.name.strip_prefix(RECHECK_PREFIX))
+            {
+                Some(name) => (name, true),
+                None => (h.name.as_str(), false),
+            };
+            let Some((chain, _)) = chains.ordered().find(|(_, b)| *b == baseline) else {
+                continue;
+            };
+            let labels = ChainLabels::of(chain);
+            self.metrics
+                .hook_errors
+                .with_label_values(&[
+                    &chain.qualified_name(),
+                    &labels.namespace,
+                    &labels.target,
+                    &labels.trigger_point,
+                    name,
+                ])
+                .inc();
         }
         audit.action = walk.action.as_str();
         audit.terminal_index = walk.terminal_index;
         audit.latency_us = began.elapsed().as_micros() as u64;
+        audit.message = (!walk.message.is_empty()).then(|| walk.message.clone());
+        let ended_by_failure = walk
+            .terminal_index
+            .is_some_and(|t| walk.hooks.iter().any(|h| h.index == t && h.error.is_some()));
+        let first_error = walk.hooks.iter().find(|h| h.error.is_some());
+        if ended_by_failure {
+            // The walk's message is the failure, as the caller got it.
+            audit.policy_outcome = Some("blocked");
+            audit.failure_reason = Some(walk.message.clone());
+        } else if let Some(h) = first_error {
+            audit.policy_outcome = Some("passed_over");
+            audit.failure_reason = Some(format!(
+                "hook {:?} failed: {}",
+                h.name,
+                h.error.as_deref().unwrap_or_default()
+            ));
+        }
         self.audit.write(audit);
-        let tp = chains.main().spec.trigger_point.as_str();
+        let labels = ChainLabels::of(chains.main());
         self.metrics
             .runs
-            .with_label_values(&[tp, mode, walk.action.as_str()])
+            .with_label_values(&labels.with(&[mode, walk.action.as_str()]))
+            .inc();
+        self.metrics
+            .requests
+            .with_label_values(&labels.with(&["ok"]))
             .inc();
         self.metrics
             .run_seconds
-            .with_label_values(&[tp])
+            .with_label_values(&labels.with(&[]))
             .observe(began.elapsed().as_secs_f64());
+        let span = tracing::Span::current();
+        span.record("action", walk.action.as_str());
+        span.record("code", "ok");
     }
 }

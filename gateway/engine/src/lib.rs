@@ -53,7 +53,7 @@ pub use sandbox::{
     OUTPUT_LIMIT, Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, Writer,
     discard_output,
 };
-pub use sandbox_pool::{ClaimError, Pools};
+pub use sandbox_pool::{ClaimError, Pools, WarmProgress};
 pub use state_vector::StateVector;
 pub use stream::{ClientStreamError, StreamError, StreamInput, StreamOpen, StreamOutput};
 pub use supervisor::{CellEnd, SUPERVISOR_PY, SandboxFailure, SupervisorConn, WalkReport};

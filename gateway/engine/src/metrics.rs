@@ -1,26 +1,93 @@
-//! Prometheus metrics of the gateway (`sluice_gateway_<what>_<unit>`). The HTTP endpoint that serves
-//! them is `sluice-telemetry`'s.
+//! Prometheus metrics of the gateway (`sluice_gateway_<what>_<unit>`), documented one by one in
+//! `docs/operations.md`. The HTTP endpoint that serves them is `sluice-telemetry`'s.
+//!
+//! Per-chain series carry `namespace`, `target` and `trigger_point` of the chain that served (for a
+//! target with no chain of its own that a platform baseline served: the baseline's, `target="*"`).
+//! Requests for chains that do not exist are counted together under `_unknown`, so a caller that
+//! makes up targets cannot make up series.
 
+use crate::chain::Chain;
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
+use std::sync::{Arc, Mutex};
+
+/// The label value of requests that matched no chain.
+pub(crate) const UNKNOWN: &str = "_unknown";
+
+/// The labels of one chain in per-chain series: namespace, target, trigger point.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct ChainLabels {
+    pub(crate) namespace: String,
+    pub(crate) target: String,
+    pub(crate) trigger_point: String,
+}
+
+impl ChainLabels {
+    pub(crate) fn of(chain: &Chain) -> Self {
+        Self {
+            namespace: chain.namespace.clone(),
+            target: chain.spec.target.clone(),
+            trigger_point: chain.spec.trigger_point.as_str().to_string(),
+        }
+    }
+
+    /// Requests that matched no chain (or could not be read far enough to say which).
+    pub(crate) fn unknown() -> Self {
+        Self {
+            namespace: UNKNOWN.into(),
+            target: UNKNOWN.into(),
+            trigger_point: UNKNOWN.into(),
+        }
+    }
+
+    /// The three chain labels followed by `extra`, in the order the vectors declare them.
+    pub(crate) fn with<'a>(&'a self, extra: &[&'a str]) -> Vec<&'a str> {
+        let mut v = vec![
+            self.namespace.as_str(),
+            self.target.as_str(),
+            self.trigger_point.as_str(),
+        ];
+        v.extend_from_slice(extra);
+        v
+    }
+}
+
+const CHAIN: [&str; 3] = ["namespace", "target", "trigger_point"];
+
+fn labels(extra: &[&'static str]) -> Vec<&'static str> {
+    let mut v = CHAIN.to_vec();
+    v.extend_from_slice(extra);
+    v
+}
+
+/// Counts of sandboxes per chain and state, read from the pools at each scrape.
+pub(crate) type SandboxStates = Vec<(ChainLabels, &'static str, i64)>;
+type StatesSource = Arc<Mutex<Option<Box<dyn Fn() -> SandboxStates + Send + Sync>>>>;
 
 #[derive(Clone)]
 pub struct Metrics {
     pub registry: Registry,
+    /// Runs that reached a verdict, per chain, mode and top action.
     pub runs: IntCounterVec,
     pub run_seconds: HistogramVec,
+    /// Every request, per chain (unknown ones together) and gRPC code.
+    pub requests: IntCounterVec,
     pub hook_errors: IntCounterVec,
-    pub sandboxes_started: IntCounter,
-    pub sandbox_boot_failures: IntCounter,
-    pub sandbox_boot_seconds: Histogram,
+    pub sandboxes_started: IntCounterVec,
+    pub sandbox_boot_failures: IntCounterVec,
+    pub sandbox_boot_seconds: HistogramVec,
     pub sandbox_retirements: IntCounterVec,
-    pub cells_prepared: IntCounter,
+    pub cells_prepared: IntCounterVec,
     pub claims: IntCounterVec,
+    pub claim_wait_seconds: HistogramVec,
     pub pool_warm: IntGaugeVec,
     pub host_calls: IntCounterVec,
     pub rejected: IntCounterVec,
+    /// Audit events of NOT_FOUND runs left out by sampling (`docs/operations.md`).
+    pub audit_sampled_out: IntCounter,
     pub pod_claims: IntCounterVec,
     /// Definitions (files' documents, cluster objects) that fail their checks and are not served.
     pub definitions_invalid: IntGauge,
@@ -28,6 +95,7 @@ pub struct Metrics {
     pub chains_superseded: IntGauge,
     /// Answers `/readyz`: set once the registry is loaded and the pools are warm, cleared at shutdown.
     pub ready: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    states: StatesSource,
 }
 
 impl Default for Metrics {
@@ -36,108 +104,111 @@ impl Default for Metrics {
     }
 }
 
+fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
+}
+
+fn histogram_vec(name: &str, help: &str, labels: &[&str], buckets: &[f64]) -> HistogramVec {
+    HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        labels,
+    )
+    .expect("valid metric")
+}
+
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
-        let buckets = vec![
+        let buckets = [
             0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
         ];
-        let runs = IntCounterVec::new(
-            Opts::new(
-                "sluice_gateway_runs_total",
-                "Trigger points run, by trigger point, mode and top action",
-            ),
-            &["trigger_point", "mode", "action"],
-        )
-        .expect("valid metric");
-        let run_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "sluice_gateway_run_duration_seconds",
-                "Time from request to answer of one run",
-            )
-            .buckets(buckets.clone()),
-            &["trigger_point"],
-        )
-        .expect("valid metric");
-        let hook_errors = IntCounterVec::new(
-            Opts::new(
-                "sluice_gateway_hook_errors_total",
-                "Hook errors (exceptions, timeouts, bad results), by chain",
-            ),
-            &["chain"],
-        )
-        .expect("valid metric");
-        let sandboxes_started = IntCounter::new(
+        let boot_buckets = [0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0];
+        let runs = counter_vec(
+            "sluice_gateway_runs_total",
+            "Trigger points run to a verdict, by chain, mode (run, stream) and top action",
+            &labels(&["mode", "action"]),
+        );
+        let run_seconds = histogram_vec(
+            "sluice_gateway_run_duration_seconds",
+            "Time from request to answer of one run, by chain",
+            &CHAIN,
+            &buckets,
+        );
+        let requests = counter_vec(
+            "sluice_gateway_requests_total",
+            "Run and Stream requests by chain and the gRPC code answered, in snake case (ok, not_found, invalid_argument, unavailable, cancelled, deadline_exceeded, resource_exhausted); requests for unknown chains are counted under _unknown",
+            &labels(&["code"]),
+        );
+        let hook_errors = counter_vec(
+            "sluice_gateway_hook_errors_total",
+            "Hook errors (exceptions, timeouts, bad results), by the chain (namespace/name and its namespace, target, trigger point) and hook",
+            &["chain", "namespace", "target", "trigger_point", "hook"],
+        );
+        let sandboxes_started = counter_vec(
             "sluice_gateway_sandboxes_started_total",
-            "Sandboxes booted to ready",
-        )
-        .expect("valid metric");
-        let sandbox_boot_failures = IntCounter::new(
+            "Sandboxes booted to ready (boots), by chain",
+            &CHAIN,
+        );
+        let sandbox_boot_failures = counter_vec(
             "sluice_gateway_sandbox_boot_failures_total",
-            "Sandboxes that failed to boot",
-        )
-        .expect("valid metric");
-        let sandbox_boot_seconds = Histogram::with_opts(
-            HistogramOpts::new(
-                "sluice_gateway_sandbox_boot_seconds",
-                "Time from start to supervisor ready",
-            )
-            .buckets(buckets),
-        )
-        .expect("valid metric");
-        let sandbox_retirements = IntCounterVec::new(
-            Opts::new(
-                "sluice_gateway_sandbox_retirements_total",
-                "Sandboxes destroyed after serving, by reason: reuse_none, max_uses, dirty (the supervisor's verdict), broken (deadline kill, broken stream, protocol), idle (past the warm target and idle_retire), pool_closed",
-            ),
-            &["reason"],
-        )
-        .expect("valid metric");
-        let cells_prepared = IntCounter::new(
+            "Sandboxes that failed to boot, by chain",
+            &CHAIN,
+        );
+        let sandbox_boot_seconds = histogram_vec(
+            "sluice_gateway_sandbox_boot_seconds",
+            "Time from start to supervisor ready with the first cell open, by chain",
+            &CHAIN,
+            &boot_buckets,
+        );
+        let sandbox_retirements = counter_vec(
+            "sluice_gateway_sandbox_retirements_total",
+            "Sandboxes destroyed after serving, by chain and reason: reuse_none, max_uses, dirty (the supervisor's verdict), broken (deadline kill, broken stream, protocol), idle (past the warm target and idle_retire), pool_closed",
+            &labels(&["reason"]),
+        );
+        let cells_prepared = counter_vec(
             "sluice_gateway_cells_prepared_total",
-            "Cells opened ahead of a claim (each hook of the trigger point in a fresh process)",
-        )
-        .expect("valid metric");
-        let claims = IntCounterVec::new(
-            Opts::new(
-                "sluice_gateway_claims_total",
-                "Sandbox claims: warm (one was waiting), cold (waited for a boot), timeout",
-            ),
-            &["result"],
-        )
-        .expect("valid metric");
+            "Cells opened ahead of a claim (each hook of the trigger point in a fresh process), by chain; rate() is cells per second",
+            &CHAIN,
+        );
+        let claims = counter_vec(
+            "sluice_gateway_claims_total",
+            "Sandbox claims by chain and result: warm (one was waiting), cold (waited for a boot or a recycle), timeout",
+            &labels(&["result"]),
+        );
+        let claim_wait_seconds = histogram_vec(
+            "sluice_gateway_claim_wait_seconds",
+            "Time a run waited for a sandbox of its chain (timeouts included)",
+            &CHAIN,
+            &buckets,
+        );
         let pool_warm = IntGaugeVec::new(
             Opts::new(
                 "sluice_gateway_pool_warm_sandboxes",
-                "Warm sandboxes per chain",
+                "Warm sandboxes per chain (namespace/name)",
             ),
             &["chain"],
         )
         .expect("valid metric");
-        let host_calls = IntCounterVec::new(
-            Opts::new(
-                "sluice_gateway_host_calls_total",
-                "host_calls by capability and result",
-            ),
+        let host_calls = counter_vec(
+            "sluice_gateway_host_calls_total",
+            "host_calls by capability and result",
             &["capability", "result"],
-        )
-        .expect("valid metric");
-        let rejected = IntCounterVec::new(
-            Opts::new(
-                "sluice_gateway_rejected_requests_total",
-                "Requests refused before running, by gRPC code",
-            ),
+        );
+        let rejected = counter_vec(
+            "sluice_gateway_rejected_requests_total",
+            "Requests refused before running, by gRPC code",
             &["code"],
+        );
+        let audit_sampled_out = IntCounter::new(
+            "sluice_gateway_audit_sampled_out_total",
+            "Audit events of NOT_FOUND requests not written (at most one is written per 10 s, with how many it stands for)",
         )
         .expect("valid metric");
-        let pod_claims = IntCounterVec::new(
-            Opts::new(
-                "sluice_gateway_pod_claims_total",
-                "kube backend claim attempts: claimed, conflict (another gateway won), none (no warm pod in time), error",
-            ),
+        let pod_claims = counter_vec(
+            "sluice_gateway_pod_claims_total",
+            "kube backend claim attempts: claimed, conflict (another gateway won), none (no warm pod in time), error",
             &["result"],
-        )
-        .expect("valid metric");
+        );
         let definitions_invalid = IntGauge::new(
             "sluice_gateway_definitions_invalid",
             "Problems found in the newest HookChain and Capability definitions (not served; a chain with a last valid version keeps serving it)",
@@ -148,12 +219,25 @@ impl Metrics {
             "Chains served from their last valid version because the newest fails its checks",
         )
         .expect("valid metric");
+        let build_info = IntGaugeVec::new(
+            Opts::new(
+                "sluice_gateway_build_info",
+                "Always 1; the gateway's version in a label",
+            ),
+            &["version"],
+        )
+        .expect("valid metric");
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
+        let states: StatesSource = Arc::default();
         for c in [
-            Box::new(pod_claims.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(pod_claims.clone()) as Box<dyn Collector>,
             Box::new(definitions_invalid.clone()),
             Box::new(chains_superseded.clone()),
             Box::new(runs.clone()),
             Box::new(run_seconds.clone()),
+            Box::new(requests.clone()),
             Box::new(hook_errors.clone()),
             Box::new(sandboxes_started.clone()),
             Box::new(sandbox_boot_failures.clone()),
@@ -161,16 +245,30 @@ impl Metrics {
             Box::new(sandbox_retirements.clone()),
             Box::new(cells_prepared.clone()),
             Box::new(claims.clone()),
+            Box::new(claim_wait_seconds.clone()),
             Box::new(pool_warm.clone()),
             Box::new(host_calls.clone()),
             Box::new(rejected.clone()),
+            Box::new(audit_sampled_out.clone()),
+            Box::new(build_info),
+            Box::new(StatesCollector::new(states.clone())),
         ] {
             registry.register(c).expect("metric names are unique");
         }
+        #[cfg(target_os = "linux")]
+        registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::new(
+                    std::process::id() as i32,
+                    "sluice_gateway",
+                ),
+            ))
+            .expect("metric names are unique");
         Self {
             registry,
             runs,
             run_seconds,
+            requests,
             hook_errors,
             sandboxes_started,
             sandbox_boot_failures,
@@ -178,13 +276,95 @@ impl Metrics {
             sandbox_retirements,
             cells_prepared,
             claims,
+            claim_wait_seconds,
             pool_warm,
             host_calls,
             rejected,
+            audit_sampled_out,
             pod_claims,
             definitions_invalid,
             chains_superseded,
             ready: Default::default(),
+            states,
         }
+    }
+
+    /// Where `sluice_gateway_sandboxes` reads its counts at each scrape (the pools).
+    pub(crate) fn set_sandbox_states(&self, f: Box<dyn Fn() -> SandboxStates + Send + Sync>) {
+        *self.states.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
+    }
+
+    /// Sandboxes booted so far, all chains together.
+    pub fn boots(&self) -> u64 {
+        sum(&self.sandboxes_started.collect(), |_| true)
+    }
+
+    /// Sandboxes retired so far for `reason`, all chains together.
+    pub fn retirements(&self, reason: &str) -> u64 {
+        sum(&self.sandbox_retirements.collect(), |labels| {
+            labels.iter().any(|(n, v)| *n == "reason" && *v == reason)
+        })
+    }
+}
+
+/// The sum of a counter family's series whose labels pass `keep`.
+fn sum(families: &[MetricFamily], keep: impl Fn(&[(&str, &str)]) -> bool) -> u64 {
+    families
+        .iter()
+        .flat_map(|f| f.get_metric())
+        .filter(|m| {
+            let labels: Vec<(&str, &str)> = m
+                .get_label()
+                .iter()
+                .map(|l| (l.name(), l.value()))
+                .collect();
+            keep(&labels)
+        })
+        .map(|m| m.get_counter().get_value() as u64)
+        .sum()
+}
+
+/// `sluice_gateway_sandboxes{namespace, target, trigger_point, state}`: computed from the pools at
+/// scrape time, so it can never drift from what the pools hold.
+struct StatesCollector {
+    template: IntGaugeVec,
+    source: StatesSource,
+}
+
+impl StatesCollector {
+    fn new(source: StatesSource) -> Self {
+        Self {
+            template: Self::vec(),
+            source,
+        }
+    }
+
+    fn vec() -> IntGaugeVec {
+        IntGaugeVec::new(
+            Opts::new(
+                "sluice_gateway_sandboxes",
+                "Sandboxes per chain and state: warm (cell open, waiting for a claim), claimed, booting, recycling (cell being replaced), tearing_down",
+            ),
+            &labels(&["state"]),
+        )
+        .expect("valid metric")
+    }
+}
+
+impl Collector for StatesCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.template.desc()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let source = self.source.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(read) = source.as_ref() else {
+            return vec![];
+        };
+        let gauges = Self::vec();
+        for (chain, state, n) in read() {
+            gauges.with_label_values(&chain.with(&[state])).add(n);
+        }
+        gauges.collect()
     }
 }

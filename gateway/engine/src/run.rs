@@ -29,7 +29,10 @@ impl Engine {
             run_id = %run_id,
             namespace = %Escaped(&input.namespace),
             target = %Escaped(&input.target),
-            trigger_point = %Escaped(&input.trigger_point)
+            trigger_point = %Escaped(&input.trigger_point),
+            chain = tracing::field::Empty,
+            action = tracing::field::Empty,
+            code = tracing::field::Empty,
         );
         async {
             let mut audit = AuditEvent::new(&run_id, "run");
@@ -57,12 +60,13 @@ impl Engine {
             })();
             let (target, payload, chains) = match prepared {
                 Ok(p) => p,
-                Err(e) => return Err(self.refuse(&mut audit, e, began)),
+                Err(e) => return Err(self.refuse(&mut audit, e, began, None)),
             };
             chains.describe(&mut audit);
+            tracing::Span::current().record("chain", chains.main().qualified_name());
             let mut pipeline = match Pipeline::open(self, &chains, &target, &run_id).await {
                 Ok(p) => p,
-                Err(e) => return Err(self.refuse(&mut audit, e, began)),
+                Err(e) => return Err(self.refuse(&mut audit, e, began, Some(&chains))),
             };
             pipeline.record_sandboxes(&mut audit);
             let mut states = chains.fresh_states();

@@ -12,7 +12,7 @@
 
 use crate::chain::Chain;
 use crate::limits::Limits;
-use crate::metrics::Metrics;
+use crate::metrics::{ChainLabels, Metrics};
 use crate::sandbox::{SandboxBackend, SandboxSpec};
 use crate::supervisor::CellEnd;
 use crate::supervisor::SupervisorConn;
@@ -69,6 +69,8 @@ impl Counts {
 /// The pool of one chain (one namespace/name and one sandbox spec).
 pub struct Pool {
     name: String,
+    /// The chain's labels in per-chain metrics.
+    labels: ChainLabels,
     spec: SandboxSpec,
     /// The chain version new cells are opened for (code changes keep the pool, not its cells).
     chain: Mutex<Arc<Chain>>,
@@ -262,7 +264,11 @@ impl Pool {
                     }
                     Err(e) => {
                         tracing::warn!(chain = %pool.name, error = %e, "sandbox failed to boot");
-                        pool.shared.metrics.sandbox_boot_failures.inc();
+                        pool.shared
+                            .metrics
+                            .sandbox_boot_failures
+                            .with_label_values(&pool.labels.with(&[]))
+                            .inc();
                         c.last_error = Some(e.clone());
                         c.retry_at = Some(Instant::now() + BOOT_RETRY);
                         Some(Err(e))
@@ -305,12 +311,13 @@ impl Pool {
         };
         match ready {
             Ok(()) => {
-                self.shared
-                    .metrics
-                    .sandbox_boot_seconds
+                let m = &self.shared.metrics;
+                let labels = self.labels.with(&[]);
+                m.sandbox_boot_seconds
+                    .with_label_values(&labels)
                     .observe(began.elapsed().as_secs_f64());
-                self.shared.metrics.sandboxes_started.inc();
-                self.shared.metrics.cells_prepared.inc();
+                m.sandboxes_started.with_label_values(&labels).inc();
+                m.cells_prepared.with_label_values(&labels).inc();
                 Ok(conn)
             }
             Err(e) => {
@@ -322,7 +329,15 @@ impl Pool {
 
     /// Takes a warm sandbox for one trigger point, waiting up to `timeout` for one to boot.
     pub async fn claim(self: &Arc<Self>, timeout: Duration) -> Result<Claimed, ClaimError> {
-        let deadline = Instant::now() + timeout;
+        let began = Instant::now();
+        let deadline = began + timeout;
+        let waited_for = |pool: &Self| {
+            pool.shared
+                .metrics
+                .claim_wait_seconds
+                .with_label_values(&pool.labels.with(&[]))
+                .observe(began.elapsed().as_secs_f64());
+        };
         // Claims are served in arrival order: under overload nobody waits behind later arrivals.
         let ticket = {
             let mut c = self.lock();
@@ -370,7 +385,13 @@ impl Pool {
                         drop(c);
                         drop(ticket); // the next in line may go
                         let kind = if waited { "cold" } else { "warm" };
-                        self.shared.metrics.claims.with_label_values(&[kind]).inc();
+                        self.shared
+                            .metrics
+                            .claims
+                            .with_label_values(&self.labels.with(&[kind]))
+                            .inc();
+                        waited_for(self);
+                        tracing::debug!(chain = %self.name, kind, "sandbox claimed");
                         // Booting a replacement is CPU-heavy; starting it a moment later keeps it off
                         // the claimed run's critical path.
                         let pool = self.clone();
@@ -393,8 +414,9 @@ impl Pool {
                 self.shared
                     .metrics
                     .claims
-                    .with_label_values(&["timeout"])
+                    .with_label_values(&self.labels.with(&["timeout"]))
                     .inc();
+                waited_for(self);
                 let c = self.lock();
                 let detail = match &c.last_error {
                     Some(e) => format!("last boot failed: {e}"),
@@ -474,7 +496,7 @@ impl Pool {
                 pool.shared
                     .metrics
                     .sandbox_retirements
-                    .with_label_values(&[&label])
+                    .with_label_values(&pool.labels.with(&[&label]))
                     .inc();
                 conn.close().await;
                 pool.lock().tearing_down -= 1;
@@ -498,7 +520,11 @@ impl Pool {
         conn.prepare(&self.current_chain(), &self.shared.limits.wire(), budget)
             .await
             .map_err(|e| format!("broken: the next cell did not open: {e}"))?;
-        self.shared.metrics.cells_prepared.inc();
+        self.shared
+            .metrics
+            .cells_prepared
+            .with_label_values(&self.labels.with(&[]))
+            .inc();
         Ok(())
     }
 
@@ -530,7 +556,7 @@ impl Pool {
             self.shared
                 .metrics
                 .sandbox_retirements
-                .with_label_values(&["idle"])
+                .with_label_values(&self.labels.with(&["idle"]))
                 .inc();
             let pool = self.clone();
             tokio::spawn(async move {
@@ -595,6 +621,20 @@ impl Drop for Claimed {
     }
 }
 
+/// Warm sandboxes against the pools' targets (`Pools::warm_progress`).
+#[derive(Clone, Debug, Default)]
+pub struct WarmProgress {
+    pub chains: usize,
+    pub warm: usize,
+    /// The sum of the pools' warm targets.
+    pub target: usize,
+    pub booting: usize,
+    /// `--max-warm-sandboxes`: warm-up stops there even below the targets.
+    pub cap: usize,
+    /// Pools below their target, as `namespace/name warm/target`.
+    pub below: Vec<String>,
+}
+
 /// Identity of a pool: the chain and the sandbox shape it boots.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct PoolKey {
@@ -610,7 +650,7 @@ struct PoolKey {
 pub struct Pools {
     shared: Arc<Shared>,
     pools: Arc<Mutex<HashMap<PoolKey, Arc<Pool>>>>,
-    retired: Mutex<Vec<Arc<Pool>>>,
+    retired: Arc<Mutex<Vec<Arc<Pool>>>>,
 }
 
 /// How often idle sandboxes past their pool's warm target are looked for.
@@ -634,6 +674,25 @@ impl Pools {
             metrics,
         });
         let pools: Arc<Mutex<HashMap<PoolKey, Arc<Pool>>>> = Arc::default();
+        let retired: Arc<Mutex<Vec<Arc<Pool>>>> = Arc::default();
+        {
+            let (pools, retired) = (Arc::downgrade(&pools), Arc::downgrade(&retired));
+            shared.metrics.set_sandbox_states(Box::new(move || {
+                let mut all: Vec<Arc<Pool>> = Vec::new();
+                if let Some(p) = pools.upgrade() {
+                    all.extend(
+                        p.lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .values()
+                            .cloned(),
+                    );
+                }
+                if let Some(r) = retired.upgrade() {
+                    all.extend(r.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned());
+                }
+                sandbox_states(&all)
+            }));
+        }
         // A held set that grew with demand shrinks when the demand is gone; the task ends with the
         // pools (it holds them weakly).
         let weak = Arc::downgrade(&pools);
@@ -655,7 +714,7 @@ impl Pools {
         Self {
             shared,
             pools,
-            retired: Mutex::default(),
+            retired,
         }
     }
 
@@ -693,6 +752,7 @@ impl Pools {
             .or_insert_with(|| {
                 let pool = Arc::new(Pool {
                     name: chain.qualified_name(),
+                    labels: ChainLabels::of(chain),
                     spec: chain.sandbox.clone(),
                     chain: Mutex::new(chain.clone()),
                     reuse: key.reuse,
@@ -794,6 +854,30 @@ impl Pools {
         }
     }
 
+    /// How far the pools are from their warm targets, for the start-up and warm-up logs.
+    pub fn warm_progress(&self) -> WarmProgress {
+        let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        let mut progress = WarmProgress {
+            chains: pools.len(),
+            cap: self.shared.scheduler.max_warm,
+            ..Default::default()
+        };
+        for p in pools.values() {
+            let c = p.lock();
+            let target = p.warm_target.min(p.max);
+            progress.warm += c.warm.len();
+            progress.target += target;
+            progress.booting += c.booting;
+            if c.warm.len() < target {
+                progress
+                    .below
+                    .push(format!("{} {}/{}", p.name, c.warm.len(), target));
+            }
+        }
+        progress.below.sort();
+        progress
+    }
+
     /// (warm, claimed) per chain, for status.
     pub fn sizes(&self) -> Vec<(String, usize, usize)> {
         let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
@@ -805,4 +889,25 @@ impl Pools {
             })
             .collect()
     }
+}
+
+/// Sandboxes per chain and state across `pools` (several pools of one chain are summed: a pool
+/// whose shape changed drains while its successor fills).
+fn sandbox_states(pools: &[Arc<Pool>]) -> crate::metrics::SandboxStates {
+    let mut sums: std::collections::BTreeMap<(ChainLabels, &'static str), i64> = Default::default();
+    for pool in pools {
+        let c = pool.lock();
+        for (state, n) in [
+            ("warm", c.warm.len()),
+            ("claimed", c.claimed),
+            ("booting", c.booting),
+            ("recycling", c.recycling),
+            ("tearing_down", c.tearing_down),
+        ] {
+            *sums.entry((pool.labels.clone(), state)).or_default() += n as i64;
+        }
+    }
+    sums.into_iter()
+        .map(|((chain, state), n)| (chain, state, n))
+        .collect()
 }

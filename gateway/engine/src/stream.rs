@@ -11,6 +11,8 @@
 use crate::audit::AuditEvent;
 use crate::chains::Chains;
 use crate::engine::Engine;
+use crate::log_text::Escaped;
+use crate::metrics::ChainLabels;
 use crate::outcome::Walk;
 use crate::pipeline::Pipeline;
 use crate::request::{CallerAuth, EngineError, Target};
@@ -78,6 +80,19 @@ pub enum StreamError {
     Cancelled(String),
     #[error("the reply is over the limit of {0} bytes")]
     TooLarge(usize),
+}
+
+impl StreamError {
+    /// The gRPC code it is answered with, as metrics label it.
+    pub(crate) fn code(&self) -> &'static str {
+        match self {
+            StreamError::Refused(e) => e.code(),
+            StreamError::ShuttingDown => "unavailable",
+            StreamError::Idle(_) => "deadline_exceeded",
+            StreamError::Cancelled(_) => "cancelled",
+            StreamError::TooLarge(_) => "resource_exhausted",
+        }
+    }
 }
 
 type Inputs = Pin<Box<dyn Stream<Item = Result<StreamInput, ClientStreamError>> + Send>>;
@@ -165,9 +180,13 @@ impl Engine {
     {
         let (tx, rx) = mpsc::channel(8);
         let engine = self.clone();
-        tokio::spawn(async move {
-            drive(engine, Box::pin(inputs), tx).await;
-        });
+        // The stream's spans are children of the caller's (the gRPC request's, with its traceparent).
+        tokio::spawn(
+            async move {
+                drive(engine, Box::pin(inputs), tx).await;
+            }
+            .in_current_span(),
+        );
         tokio_stream::wrappers::ReceiverStream::new(rx)
     }
 }
@@ -204,7 +223,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
         Ok(_) => {
             let e = EngineError::InvalidArgument("a stream starts with open".into());
             let _ = tx
-                .send(Err(engine.refuse(&mut audit, e, began).into()))
+                .send(Err(engine.refuse(&mut audit, e, began, None).into()))
                 .await;
             return;
         }
@@ -244,14 +263,22 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
         Ok(p) => p,
         Err(e) => {
             let _ = tx
-                .send(Err(engine.refuse(&mut audit, e, began).into()))
+                .send(Err(engine.refuse(&mut audit, e, began, None).into()))
                 .await;
             return;
         }
     };
     chains.describe(&mut audit);
-    let span =
-        tracing::info_span!("stream", run_id = %run_id, chain = %chains.main().qualified_name());
+    let span = tracing::info_span!(
+        "stream",
+        run_id = %run_id,
+        chain = %chains.main().qualified_name(),
+        namespace = %Escaped(&target.key.namespace),
+        target = %Escaped(&target.key.target),
+        trigger_point = target.key.trigger_point.as_str(),
+        action = tracing::field::Empty,
+        code = tracing::field::Empty,
+    );
     let run = Run {
         engine: &engine,
         chains: &chains,
@@ -282,7 +309,9 @@ impl Run<'_> {
             Err(e) => {
                 let _ = self
                     .tx
-                    .send(Err(engine.refuse(&mut audit, e, self.began).into()))
+                    .send(Err(engine
+                        .refuse(&mut audit, e, self.began, Some(self.chains))
+                        .into()))
                     .await;
                 return;
             }
@@ -306,12 +335,15 @@ impl Run<'_> {
                 audit.stream = Some(stream_json(&stats, false));
                 audit.latency_us = self.began.elapsed().as_micros() as u64;
                 engine.audit().write(&audit);
-                let tp = self.chains.main().spec.trigger_point.as_str();
-                engine
-                    .metrics()
-                    .runs
-                    .with_label_values(&[tp, "stream", "none"])
+                let labels = ChainLabels::of(self.chains.main());
+                let m = engine.metrics();
+                m.runs
+                    .with_label_values(&labels.with(&["stream", "none"]))
                     .inc();
+                m.requests
+                    .with_label_values(&labels.with(&[e.code()]))
+                    .inc();
+                tracing::Span::current().record("code", e.code());
                 let _ = self.tx.send(Err(e)).await;
                 return;
             }

@@ -11,6 +11,7 @@ use serde_json::Value;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncWriteExt, BufReader};
+use tracing::Instrument;
 
 /// The supervisor's source (`supervisor/supervisor.py`), the other side of this conversation, as
 /// backends install it in their sandboxes.
@@ -307,6 +308,22 @@ impl SupervisorConn {
             return report;
         }
         let mut remaining = budget;
+        // One span per hook, from when it can start (the chunk was sent, the previous hook
+        // answered) to its result; a hook's host_calls are its children.
+        let hook_names: Vec<String> = self.cell.as_ref().map_or_else(Vec::new, |c| {
+            c.spec.hooks.iter().map(|h| h.name.clone()).collect()
+        });
+        let hook_span = |i: usize| match hook_names.get(i) {
+            Some(name) => tracing::info_span!(
+                "hook",
+                hook = %name,
+                index = i,
+                action = tracing::field::Empty,
+                error = tracing::field::Empty,
+            ),
+            None => tracing::Span::none(),
+        };
+        let mut current = hook_span(start);
         loop {
             let began = Instant::now();
             let msg = match self.recv(remaining).await {
@@ -331,7 +348,33 @@ impl SupervisorConn {
             };
             remaining = remaining.saturating_sub(began.elapsed());
             match msg {
-                FromSupervisor::HookResult(h) if h.id == id => report.hooks.push(h),
+                FromSupervisor::HookResult(h) if h.id == id => {
+                    // What the sandbox says is untrusted text: escaped, as in every log line.
+                    current.record(
+                        "action",
+                        tracing::field::display(crate::log_text::Escaped(&h.action)),
+                    );
+                    if let Some(e) = &h.error {
+                        current.record(
+                            "error",
+                            tracing::field::display(crate::log_text::Escaped(e)),
+                        );
+                    }
+                    // The walk goes on after a non-terminal result, and after a failed hook under
+                    // `Open`; a span for a hook that then does not run would be a lie.
+                    let open = self
+                        .cell
+                        .as_ref()
+                        .is_some_and(|c| c.spec.failure_policy == sluice_crds::FailurePolicy::Open);
+                    let goes_on = matches!(h.action.as_str(), "pass" | "modify" | "detect")
+                        && (h.error.is_none() || open);
+                    current = if goes_on {
+                        hook_span(h.index + 1)
+                    } else {
+                        tracing::Span::none()
+                    };
+                    report.hooks.push(h);
+                }
                 FromSupervisor::HostCall {
                     id: call,
                     hook,
@@ -350,7 +393,13 @@ impl SupervisorConn {
                         return report;
                     }
                     let waited = Instant::now();
-                    let answer = host.call(hook, &name, payload).await;
+                    let span = tracing::info_span!(
+                        parent: &current,
+                        "host_call",
+                        capability = %crate::log_text::Escaped(&name),
+                        hook = hook_names.get(hook).map_or("", |n| n.as_str()),
+                    );
+                    let answer = host.call(hook, &name, payload).instrument(span).await;
                     report.host_call_time += waited.elapsed();
                     let (ok, result, error) = match answer {
                         Ok(v) => (true, Some(v), None),

@@ -22,11 +22,7 @@ fn pool(extra: serde_json::Value) -> serde_json::Value {
 }
 
 async fn retirements(h: &Harness, reason: &str) -> u64 {
-    h.engine
-        .metrics()
-        .sandbox_retirements
-        .with_label_values(&[reason])
-        .get()
+    h.engine.metrics().retirements(reason)
 }
 
 /// Waits until the pool has a sandbox ready again (the recycling happens after the answer).
@@ -51,7 +47,7 @@ async fn recycle_serves_every_trigger_point_from_one_sandbox_in_a_fresh_cell() {
         let r = h.run("input", json!("x")).await.unwrap();
         seen.push(r.walk.payload.as_str().unwrap().to_string());
     }
-    assert_eq!(h.engine.metrics().sandboxes_started.get(), 1, "{seen:?}");
+    assert_eq!(h.engine.metrics().boots(), 1, "{seen:?}");
     // Globals start over (a fresh process each time), and it is pid 1 of its own pid namespace.
     // (Namespace ids are not compared: the kernel reuses them once a namespace is gone.)
     assert!(seen.iter().all(|s| s == "1 1"), "{seen:?}");
@@ -73,7 +69,7 @@ async fn none_boots_a_sandbox_per_trigger_point() {
         );
     }
     settle(&h).await;
-    assert!(h.engine.metrics().sandboxes_started.get() >= 4);
+    assert!(h.engine.metrics().boots() >= 4);
     assert_eq!(retirements(&h, "reuse_none").await, 3);
 }
 
@@ -93,7 +89,7 @@ async fn max_uses_retires_the_sandbox_without_a_failed_run() {
     settle(&h).await;
     // Uses 1-2, 3-4, then 5: two sandboxes reached maxUses.
     assert_eq!(retirements(&h, "max_uses").await, 2);
-    assert_eq!(h.engine.metrics().sandboxes_started.get(), 3);
+    assert_eq!(h.engine.metrics().boots(), 3);
 }
 
 #[tokio::test]
@@ -112,7 +108,7 @@ async fn a_deadline_kill_retires_the_sandbox_and_the_next_run_gets_a_fresh_one()
     assert_eq!(retirements(&h, "broken").await, 1);
     let r = h.run("input", json!("fast")).await.unwrap();
     assert_eq!(r.walk.payload, json!("FAST"));
-    assert_eq!(h.engine.metrics().sandboxes_started.get(), 2);
+    assert_eq!(h.engine.metrics().boots(), 2);
 }
 
 #[tokio::test]
@@ -139,7 +135,7 @@ async fn a_dirty_verdict_retires_the_sandbox() {
     }
     settle(&h).await;
     assert_eq!(retirements(&h, "dirty").await, 2);
-    assert_eq!(h.engine.metrics().sandboxes_started.get(), 3);
+    assert_eq!(h.engine.metrics().boots(), 3);
 }
 
 #[tokio::test]

@@ -388,11 +388,36 @@ async fn serve(
     let ready = {
         let (engine, health) = (engine.clone(), health.clone());
         tokio::spawn(async move {
-            while engine.pools().ready_needs_warm()
-                && !engine.pools().wait_warm(Duration::from_secs(5)).await
-            {
-                tracing::info!("waiting for warm sandboxes before reporting ready");
+            let began = std::time::Instant::now();
+            let needs_warm = engine.pools().ready_needs_warm();
+            if needs_warm {
+                let p = engine.pools().warm_progress();
+                tracing::info!(
+                    chains = p.chains,
+                    warm_target = p.target,
+                    max_warm = p.cap,
+                    "warming up sandboxes before reporting ready"
+                );
             }
+            while needs_warm && !engine.pools().wait_warm(Duration::from_secs(5)).await {
+                let p = engine.pools().warm_progress();
+                tracing::info!(
+                    warm = p.warm,
+                    warm_target = p.target,
+                    booting = p.booting,
+                    max_warm = p.cap,
+                    "waiting for warm sandboxes before reporting ready; below target: {}",
+                    p.below.join(", ")
+                );
+            }
+            let p = engine.pools().warm_progress();
+            tracing::info!(
+                chains = p.chains,
+                warm = p.warm,
+                warm_target = p.target,
+                after_ms = began.elapsed().as_millis() as u64,
+                "ready to serve"
+            );
             health.set_serving::<GatewayServer<GatewayService>>().await;
             engine
                 .metrics()

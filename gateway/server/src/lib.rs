@@ -6,12 +6,14 @@
 //! Reading order: `assembly` (`start_local`, `start_kube`, `RunningGateway`) → `service` (gRPC ↔
 //! engine translation) → `local_dir` (local mode's chain source) → `dir_watch` (noticing its
 //! changes) → `tls` (the listener's reloading TLS) and `callers` (the caller policy: who may use
-//! which namespace).
+//! which namespace) → `observability` (logs, and OpenTelemetry traces when the environment
+//! configures them).
 
 mod assembly;
 mod callers;
 mod dir_watch;
 mod local_dir;
+pub mod observability;
 mod service;
 mod tls;
 

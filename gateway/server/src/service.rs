@@ -14,6 +14,7 @@ use sluice_proto::{self as proto, gateway_server::Gateway};
 use std::pin::Pin;
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 pub(crate) struct GatewayService {
     pub(crate) engine: Arc<Engine>,
@@ -152,6 +153,7 @@ impl Gateway for GatewayService {
         request: Request<proto::RunRequest>,
     ) -> Result<Response<proto::RunResponse>, Status> {
         let auth = self.auth(&request);
+        let span = crate::observability::request_span(request.metadata(), "sluice.v1.Gateway/Run");
         let r = request.into_inner();
         let input = RunInput {
             namespace: r.namespace,
@@ -162,7 +164,12 @@ impl Gateway for GatewayService {
             session_id: r.session_id,
             auth,
         };
-        let result = self.engine.run(input).await.map_err(engine_status)?;
+        let result = self
+            .engine
+            .run(input)
+            .instrument(span)
+            .await
+            .map_err(engine_status)?;
         Ok(Response::new(run_response(&result.run_id, &result.walk)))
     }
 
@@ -173,12 +180,17 @@ impl Gateway for GatewayService {
         request: Request<tonic::Streaming<proto::StreamRequest>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
         let auth = self.auth(&request);
+        let span =
+            crate::observability::request_span(request.metadata(), "sluice.v1.Gateway/Stream");
         let inputs = request
             .into_inner()
             .map(move |r| stream_input(&auth, r))
             .take_while(|m| futures::future::ready(m.is_some()))
             .filter_map(futures::future::ready);
-        let out = self.engine.stream(inputs).map(stream_response);
+        // The engine's stream task starts in the request's span.
+        let out = span
+            .in_scope(|| self.engine.stream(inputs))
+            .map(stream_response);
         Ok(Response::new(Box::pin(out)))
     }
 }

@@ -4,6 +4,7 @@
 use anyhow::Context as _;
 use clap::Parser;
 use sluice_engine::Audit;
+use sluice_gateway::observability::{self, TracingConfig};
 use sluice_gateway::{KubeOptions, LocalOptions, Security, TlsFiles, start_kube, start_local};
 use sluice_sandbox_kube::KubeConfig;
 use std::net::SocketAddr;
@@ -101,16 +102,9 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if args.log_format == "json" {
-        logs.json().init()
-    } else {
-        logs.init()
-    }
+    // Traces only when the standard OTEL_* variables ask for them (docs/operations.md).
+    let tracing = TracingConfig::from_env(|v| std::env::var(v).ok())?;
+    let traces = observability::init(&args.log_format, tracing.as_ref())?;
 
     let audit = if args.audit == "-" {
         Audit::to_stdout()
@@ -180,6 +174,7 @@ async fn main() -> anyhow::Result<()> {
     }
     tracing::info!("shutting down: finishing in-flight runs, then destroying sandboxes");
     gateway.shutdown().await;
+    traces.shutdown().await;
     Ok(())
 }
 
