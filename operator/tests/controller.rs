@@ -19,7 +19,7 @@ fn list(kind: &str, items: Vec<Value>) -> Value {
 fn good_chain() -> Value {
     json!({
         "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
-        "metadata": {"name": "good", "namespace": "team-a", "uid": "uid-good", "generation": 1, "resourceVersion": "7"},
+        "metadata": {"name": "good", "namespace": "team-a", "uid": "uid-good", "generation": 1, "resourceVersion": "7", "finalizers": ["sluice.dev/sandboxes"]},
         "spec": {"target": "bot", "triggerPoint": "input", "pool": {"warm": 2, "max": 5},
                  "hooks": [{"name": "h", "action": "block",
                             "code": "def execute(context, settings):\n    return {'action': 'pass'}\n"}]}
@@ -29,7 +29,7 @@ fn good_chain() -> Value {
 fn malformed_chain() -> Value {
     json!({
         "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
-        "metadata": {"name": "broken", "namespace": "team-b", "uid": "uid-broken", "generation": 1, "resourceVersion": "8"},
+        "metadata": {"name": "broken", "namespace": "team-b", "uid": "uid-broken", "generation": 1, "resourceVersion": "8", "finalizers": ["sluice.dev/sandboxes"]},
         "spec": {"target": "bot", "triggerPoint": "sideways", "hooks": []}
     })
 }
@@ -150,7 +150,7 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
 fn baseline_chain() -> Value {
     json!({
         "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
-        "metadata": {"name": "platform-input", "namespace": "sluice-system", "uid": "uid-baseline", "generation": 1, "resourceVersion": "11"},
+        "metadata": {"name": "platform-input", "namespace": "sluice-system", "uid": "uid-baseline", "generation": 1, "resourceVersion": "11", "finalizers": ["sluice.dev/sandboxes"]},
         "spec": {"enforced": true, "target": "*", "triggerPoint": "input", "pool": {"warm": 2, "max": 4},
                  "hooks": [{"name": "turn-limit", "action": "block",
                             "code": "def execute(context, settings):\n    return {'action': 'pass'}\n"}]}
