@@ -121,6 +121,16 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
             ));
         }
     }
+    let code_bytes: usize = spec.hooks.iter().map(|h| h.code.len()).sum();
+    if code_bytes > crate::MAX_CHAIN_CODE_BYTES {
+        out.push(problem(
+            "spec.hooks",
+            format!(
+                "the hooks' code together is {code_bytes} bytes, over the {} KiB a chain may hold (the object must stay well under etcd's 1.5 MiB): split the chain or move data out of the code",
+                crate::MAX_CHAIN_CODE_BYTES / 1024
+            ),
+        ));
+    }
     out
 }
 
@@ -238,6 +248,31 @@ mod tests {
                 .any(|p| p.starts_with("spec.resources.memory")),
             "{problems:?}"
         );
+    }
+
+    #[test]
+    fn the_code_of_a_whole_chain_is_bounded() {
+        let mut c = chain();
+        let body = format!(
+            "# {}\ndef execute(c, s):\n    return {{'action': 'pass'}}\n",
+            "x".repeat(200 * 1024)
+        );
+        c.hooks[0].code = body.clone();
+        for name in ["b", "c"] {
+            let mut h = c.hooks[0].clone();
+            h.name = name.into();
+            c.hooks.push(h);
+        }
+        // Each hook is under its own 256 KiB limit; together they are over 512 KiB.
+        let problems = hookchain(&c);
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.field == "spec.hooks" && p.message.contains("512 KiB")),
+            "{problems:?}"
+        );
+        c.hooks.pop();
+        assert!(hookchain(&c).is_empty(), "two hooks of 200 KiB fit");
     }
 
     #[test]
