@@ -174,6 +174,14 @@ async fn the_rules_each_component_needs_are_the_ones_the_chart_is_held_to() {
         &[("digits", "modify", REDACT)],
     );
     api.apply(Resource::HookChains, manifest_json(&chain));
+    api.apply(
+        Resource::Capabilities,
+        serde_json::json!({
+            "apiVersion": "sluice.dev/v1alpha1", "kind": "Capability",
+            "metadata": {"name": "echo", "namespace": TENANT},
+            "spec": {"endpoint": {"builtin": "echo"}}
+        }),
+    );
 
     // The operator as `sluice-operator run --sandbox-namespace sluice-sandboxes` runs it.
     let client = api.client_as("operator");
@@ -220,6 +228,16 @@ async fn the_rules_each_component_needs_are_the_ones_the_chart_is_held_to() {
         api.list(Resource::Pods, TENANT).is_empty(),
         "no pod beside the chain"
     );
+    until(&api, "the Capability's status says Ready", || {
+        api.get(Resource::Capabilities, TENANT, "echo")
+            .is_some_and(|c| {
+                c["status"]["conditions"].as_array().is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                })
+            })
+    })
+    .await;
 
     // The gateway claims one, runs a trigger point over exec, and deletes it (reuse: Recycle is
     // the default; shutdown hands back what it holds).

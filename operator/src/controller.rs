@@ -200,9 +200,17 @@ async fn run_namespace(
     .default_backoff()
     .reflect(cap_writer)
     .inspect(move |ev| {
-        if let Ok(watcher::Event::Apply(cap) | watcher::Event::InitApply(cap)) = ev {
-            let (ctx, cap) = (cap_ctx.clone(), cap.clone());
-            tokio::spawn(async move { reconcile::check_capability(&ctx, &cap).await });
+        // A change may touch the others of its namespace too (it may be their gate): all of the
+        // namespace are judged again; only changed statuses are written.
+        if let Ok(
+            watcher::Event::Apply(cap)
+            | watcher::Event::InitApply(cap)
+            | watcher::Event::Delete(cap),
+        ) = ev
+            && let Some(ns) = cap.namespace()
+        {
+            let ctx = cap_ctx.clone();
+            tokio::spawn(async move { reconcile::check_capabilities(&ctx, &ns).await });
         }
     })
     .touched_objects();

@@ -67,7 +67,8 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
     let mut pods_listed = false;
     let mut statuses = 0;
     let mut capability_warned = false;
-    while statuses < 2 || !capability_warned {
+    let mut capability_status = false;
+    while statuses < 2 || !capability_warned || !capability_status {
         let call = api.next().await;
         let line = format!("{} {}", call.method, call.path);
         if call.query("watch") == Some("true") {
@@ -99,6 +100,30 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
                 assert!(note.contains("ftp://billing"), "{note}");
                 capability_warned = true;
                 call.echo()
+            }
+            // The Capability's own status says it is unusable, and why.
+            (
+                "PATCH",
+                "/apis/sluice.dev/v1alpha1/namespaces/team-c/capabilities/credit.check/status",
+            ) => {
+                assert_eq!(call.query("fieldManager"), Some("sluice-operator"));
+                let conditions = &call.body["status"]["conditions"];
+                assert_eq!(conditions[0]["type"], "SchemaValid");
+                assert_eq!(conditions[0]["status"], "False");
+                assert!(
+                    conditions[0]["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("ftp://billing")),
+                    "{conditions}"
+                );
+                assert_eq!(
+                    (&conditions[1]["type"], &conditions[1]["status"]),
+                    (&"Ready".into(), &"False".into())
+                );
+                capability_status = true;
+                let mut cap = bad_capability();
+                cap["status"] = call.body["status"].clone();
+                call.reply(200, cap)
             }
             (
                 "PATCH",

@@ -72,7 +72,10 @@ impl Resource {
 
     /// Whether writes to the object leave `status` alone (it is written on `/status`).
     pub fn has_status_subresource(self) -> bool {
-        matches!(self, Resource::Pods | Resource::HookChains)
+        matches!(
+            self,
+            Resource::Pods | Resource::HookChains | Resource::Capabilities
+        )
     }
 
     fn of(api_version: &str, plural: &str) -> Option<Resource> {

@@ -12,6 +12,7 @@
 
 mod apply;
 mod build;
+mod capability;
 mod context;
 mod decide;
 mod read;
@@ -19,6 +20,7 @@ mod status;
 mod validate;
 
 pub use apply::ApplyError;
+pub use capability::{SCHEMA_VALID, check_namespace as check_capabilities};
 pub use context::{Context, DEFAULT_START_DEADLINE};
 pub use read::ReadError;
 pub use status::StatusError;
@@ -33,7 +35,7 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{self, finalizer};
 use kube::{Resource, ResourceExt};
-use sluice_crds::{Capability, HookChain};
+use sluice_crds::HookChain;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -210,24 +212,4 @@ pub fn forget(ctx: &Context, namespace: &str, name: &str) {
     lock(&ctx.start_failures).remove(&format!("{namespace}/{name}"));
     lock(&ctx.status_written).remove(&format!("{namespace}/{name}"));
     ctx.metrics.forget_pool(namespace, name);
-}
-
-/// Validates a Capability as it arrives and records a Warning Event on it when it is unusable.
-pub async fn check_capability(ctx: &Context, cap: &DeserializeGuard<Capability>) {
-    let name = cap.name_any();
-    let problems = match &cap.0 {
-        Ok(c) => crate::validate::capability_problems(&name, &c.spec),
-        Err(e) => vec![format!("does not match the Capability schema: {}", e.error)],
-    };
-    if problems.is_empty() {
-        return;
-    }
-    let reference = cap.object_ref(&());
-    ctx.publish(
-        &reference,
-        EventType::Warning,
-        "InvalidCapability",
-        format!("hooks cannot use this capability: {}", problems.join("; ")),
-    )
-    .await;
 }
