@@ -393,16 +393,27 @@ class KustomizeTest(ManifestCase):
         self.assertEqual({(o["kind"], o["metadata"]["name"]) for o in objs} - {("Namespace", NAMESPACE)}, chart)
         self.assertEqual(granted(objs), expected_rbac("", SANDBOXES))
 
-    def test_example_overlay_renders_valid_objects(self):
+    def test_example_overlay_renders_valid_objects_crds_before_chains(self):
         objs = kustomize("deploy/overlays/example")
         self.assertValid(objs, "kubectl kustomize deploy/overlays/example")
         self.assertEqual(self.find(objs, "Deployment", "sluice-operator")["spec"]["replicas"], 2)
         self.assertEqual(self.find(objs, "Deployment", "sluice-gateway")["spec"]["replicas"], 3)
-        self.assertEqual(self.find(objs, "HookChain", "support-input")["spec"]["target"], "support-bot")
-        self.assertEqual(self.find(objs, "Capability", "echo")["spec"]["endpoint"], {"builtin": "echo"})
+        # The install holds the CRDs and no custom resource: those come in the second apply.
+        self.assertEqual(len([o for o in objs if o["kind"] == "CustomResourceDefinition"]), 2)
+        self.assertFalse([o for o in objs if o["kind"] in ("HookChain", "Capability")])
+        # Only the supervisor image is patched: every other operator argument is the base's.
+        base_args = self.find(kustomize("deploy/base"), "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+        args = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+        self.assertEqual(args, base_args)
+        self.assertIn(f"--sandbox-namespace={SANDBOXES}", args)
+        chains = kustomize("deploy/overlays/example/chains")
+        self.assertValid(chains, "kubectl kustomize deploy/overlays/example/chains")
+        self.assertEqual({o["kind"] for o in chains}, {"HookChain", "Capability"})
+        self.assertEqual(self.find(chains, "HookChain", "support-input")["spec"]["target"], "support-bot")
+        self.assertEqual(self.find(chains, "Capability", "echo")["spec"]["endpoint"], {"builtin": "echo"})
         self.assertTrue(filecmp.cmp(os.path.join(ROOT, "examples", "pii-redaction.yaml"),
-                                    os.path.join(ROOT, "deploy", "overlays", "example", "pii-redaction.yaml"), shallow=False),
-                        "deploy/overlays/example/pii-redaction.yaml is no longer a copy of examples/pii-redaction.yaml")
+                                    os.path.join(ROOT, "deploy", "overlays", "example", "chains", "pii-redaction.yaml"), shallow=False),
+                        "deploy/overlays/example/chains/pii-redaction.yaml is no longer a copy of examples/pii-redaction.yaml")
 
 
 class OperatorRenderTest(ManifestCase):
