@@ -307,6 +307,19 @@ class ChartTest(ManifestCase):
         self.assertFalse([o for o in single if o["metadata"]["name"] == "sluice-sandboxes-deny-all"],
                          "no namespace-wide deny-all where the operator and tenants live")
 
+    def test_notes_point_at_what_a_user_can_run(self):
+        out = run(HELM, "install", "--dry-run=client", "sluice", CHART, "--namespace", NAMESPACE)
+        notes = out[out.index("NOTES:"):]
+        self.assertNotIn("sluice call", notes, "no sluice binary ships with the chart")
+        self.assertIn("grpcurl -plaintext", notes)
+        self.assertIn("kubectl get pods -n sluice-sandboxes", notes)
+        # The chain the notes apply is a valid HookChain.
+        lines = notes.splitlines()
+        start = lines.index("  kubectl apply -f - <<'EOF'") + 1
+        end = lines.index("  EOF", start)
+        (chain,) = load_all("\n".join(line[2:] for line in lines[start:end]))
+        self.assertValid([chain], "the HookChain in NOTES.txt")
+
     def test_cilium_policy_allows_the_api_server_entity(self):
         self.assertFalse([o for o in helm_template() if o["kind"] == "CiliumNetworkPolicy"])
         objs = helm_template("networkPolicy.cilium.enabled=true")
