@@ -464,6 +464,24 @@ class OperatorRenderTest(ManifestCase):
                 self.assertEqual(policy["podSelector"], {"matchLabels": {"sluice.dev/chain": name}})
                 self.assertEqual(sorted(policy["policyTypes"]), ["Egress", "Ingress"])
 
+    def test_render_into_a_sandbox_namespace(self):
+        path = os.path.join(ROOT, "examples", "pii-redaction.yaml")
+        (chain,) = [o for o in load_file(path) if o["kind"] == "HookChain"]
+        name, ns = chain["metadata"]["name"], chain["metadata"]["namespace"]
+        objs = load_all(run(OPERATOR, "render", path, "--sandbox-namespace", SANDBOXES))
+        self.assertValid(objs, "sluice-operator render --sandbox-namespace")
+        pods = [o for o in objs if o["kind"] == "Pod"]
+        self.assertTrue(pods)
+        for pod in pods:
+            meta = pod["metadata"]
+            self.assertEqual((meta["namespace"], meta["generateName"]), (SANDBOXES, f"{ns}-{name}-"))
+            self.assertEqual(meta["labels"]["sluice.dev/chain-namespace"], ns)
+            self.assertNotIn("ownerReferences", meta)
+        policy = self.find(objs, "NetworkPolicy", f"sluice-{ns}.{name}-deny-all")
+        self.assertEqual(policy["metadata"]["namespace"], SANDBOXES)
+        self.assertEqual(policy["spec"]["podSelector"]["matchLabels"],
+                         {"sluice.dev/chain": name, "sluice.dev/chain-namespace": ns})
+
 
 if __name__ == "__main__":
     unittest.main()
