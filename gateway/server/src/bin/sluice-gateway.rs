@@ -34,7 +34,7 @@ struct Args {
     namespace: Option<String>,
     /// kube mode: the operator's `--sandbox-namespace`: sandbox pods are watched, claimed and
     /// exec'd into there only (default: beside their HookChains).
-    #[arg(long)]
+    #[arg(long, requires = "kube")]
     sandbox_namespace: Option<String>,
     /// kube mode: claim only pods under this RuntimeClass (the operator's --runtime-class); empty
     /// trusts any.
