@@ -7,6 +7,11 @@
 //! slow-start creates, Events → pods created) → `status` (server-side apply on the status
 //! subresource).
 //!
+//! All of it runs under the chain's finalizer (`sluice.dev/sandboxes`, through
+//! `kube::runtime::finalizer`): added first, and on deletion `cleanup` deletes the chain's pods and
+//! NetworkPolicy wherever they live (the sandbox namespace is beyond owner references) before the
+//! chain may go. `capability` writes the Capabilities' own status.
+//!
 //! `context` holds what every reconcile shares; this module holds the entry points the controller
 //! calls and the order of the stages.
 
