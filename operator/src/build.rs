@@ -547,6 +547,22 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn no_object_blocks_its_owners_deletion() {
+        // OwnerReferencesPermissionEnforcement: blockOwnerDeletion needs update on
+        // hookchains/finalizers, which the operator is not granted.
+        let chain = simple();
+        let settings = Settings::default();
+        let pod_refs = pod(&chain, &settings).metadata.owner_references.unwrap();
+        let np_refs = network_policy(&chain, &settings)
+            .metadata
+            .owner_references
+            .unwrap();
+        for r in pod_refs.iter().chain(&np_refs) {
+            assert_eq!(r.block_owner_deletion, None, "{r:?}");
+        }
+    }
+
+    #[test]
     fn objects_from_a_file_have_no_owner() {
         let mut c = simple();
         c.metadata.uid = None;
