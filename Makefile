@@ -12,7 +12,7 @@ REGISTRY ?= ghcr.io/sluice-dev
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 DOCKER ?= docker
 
-.PHONY: deps build run test test-rust test-python test-clients test-manifests tools deploy-base images e2e-cluster crds bench fmt lint clean
+.PHONY: deps build run test test-rust test-python test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
 # venv for the manifest tools), promtool (Debian's prometheus package, without its recommends) for the
@@ -67,10 +67,17 @@ test-manifests: tools
 deploy-base: tools
 	$(TOOLS)/bin/python deploy/tools/gen_base.py $(TOOLS)/bin/helm deploy/base
 
+IMAGES := sluice-supervisor sluice-operator sluice-gateway
+
 images:
 	$(DOCKER) build -f supervisor/Dockerfile -t $(REGISTRY)/sluice-supervisor:$(TAG) .
 	$(DOCKER) build -f deploy/docker/operator.Dockerfile -t $(REGISTRY)/sluice-operator:$(TAG) .
 	$(DOCKER) build -f deploy/docker/gateway.Dockerfile -t $(REGISTRY)/sluice-gateway:$(TAG) .
+
+# Builds and pushes the three images to your registry: make push REGISTRY=registry.example.com/team
+# (log in first: docker login registry.example.com). Install with --set image.registry=$(REGISTRY).
+push: images
+	@for image in $(IMAGES); do $(DOCKER) push $(REGISTRY)/$$image:$(TAG) || exit 1; done
 
 # Needs a cluster with Sluice installed and SLUICE_GATEWAY reachable: see e2e/cluster/README.md.
 e2e-cluster:

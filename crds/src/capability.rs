@@ -1,6 +1,8 @@
 //! The `Capability` resource: an application function hooks may reach through `host_call`.
 
 #[cfg(feature = "kube")]
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+#[cfg(feature = "kube")]
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -19,7 +21,11 @@ use crate::free_form;
         plural = "capabilities",
         shortname = "cap",
         namespaced,
+        status = "CapabilityStatus",
+        printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+        printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
         printcolumn = r#"{"name":"Description","type":"string","jsonPath":".spec.description"}"#,
+        printcolumn = r#"{"name":"Gates","type":"string","priority":1,"jsonPath":".spec.gates"}"#,
         printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
     )
 )]
@@ -48,6 +54,20 @@ pub struct CapabilitySpec {
 
 fn default_timeout_ms() -> u32 {
     5000
+}
+
+/// What the operator reports about a Capability.
+#[cfg(feature = "kube")]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CapabilityStatus {
+    /// The generation of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// SchemaValid (the spec and its JSON Schema are usable) and Ready (besides, every gate and
+    /// dispatch step it names exists in its namespace and is valid), with reasons.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
 }
 
 /// Exactly one of the three fields is set.

@@ -158,6 +158,7 @@ pub enum Reuse {
         status = "HookChainStatus",
         scale = r#"{"specReplicasPath":".spec.pool.warm","statusReplicasPath":".status.warm"}"#,
         printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+        printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
         printcolumn = r#"{"name":"Warm","type":"integer","jsonPath":".status.warm"}"#,
         printcolumn = r#"{"name":"Claimed","type":"integer","jsonPath":".status.claimed"}"#,
         printcolumn = r#"{"name":"Trigger","type":"string","jsonPath":".spec.triggerPoint"}"#,
@@ -200,6 +201,10 @@ pub struct HookChainSpec {
 
 /// The target an enforced baseline chain names: every target.
 pub const ALL_TARGETS: &str = "*";
+
+/// Most bytes of hook code one HookChain may hold, all hooks together: the whole object must stay
+/// well under etcd's 1.5 MiB request limit (settings, status and managed fields ride along).
+pub const MAX_CHAIN_CODE_BYTES: usize = 512 * 1024;
 
 /// The namespace whose enforced chains are platform baselines, unless the gateway is told otherwise.
 pub const DEFAULT_PLATFORM_NAMESPACE: &str = "sluice-system";
@@ -333,7 +338,8 @@ pub struct HookSpec {
     /// Capabilities (by name) this hook may call through host_call.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub capabilities: Vec<String>,
-    /// Python source that defines execute(context, settings) and returns a dict with an action.
+    /// Python source that defines execute(context, settings) and returns a dict with an action. The
+    /// code of all hooks of a chain together is at most 512 KiB.
     #[schemars(length(min = 1, max = 262144))]
     pub code: String,
 }

@@ -29,12 +29,12 @@ pub mod sandbox_pod;
 pub mod schema;
 pub mod validate;
 
-#[cfg(feature = "kube")]
-pub use capability::Capability;
 pub use capability::{Builtin, CapabilitySpec, Endpoint};
+#[cfg(feature = "kube")]
+pub use capability::{Capability, CapabilityStatus};
 pub use hookchain::{
     ALL_TARGETS, Action, DEFAULT_PLATFORM_NAMESPACE, FailurePolicy, HookChainSpec, HookSpec,
-    PoolSpec, ResourceSpec, Reuse, StreamingSpec, TriggerPoint,
+    MAX_CHAIN_CODE_BYTES, PoolSpec, ResourceSpec, Reuse, StreamingSpec, TriggerPoint,
 };
 #[cfg(feature = "kube")]
 pub use hookchain::{HookChain, HookChainStatus};
@@ -52,10 +52,12 @@ fn free_form(_: &mut schemars::SchemaGenerator) -> Schema {
 /// The CRD manifests as YAML, in the order `make crds` writes them.
 #[cfg(feature = "kube")]
 pub fn crd_yaml() -> Vec<(&'static str, String)> {
-    use kube::CustomResourceExt;
     let render = |crd| manifest::to_yaml(&crd).expect("a CRD always serializes to YAML");
     vec![
-        ("hookchain.yaml", render(HookChain::crd())),
-        ("capability.yaml", render(Capability::crd())),
+        ("hookchain.yaml", render(crd::hookchain())),
+        ("capability.yaml", render(crd::capability())),
     ]
 }
+
+#[cfg(feature = "kube")]
+pub mod crd;

@@ -143,7 +143,6 @@ pub fn documents(text: &str) -> Vec<(usize, String)> {
 
 /// The `openAPIV3Schema` of a kind's CRD, as the API server would check objects against it.
 fn open_api(kind: &str) -> Option<&'static serde_json::Value> {
-    use kube::CustomResourceExt;
     use std::sync::OnceLock;
     static HC: OnceLock<serde_json::Value> = OnceLock::new();
     static CAP: OnceLock<serde_json::Value> = OnceLock::new();
@@ -157,8 +156,8 @@ fn open_api(kind: &str) -> Option<&'static serde_json::Value> {
             .unwrap_or_default()
     };
     match kind {
-        "HookChain" => Some(HC.get_or_init(|| of(HookChain::crd()))),
-        "Capability" => Some(CAP.get_or_init(|| of(Capability::crd()))),
+        "HookChain" => Some(HC.get_or_init(|| of(crate::crd::hookchain()))),
+        "Capability" => Some(CAP.get_or_init(|| of(crate::crd::capability()))),
         _ => None,
     }
 }

@@ -7,6 +7,14 @@ pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 /// The value of `LABEL_MANAGED_BY` on every sandbox pod (and the operator's field manager).
 pub const OPERATOR: &str = "sluice-operator";
 pub const LABEL_CHAIN: &str = "sluice.dev/chain";
+/// The namespace of the pod's HookChain. Pods may live in a dedicated sandbox namespace, away from
+/// their chain, where owner references cannot point (they do not cross namespaces): these labels
+/// say whose pod it is, and the operator's finalizer on the chain deletes its pods by them.
+pub const LABEL_CHAIN_NAMESPACE: &str = "sluice.dev/chain-namespace";
+/// The uid of the pod's HookChain (a chain deleted and created again under its name is another).
+pub const LABEL_CHAIN_UID: &str = "sluice.dev/chain-uid";
+/// The operator's finalizer on every HookChain: its pods and NetworkPolicy go before the chain does.
+pub const FINALIZER: &str = "sluice.dev/sandboxes";
 pub const LABEL_TEMPLATE: &str = "sluice.dev/template";
 /// `warm` when created; the gateway flips it to `claimed` in the claim PATCH.
 pub const LABEL_POOL: &str = "sluice.dev/pool";

@@ -85,3 +85,69 @@ fn the_api_server_enforces_exactly_one_endpoint() {
         "{rules:?}"
     );
 }
+
+fn crd(name: &str) -> serde_json::Value {
+    let (_, yaml) = sluice_crds::crd_yaml()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .expect("generated");
+    serde_saphyr::from_str(&yaml).unwrap()
+}
+
+fn formats(node: &serde_json::Value, out: &mut Vec<String>) {
+    match node {
+        serde_json::Value::Object(map) => {
+            if let Some(f) = map.get("format").and_then(|f| f.as_str()) {
+                out.push(f.to_string());
+            }
+            map.values().for_each(|v| formats(v, out));
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| formats(v, out)),
+        _ => {}
+    }
+}
+
+/// What `kubectl explain`, `kubectl get` and the API server make of the CRDs: a real description on
+/// the kind itself, only formats Kubernetes knows (no warning on apply from 1.34), the Ready reason
+/// as a column, and a Capability status subresource with its columns.
+#[test]
+fn crds_say_what_a_platform_engineer_needs() {
+    for name in ["hookchain.yaml", "capability.yaml"] {
+        let crd = crd(name);
+        let version = &crd["spec"]["versions"][0];
+        let schema = &version["schema"]["openAPIV3Schema"];
+        let top = schema["description"].as_str().unwrap_or_default();
+        assert!(
+            top.len() > 80 && !top.contains("Auto-generated"),
+            "{name}: {top}"
+        );
+        for field in ["apiVersion", "kind", "metadata", "spec", "status"] {
+            assert!(
+                schema["properties"][field]["description"].is_string(),
+                "{name}: .{field} has no description"
+            );
+        }
+        let mut found = Vec::new();
+        formats(schema, &mut found);
+        found.retain(|f| !["int32", "int64", "date-time"].contains(&f.as_str()));
+        assert!(found.is_empty(), "{name}: unrecognised formats {found:?}");
+        let columns: Vec<&str> = version["additionalPrinterColumns"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap())
+            .collect();
+        assert!(
+            columns.starts_with(&["Ready", "Reason"]),
+            "{name}: {columns:?}"
+        );
+        assert!(version["subresources"]["status"].is_object(), "{name}");
+    }
+    let hc = crd("hookchain.yaml");
+    let rule = &hc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"]
+        [0];
+    assert_eq!(
+        rule["rule"],
+        "self.hooks.map(h, size(h.code)).sum() <= 524288"
+    );
+}

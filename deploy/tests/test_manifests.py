@@ -33,26 +33,48 @@ KUBE_VERSIONS = ("1.27.0", "1.33.0")  # the chart's kubeVersion floor; the k8s-o
 CHART = os.path.join(ROOT, "charts", "sluice")
 NAMESPACE = "sluice-system"
 
-# The RBAC of coord/CONTRACT.md, as (apiGroup, resource, verb) triples.
-def triples(*rules):
-    return {(g, r, v) for groups, resources, verbs in rules for g in groups for r in resources for v in verbs}
+# The rules each component needs, by where (chains, sandboxes, release): derived from the requests
+# the real operator and gateway make by e2e/tests/kube_rbac.rs. The chart must grant exactly these.
+def load_required():
+    with open(os.path.join(ROOT, "deploy", "tests", "rbac_required.yaml")) as f:
+        required = yaml.safe_load(f)
+    return {who: {scope: {(r["apiGroup"], r["resource"], v) for r in rules for v in r["verbs"]}
+                  for scope, rules in scopes.items()}
+            for who, scopes in required.items()}
 
 
-CONTRACT_RBAC = {
-    "sluice-gateway": triples(
-        ([""], ["pods"], ["get", "list", "watch", "patch", "delete"]),
-        ([""], ["pods/exec"], ["get", "create"]),
-        (["sluice.dev"], ["hookchains", "capabilities"], ["get", "list", "watch"])),
-    "sluice-operator": triples(
-        ([""], ["pods"], ["get", "list", "watch", "create", "delete", "patch"]),
-        (["networking.k8s.io"], ["networkpolicies"], ["get", "list", "watch", "create", "patch", "delete"]),
-        (["sluice.dev"], ["hookchains"], ["get", "list", "watch", "patch"]),
-        (["sluice.dev"], ["hookchains/status"], ["get", "patch", "update"]),
-        (["sluice.dev"], ["capabilities"], ["get", "list", "watch"]),
-        (["sluice.dev"], ["capabilities/status"], ["patch"]),
-        (["", "events.k8s.io"], ["events"], ["create", "patch"])),
-    "sluice-operator-leader-election": triples((["coordination.k8s.io"], ["leases"], ["get", "create", "update", "patch"])),
-}
+REQUIRED_RBAC = load_required()
+SANDBOXES = "sluice-sandboxes"
+
+
+def granted(objs):
+    """What the rendered RBAC grants each of the two ServiceAccounts, as a set of
+    (namespace or "*" for cluster-wide, apiGroup, resource, verb)."""
+    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+             for o in objs if o["kind"] in ("Role", "ClusterRole")}
+    out = {}
+    for b in objs:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        ref = b["roleRef"]
+        role_ns = b["metadata"].get("namespace") if ref["kind"] == "Role" else None
+        role = roles[(ref["kind"], role_ns, ref["name"])]
+        where = b["metadata"].get("namespace") if b["kind"] == "RoleBinding" else "*"
+        for subject in b["subjects"]:
+            assert subject["kind"] == "ServiceAccount" and subject["namespace"] == NAMESPACE, subject
+            who = subject["name"].removeprefix("sluice-")
+            for rule in role["rules"]:
+                out.setdefault(who, set()).update(
+                    (where, g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"])
+    return out
+
+
+def expected_rbac(watch_namespace, sandbox_namespace, platform_namespace=NAMESPACE):
+    """REQUIRED_RBAC placed in the namespaces an install shape puts each scope in."""
+    chains = {"*"} if not watch_namespace else {watch_namespace, platform_namespace}
+    where = {"chains": chains, "sandboxes": {sandbox_namespace} if sandbox_namespace else chains, "release": {NAMESPACE}}
+    return {who: {(ns, *rule) for scope, rules in scopes.items() for ns in where[scope] for rule in rules}
+            for who, scopes in REQUIRED_RBAC.items()}
 
 
 def run(*cmd, cwd=ROOT):
@@ -170,6 +192,12 @@ class Validator:
             groups = obj.get("spec", {}).get("groups") or []
             ok = groups and all(g.get("name") and g.get("rules") for g in groups)
             return [] if ok else [f"{what}: needs spec.groups, each with a name and rules"]
+        if key == ("cilium.io/v2", "CiliumNetworkPolicy"):
+            # No schema for Cilium's CRDs here either: the selector and the API-server entity.
+            spec = obj.get("spec", {})
+            ok = spec.get("endpointSelector", {}).get("matchLabels") and \
+                spec.get("egress") == [{"toEntities": ["kube-apiserver"]}]
+            return [] if ok else [f"{what}: needs spec.endpointSelector.matchLabels and egress toEntities kube-apiserver"]
         if key == ("monitoring.coreos.com/v1", "ServiceMonitor"):
             # No schema for the Prometheus Operator's CRDs here: check the fields Sluice sets.
             spec = obj.get("spec", {})
@@ -230,6 +258,8 @@ class ChartTest(ManifestCase):
                           "grafanaDashboard.enabled=true", "prometheusRule.enabled=true",
                           "image.pullSecrets[0]=regcred", "runtimeClass.nodeSelector.sandbox=gvisor"],
         "one namespace": ["watchNamespace=team-a"],
+        "single namespace": ["watchNamespace=team-a", "sandboxNamespace.name="],
+        "cilium": ["networkPolicy.cilium.enabled=true", "sandboxNamespace.create=false"],
         "features off": ["networkPolicy.enabled=false", "runtimeClass.create=false", "rbac.create=false",
                          "serviceAccount.create=false"],
         "webhook (cert-manager)": ["webhook.enabled=true", "operator.replicas=2"],
@@ -267,25 +297,87 @@ class ChartTest(ManifestCase):
             with self.subTest(name):
                 self.assertValid(helm_template(*values), f"helm template ({name})")
 
-    def test_rbac_is_exactly_the_contract(self):
-        for values, kind in (([], "ClusterRole"), (["watchNamespace=team-a"], "Role")):
-            objs = helm_template(*values)
-            for name, want in CONTRACT_RBAC.items():
-                role_kind = "Role" if name.endswith("leader-election") else kind
-                role = self.find(objs, role_kind, name)
-                self.assertEqual(triples(*[(r["apiGroups"], r["resources"], r["verbs"]) for r in role["rules"]]), want, name)
-                binding = self.find(objs, role_kind + "Binding", name)
-                self.assertEqual(binding["roleRef"], {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": name})
-                account = name.replace("-leader-election", "")
-                self.assertEqual(binding["subjects"], [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}])
-            if kind == "Role":
-                self.assertEqual(self.find(objs, "Role", "sluice-gateway")["metadata"]["namespace"], "team-a")
-                platform = self.find(objs, "Role", "sluice-gateway-platform")
-                self.assertEqual(platform["metadata"]["namespace"], NAMESPACE)
-                # Baselines' pods live there: the gateway claims, execs into and deletes them.
-                self.assertEqual(triples(*[(r["apiGroups"], r["resources"], r["verbs"]) for r in platform["rules"]]),
-                                 CONTRACT_RBAC["sluice-gateway"])
-                self.assertFalse([o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")])
+    # Install shapes: (values, watchNamespace, sandbox namespace).
+    SHAPES = {
+        "dedicated sandbox namespace": ([], "", SANDBOXES),
+        "dedicated sandbox namespace, one watched namespace": (["watchNamespace=team-a"], "team-a", SANDBOXES),
+        "single namespace": (["watchNamespace=team-a", "sandboxNamespace.name="], "team-a", ""),
+        "single namespace, baselines there": (["watchNamespace=sluice-system", "sandboxNamespace.name="], "sluice-system", ""),
+    }
+
+    def test_rbac_grants_exactly_what_the_components_use_in_every_shape(self):
+        for shape, (values, watch, sandboxes) in self.SHAPES.items():
+            with self.subTest(shape):
+                objs = helm_template(*values)
+                got, want = granted(objs), expected_rbac(watch, sandboxes)
+                for who in ("operator", "gateway"):
+                    self.assertEqual(sorted(got[who] - want[who]), [], f"{shape}: {who} is granted more than it uses")
+                    self.assertEqual(sorted(want[who] - got[who]), [], f"{shape}: {who} lacks what it uses")
+                # Pods, exec and NetworkPolicies: never cluster-wide, never outside the sandbox
+                # namespace when there is one.
+                for who in ("operator", "gateway"):
+                    pod_rules = {ns for ns, g, r, v in got[who] if r in ("pods", "pods/exec", "networkpolicies")}
+                    self.assertNotIn("*", pod_rules, shape)
+                    if sandboxes:
+                        self.assertEqual(pod_rules, {sandboxes}, f"{shape}: {who}")
+                if watch:
+                    self.assertFalse([o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")], shape)
+                self.assertEqual([o for o in objs if o["kind"] == "Namespace"] != [], bool(sandboxes), shape)
+
+    def test_the_rbac_check_fails_on_a_missing_or_extra_rule(self):
+        objs = helm_template()
+        want = expected_rbac("", SANDBOXES)
+        role = self.find(objs, "Role", "sluice-gateway-sandboxes")
+        role["rules"][0]["verbs"].append("get")
+        self.assertNotEqual(granted(objs)["gateway"], want["gateway"], "an extra verb went unnoticed")
+        role["rules"][0]["verbs"] = [v for v in role["rules"][0]["verbs"] if v not in ("get", "delete")]
+        self.assertTrue(want["gateway"] - granted(objs)["gateway"], "a missing verb went unnoticed")
+
+    def test_shapes_that_would_widen_rights_are_refused(self):
+        for bad, why in ((["sandboxNamespace.name="], "watchNamespace"),
+                         (["sandboxNamespace.name=sluice-system"], "namespace of its own"),
+                         (["sandboxNamespace.name=team-a", "watchNamespace=team-a"], "namespace of its own")):
+            proc = subprocess.run([HELM, "template", "sluice", CHART, "--namespace", NAMESPACE,
+                                   *[a for v in bad for a in ("--set", v)]], capture_output=True, text=True, timeout=120)
+            self.assertNotEqual(proc.returncode, 0, f"{bad} rendered")
+            self.assertIn(why, proc.stderr, bad)
+
+    def test_sandbox_namespace_is_restricted_and_denied_all_traffic(self):
+        objs = helm_template()
+        ns = self.find(objs, "Namespace", SANDBOXES)
+        self.assertEqual(ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"], "restricted")
+        deny = self.find(objs, "NetworkPolicy", "sluice-sandboxes-deny-all")
+        self.assertEqual(deny["metadata"]["namespace"], SANDBOXES)
+        self.assertEqual(deny["spec"], {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]})
+        single = helm_template("watchNamespace=team-a", "sandboxNamespace.name=")
+        self.assertFalse([o for o in single if o["metadata"]["name"] == "sluice-sandboxes-deny-all"],
+                         "no namespace-wide deny-all where the operator and tenants live")
+
+    def test_notes_point_at_what_a_user_can_run(self):
+        out = run(HELM, "install", "--dry-run=client", "sluice", CHART, "--namespace", NAMESPACE)
+        notes = out[out.index("NOTES:"):]
+        self.assertNotIn("sluice call", notes, "no sluice binary ships with the chart")
+        self.assertIn("grpcurl -cacert ca.crt -servername sluice-gateway.sluice-system.svc", notes)
+        self.assertNotIn("-plaintext", notes, "the gateway serves TLS by default")
+        plain = run(HELM, "install", "--dry-run=client", "sluice", CHART, "--namespace", NAMESPACE,
+                    "--set", "gateway.tls.mode=none", "--set", "gateway.callers.enabled=false",
+                    "--set", "gateway.insecure=true")
+        self.assertIn("grpcurl -plaintext", plain[plain.index("NOTES:"):])
+        self.assertIn("kubectl get pods -n sluice-sandboxes", notes)
+        # The chain the notes apply is a valid HookChain.
+        lines = notes.splitlines()
+        start = lines.index("  kubectl apply -f - <<'EOF'") + 1
+        end = lines.index("  EOF", start)
+        (chain,) = load_all("\n".join(line[2:] for line in lines[start:end]))
+        self.assertValid([chain], "the HookChain in NOTES.txt")
+
+    def test_cilium_policy_allows_the_api_server_entity(self):
+        self.assertFalse([o for o in helm_template() if o["kind"] == "CiliumNetworkPolicy"])
+        objs = helm_template("networkPolicy.cilium.enabled=true")
+        for component in ("operator", "gateway"):
+            cnp = self.find(objs, "CiliumNetworkPolicy", f"sluice-{component}-kube-apiserver")
+            self.assertEqual(cnp["spec"]["egress"], [{"toEntities": ["kube-apiserver"]}])
+            self.assertEqual(cnp["spec"]["endpointSelector"]["matchLabels"]["app.kubernetes.io/component"], component)
 
     def test_deployments_follow_the_contract(self):
         objs = helm_template()
@@ -309,14 +401,15 @@ class ChartTest(ManifestCase):
                                            "--metrics=0.0.0.0:9464", "--claim-timeout=2s",
                                            "--kube-hold=1", "--runtime-class=gvisor",
                                            "--tls-cert=/etc/sluice/tls/tls.crt", "--tls-key=/etc/sluice/tls/tls.key",
-                                           "--callers=/etc/sluice/callers/callers.yaml"])
+                                           "--callers=/etc/sluice/callers/callers.yaml",
+                                           f"--sandbox-namespace={SANDBOXES}"])
         self.assertEqual(gateway["readinessProbe"]["httpGet"]["path"], "/readyz")
         operator = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(operator["args"], ["run", "--runtime-class=gvisor",
                                             "--supervisor-image=ghcr.io/sluice-dev/sluice-supervisor:0.1.0",
                                             "--metrics=0.0.0.0:9465", "--lease-namespace=$(POD_NAMESPACE)",
                                             "--lease-name=sluice-operator", "--claim-deadline=300s",
-                                            f"--platform-namespace={NAMESPACE}"])
+                                            f"--platform-namespace={NAMESPACE}", f"--sandbox-namespace={SANDBOXES}"])
         service = self.find(objs, "Service", "sluice-gateway")
         self.assertEqual({p["name"]: p["port"] for p in service["spec"]["ports"]}, {"grpc": 50051, "metrics": 9464})
         runtime_class = self.find(objs, "RuntimeClass", "gvisor")
@@ -493,27 +586,36 @@ class KustomizeTest(ManifestCase):
             stale += [f"crds/{f}" for f in compare.subdirs["crds"].diff_files] if "crds" in compare.subdirs else ["crds/"]
             self.assertEqual(stale, [], "deploy/base is stale: run `make deploy-base`")
 
-    def test_base_renders_valid_objects_with_the_contract_rbac(self):
+    def test_base_renders_valid_objects_with_the_required_rbac(self):
         objs = kustomize("deploy/base")
         self.assertValid(objs, "kubectl kustomize deploy/base")
         self.assertEqual(self.find(objs, "Namespace", NAMESPACE)["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
                          "restricted")
         chart = {(o["kind"], o["metadata"]["name"]) for o in helm_template()}
         self.assertEqual({(o["kind"], o["metadata"]["name"]) for o in objs} - {("Namespace", NAMESPACE)}, chart)
-        for name, want in CONTRACT_RBAC.items():
-            role = self.find(objs, "Role" if name.endswith("leader-election") else "ClusterRole", name)
-            self.assertEqual(triples(*[(r["apiGroups"], r["resources"], r["verbs"]) for r in role["rules"]]), want, name)
+        self.assertEqual(granted(objs), expected_rbac("", SANDBOXES))
 
-    def test_example_overlay_renders_valid_objects(self):
+    def test_example_overlay_renders_valid_objects_crds_before_chains(self):
         objs = kustomize("deploy/overlays/example")
         self.assertValid(objs, "kubectl kustomize deploy/overlays/example")
         self.assertEqual(self.find(objs, "Deployment", "sluice-operator")["spec"]["replicas"], 2)
         self.assertEqual(self.find(objs, "Deployment", "sluice-gateway")["spec"]["replicas"], 3)
-        self.assertEqual(self.find(objs, "HookChain", "support-input")["spec"]["target"], "support-bot")
-        self.assertEqual(self.find(objs, "Capability", "echo")["spec"]["endpoint"], {"builtin": "echo"})
+        # The install holds the CRDs and no custom resource: those come in the second apply.
+        self.assertEqual(len([o for o in objs if o["kind"] == "CustomResourceDefinition"]), 2)
+        self.assertFalse([o for o in objs if o["kind"] in ("HookChain", "Capability")])
+        # Only the supervisor image is patched: every other operator argument is the base's.
+        base_args = self.find(kustomize("deploy/base"), "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+        args = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+        self.assertEqual(args, base_args)
+        self.assertIn(f"--sandbox-namespace={SANDBOXES}", args)
+        chains = kustomize("deploy/overlays/example/chains")
+        self.assertValid(chains, "kubectl kustomize deploy/overlays/example/chains")
+        self.assertEqual({o["kind"] for o in chains}, {"HookChain", "Capability"})
+        self.assertEqual(self.find(chains, "HookChain", "support-input")["spec"]["target"], "support-bot")
+        self.assertEqual(self.find(chains, "Capability", "echo")["spec"]["endpoint"], {"builtin": "echo"})
         self.assertTrue(filecmp.cmp(os.path.join(ROOT, "examples", "pii-redaction.yaml"),
-                                    os.path.join(ROOT, "deploy", "overlays", "example", "pii-redaction.yaml"), shallow=False),
-                        "deploy/overlays/example/pii-redaction.yaml is no longer a copy of examples/pii-redaction.yaml")
+                                    os.path.join(ROOT, "deploy", "overlays", "example", "chains", "pii-redaction.yaml"), shallow=False),
+                        "deploy/overlays/example/chains/pii-redaction.yaml is no longer a copy of examples/pii-redaction.yaml")
 
 
 class OperatorRenderTest(ManifestCase):
@@ -550,6 +652,24 @@ class OperatorRenderTest(ManifestCase):
                 policy = self.find(objs, "NetworkPolicy", f"sluice-{name}-deny-all")["spec"]
                 self.assertEqual(policy["podSelector"], {"matchLabels": {"sluice.dev/chain": name}})
                 self.assertEqual(sorted(policy["policyTypes"]), ["Egress", "Ingress"])
+
+    def test_render_into_a_sandbox_namespace(self):
+        path = os.path.join(ROOT, "examples", "pii-redaction.yaml")
+        (chain,) = [o for o in load_file(path) if o["kind"] == "HookChain"]
+        name, ns = chain["metadata"]["name"], chain["metadata"]["namespace"]
+        objs = load_all(run(OPERATOR, "render", path, "--sandbox-namespace", SANDBOXES))
+        self.assertValid(objs, "sluice-operator render --sandbox-namespace")
+        pods = [o for o in objs if o["kind"] == "Pod"]
+        self.assertTrue(pods)
+        for pod in pods:
+            meta = pod["metadata"]
+            self.assertEqual((meta["namespace"], meta["generateName"]), (SANDBOXES, f"{ns}-{name}-"))
+            self.assertEqual(meta["labels"]["sluice.dev/chain-namespace"], ns)
+            self.assertNotIn("ownerReferences", meta)
+        policy = self.find(objs, "NetworkPolicy", f"sluice-{ns}.{name}-deny-all")
+        self.assertEqual(policy["metadata"]["namespace"], SANDBOXES)
+        self.assertEqual(policy["spec"]["podSelector"]["matchLabels"],
+                         {"sluice.dev/chain": name, "sluice.dev/chain-namespace": ns})
 
 
 if __name__ == "__main__":

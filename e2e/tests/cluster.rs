@@ -7,7 +7,9 @@
 //! `SKIPPED: no cluster: ...` and passes. The gateway is reached at `SLUICE_GATEWAY` (default
 //! `http://127.0.0.1:50051`, a `kubectl port-forward`), over TLS trusting `SLUICE_CA` and with the
 //! bearer token `SLUICE_TOKEN` when they are set. Each test works in a namespace of its own,
-//! labelled `sluice.dev/e2e=true`, deleted when the test ends (even when it fails).
+//! labelled `sluice.dev/e2e=true`, deleted when the test ends (even when it fails). Sandbox pods are
+//! looked for in `SLUICE_SANDBOX_NAMESPACE` (the chart's `sandboxNamespace.name`, default
+//! `sluice-sandboxes`; empty for a single-namespace install, where they live beside their chain).
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
@@ -35,7 +37,18 @@ const DIGITS: &str = "import re\ndef execute(context, settings):\n    return {'a
 struct Cluster {
     client: Client,
     ns: String,
+    /// Where the operator puts this test's sandbox pods: the sandbox namespace, or `ns`.
+    sandboxes: Option<String>,
     gateway: GatewayClient,
+}
+
+/// The chart's `sandboxNamespace.name` (`SLUICE_SANDBOX_NAMESPACE`; empty: pods beside chains).
+fn sandbox_namespace() -> Option<String> {
+    match std::env::var("SLUICE_SANDBOX_NAMESPACE") {
+        Ok(ns) if ns.is_empty() => None,
+        Ok(ns) => Some(ns),
+        Err(_) => Some("sluice-sandboxes".into()),
+    }
 }
 
 /// Connects, or says why the suite is skipped. `None` means: print nothing more, pass.
@@ -92,6 +105,7 @@ async fn cluster(test: &str) -> Option<Cluster> {
     Some(Cluster {
         client,
         ns,
+        sandboxes: sandbox_namespace(),
         gateway,
     })
 }
@@ -131,8 +145,30 @@ impl Cluster {
         Api::namespaced(self.client.clone(), &self.ns)
     }
 
+    /// The namespace this test's sandbox pods live in.
+    fn pod_ns(&self) -> &str {
+        self.sandboxes.as_deref().unwrap_or(&self.ns)
+    }
+
     fn pods(&self) -> Api<Pod> {
-        Api::namespaced(self.client.clone(), &self.ns)
+        Api::namespaced(self.client.clone(), self.pod_ns())
+    }
+
+    /// How the names of a chain's pods start (the operator's generateName).
+    fn pod_prefix(&self, chain: &str) -> String {
+        match &self.sandboxes {
+            Some(_) => format!("{}-{chain}-", self.ns),
+            None => format!("{chain}-"),
+        }
+    }
+
+    /// The name of a chain's deny-all NetworkPolicy (it carries the chain's namespace in the
+    /// sandbox namespace, which every tenant shares).
+    fn policy_name(&self, chain: &str) -> String {
+        match &self.sandboxes {
+            Some(_) => format!("sluice-{}.{chain}-deny-all", self.ns),
+            None => format!("sluice-{chain}-deny-all"),
+        }
     }
 
     /// Server-side applies a chain of `(name, action, code)` hooks.
@@ -197,10 +233,10 @@ impl Cluster {
     /// The chain's pods whose `sluice.dev/pool` label is `pool`.
     async fn pool_pods(&self, chain: &str, pool: &str) -> Vec<Pod> {
         self.pods()
-            .list(
-                &ListParams::default()
-                    .labels(&format!("sluice.dev/chain={chain},sluice.dev/pool={pool}")),
-            )
+            .list(&ListParams::default().labels(&format!(
+                "sluice.dev/chain-namespace={},sluice.dev/chain={chain},sluice.dev/pool={pool}",
+                self.ns
+            )))
             .await
             .expect("list pods")
             .items
@@ -320,7 +356,8 @@ async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
     .await;
     let chain = c.wait_pool_ready("shout").await;
 
-    // The pool is what the contract says: hardened gVisor pods owned by the chain, and a deny-all policy.
+    // The pool is what the contract says: hardened gVisor pods of the chain (owned by it beside it,
+    // labelled with its namespace and uid in the sandbox namespace), and a deny-all policy.
     let warm = c.pool_pods("shout", "warm").await;
     assert!(warm.len() >= 2, "warm pods: {:?}", names(&warm));
     for pod in &warm {
@@ -330,19 +367,30 @@ async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
             Some("sluice-sandbox")
         );
         assert!(labels.contains_key("sluice.dev/template"));
-        let owner = &pod.metadata.owner_references.as_ref().expect("owner")[0];
         assert_eq!(
-            (owner.kind.as_str(), owner.controller),
-            ("HookChain", Some(true))
+            labels.get("sluice.dev/chain-uid").map(String::as_str),
+            chain.metadata.uid.as_deref()
         );
-        assert_eq!(Some(owner.uid.as_str()), chain.metadata.uid.as_deref());
+        if c.sandboxes.is_some() {
+            assert!(
+                pod.metadata.owner_references.is_none(),
+                "no owner reference across namespaces"
+            );
+        } else {
+            let owner = &pod.metadata.owner_references.as_ref().expect("owner")[0];
+            assert_eq!(
+                (owner.kind.as_str(), owner.controller),
+                ("HookChain", Some(true))
+            );
+            assert_eq!(Some(owner.uid.as_str()), chain.metadata.uid.as_deref());
+        }
         let spec = pod.spec.as_ref().expect("pod spec");
         assert_eq!(spec.runtime_class_name.as_deref(), Some(RUNTIME_CLASS));
         assert_eq!(spec.automount_service_account_token, Some(false));
         assert_eq!(spec.containers[0].name, "supervisor");
     }
-    let policy = Api::<NetworkPolicy>::namespaced(c.client.clone(), &c.ns)
-        .get("sluice-shout-deny-all")
+    let policy = Api::<NetworkPolicy>::namespaced(c.client.clone(), c.pod_ns())
+        .get(&c.policy_name("shout"))
         .await
         .expect("the chain's deny-all NetworkPolicy");
     let policy = policy.spec.expect("policy spec");
@@ -606,7 +654,7 @@ async fn recycled_pods_serve_many_trigger_points_and_retire_at_max_uses() {
         "pods that served: {seen:?}"
     );
     // An attached pod is not probed: none of the chain's pods reports a failing probe.
-    let events = Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.client.clone(), &c.ns)
+    let events = Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.client.clone(), c.pod_ns())
         .list(&Default::default())
         .await
         .expect("events");
@@ -618,7 +666,7 @@ async fn recycled_pods_serve_many_trigger_points_and_retire_at_max_uses() {
             e.involved_object
                 .name
                 .as_deref()
-                .is_some_and(|n| n.starts_with("recycle"))
+                .is_some_and(|n| n.starts_with(&c.pod_prefix("recycle")))
         })
         .collect();
     assert!(unhealthy.is_empty(), "probe failures: {unhealthy:?}");
@@ -679,4 +727,50 @@ async fn the_admission_webhook_refuses_broken_chains_at_apply() {
     apply(chain(UPPER))
         .await
         .expect("a valid chain is admitted");
+}
+
+/// Deleting a chain deletes its pods and its NetworkPolicy wherever they live (the operator's
+/// finalizer: owner references do not reach the sandbox namespace), and then the chain goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_chain_deletes_its_pods_and_policy() {
+    let Some(c) = cluster("finalizer").await else {
+        return;
+    };
+    c.apply_chain(
+        "gone",
+        "support-bot",
+        "input",
+        json!({"pool": {"warm": 2, "max": 4}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    let chain = c.wait_pool_ready("gone").await;
+    assert!(
+        chain
+            .metadata
+            .finalizers
+            .as_ref()
+            .is_some_and(|f| f.iter().any(|f| f == "sluice.dev/sandboxes")),
+        "the operator's finalizer: {:?}",
+        chain.metadata.finalizers
+    );
+    c.chains()
+        .delete("gone", &DeleteParams::default())
+        .await
+        .expect("delete the chain");
+    poll(
+        Duration::from_secs(60),
+        "the chain, its pods and its policy are gone",
+        || async {
+            let chain_gone = c.chains().get_opt("gone").await.expect("get").is_none();
+            let pods = c.pool_pods("gone", "warm").await.len()
+                + c.pool_pods("gone", "claimed").await.len();
+            let policy = Api::<NetworkPolicy>::namespaced(c.client.clone(), c.pod_ns())
+                .get_opt(&c.policy_name("gone"))
+                .await
+                .expect("get policy");
+            (chain_gone && pods == 0 && policy.is_none()).then_some(())
+        },
+    )
+    .await;
 }

@@ -14,9 +14,10 @@ use sluice_crds::HookChain;
 use std::collections::BTreeMap;
 
 pub use sluice_crds::sandbox_pod::{
-    ANNOTATION_CLAIMED_AT, ANNOTATION_CLAIMED_BY, CONTAINER, LABEL_CHAIN, LABEL_MANAGED_BY,
-    LABEL_NAME, LABEL_POOL, LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM, SANDBOX_NAME, SUPERVISOR,
-    probe_command, supervisor_command,
+    ANNOTATION_CLAIMED_AT, ANNOTATION_CLAIMED_BY, CONTAINER, FINALIZER, LABEL_CHAIN,
+    LABEL_CHAIN_NAMESPACE, LABEL_CHAIN_UID, LABEL_MANAGED_BY, LABEL_NAME, LABEL_POOL,
+    LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM, SANDBOX_NAME, SUPERVISOR, probe_command,
+    supervisor_command,
 };
 
 pub const FIELD_MANAGER: &str = sluice_crds::sandbox_pod::OPERATOR;
@@ -35,6 +36,9 @@ pub const SANDBOX_UID: i64 = 65534;
 pub struct Settings {
     pub runtime_class: String,
     pub supervisor_image: String,
+    /// Where sandbox pods and their NetworkPolicies live (`--sandbox-namespace`). `None`: beside
+    /// their HookChain, owned by it.
+    pub sandbox_namespace: Option<String>,
 }
 
 impl Default for Settings {
@@ -42,7 +46,15 @@ impl Default for Settings {
         Self {
             runtime_class: "gvisor".into(),
             supervisor_image: default_supervisor_image(),
+            sandbox_namespace: None,
         }
+    }
+}
+
+impl Settings {
+    /// The namespace of the sandbox pods of chains in `chain_namespace`.
+    pub fn pod_namespace<'a>(&'a self, chain_namespace: &'a str) -> &'a str {
+        self.sandbox_namespace.as_deref().unwrap_or(chain_namespace)
     }
 }
 
@@ -60,7 +72,7 @@ pub fn template_hash(chain: &HookChain, settings: &Settings) -> String {
     let r = &chain.spec.resources;
     let parts = [
         // Bump when the shape of the pod built below changes, so running pools roll.
-        "v3",
+        "v4",
         settings.supervisor_image.as_str(),
         settings.runtime_class.as_str(),
         r.cpu.as_str(),
@@ -80,17 +92,54 @@ fn chain_name(chain: &HookChain) -> String {
     chain.metadata.name.clone().unwrap_or_default()
 }
 
-/// Labels every sandbox pod of `chain` carries, the pool state excepted.
-pub fn selector_labels(chain_name: &str) -> BTreeMap<String, String> {
+fn chain_namespace(chain: &HookChain) -> String {
+    chain.metadata.namespace.clone().unwrap_or_default()
+}
+
+/// The labels that say whose a sandbox pod (or NetworkPolicy) is: the chain's namespace and name.
+/// They select its pods wherever they live, and are what the finalizer deletes by.
+pub fn chain_labels(chain_namespace: &str, chain_name: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
-        (LABEL_NAME.to_string(), SANDBOX_NAME.to_string()),
-        (LABEL_MANAGED_BY.to_string(), FIELD_MANAGER.to_string()),
+        (
+            LABEL_CHAIN_NAMESPACE.to_string(),
+            chain_namespace.to_string(),
+        ),
         (LABEL_CHAIN.to_string(), chain_name.to_string()),
     ])
 }
 
-/// The HookChain as the controlling owner, when it has a uid (objects read from a file have none).
-pub fn owner_reference(chain: &HookChain) -> Option<OwnerReference> {
+/// The label selector (`k=v,k=v`) of the pods of one chain, for lists and deletes.
+pub fn chain_selector(chain_namespace: &str, chain_name: &str) -> String {
+    let mut parts = vec![format!("{LABEL_MANAGED_BY}={FIELD_MANAGER}")];
+    parts.extend(
+        chain_labels(chain_namespace, chain_name)
+            .into_iter()
+            .map(|(k, v)| format!("{k}={v}")),
+    );
+    parts.join(",")
+}
+
+/// Labels every sandbox pod of `chain` carries, the pool state and template excepted.
+pub fn selector_labels(chain: &HookChain) -> BTreeMap<String, String> {
+    let mut labels = chain_labels(&chain_namespace(chain), &chain_name(chain));
+    labels.insert(LABEL_NAME.to_string(), SANDBOX_NAME.to_string());
+    labels.insert(LABEL_MANAGED_BY.to_string(), FIELD_MANAGER.to_string());
+    if let Some(uid) = &chain.metadata.uid {
+        labels.insert(LABEL_CHAIN_UID.to_string(), uid.clone());
+    }
+    labels
+}
+
+/// The HookChain as the controlling owner, when it has a uid (objects read from a file have none)
+/// and the object lives in the chain's namespace (owner references cannot cross namespaces: pods in
+/// a sandbox namespace are deleted by the chain's finalizer instead). Without
+/// `blockOwnerDeletion`: setting it needs `update` on `hookchains/finalizers` under
+/// OwnerReferencesPermissionEnforcement (OpenShift, hardened clusters), and nothing here needs the
+/// chain's deletion to wait for its pods (the finalizer already does).
+pub fn owner_reference(chain: &HookChain, settings: &Settings) -> Option<OwnerReference> {
+    if settings.sandbox_namespace.is_some() {
+        return None;
+    }
     let uid = chain.metadata.uid.clone()?;
     Some(OwnerReference {
         api_version: "sluice.dev/v1alpha1".into(),
@@ -98,7 +147,7 @@ pub fn owner_reference(chain: &HookChain) -> Option<OwnerReference> {
         name: chain_name(chain),
         uid,
         controller: Some(true),
-        block_owner_deletion: Some(true),
+        block_owner_deletion: None,
     })
 }
 
@@ -109,7 +158,8 @@ fn quantity(s: &str) -> Quantity {
 /// One warm sandbox pod of `chain`, named by the API server from `generateName`.
 pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
     let name = chain_name(chain);
-    let mut labels = selector_labels(&name);
+    let namespace = chain_namespace(chain);
+    let mut labels = selector_labels(chain);
     labels.insert(LABEL_TEMPLATE.to_string(), template_hash(chain, settings));
     labels.insert(LABEL_POOL.to_string(), POOL_WARM.to_string());
     let r = &chain.spec.resources;
@@ -173,14 +223,18 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
     };
     Pod {
         metadata: ObjectMeta {
-            generate_name: Some(format!("{name}-")),
-            namespace: chain.metadata.namespace.clone(),
+            // In a sandbox namespace shared by every tenant, the name says whose pod it is.
+            generate_name: Some(match settings.sandbox_namespace {
+                Some(_) => format!("{namespace}-{name}-"),
+                None => format!("{name}-"),
+            }),
+            namespace: Some(settings.pod_namespace(&namespace).to_string()),
             labels: Some(labels),
             annotations: Some(BTreeMap::from([(
                 ANNOTATION_PIDS.to_string(),
                 r.pids.to_string(),
             )])),
-            owner_references: owner_reference(chain).map(|o| vec![o]),
+            owner_references: owner_reference(chain, settings).map(|o| vec![o]),
             ..Default::default()
         },
         spec: Some(PodSpec {
@@ -218,26 +272,36 @@ fn runtime_default() -> SeccompProfile {
     }
 }
 
-/// Name of the chain's NetworkPolicy.
-pub fn network_policy_name(chain_name: &str) -> String {
-    format!("sluice-{chain_name}-deny-all")
+/// Name of the chain's NetworkPolicy. In a sandbox namespace it carries the chain's namespace
+/// too, before a dot: namespace names have no dots, so no two chains share a policy name.
+pub fn network_policy_name(chain_namespace: &str, chain_name: &str, settings: &Settings) -> String {
+    match settings.sandbox_namespace {
+        Some(_) => format!("sluice-{chain_namespace}.{chain_name}-deny-all"),
+        None => format!("sluice-{chain_name}-deny-all"),
+    }
 }
 
 /// Denies all ingress and egress of the chain's sandboxes: a policy that selects the pods, names
 /// both directions and lists no rule.
-pub fn network_policy(chain: &HookChain) -> NetworkPolicy {
-    let name = chain_name(chain);
+pub fn network_policy(chain: &HookChain, settings: &Settings) -> NetworkPolicy {
+    let (namespace, name) = (chain_namespace(chain), chain_name(chain));
     NetworkPolicy {
         metadata: ObjectMeta {
-            name: Some(network_policy_name(&name)),
-            namespace: chain.metadata.namespace.clone(),
-            labels: Some(selector_labels(&name)),
-            owner_references: owner_reference(chain).map(|o| vec![o]),
+            name: Some(network_policy_name(&namespace, &name, settings)),
+            namespace: Some(settings.pod_namespace(&namespace).to_string()),
+            labels: Some(selector_labels(chain)),
+            owner_references: owner_reference(chain, settings).map(|o| vec![o]),
             ..Default::default()
         },
         spec: Some(NetworkPolicySpec {
+            // Beside the chain, the policy's namespace says whose pods: the chain label selects
+            // them (and pods made before the namespace label existed); in a sandbox namespace
+            // both labels do.
             pod_selector: Some(LabelSelector {
-                match_labels: Some(BTreeMap::from([(LABEL_CHAIN.to_string(), name)])),
+                match_labels: Some(match settings.sandbox_namespace {
+                    Some(_) => chain_labels(&namespace, &name),
+                    None => BTreeMap::from([(LABEL_CHAIN.to_string(), name)]),
+                }),
                 match_expressions: None,
             }),
             policy_types: Some(vec!["Ingress".into(), "Egress".into()]),
@@ -350,11 +414,16 @@ pub(crate) mod tests {
         );
         assert_eq!(pod.metadata.generate_name.as_deref(), Some("redactor-"));
         assert_eq!(pod.metadata.namespace.as_deref(), Some("team-a"));
+        assert_eq!(labels[LABEL_CHAIN_NAMESPACE], "team-a");
+        assert_eq!(labels[LABEL_CHAIN_UID], "uid-1");
         let owner = &pod.metadata.owner_references.unwrap()[0];
         assert_eq!(
             (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
             ("HookChain", "uid-1", Some(true))
         );
+        // OwnerReferencesPermissionEnforcement refuses blockOwnerDeletion without update on
+        // hookchains/finalizers: it is not set.
+        assert_eq!(owner.block_owner_deletion, None);
         let container = &pod.spec.unwrap().containers[0];
         assert!(
             container.readiness_probe.is_none(),
@@ -372,6 +441,7 @@ pub(crate) mod tests {
         let settings = Settings {
             runtime_class: "runsc-kvm".into(),
             supervisor_image: "registry.local/sup:dev".into(),
+            sandbox_namespace: None,
         };
         let spec = pod(&simple(), &settings).spec.unwrap();
         assert_eq!(spec.runtime_class_name.as_deref(), Some("runsc-kvm"));
@@ -408,7 +478,7 @@ pub(crate) mod tests {
 
     #[test]
     fn network_policy_denies_everything_for_the_chain() {
-        let np = network_policy(&simple());
+        let np = network_policy(&simple(), &Settings::default());
         assert_eq!(
             np.metadata.name.as_deref(),
             Some("sluice-redactor-deny-all")
@@ -425,8 +495,71 @@ pub(crate) mod tests {
         );
         assert!(spec.ingress.is_none() && spec.egress.is_none());
         // Serialized, no rule lists appear at all (an empty list would mean the same, but say less).
-        let json = serde_json::to_value(network_policy(&simple())).unwrap();
+        let json = serde_json::to_value(network_policy(&simple(), &Settings::default())).unwrap();
         assert!(json["spec"].get("ingress").is_none(), "{json}");
+    }
+
+    fn sandboxed() -> Settings {
+        Settings {
+            sandbox_namespace: Some("sluice-sandboxes".into()),
+            ..Settings::default()
+        }
+    }
+
+    #[test]
+    fn in_a_sandbox_namespace_pods_and_policy_live_there_labelled_not_owned() {
+        let chain = simple();
+        let pod = pod(&chain, &sandboxed());
+        assert_eq!(pod.metadata.namespace.as_deref(), Some("sluice-sandboxes"));
+        assert_eq!(
+            pod.metadata.generate_name.as_deref(),
+            Some("team-a-redactor-")
+        );
+        assert!(
+            pod.metadata.owner_references.is_none(),
+            "owner references cannot cross namespaces"
+        );
+        let labels = pod.metadata.labels.unwrap();
+        assert_eq!(
+            (
+                labels[LABEL_CHAIN_NAMESPACE].as_str(),
+                labels[LABEL_CHAIN].as_str(),
+                labels[LABEL_CHAIN_UID].as_str()
+            ),
+            ("team-a", "redactor", "uid-1")
+        );
+        let np = network_policy(&chain, &sandboxed());
+        assert_eq!(np.metadata.namespace.as_deref(), Some("sluice-sandboxes"));
+        assert_eq!(
+            np.metadata.name.as_deref(),
+            Some("sluice-team-a.redactor-deny-all")
+        );
+        assert!(np.metadata.owner_references.is_none());
+        // Chains of the same name in two namespaces get two policies, each selecting its own pods.
+        assert_eq!(
+            np.spec.unwrap().pod_selector.unwrap().match_labels.unwrap(),
+            chain_labels("team-a", "redactor")
+        );
+        assert_eq!(
+            chain_selector("team-a", "redactor"),
+            "app.kubernetes.io/managed-by=sluice-operator,sluice.dev/chain=redactor,sluice.dev/chain-namespace=team-a"
+        );
+    }
+
+    #[test]
+    fn no_object_blocks_its_owners_deletion() {
+        // OwnerReferencesPermissionEnforcement: blockOwnerDeletion needs update on
+        // hookchains/finalizers, which the operator is not granted.
+        let chain = simple();
+        let settings = Settings::default();
+        let pod_refs = pod(&chain, &settings).metadata.owner_references.unwrap();
+        let np_refs = network_policy(&chain, &settings)
+            .metadata
+            .owner_references
+            .unwrap();
+        for r in pod_refs.iter().chain(&np_refs) {
+            assert_eq!(r.block_owner_deletion, None, "{r:?}");
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! always sees that change. Objects are read through `DeserializeGuard`: a malformed HookChain or
 //! Capability is reported on the object and cannot break a watch.
 
-use crate::build::{FIELD_MANAGER, LABEL_MANAGED_BY, Settings};
+use crate::build::{FIELD_MANAGER, LABEL_CHAIN, LABEL_CHAIN_NAMESPACE, LABEL_MANAGED_BY, Settings};
 use crate::expectations::Expectations;
 use crate::leader::{self, LeaseLock};
 use crate::metrics::Metrics;
@@ -20,7 +20,7 @@ use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt, stream::BoxStream};
 use k8s_openapi::api::core::v1::Pod;
 use kube::core::DeserializeGuard;
-use kube::runtime::controller::{ReconcileRequest, trigger_owners, trigger_self, trigger_with};
+use kube::runtime::controller::{ReconcileRequest, trigger_self, trigger_with};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, applier, watcher};
@@ -170,9 +170,24 @@ async fn run_namespace(
     })
     .applied_objects();
 
-    let pod_config =
-        watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={FIELD_MANAGER}"));
-    let pod_events = watcher(api::<Pod>(&client, &namespace), pod_config)
+    // The pods live beside their chains, or all in the sandbox namespace: there, this controller
+    // watches the pods of its namespace's chains (by their chain-namespace label).
+    let (pod_api, pod_selector) = match &config.settings.sandbox_namespace {
+        Some(sandboxes) => (
+            Api::namespaced(client.clone(), sandboxes),
+            match &namespace {
+                Some(ns) => {
+                    format!("{LABEL_MANAGED_BY}={FIELD_MANAGER},{LABEL_CHAIN_NAMESPACE}={ns}")
+                }
+                None => format!("{LABEL_MANAGED_BY}={FIELD_MANAGER}"),
+            },
+        ),
+        None => (
+            api::<Pod>(&client, &namespace),
+            format!("{LABEL_MANAGED_BY}={FIELD_MANAGER}"),
+        ),
+    };
+    let pod_events = watcher(pod_api, watcher::Config::default().labels(&pod_selector))
         .default_backoff()
         .reflect(pod_writer)
         .touched_objects();
@@ -185,9 +200,17 @@ async fn run_namespace(
     .default_backoff()
     .reflect(cap_writer)
     .inspect(move |ev| {
-        if let Ok(watcher::Event::Apply(cap) | watcher::Event::InitApply(cap)) = ev {
-            let (ctx, cap) = (cap_ctx.clone(), cap.clone());
-            tokio::spawn(async move { reconcile::check_capability(&ctx, &cap).await });
+        // A change may touch the others of its namespace too (it may be their gate): all of the
+        // namespace are judged again; only changed statuses are written.
+        if let Ok(
+            watcher::Event::Apply(cap)
+            | watcher::Event::InitApply(cap)
+            | watcher::Event::Delete(cap),
+        ) = ev
+            && let Some(ns) = cap.namespace()
+        {
+            let ctx = cap_ctx.clone();
+            tokio::spawn(async move { reconcile::check_capabilities(&ctx, &ns).await });
         }
     })
     .touched_objects();
@@ -211,9 +234,20 @@ async fn run_namespace(
             .collect::<Vec<_>>()
     };
 
+    // A pod change requeues its chain, named by the pod's labels (owner references do not cross
+    // namespaces; a pod made before the chain-namespace label existed lives beside its chain).
+    let by_pod = |pod: Pod| {
+        let labels = pod.labels();
+        let chain = labels.get(LABEL_CHAIN)?;
+        let ns = labels
+            .get(LABEL_CHAIN_NAMESPACE)
+            .cloned()
+            .or_else(|| pod.namespace())?;
+        Some(ObjectRef::<Chain>::new(chain).within(&ns))
+    };
     let queues: Vec<Queue> = vec![
         trigger_self(chain_events, ()).boxed(),
-        trigger_owners(pod_events, (), ()).boxed(),
+        trigger_with(pod_events, by_pod).boxed(),
         trigger_with(cap_events, by_capability).boxed(),
     ];
     // Ending the input lets running reconciles finish: a graceful stop. A reconcile stuck on an

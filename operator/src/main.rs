@@ -45,6 +45,11 @@ struct PodArgs {
     /// Image of the sandbox pods (the supervisor).
     #[arg(long, default_value_t = default_supervisor_image())]
     supervisor_image: String,
+    /// Create every sandbox pod (and its NetworkPolicy) in this namespace instead of beside its
+    /// HookChain: the operator's pod rights and the gateway's exec rights are then that namespace's
+    /// only. A chain's pods there are deleted with it through the operator's finalizer.
+    #[arg(long)]
+    sandbox_namespace: Option<String>,
 }
 
 impl PodArgs {
@@ -52,6 +57,7 @@ impl PodArgs {
         Settings {
             runtime_class: self.runtime_class.clone(),
             supervisor_image: self.supervisor_image.clone(),
+            sandbox_namespace: self.sandbox_namespace.clone().filter(|ns| !ns.is_empty()),
         }
     }
 }
@@ -176,7 +182,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         identity: identity(args.identity),
     };
     tracing::info!(identity = %config.identity, runtime_class = %config.settings.runtime_class,
-        image = %config.settings.supervisor_image, namespaces = ?config.watched_namespaces(), "starting");
+        image = %config.settings.supervisor_image,
+        sandbox_namespace = ?config.settings.sandbox_namespace, namespaces = ?config.watched_namespaces(), "starting");
 
     tokio::spawn(async move {
         signalled().await;

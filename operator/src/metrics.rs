@@ -102,7 +102,7 @@ impl Metrics {
                 IntCounterVec::new(
                     Opts::new(
                         "sluice_operator_pods_deleted_total",
-                        "Sandbox pods deleted, by reason (finished, claim_expired, outdated, scale_down)",
+                        "Sandbox pods deleted, by reason (finished, claim_expired, outdated, scale_down, start_timeout, chain_deleted)",
                     ),
                     &["reason"],
                 )

@@ -58,7 +58,7 @@ pub fn render(file: &Path, settings: &Settings) -> Rendered {
         let mut objects = String::new();
         // A name that is no valid label value makes the policy's selector invalid too.
         let mut result = if validate::name_problem(&name).is_none() {
-            push(&mut objects, &build::network_policy(&chain))
+            push(&mut objects, &build::network_policy(&chain, settings))
         } else {
             Ok(())
         };

@@ -19,7 +19,7 @@ fn list(kind: &str, items: Vec<Value>) -> Value {
 fn good_chain() -> Value {
     json!({
         "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
-        "metadata": {"name": "good", "namespace": "team-a", "uid": "uid-good", "generation": 1, "resourceVersion": "7"},
+        "metadata": {"name": "good", "namespace": "team-a", "uid": "uid-good", "generation": 1, "resourceVersion": "7", "finalizers": ["sluice.dev/sandboxes"]},
         "spec": {"target": "bot", "triggerPoint": "input", "pool": {"warm": 2, "max": 5},
                  "hooks": [{"name": "h", "action": "block",
                             "code": "def execute(context, settings):\n    return {'action': 'pass'}\n"}]}
@@ -29,7 +29,7 @@ fn good_chain() -> Value {
 fn malformed_chain() -> Value {
     json!({
         "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
-        "metadata": {"name": "broken", "namespace": "team-b", "uid": "uid-broken", "generation": 1, "resourceVersion": "8"},
+        "metadata": {"name": "broken", "namespace": "team-b", "uid": "uid-broken", "generation": 1, "resourceVersion": "8", "finalizers": ["sluice.dev/sandboxes"]},
         "spec": {"target": "bot", "triggerPoint": "sideways", "hooks": []}
     })
 }
@@ -67,7 +67,8 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
     let mut pods_listed = false;
     let mut statuses = 0;
     let mut capability_warned = false;
-    while statuses < 2 || !capability_warned {
+    let mut capability_status = false;
+    while statuses < 2 || !capability_warned || !capability_status {
         let call = api.next().await;
         let line = format!("{} {}", call.method, call.path);
         if call.query("watch") == Some("true") {
@@ -99,6 +100,30 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
                 assert!(note.contains("ftp://billing"), "{note}");
                 capability_warned = true;
                 call.echo()
+            }
+            // The Capability's own status says it is unusable, and why.
+            (
+                "PATCH",
+                "/apis/sluice.dev/v1alpha1/namespaces/team-c/capabilities/credit.check/status",
+            ) => {
+                assert_eq!(call.query("fieldManager"), Some("sluice-operator"));
+                let conditions = &call.body["status"]["conditions"];
+                assert_eq!(conditions[0]["type"], "SchemaValid");
+                assert_eq!(conditions[0]["status"], "False");
+                assert!(
+                    conditions[0]["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("ftp://billing")),
+                    "{conditions}"
+                );
+                assert_eq!(
+                    (&conditions[1]["type"], &conditions[1]["status"]),
+                    (&"Ready".into(), &"False".into())
+                );
+                capability_status = true;
+                let mut cap = bad_capability();
+                cap["status"] = call.body["status"].clone();
+                call.reply(200, cap)
             }
             (
                 "PATCH",
@@ -150,7 +175,7 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
 fn baseline_chain() -> Value {
     json!({
         "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
-        "metadata": {"name": "platform-input", "namespace": "sluice-system", "uid": "uid-baseline", "generation": 1, "resourceVersion": "11"},
+        "metadata": {"name": "platform-input", "namespace": "sluice-system", "uid": "uid-baseline", "generation": 1, "resourceVersion": "11", "finalizers": ["sluice.dev/sandboxes"]},
         "spec": {"enforced": true, "target": "*", "triggerPoint": "input", "pool": {"warm": 2, "max": 4},
                  "hooks": [{"name": "turn-limit", "action": "block",
                             "code": "def execute(context, settings):\n    return {'action': 'pass'}\n"}]}
@@ -565,4 +590,102 @@ async fn a_leader_that_cannot_renew_abandons_a_hung_reconcile_before_the_lease_e
     }
     task.abort();
     drop(held);
+}
+
+/// `--namespace team --sandbox-namespace sluice-sandboxes`: chains and Capabilities are watched in
+/// `team` and the platform namespace, pods in the sandbox namespace only (one watch per controller,
+/// each selecting its namespace's chains by label), and the baseline's pods and policy go there.
+#[tokio::test]
+async fn with_a_sandbox_namespace_pods_are_watched_and_made_there_only() {
+    let (client, mut api) = mock_client();
+    let config = RunConfig {
+        settings: Settings {
+            sandbox_namespace: Some("sluice-sandboxes".into()),
+            ..Settings::default()
+        },
+        claim_deadline: Duration::from_secs(300),
+        start_deadline: Duration::from_secs(120),
+        namespace: Some("team".into()),
+        platform_namespace: "sluice-system".into(),
+        identity: "operator-test".into(),
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = spawn(async move {
+        controller::run(client, &config, Metrics::new(), async move {
+            let _ = stop_rx.await;
+        })
+        .await
+    });
+
+    const PODS: &str = "/api/v1/namespaces/sluice-sandboxes/pods";
+    let selector = |ns: &str| {
+        format!("app.kubernetes.io/managed-by=sluice-operator,sluice.dev/chain-namespace={ns}")
+    };
+    let mut watches: Vec<Call> = Vec::new();
+    let mut pod_selectors: Vec<String> = Vec::new();
+    let mut seen: Vec<String> = Vec::new();
+    let mut created = 0;
+    let mut status_written = false;
+    while !status_written || created < 2 {
+        let call = api.next().await;
+        if call.method == "GET" && call.query("watch") == Some("true") {
+            assert!(
+                !call.path.ends_with("/pods") || call.path == PODS,
+                "a pod watch outside the sandbox namespace: {call:?}"
+            );
+            watches.push(call);
+            continue;
+        }
+        seen.push(format!("{} {}", call.method, call.path));
+        match (call.method.as_str(), call.path.as_str()) {
+            ("GET", PODS) => {
+                pod_selectors.push(call.query("labelSelector").unwrap_or_default().to_string());
+                call.reply(200, list("PodList", vec![]))
+            }
+            ("GET", "/apis/sluice.dev/v1alpha1/namespaces/sluice-system/hookchains") => {
+                call.reply(200, list("HookChainList", vec![baseline_chain()]))
+            }
+            ("GET", "/apis/sluice.dev/v1alpha1/namespaces/team/hookchains")
+            | ("GET", "/apis/sluice.dev/v1alpha1/namespaces/team/capabilities")
+            | ("GET", "/apis/sluice.dev/v1alpha1/namespaces/sluice-system/capabilities") => {
+                call.reply(200, list("List", vec![]))
+            }
+            (
+                "PATCH",
+                "/apis/networking.k8s.io/v1/namespaces/sluice-sandboxes/networkpolicies/sluice-sluice-system.platform-input-deny-all",
+            ) => call.echo(),
+            ("POST", PODS) => {
+                assert_eq!(
+                    call.body["metadata"]["labels"]["sluice.dev/chain-namespace"],
+                    "sluice-system"
+                );
+                assert!(call.body["metadata"].get("ownerReferences").is_none());
+                created += 1;
+                let mut pod = call.body.clone();
+                pod["metadata"]["name"] =
+                    format!("sluice-system-platform-input-{created:05}").into();
+                call.reply(201, pod)
+            }
+            ("POST", "/apis/events.k8s.io/v1/namespaces/sluice-system/events") => call.echo(),
+            (
+                "PATCH",
+                "/apis/sluice.dev/v1alpha1/namespaces/sluice-system/hookchains/platform-input/status",
+            ) => {
+                status_written = true;
+                let mut chain = baseline_chain();
+                chain["status"] = call.body["status"].clone();
+                call.reply(200, chain)
+            }
+            _ => panic!("unexpected request {call:?} after {seen:?}"),
+        }
+    }
+    pod_selectors.sort();
+    assert_eq!(
+        pod_selectors,
+        [selector("sluice-system"), selector("team")],
+        "one pod watch per controller, each of its namespace's chains"
+    );
+    stop_tx.send(()).unwrap();
+    api.finish(run).await;
+    drop(watches);
 }

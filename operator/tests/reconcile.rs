@@ -93,6 +93,8 @@ fn chain(warm: u32, max: u32, code: &str) -> HookChain {
     c.metadata.namespace = Some(NS.into());
     c.metadata.uid = Some("chain-uid".into());
     c.metadata.generation = Some(4);
+    // Past the first reconcile, which only adds the finalizer.
+    c.metadata.finalizers = Some(vec![build::FINALIZER.into()]);
     c
 }
 
@@ -552,6 +554,7 @@ async fn a_malformed_chain_gets_an_event_and_a_condition() {
         namespace: Some(NS.into()),
         uid: Some("chain-uid".into()),
         generation: Some(2),
+        finalizers: Some(vec![build::FINALIZER.into()]),
         ..Default::default()
     };
     let broken = DeserializeGuard::<HookChain>(Err(InvalidObject {

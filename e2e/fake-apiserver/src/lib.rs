@@ -63,6 +63,8 @@ pub enum ExecProtocol {
 /// One request the server received, for tests that assert what a client sent.
 #[derive(Clone, Debug)]
 pub struct Logged {
+    /// Who sent it: the name given to `client_as`, or `None` for `client()`.
+    pub client: Option<String>,
     pub method: String,
     pub path: String,
     pub query: String,
@@ -257,6 +259,12 @@ impl FakeApiServer {
     /// A kube client for this server (plain HTTP, no credentials).
     pub fn client(&self) -> kube_client_config::Client {
         kube_client_config::client(self.addr)
+    }
+
+    /// A kube client whose requests are logged as `who`'s (`Logged::client`), so a test can tell
+    /// which component asked for what (the RBAC each needs).
+    pub fn client_as(&self, who: &str) -> kube_client_config::Client {
+        kube_client_config::client_as(self.addr, who)
     }
 
     /// Creates or replaces an object (as `kubectl apply` would), bumping its resourceVersion. A pod
@@ -557,6 +565,7 @@ impl Shared {
                     "app.kubernetes.io/name": "sluice-sandbox",
                     "app.kubernetes.io/managed-by": "sluice-operator",
                     "sluice.dev/chain": spec.chain,
+                    "sluice.dev/chain-namespace": spec.namespace,
                     "sluice.dev/template": "fake",
                     "sluice.dev/pool": "warm",
                 },
@@ -687,8 +696,9 @@ impl Shared {
         open.push(task);
     }
 
-    fn log(&self, method: &str, path: &str, query: &str, body: &Value) {
+    fn log(&self, client: &Option<String>, method: &str, path: &str, query: &str, body: &Value) {
         lock(&self.log).push(Logged {
+            client: client.clone(),
             method: method.into(),
             path: path.into(),
             query: query.into(),
@@ -701,6 +711,11 @@ impl Shared {
         let path = req.uri().path().to_string();
         let query = req.uri().query().unwrap_or_default().to_string();
         let params = store::query_params(&query);
+        let client = req
+            .headers()
+            .get(CLIENT_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
         let Some(route) = store::Route::parse(&path) else {
             return status(
                 StatusCode::NOT_FOUND,
@@ -709,7 +724,7 @@ impl Shared {
             );
         };
         if route.subresource.as_deref() == Some("exec") {
-            self.log(method.as_str(), &path, &query, &Value::Null);
+            self.log(&client, method.as_str(), &path, &query, &Value::Null);
             self.writes.count(Verb::Create, "pods/exec");
             return exec::upgrade(self.clone(), route, params, req).await;
         }
@@ -724,7 +739,7 @@ impl Shared {
             Err(_) => Bytes::new(),
         };
         let body: Value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
-        self.log(method.as_str(), &path, &query, &body);
+        self.log(&client, method.as_str(), &path, &query, &body);
         let verb = Verb::of_method(method.as_str());
         if let Some(verb) = verb {
             self.writes.count(verb, &route.audit_resource());
@@ -744,7 +759,8 @@ impl Shared {
                 );
             }
         };
-        let needs_object = matches!(method.as_str(), "POST" | "PUT" | "PATCH");
+        let json_patch = content_type.starts_with("application/json-patch");
+        let needs_object = matches!(method.as_str(), "POST" | "PUT" | "PATCH") && !json_patch;
         if needs_object && !body.is_object() {
             return status(
                 StatusCode::BAD_REQUEST,
@@ -795,10 +811,11 @@ impl Shared {
             ("PATCH", Some(name)) => {
                 let apply = content_type.starts_with("application/apply-patch");
                 if content_type.starts_with("application/json-patch") {
-                    return status(
-                        StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                        "UnsupportedMediaType",
-                        "the fake API server takes merge patches and server-side apply only",
+                    return answer(
+                        self.store
+                            .json_patch(route.resource, part, &ns, name, &body),
+                        name,
+                        StatusCode::OK,
                     );
                 }
                 answer(
@@ -873,14 +890,30 @@ fn not_found(resource: Resource, name: &str) -> Response<Body> {
     )
 }
 
+/// The header `client_as` clients send their name in.
+const CLIENT_HEADER: &str = "x-sluice-fake-client";
+
 /// Building a kube client for a plain-HTTP server.
 pub mod kube_client_config {
     pub type Client = kube::Client;
     pub fn client(addr: std::net::SocketAddr) -> kube::Client {
+        kube::Client::try_from(config(addr)).expect("a plain HTTP kube client always builds")
+    }
+
+    pub fn client_as(addr: std::net::SocketAddr, who: &str) -> kube::Client {
+        let mut config = config(addr);
+        if let Ok(value) = http::HeaderValue::from_str(who) {
+            config
+                .headers
+                .push((http::HeaderName::from_static(super::CLIENT_HEADER), value));
+        }
+        kube::Client::try_from(config).expect("a plain HTTP kube client always builds")
+    }
+
+    fn config(addr: std::net::SocketAddr) -> kube::Config {
         let url: http::Uri = format!("http://{addr}")
             .parse()
             .expect("a socket address makes a valid URI");
-        let config = kube::Config::new(url);
-        kube::Client::try_from(config).expect("a plain HTTP kube client always builds")
+        kube::Config::new(url)
     }
 }

@@ -72,7 +72,10 @@ impl Resource {
 
     /// Whether writes to the object leave `status` alone (it is written on `/status`).
     pub fn has_status_subresource(self) -> bool {
-        matches!(self, Resource::Pods | Resource::HookChains)
+        matches!(
+            self,
+            Resource::Pods | Resource::HookChains | Resource::Capabilities
+        )
     }
 
     fn of(api_version: &str, plural: &str) -> Option<Resource> {
@@ -385,6 +388,16 @@ impl Store {
         }
         inner.rv += 1;
         object["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
+        // As the API server does: an object being deleted goes once its last finalizer has.
+        let finalized = !object["metadata"]["deletionTimestamp"].is_null()
+            && object["metadata"]["finalizers"]
+                .as_array()
+                .is_none_or(|f| f.is_empty());
+        if finalized {
+            inner.objects.remove(&key);
+            self.record(inner, resource, "DELETED", object.clone());
+            return object;
+        }
         inner.objects.insert(key, object.clone());
         self.record(inner, resource, "MODIFIED", object.clone());
         object
@@ -461,6 +474,19 @@ impl Store {
         {
             return Err(StoreError::Conflict);
         }
+        // An object with finalizers is only marked: it goes when they have (`store_changed`).
+        let has_finalizers = current["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| !f.is_empty());
+        if has_finalizers {
+            let previous = current.clone();
+            let mut object = previous.clone();
+            if object["metadata"]["deletionTimestamp"].is_null() {
+                object["metadata"]["deletionTimestamp"] = json!(now_rfc3339());
+                return Ok(self.store_changed(&mut inner, resource, key, &previous, object));
+            }
+            return Ok(previous);
+        }
         let mut object = inner.objects.remove(&key).ok_or(StoreError::NotFound)?;
         inner.rv += 1;
         object["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
@@ -499,6 +525,59 @@ impl Store {
         }
         let mut object = current.clone();
         merge(&mut object, &writable(resource, part, patch));
+        Ok(self.store_changed(&mut inner, resource, key, &current, object))
+    }
+
+    /// A JSON patch (RFC 6902, as kube's finalizer helper sends): its `test` operations are the
+    /// precondition (a failed one is a conflict).
+    pub(crate) fn json_patch(
+        &self,
+        resource: Resource,
+        part: Part,
+        namespace: &str,
+        name: &str,
+        ops: &Value,
+    ) -> Result<Value, StoreError> {
+        let mut inner = self.lock();
+        let key = (resource, namespace.to_string(), name.to_string());
+        let current = inner
+            .objects
+            .get(&key)
+            .cloned()
+            .ok_or(StoreError::NotFound)?;
+        let ops: json_patch::Patch =
+            serde_json::from_value(ops.clone()).map_err(|_| StoreError::Conflict)?;
+        let mut patched = current.clone();
+        // The API server's JSON patch (evanphx/json-patch) takes a missing member as null for a
+        // `test` against null, as kube's finalizer helper sends for an object without finalizers.
+        for op in ops.iter() {
+            if let json_patch::PatchOperation::Test(t) = op
+                && t.value.is_null()
+                && patched.pointer(t.path.as_str()).is_none()
+                && let Some((parent, key)) = t.path.as_str().rsplit_once('/')
+                && let Some(Value::Object(map)) = patched.pointer_mut(parent)
+            {
+                map.insert(key.to_string(), Value::Null);
+            }
+        }
+        json_patch::patch(&mut patched, &ops).map_err(|_| StoreError::Conflict)?;
+        let mut object = current.clone();
+        match part {
+            Part::Status => object["status"] = patched["status"].clone(),
+            Part::Main => {
+                object["metadata"] = patched["metadata"].clone();
+                object["spec"] = patched["spec"].clone();
+            }
+        }
+        for kept in [
+            "uid",
+            "resourceVersion",
+            "name",
+            "namespace",
+            "deletionTimestamp",
+        ] {
+            object["metadata"][kept] = current["metadata"][kept].clone();
+        }
         Ok(self.store_changed(&mut inner, resource, key, &current, object))
     }
 

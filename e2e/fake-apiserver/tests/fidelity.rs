@@ -319,3 +319,65 @@ async fn watches_that_allow_bookmarks_get_them() {
     assert_eq!(reader.state().len(), 1);
     api.stop().await;
 }
+
+/// Finalizers and JSON patches as the API server does them, as kube's finalizer helper relies on:
+/// a `test` against null passes on an object without finalizers, a failed `test` is refused, a
+/// delete only marks an object with finalizers, and removing the last one deletes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn finalizers_hold_a_deleted_object_until_they_are_removed() {
+    use kube::api::{Patch, PatchParams};
+    use sluice_crds::HookChain;
+    let api = fake().await;
+    api.apply(
+        Resource::HookChains,
+        json!({"apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
+               "metadata": {"name": "held", "namespace": "default"},
+               "spec": {"target": "bot", "triggerPoint": "input",
+                        "hooks": [{"name": "h", "action": "block", "code": "x"}]}}),
+    );
+    let chains: Api<HookChain> = Api::namespaced(api.client(), "default");
+    let add = json!([
+        {"op": "test", "path": "/metadata/finalizers", "value": null},
+        {"op": "add", "path": "/metadata/finalizers", "value": ["sluice.dev/sandboxes"]}
+    ]);
+    let patch = |v: &Value| Patch::<()>::Json(serde_json::from_value(v.clone()).unwrap());
+    let held = chains
+        .patch("held", &PatchParams::default(), &patch(&add))
+        .await
+        .expect("the finalizer is added");
+    assert_eq!(
+        held.metadata.finalizers,
+        Some(vec!["sluice.dev/sandboxes".into()])
+    );
+    // The same patch again: its test fails now, and the server says so.
+    let again = chains
+        .patch("held", &PatchParams::default(), &patch(&add))
+        .await;
+    assert!(matches!(again, Err(kube::Error::Api(_))), "{again:?}");
+
+    chains
+        .delete("held", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let marked = api
+        .get(Resource::HookChains, "default", "held")
+        .expect("still there while a finalizer holds it");
+    assert!(
+        marked["metadata"]["deletionTimestamp"].is_string(),
+        "{marked}"
+    );
+
+    let remove = json!([
+        {"op": "test", "path": "/metadata/finalizers/0", "value": "sluice.dev/sandboxes"},
+        {"op": "remove", "path": "/metadata/finalizers/0"}
+    ]);
+    chains
+        .patch("held", &PatchParams::default(), &patch(&remove))
+        .await
+        .expect("the finalizer is removed");
+    assert!(
+        api.get(Resource::HookChains, "default", "held").is_none(),
+        "gone with its last finalizer"
+    );
+    api.stop().await;
+}

@@ -30,6 +30,9 @@ pub struct KubeConfig {
     pub identity: String,
     /// Watch and claim only in these namespaces (empty: all namespaces).
     pub namespaces: Vec<String>,
+    /// Where the operator keeps every sandbox pod (its `--sandbox-namespace`): pods are watched,
+    /// claimed and exec'd into there only. `None`: beside their HookChains, in `namespaces`.
+    pub sandbox_namespace: Option<String>,
     /// How long one claim waits for a warm pod to appear.
     pub claim_timeout: Duration,
     /// The RuntimeClass a pod must run under to be claimed (the operator's `--runtime-class`);
@@ -44,10 +47,24 @@ pub struct KubeConfig {
 }
 
 impl KubeConfig {
+    /// The namespaces whose pods this gateway watches: the sandbox namespace alone, or `namespaces`.
+    fn pod_namespaces(&self) -> Vec<String> {
+        match &self.sandbox_namespace {
+            Some(ns) => vec![ns.clone()],
+            None => self.namespaces.clone(),
+        }
+    }
+
+    /// The namespace of the pods of chains in `chain_namespace`.
+    fn pod_namespace<'a>(&'a self, chain_namespace: &'a str) -> &'a str {
+        self.sandbox_namespace.as_deref().unwrap_or(chain_namespace)
+    }
+
     pub fn new(identity: impl Into<String>) -> Self {
         Self {
             identity: identity.into(),
             namespaces: Vec::new(),
+            sandbox_namespace: None,
             claim_timeout: Duration::from_secs(2),
             runtime_class: Some("gvisor".into()),
             heartbeat: Duration::from_secs(60),
@@ -84,7 +101,7 @@ impl KubeBackend {
         let changed = Arc::new(Notify::new());
         let mut pods = Vec::new();
         let mut watches = Vec::new();
-        for api in apis::<Pod>(&client, &cfg.namespaces) {
+        for api in apis::<Pod>(&client, &cfg.pod_namespaces()) {
             let (store, writer) = reflector::store();
             let stream = reflector::reflector(
                 writer,
@@ -124,7 +141,8 @@ impl KubeBackend {
 
     /// Claims a warm pod of the spec's chain, waiting up to the claim timeout for one.
     pub async fn claim(&self, spec: &SandboxSpec) -> Result<(Api<Pod>, String), StartError> {
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), &spec.namespace);
+        let pod_namespace = self.cfg.pod_namespace(&spec.namespace);
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), pod_namespace);
         let deadline = Instant::now() + self.cfg.claim_timeout;
         let mut lost = HashSet::new();
         loop {
@@ -134,6 +152,8 @@ impl KubeBackend {
             let pods: Vec<Arc<Pod>> = self.pods.iter().flat_map(|s| s.state()).collect();
             let wanted = claim::Wanted {
                 namespace: &spec.namespace,
+                pod_namespace,
+                in_sandbox_namespace: self.cfg.sandbox_namespace.is_some(),
                 chain: &spec.chain,
                 runtime_class: self.cfg.runtime_class.as_deref(),
             };
@@ -141,7 +161,7 @@ impl KubeBackend {
                 match claim::try_claim(&api, &name, &rv, &self.cfg.identity).await {
                     Ok(claim::Outcome::Claimed) => {
                         self.metric("claimed");
-                        self.live().insert(format!("{}/{name}", spec.namespace));
+                        self.live().insert(format!("{pod_namespace}/{name}"));
                         return Ok((api, name));
                     }
                     Ok(claim::Outcome::Lost) => {
@@ -151,8 +171,7 @@ impl KubeBackend {
                     Err(e) => {
                         self.metric("error");
                         return Err(StartError::Runtime(format!(
-                            "claiming pod {}/{name}: {e}",
-                            spec.namespace
+                            "claiming pod {pod_namespace}/{name}: {e}"
                         )));
                     }
                 }
@@ -183,9 +202,10 @@ impl KubeBackend {
 impl SandboxBackend for KubeBackend {
     async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
         let (api, pod) = self.claim(spec).await?;
+        let pod_namespace = self.cfg.pod_namespace(&spec.namespace).to_string();
         let handle = KubeHandle {
             api: api.clone(),
-            key: format!("{}/{pod}", spec.namespace),
+            key: format!("{pod_namespace}/{pod}"),
             pod: pod.clone(),
             process: Mutex::new(None),
             closing: Arc::default(),
@@ -220,8 +240,7 @@ impl SandboxBackend for KubeBackend {
                 // The pod is ours now: it goes, whatever state it is in.
                 handle.destroy(true).await;
                 Err(StartError::Runtime(format!(
-                    "exec into pod {}/{pod}: {e}",
-                    spec.namespace
+                    "exec into pod {pod_namespace}/{pod}: {e}"
                 )))
             }
         }
@@ -244,7 +263,7 @@ impl SandboxBackend for KubeBackend {
             labels::LABEL_POOL,
             labels::POOL_CLAIMED
         ));
-        for api in apis::<Pod>(&self.client, &self.cfg.namespaces) {
+        for api in apis::<Pod>(&self.client, &self.cfg.pod_namespaces()) {
             match api.list(&params).await {
                 Ok(list) => {
                     for p in list.items {

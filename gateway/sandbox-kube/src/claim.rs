@@ -16,15 +16,23 @@ pub(crate) const FIELD_MANAGER: &str = "sluice-gateway";
 
 /// What a run needs of a pod: its chain's, and (when set) under the right RuntimeClass.
 pub(crate) struct Wanted<'a> {
+    /// The chain's namespace.
     pub namespace: &'a str,
+    /// Where its pods live: the chain's namespace, or the sandbox namespace.
+    pub pod_namespace: &'a str,
+    /// True when pods live in the sandbox namespace, where only the operator may create pods.
+    pub in_sandbox_namespace: bool,
     pub chain: &'a str,
     pub runtime_class: Option<&'a str>,
 }
 
 /// True if `pod` is a warm pod a run may claim now: labelled warm, Running, Ready, not being
-/// deleted, controlled by its HookChain and under the expected RuntimeClass. Labels alone are not
-/// trusted: anyone who may create pods in the namespace can set them, and a pod that is not the
-/// operator's (no gVisor, a network) must never receive hooks.
+/// deleted, the operator's for this chain and under the expected RuntimeClass. Beside the chain,
+/// labels alone are not trusted (anyone who may create pods in a tenant namespace can set them,
+/// and a pod that is not the operator's, without gVisor or with a network, must never receive
+/// hooks): the pod must be controlled by its HookChain. In the sandbox namespace, where only the
+/// operator may create pods (the chart's RBAC) and owner references cannot point across
+/// namespaces, the chain-namespace label says whose it is.
 pub(crate) fn is_warm(pod: &Pod, wanted: &Wanted) -> bool {
     let meta = &pod.metadata;
     let label = |k: &str| {
@@ -43,7 +51,7 @@ pub(crate) fn is_warm(pod: &Pod, wanted: &Wanted) -> bool {
         .as_ref()
         .and_then(|s| s.phase.as_deref())
         .is_some_and(|p| p == "Running");
-    let owned = meta.owner_references.as_ref().is_some_and(|refs| {
+    let owned_by_reference = meta.owner_references.as_ref().is_some_and(|refs| {
         refs.iter().any(|r| {
             r.controller == Some(true)
                 && r.kind == "HookChain"
@@ -51,6 +59,11 @@ pub(crate) fn is_warm(pod: &Pod, wanted: &Wanted) -> bool {
                 && r.name == wanted.chain
         })
     });
+    let owned = if wanted.in_sandbox_namespace {
+        label(labels::LABEL_CHAIN_NAMESPACE) == Some(wanted.namespace)
+    } else {
+        owned_by_reference
+    };
     let runtime = match wanted.runtime_class {
         None => true,
         Some(want) => {
@@ -60,7 +73,7 @@ pub(crate) fn is_warm(pod: &Pod, wanted: &Wanted) -> bool {
                 == Some(want)
         }
     };
-    meta.namespace.as_deref() == Some(wanted.namespace)
+    meta.namespace.as_deref() == Some(wanted.pod_namespace)
         && label(labels::LABEL_CHAIN) == Some(wanted.chain)
         && label(labels::LABEL_POOL) == Some(labels::POOL_WARM)
         && meta.deletion_timestamp.is_none()
@@ -160,6 +173,8 @@ mod tests {
 
     const WANTED: Wanted = Wanted {
         namespace: "team",
+        pod_namespace: "team",
+        in_sandbox_namespace: false,
         chain: "redact",
         runtime_class: Some("gvisor"),
     };
@@ -220,6 +235,7 @@ mod tests {
         assert_eq!(got, ["a", "e"]);
         let elsewhere = Wanted {
             namespace: "other",
+            pod_namespace: "other",
             ..WANTED
         };
         assert!(candidates(&pods, &elsewhere, &HashSet::new()).is_empty());
@@ -263,6 +279,41 @@ mod tests {
             ..WANTED
         };
         assert!(is_warm(&runc, &any_runtime));
+    }
+
+    #[test]
+    fn in_the_sandbox_namespace_the_chain_namespace_label_says_whose_pod_it_is() {
+        let sandboxed = Wanted {
+            namespace: "team",
+            pod_namespace: "sluice-sandboxes",
+            in_sandbox_namespace: true,
+            ..WANTED
+        };
+        let mut p = (*pod("a", labels::POOL_WARM, true, "Running")).clone();
+        p.metadata.owner_references = None;
+        p.metadata.namespace = Some("sluice-sandboxes".into());
+        assert!(!is_warm(&p, &sandboxed), "no chain-namespace label");
+        p.metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert(labels::LABEL_CHAIN_NAMESPACE.into(), "other-team".into());
+        assert!(!is_warm(&p, &sandboxed), "a chain of another namespace");
+        p.metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert(labels::LABEL_CHAIN_NAMESPACE.into(), "team".into());
+        assert!(is_warm(&p, &sandboxed));
+        // Beside the chains, the same labels without the owner reference are not enough.
+        let mut beside = p.clone();
+        beside.metadata.namespace = Some("team".into());
+        assert!(
+            !is_warm(&beside, &WANTED),
+            "labels alone in a tenant namespace"
+        );
+        // And a pod of the right labels in a tenant namespace is not one of the sandbox namespace.
+        assert!(!is_warm(&beside, &sandboxed));
     }
 
     #[test]

@@ -14,7 +14,7 @@ use futures::future::join_all;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
 use sluice_crds::HookChain;
@@ -34,6 +34,12 @@ pub enum ApplyError {
     },
     #[error("HookChain {chain}: creating a sandbox pod: {source}")]
     CreatePod { chain: String, source: kube::Error },
+    #[error("HookChain {chain}: cleaning up its {what}: {source}")]
+    Cleanup {
+        chain: String,
+        what: &'static str,
+        source: kube::Error,
+    },
     #[error("HookChain {chain}: deleting pod {pod} ({reason}): {source}")]
     DeletePod {
         chain: String,
@@ -113,6 +119,51 @@ async fn apply_network_policy(
     Ok(())
 }
 
+/// Deletes every pod and the NetworkPolicy of the chain `namespace/name`, wherever they live (the
+/// cleanup of a deleted chain). Pods are listed from the API, not the cache: a pod created just
+/// before the deletion must not be missed.
+pub(crate) async fn delete_chain_objects(
+    namespace: &str,
+    name: &str,
+    ctx: &Context,
+) -> Result<(), ApplyError> {
+    let pod_namespace = ctx.settings.pod_namespace(namespace);
+    let chain = format!("{namespace}/{name}");
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), pod_namespace);
+    let cleanup = |what| {
+        let chain = chain.clone();
+        move |source| ApplyError::Cleanup {
+            chain,
+            what,
+            source,
+        }
+    };
+    let listed = pods
+        .list(&ListParams::default().labels(&build::chain_selector(namespace, name)))
+        .await
+        .map_err(cleanup("pods"))?;
+    for pod in listed.items {
+        let pod_name = pod.name_any();
+        match pods.delete(&pod_name, &DeleteParams::default()).await {
+            Ok(_) => ctx
+                .metrics
+                .pods_deleted
+                .with_label_values(&["chain_deleted"])
+                .inc(),
+            Err(e) if api_code(&e) == Some(404) => {}
+            Err(e) => return Err(cleanup("pods")(e)),
+        }
+    }
+    let policies: Api<NetworkPolicy> = Api::namespaced(ctx.client.clone(), pod_namespace);
+    let policy = build::network_policy_name(namespace, name, &ctx.settings);
+    match policies.delete(&policy, &DeleteParams::default()).await {
+        Ok(_) => {}
+        Err(e) if api_code(&e) == Some(404) => {}
+        Err(e) => return Err(cleanup("NetworkPolicy")(e)),
+    }
+    Ok(())
+}
+
 async fn delete_pods(
     chain: &HookChain,
     read: &Snapshot,
@@ -121,7 +172,7 @@ async fn delete_pods(
     ctx: &Context,
 ) -> Result<(), ApplyError> {
     let (key, pods): (&str, &[Arc<Pod>]) = (&read.key, &read.pods);
-    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &read.namespace);
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &read.pod_namespace);
     let reference = chain.object_ref(&());
     let mut outdated = 0;
     for d in &plan.delete {
@@ -245,7 +296,7 @@ async fn create_pods(
         return Ok(0);
     }
     let (key, pod, template) = (&read.key, &desired.pod, &desired.template);
-    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &read.namespace);
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &read.pod_namespace);
     let pp = PostParams {
         field_manager: Some(FIELD_MANAGER.into()),
         ..Default::default()

@@ -18,6 +18,6 @@ pub(crate) fn build(chain: &HookChain, settings: &Settings) -> Desired {
     Desired {
         template: build::template_hash(chain, settings),
         pod: build::pod(chain, settings),
-        policy: build::network_policy(chain),
+        policy: build::network_policy(chain, settings),
     }
 }

@@ -7,11 +7,17 @@
 //! slow-start creates, Events → pods created) → `status` (server-side apply on the status
 //! subresource).
 //!
+//! All of it runs under the chain's finalizer (`sluice.dev/sandboxes`, through
+//! `kube::runtime::finalizer`): added first, and on deletion `cleanup` deletes the chain's pods and
+//! NetworkPolicy wherever they live (the sandbox namespace is beyond owner references) before the
+//! chain may go. `capability` writes the Capabilities' own status.
+//!
 //! `context` holds what every reconcile shares; this module holds the entry points the controller
 //! calls and the order of the stages.
 
 mod apply;
 mod build;
+mod capability;
 mod context;
 mod decide;
 mod read;
@@ -19,20 +25,22 @@ mod status;
 mod validate;
 
 pub use apply::ApplyError;
+pub use capability::{SCHEMA_VALID, check_namespace as check_capabilities};
 pub use context::{Context, DEFAULT_START_DEADLINE};
 pub use read::ReadError;
 pub use status::StatusError;
 
-use crate::build::FIELD_MANAGER;
+use crate::build::{FIELD_MANAGER, FINALIZER};
 use context::lock;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
-use kube::core::DeserializeGuard;
 use kube::core::error_boundary::InvalidObject;
+use kube::core::{DeserializeGuard, PartialObjectMeta, TypeMeta};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
+use kube::runtime::finalizer::{self, finalizer};
 use kube::{Resource, ResourceExt};
-use sluice_crds::{Capability, HookChain};
+use sluice_crds::HookChain;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +51,14 @@ const RESYNC: Duration = Duration::from_secs(300);
 pub enum Error {
     #[error(transparent)]
     Read(#[from] ReadError),
+    #[error("HookChain {chain}: {action} the finalizer {FINALIZER}: {source}")]
+    Finalizer {
+        chain: String,
+        action: &'static str,
+        source: kube::Error,
+    },
+    #[error("a HookChain without a name or with a malformed finalizer list")]
+    Unnamed,
     #[error(transparent)]
     Apply(#[from] ApplyError),
     #[error(transparent)]
@@ -59,14 +75,59 @@ pub async fn reconcile(
         "reconcile",
         chain = %format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
     );
-    match &obj.0 {
-        Ok(chain) => reconcile_chain(chain, &ctx).instrument(span).await,
-        Err(invalid) => {
-            reconcile_unreadable(&obj, invalid, &ctx)
-                .instrument(span)
-                .await
+    let Some(namespace) = obj.namespace() else {
+        return Err(ReadError::NoNamespace {
+            chain: obj.name_any(),
         }
-    }
+        .into());
+    };
+    // The finalizer needs only the chain's metadata, which even a chain the operator cannot read
+    // has: its pods go when it goes, readable or not.
+    let meta = Arc::new(PartialObjectMeta::<HookChain> {
+        types: Some(TypeMeta {
+            api_version: "sluice.dev/v1alpha1".into(),
+            kind: "HookChain".into(),
+        }),
+        metadata: obj.meta().clone(),
+        _phantom: std::marker::PhantomData,
+    });
+    let api: Api<PartialObjectMeta<HookChain>> = Api::namespaced(ctx.client.clone(), &namespace);
+    let chain_key = format!("{namespace}/{}", obj.name_any());
+    let (guard, context, ns) = (&*obj, &*ctx, namespace.as_str());
+    let outcome = finalizer(&api, FINALIZER, meta, |event| async move {
+        match event {
+            finalizer::Event::Apply(_) => match &guard.0 {
+                Ok(chain) => reconcile_chain(chain, context).await,
+                Err(invalid) => reconcile_unreadable(guard, invalid, context).await,
+            },
+            finalizer::Event::Cleanup(_) => cleanup(ns, &guard.name_any(), context).await,
+        }
+    })
+    .instrument(span)
+    .await;
+    outcome.map_err(|e| match e {
+        finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e) => e,
+        finalizer::Error::AddFinalizer(source) => Error::Finalizer {
+            chain: chain_key,
+            action: "adding",
+            source,
+        },
+        finalizer::Error::RemoveFinalizer(source) => Error::Finalizer {
+            chain: chain_key,
+            action: "removing",
+            source,
+        },
+        finalizer::Error::UnnamedObject | finalizer::Error::InvalidFinalizer => Error::Unnamed,
+    })
+}
+
+/// A chain is being deleted: its pods and its NetworkPolicy go first (the finalizer holds the chain
+/// until they have). Owner references would do this for objects beside the chain, but not across
+/// namespaces, so the operator does it in both layouts. Idempotent: a retry deletes what is left.
+async fn cleanup(namespace: &str, name: &str, ctx: &Context) -> Result<Action, Error> {
+    apply::delete_chain_objects(namespace, name, ctx).await?;
+    forget(ctx, namespace, name);
+    Ok(Action::await_change())
 }
 
 pub fn error_policy(
@@ -121,11 +182,6 @@ async fn reconcile_unreadable(
 
 async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Error> {
     let (namespace, name) = read::identity(chain)?;
-    if chain.metadata.deletion_timestamp.is_some() {
-        // The garbage collector removes the pods and the policy through their owner reference.
-        forget(ctx, &namespace, &name);
-        return Ok(Action::await_change());
-    }
     let read = read::read(namespace, name, ctx).await?;
     let verdict = validate::validate(chain, &read.namespace, &read.name, ctx).await;
     let desired = build::build(chain, &ctx.settings);
@@ -161,24 +217,4 @@ pub fn forget(ctx: &Context, namespace: &str, name: &str) {
     lock(&ctx.start_failures).remove(&format!("{namespace}/{name}"));
     lock(&ctx.status_written).remove(&format!("{namespace}/{name}"));
     ctx.metrics.forget_pool(namespace, name);
-}
-
-/// Validates a Capability as it arrives and records a Warning Event on it when it is unusable.
-pub async fn check_capability(ctx: &Context, cap: &DeserializeGuard<Capability>) {
-    let name = cap.name_any();
-    let problems = match &cap.0 {
-        Ok(c) => crate::validate::capability_problems(&name, &c.spec),
-        Err(e) => vec![format!("does not match the Capability schema: {}", e.error)],
-    };
-    if problems.is_empty() {
-        return;
-    }
-    let reference = cap.object_ref(&());
-    ctx.publish(
-        &reference,
-        EventType::Warning,
-        "InvalidCapability",
-        format!("hooks cannot use this capability: {}", problems.join("; ")),
-    )
-    .await;
 }

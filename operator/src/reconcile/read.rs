@@ -3,7 +3,7 @@
 //! cache at start-up would look like an empty pool and the operator would create a second one.
 
 use super::context::Context;
-use crate::build::LABEL_CHAIN;
+use crate::build::{LABEL_CHAIN, LABEL_CHAIN_NAMESPACE};
 use crate::expectations::{Pending, Seen};
 use crate::pool::Observed;
 use k8s_openapi::api::core::v1::Pod;
@@ -27,6 +27,8 @@ pub enum ReadError {
 pub(crate) struct Snapshot {
     pub namespace: String,
     pub name: String,
+    /// Where the chain's pods live: its own namespace, or the sandbox namespace.
+    pub pod_namespace: String,
     /// `namespace/name`, as expectations, metrics and errors name the chain.
     pub key: String,
     pub pods: Vec<Arc<Pod>>,
@@ -57,10 +59,10 @@ pub(crate) async fn read(
     if !synced(tokio::time::timeout(SYNC_WAIT, ctx.capabilities.wait_until_ready()).await) {
         return Err(ReadError::CacheNotSynced { what: "capability" });
     }
-    let pods: Vec<Arc<Pod>> = ctx.pods.state_filter(|p| {
-        p.metadata.namespace.as_deref() == Some(namespace.as_str())
-            && p.labels().get(LABEL_CHAIN) == Some(&name)
-    });
+    let pod_namespace = ctx.settings.pod_namespace(&namespace).to_string();
+    let pods: Vec<Arc<Pod>> = ctx
+        .pods
+        .state_filter(|p| is_of_chain(p, &namespace, &name, &pod_namespace));
     let observed: Vec<Observed> = pods.iter().map(|p| Observed::from_pod(p)).collect();
     let pending = ctx.expectations.observe(&key, Instant::now(), |pod| {
         match observed.iter().find(|o| o.name == pod) {
@@ -72,9 +74,23 @@ pub(crate) async fn read(
     Ok(Snapshot {
         namespace,
         name,
+        pod_namespace,
         key,
         pods,
         observed,
         pending,
     })
+}
+
+/// True if `pod` belongs to the chain `namespace/name` whose pods live in `pod_namespace`: by its
+/// chain-namespace label, or, for a pod made before that label existed, by living beside the chain.
+pub(crate) fn is_of_chain(pod: &Pod, namespace: &str, name: &str, pod_namespace: &str) -> bool {
+    let labels = pod.labels();
+    let of_namespace = match labels.get(LABEL_CHAIN_NAMESPACE) {
+        Some(ns) => ns == namespace,
+        None => pod_namespace == namespace,
+    };
+    pod.metadata.namespace.as_deref() == Some(pod_namespace)
+        && labels.get(LABEL_CHAIN).map(String::as_str) == Some(name)
+        && of_namespace
 }

@@ -115,7 +115,12 @@ impl ApiServer {
             .filter(|kv| !kv.is_empty())
             .map(|kv| {
                 let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-                (k.to_string(), v.replace("%2F", "/").replace("%3D", "="))
+                (
+                    k.to_string(),
+                    v.replace("%2F", "/")
+                        .replace("%3D", "=")
+                        .replace("%2C", ","),
+                )
             })
             .collect();
         Some(Call {

@@ -33,6 +33,10 @@ struct Args {
     /// namespace is watched as well, for its baselines.
     #[arg(long, requires = "kube")]
     namespace: Option<String>,
+    /// kube mode: the operator's `--sandbox-namespace`: sandbox pods are watched, claimed and
+    /// exec'd into there only (default: beside their HookChains).
+    #[arg(long, requires = "kube")]
+    sandbox_namespace: Option<String>,
     /// kube mode: claim only pods under this RuntimeClass (the operator's --runtime-class); empty
     /// trusts any.
     #[arg(long, default_value = "gvisor")]
@@ -149,6 +153,7 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| format!("sluice-gateway-{}", std::process::id()));
             let mut cfg = KubeConfig::new(identity);
             cfg.namespaces = args.namespace.iter().cloned().collect();
+            cfg.sandbox_namespace = args.sandbox_namespace.clone().filter(|ns| !ns.is_empty());
             cfg.claim_timeout = args.claim_timeout;
             cfg.hold = args.kube_hold as usize;
             cfg.runtime_class = Some(args.runtime_class.clone()).filter(|r| !r.is_empty());
