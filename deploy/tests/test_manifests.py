@@ -400,9 +400,9 @@ class ChartTest(ManifestCase):
         self.assertEqual(gateway["args"], ["--kube", f"--platform-namespace={NAMESPACE}", "--listen=0.0.0.0:50051",
                                            "--metrics=0.0.0.0:9464", "--claim-timeout=2s",
                                            "--kube-hold=1", "--runtime-class=gvisor",
+                                           f"--sandbox-namespace={SANDBOXES}",
                                            "--tls-cert=/etc/sluice/tls/tls.crt", "--tls-key=/etc/sluice/tls/tls.key",
-                                           "--callers=/etc/sluice/callers/callers.yaml",
-                                           f"--sandbox-namespace={SANDBOXES}"])
+                                           "--callers=/etc/sluice/callers/callers.yaml"])
         self.assertEqual(gateway["readinessProbe"]["httpGet"]["path"], "/readyz")
         operator = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(operator["args"], ["run", "--runtime-class=gvisor",
@@ -480,8 +480,10 @@ class ChartTest(ManifestCase):
     WEBHOOK_KINDS = ("ValidatingWebhookConfiguration", "Certificate", "Issuer")
 
     def webhook_objects(self, objs):
+        # The gateway's own Certificates and Issuers (its TLS) are not the webhook's.
         return sorted((o["kind"], o["metadata"]["name"]) for o in objs
-                      if o["kind"] in self.WEBHOOK_KINDS or o["metadata"]["name"] == "sluice-operator-webhook")
+                      if (o["kind"] in self.WEBHOOK_KINDS or o["metadata"]["name"] == "sluice-operator-webhook")
+                      and not o["metadata"]["name"].startswith("sluice-gateway"))
 
     def test_the_webhook_is_off_by_default(self):
         objs = helm_template()
@@ -540,7 +542,8 @@ class ChartTest(ManifestCase):
         objs = helm_template("webhook.enabled=true", "webhook.certificate.source=secret",
                              "webhook.certificate.secretName=my-webhook-tls", "webhook.certificate.caBundle=Y2E=",
                              "webhook.failurePolicy=Ignore", "webhook.timeoutSeconds=5")
-        self.assertFalse([o for o in objs if o["kind"] in ("Certificate", "Issuer")])
+        self.assertFalse([o for o in objs if o["kind"] in ("Certificate", "Issuer")
+                          and not o["metadata"]["name"].startswith("sluice-gateway")])
         config = self.find(objs, "ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")
         self.assertNotIn("annotations", config["metadata"])
         (hook,) = config["webhooks"]
@@ -558,7 +561,7 @@ class ChartTest(ManifestCase):
 
         objs = helm_template("webhook.enabled=true", "webhook.certificate.issuerRef.kind=ClusterIssuer",
                              "webhook.certificate.issuerRef.name=internal-ca", "watchNamespace=team-a")
-        self.assertFalse([o for o in objs if o["kind"] == "Issuer"])
+        self.assertFalse([o for o in objs if o["kind"] == "Issuer" and not o["metadata"]["name"].startswith("sluice-gateway")])
         self.assertEqual(self.find(objs, "Certificate", "sluice-operator-webhook")["spec"]["issuerRef"],
                          {"kind": "ClusterIssuer", "name": "internal-ca"})
         (hook,) = self.find(objs, "ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")["webhooks"]
