@@ -114,7 +114,8 @@ class MonitoringTest(unittest.TestCase):
         self.assertTrue(ok, out)
         alerts = {r["alert"] for g in self.rules[0]["spec"]["groups"] for r in g["rules"]}
         for wanted in ("SluiceGatewayErrorRate", "SluiceHookErrorRate", "SluiceUnavailable", "SluiceClaimWaitHigh",
-                       "SluiceOperatorReconcileErrors", "SluiceWebhookErrors"):
+                       "SluiceOperatorReconcileErrors", "SluiceWebhookErrors", "SluiceWebhookReviewFailures",
+                       "SluiceGatewayCertificateExpiresSoon"):
             self.assertIn(wanted, alerts)
 
     def test_rules_read_only_metrics_the_code_has(self):
@@ -138,6 +139,10 @@ class MonitoringTest(unittest.TestCase):
               for le, v in (("0.5", "0x30"), ("1", "0x30"), ("2.5", "0+5x30"), ("5", "0+10x30"), ("+Inf", "0+10x30"))],
             *[{"series": f'sluice_gateway_claim_wait_seconds_bucket{{{healthy}, le="{le}"}}', "values": "0+10x30"}
               for le in ("0.5", "1", "2.5", "5", "+Inf")],
+            # One gateway's certificate ends 3 days after the test's start (time() is 0 there), the other's
+            # in 60 days.
+            {"series": 'sluice_gateway_tls_certificate_expiry_timestamp_seconds{pod="gw-a"}', "values": f"{3 * 86400}x200"},
+            {"series": 'sluice_gateway_tls_certificate_expiry_timestamp_seconds{pod="gw-b"}', "values": f"{60 * 86400}x200"},
         ]
         labels = {"namespace": "team", "target": "bot", "trigger_point": "input", "severity": "warning"}
         rules = {r["alert"]: r for g in self.rules[0]["spec"]["groups"] for r in g["rules"] if "alert" in r}
@@ -161,6 +166,10 @@ class MonitoringTest(unittest.TestCase):
                     {"eval_time": "25m", "alertname": "SluiceClaimWaitHigh",
                      "exp_alerts": fired("SluiceClaimWaitHigh",
                                          "Runs of Sluice chain team/bot (input) wait 4.75s (p95) for a sandbox")},
+                    {"eval_time": "90m", "alertname": "SluiceGatewayCertificateExpiresSoon",
+                     "exp_alerts": [{"exp_labels": {"pod": "gw-a", "severity": "warning"}, "exp_annotations": {
+                         "summary": "The Sluice gateway's TLS certificate expires in 2d 22h 30m 0s",
+                         "description": rules["SluiceGatewayCertificateExpiresSoon"]["annotations"]["description"]}}]},
                     # Before `for:` has passed nothing fires.
                     {"eval_time": "3m", "alertname": "SluiceGatewayErrorRate", "exp_alerts": []},
                 ],

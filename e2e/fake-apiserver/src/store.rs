@@ -388,11 +388,17 @@ impl Store {
         }
         inner.rv += 1;
         object["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
-        // As the API server does: an object being deleted goes once its last finalizer has.
-        let finalized = !object["metadata"]["deletionTimestamp"].is_null()
-            && object["metadata"]["finalizers"]
+        // As the API server does: an object being deleted goes once its last finalizer has. (A pod
+        // in its grace period has a deletionTimestamp and never had finalizers: it stays until the
+        // kubelet stand-in has stopped its container.)
+        let finalizers = |o: &Value| {
+            o["metadata"]["finalizers"]
                 .as_array()
-                .is_none_or(|f| f.is_empty());
+                .map_or(0, |f| f.len())
+        };
+        let finalized = !object["metadata"]["deletionTimestamp"].is_null()
+            && finalizers(previous) > 0
+            && finalizers(&object) == 0;
         if finalized {
             inner.objects.remove(&key);
             self.record(inner, resource, "DELETED", object.clone());

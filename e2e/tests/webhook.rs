@@ -1,6 +1,7 @@
-//! The admission webhook as the API server meets it: real AdmissionReview JSON posted over HTTPS
-//! (certificates made here with rcgen) to the running server. Refusals must say what `sluice check`
-//! says about the same object written to a file.
+//! The operator's admission webhook as the API server meets it: real AdmissionReview JSON posted
+//! over HTTPS (certificates made here with rcgen) to the running server. Refusals must say what
+//! `sluice check` says about the same object written to a file (this suite lives in e2e so that the
+//! operator crate needs no gateway crate, even for its tests).
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
@@ -411,7 +412,7 @@ async fn a_chain_over_the_code_limit_is_refused() {
     assert_refused_as_check_says(&response, &object);
     let message = response["status"]["message"].as_str().unwrap();
     assert!(
-        message.contains("over the 524288 bytes (512 KiB) a chain may carry"),
+        message.contains("over the 512 KiB a chain may hold"),
         "{message}"
     );
 
