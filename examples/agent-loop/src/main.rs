@@ -13,7 +13,6 @@ use sluice_agent_loop::model::{ScriptedModel, Usage};
 use sluice_agent_loop::tools::FakeTools;
 use sluice_agent_loop::{Agent, AgentConfig, Event};
 use sluice_proto::client::ClientAuth;
-use std::path::PathBuf;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Scenario {
@@ -45,47 +44,17 @@ struct Args {
     /// The model name the loop asks for (the policies' pricing and context windows key on it).
     #[arg(long, default_value = "fake-model")]
     model: String,
-    /// Use TLS, trusting this PEM CA bundle for the gateway's certificate (https:// addresses
-    /// without it trust the system's roots).
-    #[arg(long, value_name = "FILE")]
-    ca: Option<PathBuf>,
-    /// Mutual TLS: present this PEM client certificate (with --key).
-    #[arg(long, value_name = "FILE", requires = "key")]
-    cert: Option<PathBuf>,
-    /// The PEM private key of --cert.
-    #[arg(long, value_name = "FILE", requires = "cert")]
-    key: Option<PathBuf>,
-    /// Send `authorization: Bearer TOKEN` (prefer SLUICE_TOKEN or --token-file: arguments show in ps).
-    #[arg(
-        long,
-        env = "SLUICE_TOKEN",
-        hide_env_values = true,
-        conflicts_with = "token_file"
-    )]
-    token: Option<String>,
-    /// Read the bearer token from this file.
-    #[arg(long, value_name = "FILE")]
-    token_file: Option<PathBuf>,
-    /// The name the gateway's certificate must carry when it is not the address's host (e.g.
-    /// sluice-gateway.sluice-system.svc through a port-forward to 127.0.0.1).
-    #[arg(long, value_name = "NAME")]
-    tls_server_name: Option<String>,
+    /// How to reach a secured gateway (the same options as `sluice call`).
+    #[command(flatten)]
+    auth: ClientAuth,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let auth = ClientAuth {
-        ca: args.ca,
-        cert: args.cert,
-        key: args.key,
-        token: args.token,
-        token_file: args.token_file,
-        server_name: args.tls_server_name,
-    };
     let mut hooks = Hooks::connect_with(
         &args.gateway,
-        &auth,
+        &args.auth,
         &args.namespace,
         &args.target,
         "demo-1",

@@ -9,20 +9,40 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
-/// The TLS and token options of a client. All empty: plain HTTP/2, no token.
+/// The TLS and token options of a client. All empty: plain HTTP/2, no token. With the `clap`
+/// feature it is also the command-line options (`#[command(flatten)]`) of `sluice call` and the
+/// reference agent loop, so both spell them the same way.
 #[derive(Clone, Debug, Default)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct ClientAuth {
-    /// PEM CA bundle the gateway's certificate must chain to; without it, the system's roots.
+    /// Use TLS, trusting this PEM CA bundle for the gateway's certificate (https:// addresses
+    /// without it trust the system's roots).
+    #[cfg_attr(feature = "clap", arg(long, value_name = "FILE"))]
     pub ca: Option<PathBuf>,
-    /// PEM client certificate (mutual TLS), with `key`.
+    /// Mutual TLS: present this PEM client certificate (with --key).
+    #[cfg_attr(feature = "clap", arg(long, value_name = "FILE", requires = "key"))]
     pub cert: Option<PathBuf>,
+    /// The PEM private key of --cert.
+    #[cfg_attr(feature = "clap", arg(long, value_name = "FILE", requires = "cert"))]
     pub key: Option<PathBuf>,
-    /// Bearer token.
+    /// Send `authorization: Bearer TOKEN` (prefer SLUICE_TOKEN or --token-file: arguments show in
+    /// ps).
+    #[cfg_attr(
+        feature = "clap",
+        arg(
+            long,
+            env = "SLUICE_TOKEN",
+            hide_env_values = true,
+            conflicts_with = "token_file"
+        )
+    )]
     pub token: Option<String>,
-    /// File holding the bearer token (surrounding whitespace ignored), e.g. a mounted Secret.
+    /// Read the bearer token from this file (surrounding whitespace ignored), e.g. a mounted Secret.
+    #[cfg_attr(feature = "clap", arg(long, value_name = "FILE"))]
     pub token_file: Option<PathBuf>,
-    /// The name the gateway's certificate must carry, when it is not the address's host (a
-    /// port-forward to 127.0.0.1 of `sluice-gateway.sluice-system.svc`).
+    /// The name the gateway's certificate must carry when it is not the address's host (e.g.
+    /// sluice-gateway.sluice-system.svc through a port-forward to 127.0.0.1).
+    #[cfg_attr(feature = "clap", arg(long = "tls-server-name", value_name = "NAME"))]
     pub server_name: Option<String>,
 }
 

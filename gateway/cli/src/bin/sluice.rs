@@ -117,51 +117,9 @@ struct CallArgs {
     /// Stream the text through Gateway.Stream in chunks of this many characters.
     #[arg(long, value_name = "CHARS")]
     stream: Option<usize>,
+    /// How to reach a secured gateway (the same options as the reference agent loop).
     #[command(flatten)]
-    auth: GatewayAuthArgs,
-}
-
-/// How to reach a secured gateway (the same options as the reference agent loop).
-#[derive(clap::Args)]
-struct GatewayAuthArgs {
-    /// Use TLS, trusting this PEM CA bundle for the gateway's certificate (https:// addresses
-    /// without it trust the system's roots).
-    #[arg(long, value_name = "FILE")]
-    ca: Option<std::path::PathBuf>,
-    /// Mutual TLS: present this PEM client certificate (with --key).
-    #[arg(long, value_name = "FILE", requires = "key")]
-    cert: Option<std::path::PathBuf>,
-    /// The PEM private key of --cert.
-    #[arg(long, value_name = "FILE", requires = "cert")]
-    key: Option<std::path::PathBuf>,
-    /// Send `authorization: Bearer TOKEN` (prefer SLUICE_TOKEN or --token-file: arguments show in ps).
-    #[arg(
-        long,
-        env = "SLUICE_TOKEN",
-        hide_env_values = true,
-        conflicts_with = "token_file"
-    )]
-    token: Option<String>,
-    /// Read the bearer token from this file.
-    #[arg(long, value_name = "FILE")]
-    token_file: Option<std::path::PathBuf>,
-    /// The name the gateway's certificate must carry when it is not the address's host (e.g.
-    /// sluice-gateway.sluice-system.svc through a port-forward to 127.0.0.1).
-    #[arg(long, value_name = "NAME")]
-    tls_server_name: Option<String>,
-}
-
-impl GatewayAuthArgs {
-    fn client_auth(&self) -> proto::client::ClientAuth {
-        proto::client::ClientAuth {
-            ca: self.ca.clone(),
-            cert: self.cert.clone(),
-            key: self.key.clone(),
-            token: self.token.clone(),
-            token_file: self.token_file.clone(),
-            server_name: self.tls_server_name.clone(),
-        }
-    }
+    auth: proto::client::ClientAuth,
 }
 
 use sluice_cli::response_json;
@@ -176,12 +134,7 @@ async fn call(a: CallArgs) -> Result<Value, String> {
                 .ok_or(format!("--context {kv:?} is not KEY=VALUE"))
         })
         .collect::<Result<_, _>>()?;
-    let mut client = a
-        .auth
-        .client_auth()
-        .connect(&a.addr)
-        .await
-        .map_err(|e| e.to_string())?;
+    let mut client = a.auth.connect(&a.addr).await.map_err(|e| e.to_string())?;
     if let Some(size) = a.stream {
         let text = a.text.ok_or("--stream needs --text")?;
         let chars: Vec<char> = text.chars().collect();
