@@ -30,7 +30,8 @@ enum Noticing {
 
 fn notice(dir: &std::path::Path, changed: Arc<Notify>) -> Noticing {
     let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok() {
+        // Reading the files is an event too (open, close): reacting to it would reload forever.
+        if event.is_ok_and(|e| !matches!(e.kind, notify::EventKind::Access(_))) {
             changed.notify_one();
         }
     })

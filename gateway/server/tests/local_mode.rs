@@ -389,10 +389,22 @@ async fn a_fifo_in_the_chain_directory_never_stalls_start_runs_or_reloads() {
     let mut client = gw.client().await;
     until_answers(&mut client, "v1").await;
 
+    // Nothing changes for a while: the directory is not read again (reading it is no change).
+    let quiet = Instant::now() + Duration::from_secs(3);
+    while let Some(left) = quiet.checked_duration_since(Instant::now()) {
+        if let Ok(line) = gw.stderr_lines.recv_timeout(left) {
+            assert!(
+                !line.contains("registry loaded"),
+                "the registry was reloaded with nothing changed: {line}"
+            );
+        }
+    }
+
     let tmp = dir.path().join(".good.yaml.tmp");
     std::fs::write(&tmp, GOOD.replace("tag: v1", "tag: v2")).unwrap();
     std::fs::rename(&tmp, &file).unwrap();
     until_answers(&mut client, "v2").await;
+    gw.wait_for_log("registry loaded", Duration::from_secs(5));
     drop(client);
     let mut gw = gw;
     sigterm(&gw.child);
