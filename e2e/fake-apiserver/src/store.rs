@@ -575,15 +575,7 @@ impl Store {
                 object["spec"] = patched["spec"].clone();
             }
         }
-        for kept in [
-            "uid",
-            "resourceVersion",
-            "name",
-            "namespace",
-            "deletionTimestamp",
-        ] {
-            object["metadata"][kept] = current["metadata"][kept].clone();
-        }
+        keep_server_metadata(&mut object, &current);
         Ok(self.store_changed(&mut inner, resource, key, &current, object))
     }
 
@@ -622,19 +614,7 @@ impl Store {
                 next
             }
         };
-        for kept in [
-            "uid",
-            "creationTimestamp",
-            "generation",
-            "namespace",
-            "name",
-            "deletionTimestamp",
-            "deletionGracePeriodSeconds",
-        ] {
-            if !current["metadata"][kept].is_null() {
-                next["metadata"][kept] = current["metadata"][kept].clone();
-            }
-        }
+        keep_server_metadata(&mut next, &current);
         Ok(self.store_changed(&mut inner, resource, key, &current, next))
     }
 
@@ -806,6 +786,31 @@ impl Store {
             .header("content-type", "application/json")
             .body(body.boxed())
             .unwrap_or_else(|_| Response::new(http_body_util::Empty::new().boxed()))
+    }
+}
+
+/// The metadata a client cannot change by writing an object (replace or JSON patch): the server's
+/// own fields are carried over from the stored object (store_changed then bumps resourceVersion and
+/// generation). A field the stored object lacks is not added as null.
+fn keep_server_metadata(next: &mut Value, current: &Value) {
+    for kept in [
+        "uid",
+        "resourceVersion",
+        "creationTimestamp",
+        "generation",
+        "namespace",
+        "name",
+        "deletionTimestamp",
+        "deletionGracePeriodSeconds",
+    ] {
+        match current["metadata"].get(kept) {
+            Some(v) if !v.is_null() => next["metadata"][kept] = v.clone(),
+            _ => {
+                if let Some(meta) = next["metadata"].as_object_mut() {
+                    meta.remove(kept);
+                }
+            }
+        }
     }
 }
 
