@@ -12,7 +12,7 @@ REGISTRY ?= ghcr.io/sluice-dev
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 DOCKER ?= docker
 
-.PHONY: deps build run test test-rust test-python test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean
+.PHONY: deps cell cell-release build run test test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
 # venv for the manifest tools), promtool (Debian's prometheus package, without its recommends) for the
@@ -30,7 +30,17 @@ deps:
 			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports runsc >/dev/null; \
 	fi
 
-build: deps
+# The cell runtime every sandbox's supervisor loads (supervisor/build-cell.sh): componentize-py
+# (pinned, PyPI) makes a pre-initialised CPython component of supervisor/guest/runner.py, cached
+# outside the checkout in $(CELL_CACHE); `sluice-supervisor compile` precompiles it beside the binaries.
+CELL_CACHE ?= /var/cache/sluice/cell
+cell: deps
+	SLUICE_CELL_CACHE=$(CELL_CACHE) supervisor/build-cell.sh debug
+
+cell-release: deps
+	SLUICE_CELL_CACHE=$(CELL_CACHE) supervisor/build-cell.sh release
+
+build: deps cell-release
 	$(CARGO) build --release --workspace --bins
 
 # The example services (fake LLM on :7001, credit ledger on :7002) run beside the gateway and stop with it.
@@ -40,14 +50,11 @@ run: build
 	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR)
 
 # test-manifests runs last: it validates what the built `sluice-operator render` prints.
-test: deps test-python test-rust test-clients test-manifests
-
-test-python:
-	python3 -m unittest discover -s supervisor
+test: deps test-rust test-clients test-manifests
 
 # The Python client, installed into $(CLIENTS_VENV) as an application would (with its `test` extra),
 # tested against a real local gateway (runsc sandboxes; those tests skip, saying so, without runsc).
-test-clients: deps
+test-clients: deps cell
 	$(CARGO) build -q -p sluice-gateway --bin sluice-gateway
 	@test -x $(CLIENTS_VENV)/bin/python || python3 -m venv $(CLIENTS_VENV)
 	$(CLIENTS_VENV)/bin/python -m pip install -q --disable-pip-version-check './clients/python[test]'
@@ -83,7 +90,7 @@ push: images
 e2e-cluster:
 	$(CARGO) test -p sluice-e2e --test cluster -- --nocapture --test-threads=1
 
-test-rust:
+test-rust: cell
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
 		$(CARGO) nextest run --workspace --no-fail-fast; \
 	else \
@@ -95,7 +102,7 @@ crds:
 	cp crds/*.yaml charts/sluice/crds/
 	cp crds/*.yaml deploy/base/crds/
 
-bench: deps
+bench: deps cell-release
 	$(CARGO) run --release -q -p sluice-bench
 
 fmt:

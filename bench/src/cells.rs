@@ -6,6 +6,7 @@
 
 use crate::report::{Row, Table, percentile};
 use crate::{Bench, chain_yaml, text_1k};
+use anyhow::Context;
 use sluice_engine::{Limits, SandboxBackend, SandboxSpec, SupervisorConn};
 use sluice_sandbox_local::{LocalBackend, LocalConfig};
 use std::sync::Arc;
@@ -199,6 +200,7 @@ async fn burst(platform: &str) -> anyhow::Result<(Vec<Duration>, usize)> {
 }
 
 pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
+    cpu_per_hook(table).await.context("CPU per hook")?;
     let platforms = ["ptrace", "systrap"];
     // Ceilings first, on a quiet machine.
     let boots = crate::naive::boot_ceiling(WINDOW).await?;
@@ -315,5 +317,221 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
         )
         .target("0 errors"),
     );
+    Ok(())
+}
+
+/// CPU time a sandbox's processes (gVisor's sentry and its helpers) have used, from the cpuacct
+/// cgroup runsc made for it (`cgroupsPath`); None where that cannot be read.
+fn sandbox_cpu(cgroup: &str) -> Option<Duration> {
+    let text = std::fs::read_to_string(format!("/sys/fs/cgroup/cpuacct/{cgroup}/cpuacct.usage"))
+        .or_else(|_| {
+            std::fs::read_to_string(format!("/sys/fs/cgroup/cpu,cpuacct/{cgroup}/cpuacct.usage"))
+        })
+        .ok()?;
+    text.trim().parse().ok().map(Duration::from_nanos)
+}
+
+/// CPU used since `before` by the sandbox in `cgroup`, or by the whole machine where the cgroup
+/// cannot be read.
+struct CpuMeter {
+    cgroup: String,
+    sandbox: Option<Duration>,
+    machine: Duration,
+}
+
+impl CpuMeter {
+    fn start(cgroup: &str) -> Self {
+        Self {
+            cgroup: cgroup.into(),
+            sandbox: sandbox_cpu(cgroup),
+            machine: machine_cpu(),
+        }
+    }
+
+    fn used(&self) -> Duration {
+        match (self.sandbox, sandbox_cpu(&self.cgroup)) {
+            (Some(before), Some(now)) => now.saturating_sub(before),
+            _ => machine_cpu().saturating_sub(self.machine),
+        }
+    }
+}
+
+/// The hook both cell designs run: the benchmark chain's phone redactor on a 1 KiB payload.
+const PHONE_HOOK: &str = "import re\nP = re.compile(r'\\b\\d{3}-\\d{4}-\\d{4}\\b')\ndef execute(context, settings):\n    t = P.sub('[phone]', context['outgoing'])\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n";
+
+/// Host CPU per hook of a WebAssembly cell, steady state: one sandbox on `platform`, a one-hook
+/// chain, `n` walks (each a fresh instance), the machine's CPU over them divided by `n`.
+async fn wasm_cell_cpu(platform: &str, n: u32) -> anyhow::Result<Duration> {
+    let state = tempfile::Builder::new()
+        .prefix("sluice-cpu")
+        .tempdir_in("/tmp")?;
+    let mut cfg = LocalConfig::new(state.path());
+    cfg.platform = platform.into();
+    let backend = LocalBackend::new(cfg).await?;
+    let yaml = format!(
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {{name: cpu, namespace: default}}\nspec:\n  target: cpu\n  triggerPoint: input\n  hooks:\n    - name: redact-phone\n      action: modify\n      code: |\n{}",
+        PHONE_HOOK
+            .lines()
+            .map(|l| format!("        {l}\n"))
+            .collect::<String>()
+    );
+    let chain = Arc::new(crate::naive::chain_from_yaml(&yaml)?);
+    let limits = Limits::default();
+    let mut conn = SupervisorConn::new(backend.start(&chain.sandbox).await?, limits.max_line());
+    conn.wait_ready(Duration::from_secs(30)).await?;
+    conn.prepare(&chain, &limits.wire(), Duration::from_secs(30))
+        .await?;
+    let payload = serde_json::Value::String(text_1k());
+    for _ in 0..20 {
+        one_walk(&mut conn, &payload).await?;
+    }
+    let meter = CpuMeter::start(&format!("sluice/{}", conn.id));
+    for _ in 0..n {
+        one_walk(&mut conn, &payload).await?;
+    }
+    let used = meter.used();
+    conn.close().await;
+    Ok(used / n)
+}
+
+async fn one_walk(conn: &mut SupervisorConn, payload: &serde_json::Value) -> anyhow::Result<()> {
+    let r = conn
+        .walk(
+            0,
+            payload,
+            &[serde_json::Value::Null],
+            &serde_json::json!({}),
+            Duration::from_secs(5),
+            &sluice_engine::NoHostCalls,
+        )
+        .await;
+    anyhow::ensure!(
+        r.failure.is_none() && r.hooks.len() == 1 && r.hooks[0].error.is_none(),
+        "a walk failed: {r:?}"
+    );
+    Ok(())
+}
+
+/// Host CPU per hook of the fork cell (`fork_cell.py`, a namespaced fork of a warm Python per hook)
+/// inside a runsc sandbox on `platform`, steady state over `n` cells.
+async fn fork_cell_cpu(platform: &str, n: u32) -> anyhow::Result<Duration> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let dir = tempfile::Builder::new()
+        .prefix("sluice-forkcell")
+        .tempdir_in("/tmp")?;
+    let rootfs = dir.path().join("rootfs");
+    for d in [
+        "usr", "lib", "lib64", "bin", "etc", "tmp", "proc", "dev", "bench",
+    ] {
+        std::fs::create_dir_all(rootfs.join(d))?;
+    }
+    std::fs::write(
+        dir.path().join("fork_cell.py"),
+        include_str!("fork_cell.py"),
+    )?;
+    let id = format!("sluice-forkcell-{}", std::process::id());
+    let bind = |p: &str| serde_json::json!({"destination": p, "type": "bind", "source": p, "options": ["rbind", "ro"]});
+    let config = serde_json::json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 65534, "gid": 65534},
+            "args": ["/usr/bin/python3", "-I", "-S", "/bench/fork_cell.py", n.to_string()],
+            "env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8"],
+            "cwd": "/tmp",
+            "capabilities": {"bounding": [], "effective": [], "permitted": [], "inheritable": [], "ambient": []},
+            "noNewPrivileges": true
+        },
+        "root": {"path": rootfs, "readonly": true},
+        "hostname": "sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777", "size=16777216"]},
+            bind("/usr"), bind("/lib"), bind("/lib64"), bind("/bin"), bind("/etc"),
+            {"destination": "/bench", "type": "bind", "source": dir.path(), "options": ["rbind", "ro"]}
+        ],
+        "linux": {
+            "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
+            "cgroupsPath": format!("/sluice-bench/{id}")
+        }
+    });
+    std::fs::write(dir.path().join("config.json"), config.to_string())?;
+    let root = dir.path().join("runsc-root");
+    std::fs::create_dir_all(&root)?;
+    let mut child = tokio::process::Command::new("runsc")
+        .arg("--root")
+        .arg(&root)
+        .args([
+            "--platform",
+            platform,
+            "--network",
+            "none",
+            "run",
+            "--bundle",
+        ])
+        .arg(dir.path())
+        .arg(&id)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut stdin = child.stdin.take().expect("piped");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("piped")).lines();
+    let expect = |line: Option<String>, want: &str| match line {
+        Some(l) if l == want => Ok(()),
+        other => Err(anyhow::anyhow!(
+            "the fork-cell baseline said {other:?}, expected {want}"
+        )),
+    };
+    expect(
+        tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await??,
+        "warm",
+    )?;
+    let meter = CpuMeter::start(&format!("sluice-bench/{id}"));
+    stdin.write_all(b"go\n").await?;
+    expect(
+        tokio::time::timeout(Duration::from_secs(600), lines.next_line()).await??,
+        "done",
+    )?;
+    let used = meter.used();
+    drop(stdin);
+    let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+    let _ = tokio::process::Command::new("runsc")
+        .arg("--root")
+        .arg(&root)
+        .args(["delete", "--force", &id])
+        .status()
+        .await;
+    // runsc removes the cgroups it limited and leaves its empty directory in the others.
+    if let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup") {
+        for h in hierarchies.flatten() {
+            let _ = std::fs::remove_dir(h.path().join("sluice-bench").join(&id));
+            let _ = std::fs::remove_dir(h.path().join("sluice-bench"));
+        }
+    }
+    Ok(used / n)
+}
+
+/// `CPU per hook`: the WebAssembly cell beside the fork cell it replaced, both under ptrace.
+pub(crate) async fn cpu_per_hook(table: &mut Table) -> anyhow::Result<()> {
+    let wasm = wasm_cell_cpu("ptrace", 300).await?;
+    let fork = fork_cell_cpu("ptrace", 100).await?;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    table.push(
+        Row::value(
+            "CPU per hook (ms), WebAssembly cell (ptrace)",
+            format!("{:.1}", ms(wasm)),
+        )
+        .target("≤ 1/5 of the fork cell (gate ≤ 1/3)"),
+    );
+    table.push(Row::value(
+        "CPU per hook (ms), fork cell (ptrace)",
+        format!("{:.1}", ms(fork)),
+    ));
+    table.push(Row::value(
+        "CPU per hook, fork cell / WebAssembly cell (ptrace)",
+        format!("{:.1}×", ms(fork) / ms(wasm).max(0.001)),
+    ));
     Ok(())
 }

@@ -259,27 +259,15 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
         memory: "256Mi".into(),
         pids: 64,
     };
-    let python = backend.python().to_string_lossy().into_owned();
-    let relay = vec![
-        python.clone(),
-        "-I".into(),
-        "-S".into(),
-        "/sluice/attach.py".into(),
-    ];
+    let supervisor = sluice_sandbox_local::SUPERVISOR_IN_SANDBOX.to_string();
+    let relay = vec![supervisor.clone(), "attach".into()];
     let probe = [relay.clone(), vec!["--probe".into()]].concat();
-    let whole = [python.as_str(), "-I", "-S", "-u", "/sluice/supervisor.py"]
-        .map(String::from)
-        .to_vec();
-    let floor = [
-        python.as_str(),
-        "-I",
-        "-S",
-        "-c",
-        "import sys; sys.stderr.write('{\"type\":\"ready\"}\\n')",
-    ]
-    .map(String::from)
-    .to_vec();
-    let (mut attach, mut start, mut bare) = (Vec::new(), Vec::new(), Vec::new());
+    let whole = backend.program().args(
+        sluice_sandbox_local::SUPERVISOR_IN_SANDBOX,
+        sluice_sandbox_local::RUNTIME_IN_SANDBOX,
+        256 << 20,
+    );
+    let (mut attach, mut start) = (Vec::new(), Vec::new());
     for i in 0..36 {
         let sandbox = backend.start(&spec).await?;
         let mut log = sandbox.protocol;
@@ -299,7 +287,7 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         anyhow::ensure!(ready, "a pod-shaped sandbox never became ready");
-        let command = [&relay, &whole, &floor][i % 3];
+        let command = [&relay, &whole][i % 2];
         let began = Instant::now();
         let mut child = backend.exec(&sandbox.id, command).await?;
         let stderr = child.stderr.take().context("exec without stderr")?;
@@ -313,7 +301,7 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
             "exec {command:?} said {line:?}"
         );
         if i >= 6 {
-            [&mut attach, &mut start, &mut bare][i % 3].push(took);
+            [&mut attach, &mut start][i % 2].push(took);
         }
         drop(child.stdin.take());
         let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
@@ -324,12 +312,8 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
         &attach,
     ));
     table.push(Row::latency(
-        "  baseline: exec that starts the supervisor (zygote, self-check cell) until `ready`",
+        "  baseline: exec that starts the supervisor (runtime loaded, self-check) until `ready`",
         &start,
-    ));
-    table.push(Row::latency(
-        "  floor: exec of `python3 -I -S` writing one line",
-        &bare,
     ));
     Ok(())
 }

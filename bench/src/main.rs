@@ -197,6 +197,11 @@ async fn main() -> anyhow::Result<()> {
     }
     if on("cells") {
         cells::bench(&mut table).await.context("cells")?;
+    } else if wanted.iter().any(|w| w == "cpu") {
+        // The cells section's CPU-per-hook rows alone.
+        cells::cpu_per_hook(&mut table)
+            .await
+            .context("CPU per hook")?;
     }
     if on("run") {
         run_latency(&mut table).await.context("run latency")?;

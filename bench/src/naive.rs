@@ -71,6 +71,14 @@ pub(crate) fn bench_chain() -> anyhow::Result<Chain> {
     Ok(Chain::new(&namespace, &name, &hc.spec)?)
 }
 
+/// A chain from one HookChain document.
+pub(crate) fn chain_from_yaml(yaml: &str) -> anyhow::Result<Chain> {
+    let hc: sluice_crds::HookChain = hookchain_from(yaml)?;
+    let namespace = sluice_crds::manifest::namespace_of(&hc.metadata);
+    let name = hc.metadata.name.clone().unwrap_or_default();
+    Ok(Chain::new(&namespace, &name, &hc.spec)?)
+}
+
 fn hookchain_from(y: &str) -> anyhow::Result<sluice_crds::HookChain> {
     let parsed = sluice_crds::manifest::parse(std::path::Path::new("bench.yaml"), y);
     match parsed.into_iter().next() {

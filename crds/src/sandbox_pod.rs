@@ -26,37 +26,32 @@ pub const SANDBOX_NAME: &str = "sluice-sandbox";
 /// The container the gateway execs into.
 pub const CONTAINER: &str = "supervisor";
 /// The supervisor's path in the supervisor image. A warm pod's main process is
-/// `python3 -u SUPERVISOR --listen --memory-bytes M --pids P`: ready (modules imported, zygote
-/// started, a self-check cell made) before the pod turns Ready.
-pub const SUPERVISOR: &str = "/opt/sluice/supervisor.py";
-/// The relay the gateway execs into a claimed pod (`python3 -I -S ATTACH`): it hands the exec's
-/// stdin, stdout and stderr to the waiting supervisor. With `--probe` it is the readiness probe.
-pub const ATTACH: &str = "/opt/sluice/attach.py";
+/// `SUPERVISOR --listen --runtime RUNTIME --memory-bytes M --pids P`: ready (runtime loaded, a hook
+/// run through a real instance) before the pod turns Ready.
+pub const SUPERVISOR: &str = "/opt/sluice/sluice-supervisor";
+/// The cell runtime in the supervisor image (the pre-initialised CPython component, precompiled);
+/// its SHA-256 is in `RUNTIME.sha256` beside it, which the supervisor checks before loading it.
+pub const RUNTIME: &str = "/opt/sluice/sluice-cell.cwasm";
 
-/// The command the gateway execs into a claimed pod for one trigger point.
+/// The command the gateway execs into a claimed pod for one trigger point: the relay that hands the
+/// exec's stdin, stdout and stderr to the waiting supervisor.
 pub fn attach_command() -> Vec<String> {
-    ["python3", "-I", "-S", ATTACH]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    vec![SUPERVISOR.to_string(), "attach".into()]
 }
 
-/// The pod's readiness probe: the supervisor answers, still waiting for its attach.
+/// The pod's startup probe: the supervisor answers, still waiting for its attach.
 pub fn probe_command() -> Vec<String> {
-    ["python3", "-I", "-S", ATTACH, "--probe"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    vec![SUPERVISOR.to_string(), "attach".into(), "--probe".into()]
 }
 
 /// A warm pod's main process: the supervisor, listening, with the chain's limits. Nothing in it
 /// depends on the chain's hooks: every trigger point's cell gets them from the gateway.
 pub fn supervisor_command(memory_bytes: u64, pids: u32) -> Vec<String> {
     [
-        "python3".to_string(),
-        "-u".into(),
-        SUPERVISOR.into(),
+        SUPERVISOR.to_string(),
         "--listen".into(),
+        "--runtime".into(),
+        RUNTIME.into(),
         "--memory-bytes".into(),
         memory_bytes.to_string(),
         "--pids".into(),

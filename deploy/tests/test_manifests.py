@@ -645,12 +645,12 @@ class OperatorRenderTest(ManifestCase):
                     self.assertEqual(c["name"], "supervisor")
                     # The supervisor itself, listening, with the chain's limits (nothing of its hooks).
                     command = c["command"]
-                    self.assertEqual(command[:4], ["python3", "-u", "/opt/sluice/supervisor.py", "--listen"])
+                    self.assertEqual(command[:4], ["/opt/sluice/sluice-supervisor", "--listen", "--runtime", "/opt/sluice/sluice-cell.cwasm"])
                     flags = dict(zip(command[4::2], command[5::2]))
                     self.assertNotIn("--workers", flags, name)
                     self.assertEqual(flags["--pids"], str(chain["spec"].get("resources", {}).get("pids", 64)), name)
                     self.assertGreater(int(flags["--memory-bytes"]), 0)
-                    self.assertEqual(c["startupProbe"]["exec"]["command"], ["python3", "-I", "-S", "/opt/sluice/attach.py", "--probe"])
+                    self.assertEqual(c["startupProbe"]["exec"]["command"], ["/opt/sluice/sluice-supervisor", "attach", "--probe"])
                     self.assertNotIn("readinessProbe", c, "no exec per period into a pod that serves trigger points")
                 policy = self.find(objs, "NetworkPolicy", f"sluice-{name}-deny-all")["spec"]
                 self.assertEqual(policy["podSelector"], {"matchLabels": {"sluice.dev/chain": name}})

@@ -53,14 +53,16 @@ class DockerfileTest(unittest.TestCase):
 
     def test_supervisor_image_matches_the_contract(self):
         stage = final_stage("supervisor/Dockerfile")
-        self.assertTrue(stage[0].startswith("FROM python:3.11-slim"), stage[0])
-        copies = instructions(stage, "COPY")
-        self.assertTrue(any(c.endswith("supervisor/supervisor.py supervisor/attach.py /opt/sluice/") for c in copies), copies)
-        env = " ".join(instructions(stage, "ENV"))
-        self.assertIn("PYTHONDONTWRITEBYTECODE=1", env)
-        self.assertNotIn("SLUICE_", env, "settings are flags: every process of a sandbox can read its initial environment")
-        self.assertEqual(instructions(stage, "CMD"), ['["python3", "-u", "/opt/sluice/supervisor.py", "--listen"]'])
-        for f in ("supervisor.py", "attach.py"):
+        self.assertTrue(stage[0].startswith("FROM debian:bookworm-slim"), stage[0])
+        copies = " ".join(instructions(stage, "COPY"))
+        for f in ("/opt/sluice/sluice-supervisor", "sluice-cell.cwasm", "sluice-cell.cwasm.sha256"):
+            self.assertIn(f, copies)
+        self.assertNotIn("SLUICE_", " ".join(instructions(stage, "ENV")), "settings are flags, not the environment")
+        self.assertEqual(
+            instructions(stage, "CMD"),
+            ['["/opt/sluice/sluice-supervisor", "--listen", "--runtime", "/opt/sluice/sluice-cell.cwasm"]'],
+        )
+        for f in ("guest/runner.py", "wit/cell.wit", "build-cell.sh"):
             self.assertTrue(os.path.exists(os.path.join(ROOT, "supervisor", f)))
 
     def test_operator_and_gateway_are_multi_stage_and_run_their_binary(self):

@@ -112,7 +112,7 @@ async fn runs_and_streams_over(protocol: ExecProtocol) {
     // Every exec used the contract's command (the attach relay) and stdin, stdout and stderr, no tty.
     for e in api.requests().iter().filter(|r| r.path.ends_with("/exec")) {
         assert!(e.query.contains("container=supervisor"), "{e:?}");
-        assert!(e.query.contains("attach.py"), "{e:?}");
+        assert!(e.query.contains("command=attach"), "{e:?}");
         assert!(e.query.contains("stdin=true"), "{e:?}");
         assert!(!e.query.contains("tty=true"), "{e:?}");
     }

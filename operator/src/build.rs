@@ -358,14 +358,14 @@ pub(crate) mod tests {
         assert_eq!(sc.capabilities.unwrap().drop, Some(vec!["ALL".to_string()]));
         assert_eq!(sc.seccomp_profile.unwrap().type_, "RuntimeDefault");
         // The pod's main process is the supervisor, listening for the gateway's attach: 256Mi is
-        // each hook process's address-space limit, the chain's pids its nproc.
+        // each hook instance's memory limit, the chain's pids its nproc.
         assert_eq!(
             c.command.clone().unwrap(),
             [
-                "python3",
-                "-u",
-                "/opt/sluice/supervisor.py",
+                "/opt/sluice/sluice-supervisor",
                 "--listen",
+                "--runtime",
+                "/opt/sluice/sluice-cell.cwasm",
                 "--memory-bytes",
                 "268435456",
                 "--pids",
@@ -432,7 +432,7 @@ pub(crate) mod tests {
         let probe = container.startup_probe.clone().unwrap();
         assert_eq!(
             probe.exec.unwrap().command.unwrap(),
-            ["python3", "-I", "-S", "/opt/sluice/attach.py", "--probe"]
+            ["/opt/sluice/sluice-supervisor", "attach", "--probe"]
         );
     }
 

@@ -658,17 +658,14 @@ impl Shared {
         }
     }
 
-    /// A pod's command as it runs in a local sandbox: the image's `python3` is the backend's
-    /// interpreter, and `/opt/sluice/` of the image is `/sluice/` there.
+    /// A pod's command as it runs in a local sandbox: `/opt/sluice/` of the image is `/sluice/`
+    /// there.
     fn in_sandbox(&self, command: &[String]) -> Vec<String> {
         command
             .iter()
-            .map(|a| match a.as_str() {
-                "python3" => self.backend.python().to_string_lossy().into_owned(),
-                a => match a.strip_prefix("/opt/sluice/") {
-                    Some(file) => format!("/sluice/{file}"),
-                    None => a.to_string(),
-                },
+            .map(|a| match a.strip_prefix("/opt/sluice/") {
+                Some(file) => format!("/sluice/{file}"),
+                None => a.to_string(),
             })
             .collect()
     }

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncWriteExt, BufReader};
 use tracing::Instrument;
 
-/// The supervisor's source (`supervisor/supervisor.py`), the other side of this conversation, as
-/// backends install it in their sandboxes.
-pub const SUPERVISOR_PY: &str = include_str!("../../../supervisor/supervisor.py");
+/// How far past the chain's deadline the gateway waits for the supervisor's own verdict on a hook
+/// that ran out of time.
+const DEADLINE_GRACE: Duration = Duration::from_millis(500);
 
 /// Why a conversation with the sandbox ended early. Each ends the sandbox's usefulness.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -230,6 +230,7 @@ impl SupervisorConn {
         self.send(&ToSupervisor::Init {
             trigger_point: chain.spec.trigger_point.as_str(),
             failure_policy: policy,
+            timeout_ms: chain.spec.timeout_ms as u64,
             hooks,
             limits,
         })
@@ -307,7 +308,10 @@ impl SupervisorConn {
             report.failure = Some(f);
             return report;
         }
-        let mut remaining = budget;
+        // The supervisor stops a hook at the chain's deadline itself and reports it as that hook's
+        // error (the sandbox stays usable); this deadline is the backstop for a supervisor that does
+        // not, and ends the sandbox.
+        let mut remaining = budget + DEADLINE_GRACE;
         // One span per hook, from when it can start (the chunk was sent, the previous hook
         // answered) to its result; a hook's host_calls are its children.
         let hook_names: Vec<String> = self.cell.as_ref().map_or_else(Vec::new, |c| {

@@ -6,7 +6,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
 
-pub(crate) const PROTOCOL_VERSION: u32 = 2;
+pub(crate) const PROTOCOL_VERSION: u32 = 3;
 
 /// Messages the gateway sends on the supervisor's stdin.
 #[derive(Debug, Serialize)]
@@ -15,6 +15,9 @@ pub(crate) enum ToSupervisor<'a> {
     Init {
         trigger_point: &'a str,
         failure_policy: &'a str,
+        /// The chain's `spec.timeoutMs`: the supervisor stops a hook at it (host-call time not
+        /// counted) and reports it as that hook's error; the gateway's own deadline is a backstop.
+        timeout_ms: u64,
         hooks: Vec<InitHook<'a>>,
         limits: &'a WireLimits,
     },

@@ -1,8 +1,9 @@
 //! The `local` backend: one gVisor (runsc) container per sandbox on this machine.
 //!
 //! Each sandbox gets an OCI bundle whose root filesystem is an empty, read-only skeleton; the only
-//! things of the host in it are bind mounts (read-only) of the Python binary, its shared libraries,
-//! its standard library and the supervisor. No network, a size-limited tmpfs `/tmp`, cgroup limits from
+//! things of the host in it are bind mounts (read-only) of the supervisor binary, the shared libraries
+//! it links, and the cell runtime it loads (`sluice-cell.cwasm`). No Python of the host's: hooks run
+//! in the supervisor's WebAssembly instances of a pre-initialised CPython. No network, a size-limited tmpfs `/tmp`, cgroup limits from
 //! the chain's resources, no capabilities, uid 65534. All state lives under one directory per gateway
 //! (`state_dir`): the runsc root, the bundles and the supervisor, so leftovers of a crashed gateway
 //! are found and removed at the next start.
@@ -12,7 +13,7 @@
 use async_trait::async_trait;
 use serde_json::json;
 use sluice_engine::{
-    Reader, SUPERVISOR_PY, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError,
+    Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, SupervisorProgram,
     discard_output,
 };
 use std::collections::BTreeSet;
@@ -24,8 +25,9 @@ use std::time::Duration;
 use tokio::process::{Child, Command};
 use tokio::sync::Mutex;
 
-/// The attach relay a warm pod's exec runs (see `supervisor/attach.py`); mounted for the pod shape.
-pub const ATTACH_PY: &str = include_str!("../../../supervisor/attach.py");
+/// Where the supervisor binary and its cell runtime are inside every sandbox.
+pub const SUPERVISOR_IN_SANDBOX: &str = "/sluice/sluice-supervisor";
+pub const RUNTIME_IN_SANDBOX: &str = "/sluice/sluice-cell.cwasm";
 
 const CGROUP_PARENT: &str = "sluice";
 /// The host-side pids cgroup also holds gVisor's own threads (sentry and gofer, Go runtimes of a few
@@ -35,11 +37,12 @@ const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 #[derive(Clone, Debug)]
 pub struct LocalConfig {
-    /// Directory owned by this gateway: runsc root, bundles, rootfs skeleton, supervisor.
+    /// Directory owned by this gateway: runsc root, bundles, rootfs skeleton.
     pub state_dir: PathBuf,
     pub runsc: PathBuf,
-    /// Python interpreter whose binary, libraries and stdlib are mounted into each sandbox.
-    pub python: PathBuf,
+    /// The supervisor and the cell runtime mounted into each sandbox; `None`: found beside this
+    /// executable ([`SupervisorProgram::locate`]).
+    pub program: Option<SupervisorProgram>,
     /// gVisor platform: `ptrace`, `systrap` (or `kvm` where the host allows), or `auto`: the faster
     /// of systrap and ptrace at making a cell, measured at start.
     pub platform: String,
@@ -59,7 +62,7 @@ impl LocalConfig {
         Self {
             state_dir: state_dir.into(),
             runsc: PathBuf::from("runsc"),
-            python: PathBuf::from("/usr/bin/python3"),
+            program: None,
             platform: "auto".into(),
             tmp_bytes: 16 << 20,
             keep_stdout: false,
@@ -73,7 +76,7 @@ pub struct LocalBackend {
     runsc_root: PathBuf,
     bundles: PathBuf,
     rootfs: PathBuf,
-    python: PathBuf,
+    program: SupervisorProgram,
     mounts: Vec<serde_json::Value>,
     /// Container ids start with this, so leftovers of this state dir are recognisable.
     prefix: String,
@@ -86,7 +89,7 @@ fn runtime(msg: impl Into<String>) -> StartError {
 
 impl LocalBackend {
     /// Prepares the state directory and the read-only root filesystem. Fails with a clear message
-    /// when runsc or Python is missing.
+    /// when runsc, the supervisor or its cell runtime is missing.
     pub async fn new(cfg: LocalConfig) -> Result<Self, StartError> {
         let state_dir = std::path::absolute(&cfg.state_dir)?;
         let runsc_root = state_dir.join("runsc");
@@ -109,31 +112,26 @@ impl LocalBackend {
         if !version.status.success() {
             return Err(runtime(format!("{:?} --version failed", cfg.runsc)));
         }
-        let supervisor = state_dir.join("supervisor.py");
-        tokio::fs::write(&supervisor, SUPERVISOR_PY).await?;
-        set_mode(&supervisor, 0o644)?;
-        let attach = state_dir.join("attach.py");
-        tokio::fs::write(&attach, ATTACH_PY).await?;
-        set_mode(&attach, 0o644)?;
+        let program = match cfg.program.clone() {
+            Some(p) => p,
+            None => SupervisorProgram::locate().map_err(|e| runtime(e.to_string()))?,
+        };
         for d in ["tmp", "proc", "dev", "sluice", "etc"] {
             tokio::fs::create_dir_all(rootfs.join(d)).await?;
         }
         set_mode(&rootfs, 0o755)?;
-        let python = tokio::fs::canonicalize(&cfg.python)
+        let binary = tokio::fs::canonicalize(&program.binary)
             .await
-            .map_err(|e| runtime(format!("python {:?} not found: {e}", cfg.python)))?;
-        let host_paths = python_closure(&python).await?;
+            .map_err(|e| runtime(format!("supervisor {:?} not found: {e}", program.binary)))?;
+        let host_paths = shared_libraries(&binary).await?;
         let mut mounts = vec![
             json!({"destination": "/proc", "type": "proc", "source": "proc"}),
             json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
                    "options": ["nosuid", "nodev", "noexec", "mode=1777", format!("size={}", cfg.tmp_bytes)]}),
-            // Where each cell mounts its private /dev/shm, as in a pod.
-            json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-                   "options": ["nosuid", "nodev", "noexec", "mode=1777", "size=65536"]}),
-            json!({"destination": "/sluice/supervisor.py", "type": "bind",
-                   "source": supervisor, "options": ["rbind", "ro"]}),
-            json!({"destination": "/sluice/attach.py", "type": "bind",
-                   "source": attach, "options": ["rbind", "ro"]}),
+            json!({"destination": SUPERVISOR_IN_SANDBOX, "type": "bind",
+                   "source": binary, "options": ["rbind", "ro"]}),
+            json!({"destination": RUNTIME_IN_SANDBOX, "type": "bind",
+                   "source": program.runtime, "options": ["rbind", "ro"]}),
         ];
         for p in host_paths {
             mounts.push(
@@ -146,7 +144,7 @@ impl LocalBackend {
             runsc_root,
             bundles,
             rootfs,
-            python,
+            program,
             mounts,
             prefix: format!("sluice-{tag}-{}", std::process::id()),
             seq: AtomicU64::new(0),
@@ -187,7 +185,7 @@ impl LocalBackend {
     }
 
     /// Proves that this runsc can make cells here, and picks the platform: each candidate boots one
-    /// sandbox running `supervisor.py --probe` (a one-hook chain through a real cell); `auto` keeps
+    /// sandbox running `sluice-supervisor --probe` (a one-hook chain through a real cell); `auto` keeps
     /// the fastest that passes. A runsc that cannot make cells (bookworm's 20221219) fails here, at
     /// start, with the supervisor's reason.
     async fn choose_platform(&mut self) -> Result<(), StartError> {
@@ -240,14 +238,9 @@ impl LocalBackend {
             pids: 64,
         };
         let mut config = self.oci_spec(&id, &spec).map_err(|e| e.to_string())?;
-        config["process"]["args"] = json!([
-            self.python,
-            "-I",
-            "-S",
-            "-u",
-            "/sluice/supervisor.py",
-            "--probe"
-        ]);
+        let mut args = self.supervisor_args(&spec).map_err(|e| e.to_string())?;
+        args.push("--probe".into());
+        config["process"]["args"] = json!(args);
         tokio::fs::create_dir_all(&bundle)
             .await
             .map_err(|e| e.to_string())?;
@@ -289,13 +282,9 @@ impl LocalBackend {
 
     /// The environment of every process in a sandbox.
     fn env() -> Vec<String> {
-        [
-            "PATH=/usr/bin:/bin",
-            "LANG=C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE=1",
-        ]
-        .map(String::from)
-        .to_vec()
+        ["PATH=/usr/bin:/bin", "LANG=C.UTF-8"]
+            .map(String::from)
+            .to_vec()
     }
 
     /// A process of the sandbox user: no capabilities, no new privileges, few files, no core dumps.
@@ -319,22 +308,13 @@ impl LocalBackend {
             sluice_crds::quantity::cpu_millis(&spec.cpu).map_err(|e| runtime(e.to_string()))?;
         let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
             .map_err(|e| runtime(e.to_string()))?;
-        let mut args = vec![
-            json!(self.python),
-            json!("-I"),
-            json!("-S"),
-            json!("-u"),
-            json!("/sluice/supervisor.py"),
-        ];
+        let mut args = self.supervisor_args(spec)?;
         if self.cfg.pod_shape {
-            args.push(json!("--listen"));
+            args.push("--listen".into());
         }
-        // Settings are flags, never the environment: every process of the sandbox, hooks included,
-        // can read the initial environment block as its /proc/1/environ.
-        args.extend([json!("--memory-bytes"), json!(memory_bytes.to_string())]);
         Ok(json!({
             "ociVersion": "1.0.2",
-            "process": Self::process(args, Self::env()),
+            "process": Self::process(args.into_iter().map(serde_json::Value::String).collect(), Self::env()),
             "root": {"path": self.rootfs, "readonly": true},
             "hostname": "sandbox",
             "mounts": self.mounts,
@@ -350,9 +330,19 @@ impl LocalBackend {
         }))
     }
 
+    /// The supervisor's command line in a sandbox for `spec`. Settings are flags, never the
+    /// environment.
+    fn supervisor_args(&self, spec: &SandboxSpec) -> Result<Vec<String>, StartError> {
+        let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
+            .map_err(|e| runtime(e.to_string()))?;
+        Ok(self
+            .program
+            .args(SUPERVISOR_IN_SANDBOX, RUNTIME_IN_SANDBOX, memory_bytes))
+    }
+
     /// Starts `args` as another process of sandbox `id` (`runsc exec`, the sandbox user, the
     /// sandbox's environment), stdio piped: what a kubelet does for a pod's exec and exec probes.
-    /// The supervisor and its relay are at `/sluice/`, the interpreter at [`LocalBackend::python`].
+    /// The supervisor is at [`SUPERVISOR_IN_SANDBOX`].
     pub async fn exec(
         &self,
         id: &str,
@@ -489,41 +479,16 @@ fn short_hash(bytes: &[u8]) -> String {
     hex::encode(&sha2::Sha256::digest(bytes)[..4])
 }
 
-/// The host paths a sandbox needs to run `python` with its stdlib: the binary, its standard library
-/// and every shared library the binary and the stdlib's extension modules load.
-async fn python_closure(python: &Path) -> Result<BTreeSet<String>, StartError> {
-    let out = Command::new(python)
-        .args(["-I", "-S", "-c", "import sysconfig,sys;p=sysconfig.get_paths();print(p['stdlib']);print(p['platstdlib']);print(sys.prefix)"])
-        .output()
-        .await
-        .map_err(|e| runtime(format!("cannot run {python:?}: {e}")))?;
-    if !out.status.success() {
-        return Err(runtime(format!("{python:?} could not report its stdlib")));
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut lines = text.lines();
-    let stdlib = lines.next().unwrap_or_default().to_string();
-    let platstdlib = lines.next().unwrap_or_default().to_string();
-    let mut paths: BTreeSet<String> = [
-        python.to_string_lossy().to_string(),
-        stdlib.clone(),
-        platstdlib,
-    ]
-    .into();
-    // Shared libraries of the binary and of every extension module in lib-dynload.
-    let mut objects = vec![python.to_path_buf()];
-    if let Ok(mut rd) = tokio::fs::read_dir(Path::new(&stdlib).join("lib-dynload")).await {
-        while let Ok(Some(e)) = rd.next_entry().await {
-            objects.push(e.path());
-        }
-    }
+/// The shared libraries `binary` loads (with the dynamic loader), as host paths.
+async fn shared_libraries(binary: &Path) -> Result<BTreeSet<String>, StartError> {
     let ldd = Command::new("ldd")
-        .args(&objects)
+        .arg(binary)
         .output()
         .await
         .map_err(|e| runtime(format!("cannot run ldd: {e}")))?;
+    let mut paths = BTreeSet::new();
     for line in String::from_utf8_lossy(&ldd.stdout).lines() {
-        // "\tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)" or "\t/lib64/ld-linux-x86-64.so.2 (0x...)"
+        // "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" or "\t/lib64/ld-linux-x86-64.so.2 (0x...)"
         let target = line.split("=>").nth(1).unwrap_or(line).trim();
         if let Some(path) = target
             .split_whitespace()
@@ -533,18 +498,7 @@ async fn python_closure(python: &Path) -> Result<BTreeSet<String>, StartError> {
             paths.insert(path.to_string());
         }
     }
-    paths.retain(|p| !p.is_empty() && Path::new(p).exists());
-    // A directory already mounted covers the files inside it.
-    let dirs: Vec<String> = paths
-        .iter()
-        .filter(|p| Path::new(p).is_dir())
-        .cloned()
-        .collect();
-    paths.retain(|p| {
-        !dirs
-            .iter()
-            .any(|d| p != d && p.starts_with(&format!("{d}/")))
-    });
+    paths.retain(|p| Path::new(p).exists());
     Ok(paths)
 }
 
@@ -650,9 +604,9 @@ impl SandboxBackend for LocalBackend {
 }
 
 impl LocalBackend {
-    /// The Python interpreter the sandboxes run.
-    pub fn python(&self) -> &Path {
-        &self.python
+    /// The supervisor and cell runtime the sandboxes run.
+    pub fn program(&self) -> &SupervisorProgram {
+        &self.program
     }
 }
 

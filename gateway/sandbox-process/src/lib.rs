@@ -1,18 +1,17 @@
-//! A sandbox backend for tests: the real `supervisor/supervisor.py`, run by the host's `python3` as a
-//! plain child process, speaking the protocol on stdin/stderr exactly as in a runsc sandbox. No
-//! gVisor: the supervisor is pid 1 of a pid namespace of its own (`unshare`, in a user namespace, so
-//! no root is needed where user namespaces are allowed), which its cells nest in and which dies with
-//! it, so killing a "sandbox" leaves no hook process behind. It lets the engine's every policy path
-//! run in milliseconds on any machine that allows user namespaces.
+//! A sandbox backend for tests: the real `sluice-supervisor`, run as a plain child process, speaking
+//! the protocol on stdin/stderr exactly as in a runsc sandbox. No gVisor: hook code is walled in by
+//! the supervisor's WebAssembly instances alone (no system calls, no files), which is what an
+//! author's machine without gVisor gets too. It lets the engine's every policy path run in
+//! milliseconds on any machine.
 
 #![allow(clippy::new_without_default)]
 
 use async_trait::async_trait;
 use sluice_engine::{
-    SUPERVISOR_PY, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, discard_output,
+    ProgramError, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError,
+    SupervisorProgram, discard_output,
 };
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,27 +19,24 @@ use tokio::process::{Child, Command};
 
 /// Starts supervisors as child processes of this one.
 pub struct ProcessBackend {
-    /// Holds `supervisor.py`; removed with the backend.
-    dir: tempfile::TempDir,
+    program: SupervisorProgram,
     seq: AtomicU64,
     live: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl ProcessBackend {
-    pub fn new() -> std::io::Result<Self> {
-        let dir = tempfile::Builder::new()
-            .prefix("sluice-process-backend-")
-            .tempdir()?;
-        std::fs::write(dir.path().join("supervisor.py"), SUPERVISOR_PY)?;
-        Ok(Self {
-            dir,
-            seq: AtomicU64::new(0),
-            live: Arc::default(),
-        })
+    /// With the supervisor and cell runtime beside this executable (see
+    /// [`SupervisorProgram::locate`]).
+    pub fn new() -> Result<Self, ProgramError> {
+        Ok(Self::with_program(SupervisorProgram::locate()?))
     }
 
-    fn supervisor(&self) -> PathBuf {
-        self.dir.path().join("supervisor.py")
+    pub fn with_program(program: SupervisorProgram) -> Self {
+        Self {
+            program,
+            seq: AtomicU64::new(0),
+            live: Arc::default(),
+        }
     }
 }
 
@@ -50,19 +46,14 @@ impl SandboxBackend for ProcessBackend {
         let id = format!("process-{}", self.seq.fetch_add(1, Ordering::Relaxed));
         let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
             .map_err(|e| StartError::Runtime(e.to_string()))?;
-        let mut child = Command::new("unshare")
-            .args([
-                "--user",
-                "--map-root-user",
-                "--pid",
-                "--fork",
-                "--kill-child",
-                "--mount-proc",
-            ])
-            .args(["python3", "-I", "-S", "-u"])
-            .arg(self.supervisor())
-            .arg("--memory-bytes")
-            .arg(memory_bytes.to_string())
+        let args = self.program.args(
+            &self.program.binary.to_string_lossy(),
+            &self.program.runtime.to_string_lossy(),
+            memory_bytes,
+        );
+        let mut child = Command::new(&args[0])
+            .args(&args[1..])
+            .env_clear()
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -71,7 +62,9 @@ impl SandboxBackend for ProcessBackend {
         let (Some(stdin), Some(stdout), Some(stderr)) =
             (child.stdin.take(), child.stdout.take(), child.stderr.take())
         else {
-            return Err(StartError::Runtime("python3 started without pipes".into()));
+            return Err(StartError::Runtime(
+                "the supervisor started without pipes".into(),
+            ));
         };
         // Hooks' prints land here: read and dropped, up to the same bound the local backend keeps.
         let stdout_bytes = Arc::new(AtomicU64::new(0));

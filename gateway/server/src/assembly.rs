@@ -101,6 +101,9 @@ pub struct LocalOptions {
     pub boot_concurrency: usize,
     /// Enforced HookChains in this namespace are platform baselines (`--platform-namespace`).
     pub platform_namespace: String,
+    /// The interpreter whose compiler and `ast` check hook code when the directory is read (hooks
+    /// themselves run in the sandboxes' own CPython).
+    pub python: PathBuf,
 }
 
 impl LocalOptions {
@@ -117,6 +120,7 @@ impl LocalOptions {
                 .map(|n| n.get())
                 .unwrap_or(2),
             platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
+            python: PathBuf::from("/usr/bin/python3"),
         }
     }
 }
@@ -189,8 +193,7 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         &opts.limits,
         opts.boot_concurrency,
     );
-    let mut source =
-        local_dir::LocalSource::new(&opts.dir, &opts.platform_namespace, &opts.sandbox.python);
+    let mut source = local_dir::LocalSource::new(&opts.dir, &opts.platform_namespace, &opts.python);
     // Reading checks hook code with python: kept off the async workers, each file bounded in time.
     let (source, registry) = tokio::task::spawn_blocking(move || {
         let registry = source.reload(local_dir::CHECK_BOUND);

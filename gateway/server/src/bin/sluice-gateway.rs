@@ -85,11 +85,19 @@ struct Args {
     /// The runsc binary.
     #[arg(long, default_value = "runsc")]
     runsc: PathBuf,
-    /// The Python interpreter: local mode mounts it (read-only) into sandboxes (default
-    /// /usr/bin/python3); both modes check hook code with it (kube mode: python3 on PATH by default,
-    /// the gateway image's, which matches the sandbox image's).
+    /// The Python interpreter that checks hook code (its compiler and `ast`) when chains are read
+    /// (default: /usr/bin/python3 in local mode, python3 on PATH in kube mode). Hooks themselves
+    /// run in the sandboxes' own CPython (WebAssembly).
     #[arg(long)]
     python: Option<PathBuf>,
+    /// Local mode: the supervisor binary mounted into every sandbox (default: `sluice-supervisor`
+    /// beside this binary).
+    #[arg(long, requires = "cell_runtime")]
+    supervisor: Option<PathBuf>,
+    /// Local mode: the cell runtime the supervisor loads (default: `sluice-cell.cwasm` beside this
+    /// binary; its SHA-256 is read from the `.sha256` file beside it).
+    #[arg(long, requires = "supervisor")]
+    cell_runtime: Option<PathBuf>,
     /// gVisor platform: ptrace, systrap, or auto (the faster of the two at making a cell, measured
     /// at start; either must be able to make cells or the gateway does not start).
     #[arg(long, default_value = "auto", value_parser = ["auto", "ptrace", "systrap", "kvm"])]
@@ -135,7 +143,13 @@ async fn main() -> anyhow::Result<()> {
             opts.metrics = args.metrics;
             opts.sandbox.runsc = args.runsc;
             if let Some(python) = args.python {
-                opts.sandbox.python = python;
+                opts.python = python;
+            }
+            if let (Some(binary), Some(runtime)) = (args.supervisor, args.cell_runtime) {
+                opts.sandbox.program = Some(
+                    sluice_engine::SupervisorProgram::at(binary, runtime)
+                        .context("the supervisor for local mode's sandboxes")?,
+                );
             }
             opts.sandbox.platform = args.platform;
             opts.platform_namespace = args.platform_namespace;

@@ -1,0 +1,127 @@
+//! A hook's `host_call`, relayed to the gateway: the instance is blocked in the import while the
+//! supervisor writes `host_call` and waits for the matching `host_result`. The deadline is paused
+//! meanwhile: the gateway does not count host-call time against the hook.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde_json::{Value, json};
+
+use crate::checks::{Limits, bounded_json};
+use crate::protocol::{Channel, Incoming};
+use crate::runtime::Deadline;
+
+/// What one call's host calls go through.
+#[derive(Clone)]
+pub(crate) struct Relay {
+    link: Result<Arc<Link>, &'static str>,
+    deadline: Option<Deadline>,
+}
+
+pub(crate) struct Link {
+    pub(crate) channel: Arc<Mutex<Channel>>,
+    pub(crate) run: Value,
+    pub(crate) hook: usize,
+    pub(crate) limits: Limits,
+    /// Host calls left in this chunk's walk, shared by its hooks.
+    pub(crate) budget: Arc<AtomicU64>,
+    /// Host-call ids, unique within the sandbox.
+    pub(crate) next_id: Arc<AtomicU64>,
+}
+
+fn refusal(message: impl Into<String>, code: &str) -> String {
+    json!({"message": message.into(), "code": code}).to_string()
+}
+
+impl Relay {
+    pub(crate) fn new(link: Link) -> Self {
+        Self {
+            link: Ok(Arc::new(link)),
+            deadline: None,
+        }
+    }
+
+    /// A relay that answers every call with an error (module code at load time has no run).
+    pub(crate) fn refusing(why: &'static str) -> Self {
+        Self {
+            link: Err(why),
+            deadline: None,
+        }
+    }
+
+    pub(crate) fn set_deadline(&mut self, deadline: Deadline) {
+        self.deadline = Some(deadline);
+    }
+
+    pub(crate) fn host_call(
+        &mut self,
+        name: String,
+        payload_json: String,
+    ) -> Result<String, String> {
+        let link = match &self.link {
+            Ok(link) => link.clone(),
+            Err(why) => return Err(refusal(*why, "forbidden")),
+        };
+        let left = link.budget.load(Ordering::Relaxed);
+        if left == 0 {
+            return Err(refusal(
+                format!(
+                    "host_call limit reached: at most {} per run",
+                    link.limits.host_calls
+                ),
+                "limit",
+            ));
+        }
+        link.budget.store(left - 1, Ordering::Relaxed);
+        let payload: Value = serde_json::from_str(&payload_json)
+            .map_err(|e| refusal(format!("host_call payload is not JSON: {e}"), "invalid"))?;
+        let payload = bounded_json(
+            payload,
+            "host_call payload",
+            link.limits.payload_bytes,
+            link.limits.depth,
+        )
+        .map_err(|e| refusal(e.to_string(), "invalid"))?;
+        let id = link.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut channel = link.channel.lock().unwrap_or_else(|e| e.into_inner());
+        let request = json!({"type": "host_call", "id": id, "run": link.run, "hook": link.hook, "name": name, "payload": payload});
+        if channel.send(&request).is_err() {
+            gateway_gone();
+        }
+        if let Some(deadline) = &self.deadline {
+            deadline.pause();
+        }
+        let reply = loop {
+            match channel.receive() {
+                Ok(Incoming::Message(msg)) if msg["type"] == "host_result" && msg["id"] == id => {
+                    break msg;
+                }
+                Ok(Incoming::Message(_) | Incoming::Malformed(_)) => continue,
+                Ok(Incoming::Closed) | Err(_) => gateway_gone(),
+            }
+        };
+        if let Some(deadline) = &self.deadline {
+            deadline.resume();
+        }
+        if reply["ok"] == true {
+            Ok(reply
+                .get("result")
+                .cloned()
+                .unwrap_or(Value::Null)
+                .to_string())
+        } else {
+            let message = reply["error"]
+                .as_str()
+                .unwrap_or("host_call failed")
+                .to_string();
+            let code = reply["code"].as_str().unwrap_or("error");
+            Err(refusal(message, code))
+        }
+    }
+}
+
+/// The gateway hung up in the middle of a host call: nothing is left to answer, and nothing of the
+/// sandbox outlives this process (its instances are memory of this process).
+fn gateway_gone() -> ! {
+    std::process::exit(0)
+}

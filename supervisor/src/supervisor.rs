@@ -1,0 +1,375 @@
+//! The protocol loop: `init` opens a cell (the chain's hooks, compiled), `chunk` walks it with a
+//! fresh WebAssembly instance per hook, `end` closes it with a verdict (`supervisor/PROTOCOL.md`).
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::checks::{ACTIONS, HookError, Limits, TERMINAL, check_result};
+use crate::protocol::{Channel, Incoming};
+use crate::relay::{Link, Relay};
+use crate::runtime::{CallError, Runtime};
+
+pub(crate) const PROTOCOL_VERSION: u64 = 3;
+const DEFAULT_TIMEOUT_MS: u64 = 2000;
+/// Compiled hooks kept across trigger points (a chain's code changes rarely; each entry is the
+/// marshalled bytecode of one hook, never a payload).
+const LOADED_CACHE_ENTRIES: usize = 256;
+
+/// One hook of the open cell.
+struct Hook {
+    index: usize,
+    name: String,
+    action: String,
+    settings: Value,
+    code: Option<Arc<Vec<u8>>>,
+    error: Option<String>,
+    line: Option<u64>,
+}
+
+impl Hook {
+    fn ack(&self) -> Value {
+        let mut out = json!({"name": self.name, "ok": self.error.is_none()});
+        if let Some(error) = &self.error {
+            out["error"] = json!(error);
+            if let Some(line) = self.line {
+                out["line"] = json!(line);
+            }
+        }
+        out
+    }
+}
+
+struct OpenCell {
+    trigger_point: String,
+    failure_policy: String,
+    limits: Limits,
+    timeout: Duration,
+    hooks: Vec<Hook>,
+}
+
+type Loaded = Result<Arc<Vec<u8>>, (String, Option<u64>)>;
+
+pub(crate) struct Supervisor {
+    runtime: Runtime,
+    channel: Arc<Mutex<Channel>>,
+    cell: Option<OpenCell>,
+    loaded: HashMap<[u8; 32], Loaded>,
+    next_host_call: Arc<AtomicU64>,
+}
+
+impl Supervisor {
+    pub(crate) fn new(runtime: Runtime, channel: Channel) -> Self {
+        Self {
+            runtime,
+            channel: Arc::new(Mutex::new(channel)),
+            cell: None,
+            loaded: HashMap::new(),
+            next_host_call: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn send(&self, msg: &Value) {
+        let mut channel = self.channel.lock().unwrap_or_else(|e| e.into_inner());
+        if channel.send(msg).is_err() {
+            std::process::exit(0); // the gateway is gone: nothing is left to answer
+        }
+    }
+
+    /// Answers requests until the gateway closes the stream or says `shutdown`.
+    pub(crate) fn serve(&mut self) {
+        self.send(
+            &json!({"type": "ready", "protocol": PROTOCOL_VERSION, "pid": std::process::id()}),
+        );
+        loop {
+            let incoming = self
+                .channel
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .receive();
+            let msg = match incoming {
+                Ok(Incoming::Message(msg)) => msg,
+                Ok(Incoming::Malformed(why)) => {
+                    self.send(&json!({"type": "error", "message": why}));
+                    continue;
+                }
+                Ok(Incoming::Closed) | Err(_) => break,
+            };
+            match msg["type"].as_str() {
+                Some("shutdown") => break,
+                Some("init") => self.init(&msg),
+                Some("chunk") => self.chunk(&msg),
+                Some("end") => self.end(),
+                other => {
+                    let shown = other
+                        .map(|t| format!("'{t}'"))
+                        .unwrap_or_else(|| "None".into());
+                    self.send(&json!({"type": "error", "message": format!("unknown request type {shown}")}));
+                }
+            }
+        }
+    }
+
+    fn init(&mut self, msg: &Value) {
+        if self.cell.is_some() {
+            self.send(
+                &json!({"type": "error", "message": "init while a cell is open: end it first"}),
+            );
+            return;
+        }
+        let timeout = Duration::from_millis(
+            msg["timeout_ms"]
+                .as_u64()
+                .unwrap_or(DEFAULT_TIMEOUT_MS)
+                .max(1),
+        );
+        let specs = msg["hooks"].as_array().cloned().unwrap_or_default();
+        let mut hooks = Vec::with_capacity(specs.len());
+        for (index, spec) in specs.iter().enumerate() {
+            let name = spec["name"]
+                .as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| format!("hook-{index}"));
+            let action = spec["action"].as_str().unwrap_or("").to_string();
+            let mut hook = Hook {
+                index,
+                name,
+                action,
+                settings: spec
+                    .get("settings")
+                    .cloned()
+                    .filter(|s| !s.is_null())
+                    .unwrap_or_else(|| json!({})),
+                code: None,
+                error: None,
+                line: None,
+            };
+            if !ACTIONS.contains(&hook.action.as_str()) || hook.action == "pass" {
+                hook.error = Some(format!(
+                    "declared action {} is not one of modify, block, skip, detect",
+                    spec.get("action")
+                        .map(Value::to_string)
+                        .unwrap_or_else(|| "None".into())
+                ));
+            } else {
+                match self.load(&hook.name, spec["code"].as_str().unwrap_or(""), timeout) {
+                    Ok(code) => hook.code = Some(code),
+                    Err((error, line)) => {
+                        hook.error = Some(error);
+                        hook.line = line;
+                    }
+                }
+            }
+            hooks.push(hook);
+        }
+        let ack = json!({"type": "ack", "hooks": hooks.iter().map(Hook::ack).collect::<Vec<_>>()});
+        self.cell = Some(OpenCell {
+            trigger_point: msg["trigger_point"].as_str().unwrap_or("").to_string(),
+            failure_policy: msg["failure_policy"]
+                .as_str()
+                .unwrap_or("Closed")
+                .to_string(),
+            limits: Limits::from_init(&msg["limits"]),
+            timeout,
+            hooks,
+        });
+        self.send(&ack);
+    }
+
+    /// A hook's compiled code: from the cache when this exact code was loaded before, else compiled
+    /// (and its module code run once, as a check) in a fresh instance.
+    fn load(&mut self, name: &str, code: &str, timeout: Duration) -> Loaded {
+        let mut digest = Sha256::new();
+        digest.update(name.as_bytes());
+        digest.update([0]);
+        digest.update(code.as_bytes());
+        let key: [u8; 32] = digest.finalize().into();
+        if let Some(found) = self.loaded.get(&key) {
+            return found.clone();
+        }
+        let loaded = match self.runtime.load_hook(name, code, timeout) {
+            Ok(Ok(compiled)) => Ok(Arc::new(compiled)),
+            Ok(Err(refusal)) => {
+                let refusal: Value =
+                    serde_json::from_str(&refusal).unwrap_or_else(|_| json!({"error": refusal}));
+                let error = refusal["error"]
+                    .as_str()
+                    .unwrap_or("the hook's code did not load")
+                    .to_string();
+                Err((error, refusal["line"].as_u64()))
+            }
+            // A load that ran out of time or memory says so; it is not cached (it may pass later).
+            Err(CallError::Deadline) => {
+                return Err((
+                    format!(
+                        "its module code did not finish within the chain's spec.timeoutMs ({} ms)",
+                        timeout.as_millis()
+                    ),
+                    None,
+                ));
+            }
+            Err(e) => return Err((format!("its module code failed: {e}"), None)),
+        };
+        if self.loaded.len() >= LOADED_CACHE_ENTRIES {
+            self.loaded.clear();
+        }
+        self.loaded.insert(key, loaded.clone());
+        loaded
+    }
+
+    fn chunk(&mut self, msg: &Value) {
+        let Some(cell) = self.cell.as_ref() else {
+            self.send(
+                &json!({"type": "error", "message": "chunk without an open cell: send init first"}),
+            );
+            return;
+        };
+        let run = msg["id"].clone();
+        let mut payload = msg["outgoing"].clone();
+        let states = msg["state"].as_array().cloned().unwrap_or_default();
+        let context = msg
+            .get("context")
+            .cloned()
+            .filter(Value::is_object)
+            .unwrap_or_else(|| json!({}));
+        let start = msg["start"].as_u64().unwrap_or(0) as usize;
+        let budget = Arc::new(AtomicU64::new(cell.limits.host_calls));
+        let mut terminal = Value::Null;
+        let mut top = "pass".to_string();
+        let mut began = Instant::now();
+        // The chain's deadline holds for the whole walk, as the gateway counts it.
+        let mut left = cell.timeout;
+        for hook in cell.hooks.iter().skip(start) {
+            // The previous hook's result goes out before this hook runs, so that if this one takes
+            // the sandbox down the gateway still knows how far the walk got.
+            let _ = self
+                .channel
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .flush();
+            let mut result = Map::new();
+            result.insert("type".into(), json!("hook_result"));
+            result.insert("id".into(), run.clone());
+            result.insert("index".into(), json!(hook.index));
+            result.insert("name".into(), json!(hook.name));
+            let state = states.get(hook.index).cloned().unwrap_or(Value::Null);
+            let link = Link {
+                channel: self.channel.clone(),
+                run: run.clone(),
+                hook: hook.index,
+                limits: cell.limits,
+                budget: budget.clone(),
+                next_id: self.next_host_call.clone(),
+            };
+            match self.call(
+                cell,
+                hook,
+                &payload,
+                state,
+                &context,
+                Relay::new(link),
+                &mut left,
+            ) {
+                Ok(fields) => result.extend(fields),
+                Err(HookError(error)) => {
+                    result.insert("action".into(), json!("pass"));
+                    result.insert("error".into(), json!(error));
+                }
+            }
+            let ended = Instant::now();
+            result.insert(
+                "latency_us".into(),
+                json!((ended - began).as_micros() as u64),
+            );
+            began = ended;
+            let failed = result.contains_key("error");
+            let action = result["action"].as_str().unwrap_or("pass").to_string();
+            if action == "modify" {
+                payload = result["outgoing"].clone();
+            }
+            let _ = self
+                .channel
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .queue(&Value::Object(result));
+            if failed {
+                if cell.failure_policy == "Open" {
+                    continue;
+                }
+                terminal = json!(hook.index);
+                top = "block".into();
+                break;
+            }
+            if TERMINAL.contains(&action.as_str()) {
+                terminal = json!(hook.index);
+                top = action;
+                break;
+            }
+            if action == "modify" || (action == "detect" && top == "pass") {
+                top = action;
+            }
+        }
+        self.send(&json!({"type": "result", "id": run, "action": top, "terminal_index": terminal}));
+    }
+
+    /// Runs one hook in a fresh instance; the fields of its `hook_result`, or its error.
+    fn call(
+        &self,
+        cell: &OpenCell,
+        hook: &Hook,
+        payload: &Value,
+        state: Value,
+        context: &Value,
+        relay: Relay,
+        left: &mut Duration,
+    ) -> Result<Map<String, Value>, HookError> {
+        if let Some(error) = &hook.error {
+            return Err(HookError(error.clone()));
+        }
+        let code = hook
+            .code
+            .as_ref()
+            .ok_or_else(|| HookError("the hook's code did not load".into()))?;
+        let request = json!({"outgoing": payload, "state": state, "context": context, "settings": hook.settings}).to_string();
+        let (answer, remaining) = self
+            .runtime
+            .call_hook(&hook.name, code, &request, relay, *left);
+        *left = remaining;
+        let answer = answer.map_err(|e| match e {
+            CallError::Deadline => HookError(format!(
+                "timed out after {} ms: an endless loop or slow code (the chain's spec.timeoutMs is {} ms for the whole chain, \
+                 time in host_calls not counted); fix the loop, make the hook faster or raise spec.timeoutMs",
+                cell.timeout.as_millis(),
+                cell.timeout.as_millis()
+            )),
+            other => HookError(other.to_string()),
+        })?;
+        let answer: Value = serde_json::from_str(&answer)
+            .map_err(|e| HookError(format!("the hook's instance answered malformed JSON: {e}")))?;
+        if let Some(error) = answer.get("error") {
+            return Err(HookError(
+                error
+                    .as_str()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| error.to_string()),
+            ));
+        }
+        check_result(
+            &hook.action,
+            &cell.trigger_point,
+            &cell.limits,
+            answer.get("value").cloned().unwrap_or(Value::Null),
+        )
+    }
+
+    /// Closes the cell. Every instance of it is already gone (each lived for one call), so the
+    /// sandbox is clean.
+    fn end(&mut self) {
+        self.cell = None;
+        self.send(&json!({"type": "ended", "clean": true}));
+    }
+}
