@@ -15,7 +15,7 @@ use std::time::Duration;
 const UPPER: &str = "return {'action': 'modify', 'outgoing': context['outgoing'].upper()}";
 /// Reports the process's own pid namespace and a counter kept in a global: a fresh cell starts the
 /// counter over, and is pid 1 of a pid namespace of its own.
-const WHO: &str = "import os\nCOUNT = [0]\ndef execute(context, settings):\n    COUNT[0] += 1\n    return {'action': 'modify', 'outgoing': str(os.getpid()) + ' ' + str(COUNT[0])}\n";
+const WHO: &str = "import builtins\nCOUNT = [0]\ndef execute(context, settings):\n    COUNT[0] += 1\n    builtins.SEEN = getattr(builtins, 'SEEN', 0) + 1\n    return {'action': 'modify', 'outgoing': str(builtins.SEEN) + ' ' + str(COUNT[0])}\n";
 
 fn pool(extra: serde_json::Value) -> serde_json::Value {
     json!({"pool": extra})
@@ -48,8 +48,7 @@ async fn recycle_serves_every_trigger_point_from_one_sandbox_in_a_fresh_cell() {
         seen.push(r.walk.payload.as_str().unwrap().to_string());
     }
     assert_eq!(h.engine.metrics().boots(), 1, "{seen:?}");
-    // Globals start over (a fresh process each time), and it is pid 1 of its own pid namespace.
-    // (Namespace ids are not compared: the kernel reuses them once a namespace is gone.)
+    // Globals and the interpreter's builtins start over: a fresh instance each time.
     assert!(seen.iter().all(|s| s == "1 1"), "{seen:?}");
 }
 
@@ -152,7 +151,7 @@ async fn a_supervisor_of_another_protocol_is_refused_with_a_clear_error() {
     .await;
     match h.run("input", json!("x")).await {
         Err(EngineError::Unavailable(message)) => assert!(
-            message.contains("speaks protocol 1, this gateway speaks 2"),
+            message.contains("speaks protocol 1, this gateway speaks 3"),
             "{message}"
         ),
         other => panic!("expected UNAVAILABLE naming the protocols, got {other:?}"),

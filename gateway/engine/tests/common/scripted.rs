@@ -37,7 +37,7 @@ impl ScriptedBackend {
         Self {
             script,
             seq: AtomicU64::new(0),
-            protocol: 2,
+            protocol: 3,
             dirty: None,
             host_results: Arc::default(),
             boot_delay: std::time::Duration::ZERO,
