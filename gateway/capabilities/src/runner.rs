@@ -7,6 +7,7 @@
 use crate::endpoint::Transport;
 use async_trait::async_trait;
 use serde_json::{Value, json};
+use sluice_crds::log_text::Escaped;
 use sluice_engine::{
     AuditGate, AuditHostCall, Caller, Capabilities, CapabilityEntry, Chain, HostCallError,
     HostCalls, Limits, Metrics, Registry,
@@ -110,7 +111,7 @@ impl RunHostCalls {
         let span = tracing::info_span!(
             "capability_request",
             otel.kind = "client",
-            capability = %cap.name,
+            capability = %Escaped(&cap.name),
             endpoint = kind,
             error = tracing::field::Empty,
         );
@@ -120,7 +121,7 @@ impl RunHostCalls {
             .instrument(span.clone());
         let answer = tokio::time::timeout(Duration::from_millis(ms), call).await;
         if let Ok(Err(e)) = &answer {
-            span.record("error", tracing::field::display(e));
+            span.record("error", tracing::field::display(Escaped(&e.to_string())));
         } else if answer.is_err() {
             span.record("error", "timed out");
         }
@@ -236,12 +237,12 @@ impl RunHostCalls {
             let step_cap = match self.capability(step) {
                 Ok(c) => c.clone(),
                 Err(e) => {
-                    tracing::error!(capability = %cap.name, step = %step, error = %e, "dispatch step missing");
+                    tracing::error!(capability = %Escaped(&cap.name), step = %Escaped(step), error = %Escaped(&e.to_string()), "dispatch step missing");
                     continue;
                 }
             };
             if let Err(e) = self.execute(&step_cap, body.clone()).await {
-                tracing::error!(capability = %cap.name, step = %step, error = %e, "dispatch step failed");
+                tracing::error!(capability = %Escaped(&cap.name), step = %Escaped(step), error = %Escaped(&e.to_string()), "dispatch step failed");
                 record.error = Some(format!("dispatch {step:?} failed: {e}"));
             }
         }

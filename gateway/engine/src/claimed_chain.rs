@@ -7,6 +7,7 @@ use crate::chain::Chain;
 use crate::engine::Engine;
 use crate::host_call_guard::{HostCallGuard, HostCallReport};
 use crate::host_calls::Caller;
+use crate::log_text::Escaped;
 use crate::outcome::{self, Walk};
 use crate::request::{EngineError, Target};
 use crate::sandbox_pool::Claimed;
@@ -81,7 +82,7 @@ impl<'e> ClaimedChain<'e> {
         let pool = self.engine.pools().pool_for(&self.chain);
         let span = tracing::info_span!(
             "claim",
-            chain = %self.chain.qualified_name(),
+            chain = %Escaped(&self.chain.qualified_name()),
             sandbox = tracing::field::Empty,
         );
         let mut claimed = pool

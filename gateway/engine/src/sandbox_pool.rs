@@ -12,6 +12,7 @@
 
 use crate::chain::Chain;
 use crate::limits::Limits;
+use crate::log_text::Escaped;
 use crate::metrics::{ChainLabels, Metrics};
 use crate::sandbox::{SandboxBackend, SandboxSpec};
 use crate::supervisor::CellEnd;
@@ -263,7 +264,7 @@ impl Pool {
                         Some(Ok(conn))
                     }
                     Err(e) => {
-                        tracing::warn!(chain = %pool.name, error = %e, "sandbox failed to boot");
+                        tracing::warn!(chain = %Escaped(&pool.name), error = %Escaped(&e), "sandbox failed to boot");
                         pool.shared
                             .metrics
                             .sandbox_boot_failures
@@ -362,7 +363,7 @@ impl Pool {
                     && !front.still_waiting()
                 {
                     if let Some(dead) = c.warm.pop_front() {
-                        tracing::warn!(chain = %self.name, sandbox = %dead.id, "a warm sandbox died while it waited; replacing it");
+                        tracing::warn!(chain = %Escaped(&self.name), sandbox = %dead.id, "a warm sandbox died while it waited; replacing it");
                         c.tearing_down += 1;
                         let pool = self.clone();
                         tokio::spawn(async move {
@@ -391,7 +392,7 @@ impl Pool {
                             .with_label_values(&self.labels.with(&[kind]))
                             .inc();
                         waited_for(self);
-                        tracing::debug!(chain = %self.name, kind, "sandbox claimed");
+                        tracing::debug!(chain = %Escaped(&self.name), kind, "sandbox claimed");
                         // Booting a replacement is CPU-heavy; starting it a moment later keeps it off
                         // the claimed run's critical path.
                         let pool = self.clone();
@@ -491,7 +492,7 @@ impl Pool {
                 }
                 let label = reason.split(':').next().unwrap_or("dirty").to_string();
                 if label != "reuse_none" {
-                    tracing::info!(chain = %pool.name, sandbox = %conn.id, uses = conn.uses(), %reason, "sandbox retired");
+                    tracing::info!(chain = %Escaped(&pool.name), sandbox = %conn.id, uses = conn.uses(), reason = %Escaped(&reason), "sandbox retired");
                 }
                 pool.shared
                     .metrics

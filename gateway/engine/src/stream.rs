@@ -272,7 +272,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
     let span = tracing::info_span!(
         "stream",
         run_id = %run_id,
-        chain = %chains.main().qualified_name(),
+        chain = %Escaped(&chains.main().qualified_name()),
         namespace = %Escaped(&target.key.namespace),
         target = %Escaped(&target.key.target),
         trigger_point = target.key.trigger_point.as_str(),
