@@ -210,6 +210,11 @@ impl Registry {
         self.chains.values().chain(self.baselines.values())
     }
 
+    /// Every Capability served, in no particular order.
+    pub fn capabilities(&self) -> impl Iterator<Item = &Arc<CapabilityEntry>> {
+        self.capabilities.values()
+    }
+
     pub fn capability(&self, namespace: &str, name: &str) -> Option<&Arc<CapabilityEntry>> {
         self.capabilities
             .get(&(namespace.to_string(), name.to_string()))
