@@ -154,3 +154,38 @@ async fn a_tenants_larger_window_is_kept() {
     let s = h.stream(&["call me at 010-", "1234-", "5678 or not"]).await;
     assert_eq!(s.commits.concat(), "call me at [phone] or not");
 }
+
+/// A tenant's block or skip message reaches the user too: the baseline sees it before it leaves,
+/// on Run and on the stream path alike.
+#[tokio::test]
+async fn a_tenants_block_or_skip_message_goes_through_the_baseline() {
+    for action in ["block", "skip"] {
+        let h = Harness::process(vec![
+            baseline("output", vec![py("redact", "modify", REDACT_SECRET)]),
+            tenant(
+                "output",
+                vec![py(
+                    "stop",
+                    action,
+                    &format!("return {{'action': '{action}', 'message': 'the secret is 42'}}"),
+                )],
+                json!({"streaming": {"flushChars": 4, "lookbackChars": 0}}),
+            ),
+        ])
+        .await;
+        let r = h.run("output", json!("hello")).await.unwrap();
+        assert!(r.walk.is_terminal(), "{:?}", r.walk);
+        assert_eq!(r.walk.message, "the [x] is 42", "{action}: {:?}", r.walk);
+        let s = h.stream(&["hello there"]).await;
+        let (blocked, _hook) = s
+            .blocked
+            .clone()
+            .unwrap_or_else(|| panic!("{action}: the stream was not stopped: {:?}", s.error));
+        assert_eq!(blocked, "the [x] is 42", "{action}");
+        let events = h.audit.events();
+        assert!(
+            events.iter().all(|e| !e.to_string().contains("secret is")),
+            "{action}: the audit shows what the user saw: {events:?}"
+        );
+    }
+}
