@@ -459,3 +459,54 @@ async fn a_budget_cut_off_mid_execute_still_settles() {
     s.h.stop_and_check_leaks().await;
     s.services.stop();
 }
+
+/// The client goes away while its run waits on a capability: the run is still finished, its
+/// reservation settled, and its audit event written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_client_disconnects_is_finished_settled_and_audited() {
+    let (s, _hung) = setup_hung(|_| {}).await;
+    s.services.credit.set_balance("bob", 10);
+    let h = &s.h;
+    let client = h.client.clone();
+    let ask = json!({"name": "llm.run", "payload": {"prompt": "Summarise: a dog."}});
+    let request = proto::RunRequest {
+        namespace: "default".into(),
+        target: "t-cap".into(),
+        trigger_point: "input".into(),
+        payload: Some(proto::run_request::Payload::Text(ask.to_string())),
+        context: [("user_id".to_string(), "bob".to_string())].into(),
+        session_id: "s-gone".into(),
+    };
+    let pending = tokio::spawn(async move { client.clone().run(request).await });
+    // Wait until the gate has reserved: the run is inside execute, which hangs.
+    let began = Instant::now();
+    while !s.services.calls().iter().any(|c| c.name == "credit.check") {
+        assert!(
+            began.elapsed() < Duration::from_secs(60),
+            "the gate was never called"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    pending.abort();
+    let _ = pending.await;
+    // The run goes on without its client: execute times out (5 s), dispatch settles, audit.
+    let began = Instant::now();
+    let event = loop {
+        if let Some(e) = h.audit().into_iter().find(|e| e["session_id"] == "s-gone") {
+            break e;
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(60),
+            "no audit event for the run whose client went away"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(event["action"], "modify", "{event}");
+    assert!(
+        settled(&s, "bob"),
+        "the reservation leaked: {:?}",
+        s.services.credit.balance("bob")
+    );
+    s.h.stop_and_check_leaks().await;
+    s.services.stop();
+}
