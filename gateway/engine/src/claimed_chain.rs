@@ -134,7 +134,7 @@ impl<'e> ClaimedChain<'e> {
                     None => match self.claim().await {
                         Ok(()) => None,
                         Err(ClaimOrInit::Claim(e)) => {
-                            Some(SandboxFailure::Died(format!("no replacement sandbox: {e}")))
+                            Some(SandboxFailure::Died(format!("no sandbox to go on in: {e}")))
                         }
                         Err(ClaimOrInit::Init(f)) => Some(f),
                     },
@@ -181,6 +181,13 @@ impl<'e> ClaimedChain<'e> {
                 None => return walk,
             }
         }
+    }
+
+    /// Hands the sandbox back between walks (recycled or retired as after a trigger point); the
+    /// next walk claims one again. For a chain shared by every tenant (the baseline), so that no run
+    /// holds its sandbox while other chains run.
+    pub(crate) fn release(&mut self) {
+        self.claimed = None;
     }
 
     /// The host_calls made so far, for the audit.

@@ -32,7 +32,8 @@ pub(crate) struct Pipeline<'e> {
 
 impl<'e> Pipeline<'e> {
     /// Claims and loads a sandbox for every chain (at the same time, so a baseline adds no claim
-    /// latency of its own). No sandbox in time for either → UNAVAILABLE.
+    /// latency of its own). No sandbox in time for either → UNAVAILABLE. The baseline's is handed
+    /// back after each of its walks and claimed again for the next (`walk`).
     pub(crate) async fn open(
         engine: &'e Engine,
         chains: &Chains,
@@ -72,6 +73,10 @@ impl<'e> Pipeline<'e> {
         let mut tenant_ended = false;
         for (stage, state) in self.stages.iter_mut().zip(states.iter_mut()) {
             let walk = stage.claimed.walk(combined.payload.clone(), state).await;
+            if stage.baseline {
+                // Every tenant shares the baseline's pool: its sandbox is held for its walk only.
+                stage.claimed.release();
+            }
             absorb(&mut combined, walk, offset, stage.baseline);
             offset += stage.claimed.chain.spec.hooks.len();
             if combined.is_terminal() {
@@ -98,6 +103,7 @@ impl<'e> Pipeline<'e> {
                 .claimed
                 .walk(combined.payload.clone(), &mut scratch)
                 .await;
+            self.stages[0].claimed.release();
             if recheck.is_terminal() || recheck.payload != combined.payload {
                 absorb_named(&mut combined, recheck, offset, RECHECK_PREFIX);
             }
@@ -124,6 +130,7 @@ impl<'e> Pipeline<'e> {
             .claimed
             .walk(Value::String(combined.message.clone()), &mut scratch)
             .await;
+        baseline.claimed.release();
         let changed = recheck.payload.as_str() != Some(combined.message.as_str());
         if !recheck.is_terminal() && !changed {
             return;
