@@ -94,7 +94,7 @@ pub async fn hostile_load(
                 i += 1;
                 let mut client = client.clone();
                 let run = client.run(request(HOSTILE_NS, "anything"));
-                if (i + w as u64) % 2 == 0 {
+                if (i + w as u64).is_multiple_of(2) {
                     // The client goes away mid-run.
                     let _ = tokio::time::timeout(Duration::from_millis(300), run).await;
                 } else {
