@@ -193,3 +193,51 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     bench.gateway.shutdown().await;
     Ok(())
 }
+
+/// The honest tenant's run latency alone, then beside a hostile tenant (`sluice_e2e::tenants`: slow
+/// module code, slow hooks, printing, clients that disconnect), on the same gateway setup. Target:
+/// p99 within 2x of alone, and no failed honest run.
+pub(crate) async fn two_tenants(table: &mut Table) -> anyhow::Result<()> {
+    use sluice_e2e::tenants;
+    const RUNS: usize = 200;
+    let measure = |bench: &Bench| {
+        let client = bench.client.clone();
+        async move {
+            let (mut samples, mut failed) = (Vec::with_capacity(RUNS), 0);
+            for _ in 0..RUNS {
+                let began = Instant::now();
+                match tenants::honest_run(&client).await {
+                    Ok(()) => samples.push(began.elapsed()),
+                    Err(_) => failed += 1,
+                }
+            }
+            (samples, failed)
+        }
+    };
+    let alone = Bench::start(&tenants::files(false)).await?;
+    let (solo, solo_failed) = measure(&alone).await;
+    alone.gateway.shutdown().await;
+
+    let shared = Bench::start(&tenants::files(true)).await?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let hostile = tokio::spawn(tenants::hostile_load(shared.client.clone(), 4, stopped));
+    let (beside, beside_failed) = measure(&shared).await;
+    stop.send_replace(true);
+    let _ = hostile.await;
+    shared.gateway.shutdown().await;
+
+    table.push(Row::latency(
+        &format!("Two tenants: honest runs alone ({solo_failed} failed)"),
+        &solo,
+    ));
+    table.push(Row::latency(
+        &format!("  honest runs beside a hostile tenant ({beside_failed} failed)"),
+        &beside,
+    ));
+    let ratio = percentile(&beside, 99.0).as_secs_f64() / percentile(&solo, 99.0).as_secs_f64();
+    table.push(
+        Row::value("  p99 beside / p99 alone", format!("{ratio:.2}x"))
+            .target("within 2x, none failed"),
+    );
+    Ok(())
+}

@@ -1,6 +1,7 @@
 //! `make bench`: every number an issue asks for, printed as a table beside baselines measured in the
 //! same run on the same machine. `sluice-bench [SECTION...]` runs some sections only
-//! (cells, run, stream, host_call, load, kube; kube-recycle runs the kube section's recycled-pod rows alone).
+//! (cells, run, stream, host_call, load, tenants, kube; kube-recycle runs the kube section's
+//! recycled-pod rows alone).
 
 use anyhow::Context as _;
 use sluice_gateway::{LocalOptions, RunningGateway, start_local};
@@ -211,6 +212,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if on("load") {
         load::bench(&mut table).await.context("load")?;
+    }
+    if on("tenants") {
+        load::two_tenants(&mut table).await.context("two tenants")?;
     }
     if on("host_call") {
         stream::host_call(&mut table).await.context("host_call")?;

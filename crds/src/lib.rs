@@ -5,7 +5,8 @@
 //! Reading order: `hookchain` and `capability` (the types) → `validate` (semantic rules, with
 //! `quantity`) → `code` (hook code analysis) and `schema` (capability schemas) → `definition` (what
 //! the gateway serves, without the Kubernetes envelope) → `manifest` (YAML files) → `sandbox_pod`
-//! (labels and commands operator and gateway agree on).
+//! (labels and commands operator and gateway agree on). `log_text` is how any of them writes a
+//! string someone else chose into a text log.
 //!
 //! Without the default `kube` feature the crate holds only what needs no Kubernetes client: the specs,
 //! validation, code and schema checks and `definition`. The `HookChain`/`Capability` objects,
@@ -21,6 +22,7 @@ pub mod duration;
 #[cfg(feature = "kube")]
 pub mod fields;
 mod hookchain;
+pub mod log_text;
 #[cfg(feature = "kube")]
 pub mod manifest;
 #[cfg(feature = "kube")]

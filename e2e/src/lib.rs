@@ -11,6 +11,8 @@ use tonic::transport::Channel;
 
 pub use sluice_proto::convert::{from_proto, to_proto};
 
+pub mod tenants;
+
 /// A chain file with one hook per `(name, action, code)`, serving `target` at `trigger_point`.
 pub fn chain_yaml(
     name: &str,

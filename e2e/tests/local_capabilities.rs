@@ -399,3 +399,114 @@ async fn the_summariser_example_runs_against_the_example_services() {
     h.stop_and_check_leaks().await;
     services.stop();
 }
+
+/// An application service that accepts connections and never answers (a hung LLM).
+fn hung_service() -> (std::net::TcpListener, String) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = format!("http://{}", l.local_addr().unwrap());
+    (l, addr)
+}
+
+async fn setup_hung(
+    tweak: impl FnOnce(&mut sluice_gateway::LocalOptions),
+) -> (Setup, std::net::TcpListener) {
+    let services = Services::start(
+        "127.0.0.1:0".parse().unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let (hung, llm) = hung_service();
+    let caps = capabilities(&llm, &format!("http://{}", services.credit_addr), 5000);
+    let h = Harness::start_with(&[("caps.yaml", &caps), ("chain.yaml", &chain())], tweak).await;
+    (Setup { h, services }, hung)
+}
+
+fn settled(s: &Setup, user: &str) -> bool {
+    let consumed = s.services.calls().iter().any(|c| {
+        c.name == "credit.consume" && c.caller.get("user_id").map(String::as_str) == Some(user)
+    });
+    consumed && s.services.credit.balance(user).1 == 0
+}
+
+/// The run's host_call time ends while execute is still waiting: the hook is told so, and the
+/// reservation the gate made is still released by the dispatch step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_cut_off_mid_execute_still_settles() {
+    let (s, _hung) = setup_hung(|o| {
+        o.limits.host_call_time_per_run = Duration::from_millis(1000);
+    })
+    .await;
+    s.services.credit.set_balance("ann", 10);
+    let out = call(
+        &s.h,
+        "ann",
+        json!({"name": "llm.run", "payload": {"prompt": "Summarise: a cat."}}),
+    )
+    .await;
+    assert!(
+        out[0]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("host_call limit reached")),
+        "{out:?}"
+    );
+    assert!(
+        settled(&s, "ann"),
+        "the reservation leaked: {:?}, calls {:?}",
+        s.services.credit.balance("ann"),
+        s.services.calls()
+    );
+    s.h.stop_and_check_leaks().await;
+    s.services.stop();
+}
+
+/// The client goes away while its run waits on a capability: the run is still finished, its
+/// reservation settled, and its audit event written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_client_disconnects_is_finished_settled_and_audited() {
+    let (s, _hung) = setup_hung(|_| {}).await;
+    s.services.credit.set_balance("bob", 10);
+    let h = &s.h;
+    let client = h.client.clone();
+    let ask = json!({"name": "llm.run", "payload": {"prompt": "Summarise: a dog."}});
+    let request = proto::RunRequest {
+        namespace: "default".into(),
+        target: "t-cap".into(),
+        trigger_point: "input".into(),
+        payload: Some(proto::run_request::Payload::Text(ask.to_string())),
+        context: [("user_id".to_string(), "bob".to_string())].into(),
+        session_id: "s-gone".into(),
+    };
+    let pending = tokio::spawn(async move { client.clone().run(request).await });
+    // Wait until the gate has reserved: the run is inside execute, which hangs.
+    let began = Instant::now();
+    while !s.services.calls().iter().any(|c| c.name == "credit.check") {
+        assert!(
+            began.elapsed() < Duration::from_secs(60),
+            "the gate was never called"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    pending.abort();
+    let _ = pending.await;
+    // The run goes on without its client: execute times out (5 s), dispatch settles, audit.
+    let began = Instant::now();
+    let event = loop {
+        if let Some(e) = h.audit().into_iter().find(|e| e["session_id"] == "s-gone") {
+            break e;
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(60),
+            "no audit event for the run whose client went away"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(event["action"], "modify", "{event}");
+    assert!(
+        settled(&s, "bob"),
+        "the reservation leaked: {:?}",
+        s.services.credit.balance("bob")
+    );
+    s.h.stop_and_check_leaks().await;
+    s.services.stop();
+}

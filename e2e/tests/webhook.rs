@@ -446,17 +446,30 @@ async fn updates_that_leave_the_spec_alone_are_admitted() {
     };
     let response = answer(review_with_old("uid-meta", "UPDATE", &labelled, &broken)).await;
     assert_eq!(response["allowed"], true, "{response}");
-    let mut deleting = broken.clone();
+    // A deletion under way: releasing the finalizer (spec untouched) is admitted; writing a spec is
+    // judged like any other update.
+    let mut deleting = labelled.clone();
     deleting["metadata"]["deletionTimestamp"] = json!("2026-11-26T01:00:00Z");
-    deleting["spec"]["timeoutMs"] = json!(1000);
+    let mut released = deleting.clone();
+    released["metadata"]["finalizers"] = json!([]);
     let response = answer(review_with_old(
-        "uid-deleting",
+        "uid-released",
         "UPDATE",
+        &released,
         &deleting,
-        &broken,
     ))
     .await;
     assert_eq!(response["allowed"], true, "{response}");
+    let mut rewritten = deleting.clone();
+    rewritten["spec"]["timeoutMs"] = json!(1000);
+    let response = answer(review_with_old(
+        "uid-deleting",
+        "UPDATE",
+        &rewritten,
+        &deleting,
+    ))
+    .await;
+    assert_eq!(response["allowed"], false, "{response}");
     // A change to the spec is judged.
     let mut changed = broken.clone();
     changed["spec"]["timeoutMs"] = json!(1000);

@@ -7,6 +7,7 @@
 use crate::endpoint::Transport;
 use async_trait::async_trait;
 use serde_json::{Value, json};
+use sluice_crds::log_text::Escaped;
 use sluice_engine::{
     AuditGate, AuditHostCall, Caller, Capabilities, CapabilityEntry, Chain, HostCallError,
     HostCalls, Limits, Metrics, Registry,
@@ -34,6 +35,9 @@ pub enum CallError {
     Failed { name: String, reason: String },
     #[error("{name:?} did not answer within {ms} ms")]
     Timeout { name: String, ms: u64 },
+    /// The run's host_call time ended while a gate or execute still waited.
+    #[error("host_call limit reached: the run's host_call time ran out while {name:?} ran")]
+    OutOfTime { name: String },
 }
 
 /// Shared, long-lived part of the runner: transports (connections are reused across runs).
@@ -91,13 +95,21 @@ impl RunHostCalls {
             .ok_or_else(|| CallError::Unknown(name.to_string(), self.chain.namespace.clone()))
     }
 
-    /// Calls one capability's endpoint within its timeout. Used for gates, execute and dispatch.
+    /// Calls one capability's endpoint within its timeout and, when given, before `until` (the end
+    /// of the run's host_call time). Used for gates, execute and dispatch (dispatch steps are never
+    /// cut short by the run's budget: they settle what was reserved).
     async fn execute(
         &self,
         cap: &CapabilityEntry,
         payload: Value,
+        until: Option<Instant>,
     ) -> Result<(Value, Option<Value>), CallError> {
         let ms = cap.spec.timeout_ms as u64;
+        let own = Instant::now() + Duration::from_millis(ms);
+        let (deadline, budget_first) = match until {
+            Some(u) if u < own => (u, true),
+            _ => (own, false),
+        };
         let endpoint = &cap.spec.endpoint;
         let kind = if endpoint.http.is_some() {
             "http"
@@ -110,7 +122,7 @@ impl RunHostCalls {
         let span = tracing::info_span!(
             "capability_request",
             otel.kind = "client",
-            capability = %cap.name,
+            capability = %Escaped(&cap.name),
             endpoint = kind,
             error = tracing::field::Empty,
         );
@@ -118,9 +130,9 @@ impl RunHostCalls {
             .transport
             .execute(&cap.name, endpoint, payload, &self.caller)
             .instrument(span.clone());
-        let answer = tokio::time::timeout(Duration::from_millis(ms), call).await;
+        let answer = tokio::time::timeout_at(deadline.into(), call).await;
         if let Ok(Err(e)) = &answer {
-            span.record("error", tracing::field::display(e));
+            span.record("error", tracing::field::display(Escaped(&e.to_string())));
         } else if answer.is_err() {
             span.record("error", "timed out");
         }
@@ -141,6 +153,9 @@ impl RunHostCalls {
                 name: cap.name.clone(),
                 reason: e.to_string(),
             }),
+            Err(_) if budget_first => Err(CallError::OutOfTime {
+                name: cap.name.clone(),
+            }),
             Err(_) => Err(CallError::Timeout {
                 name: cap.name.clone(),
                 ms,
@@ -154,6 +169,7 @@ impl RunHostCalls {
         name: &str,
         payload: Value,
         record: &mut AuditHostCall,
+        until: Option<Instant>,
     ) -> Result<Value, CallError> {
         // resolve
         let cap = self.capability(name)?.clone();
@@ -177,7 +193,7 @@ impl RunHostCalls {
             let ask =
                 json!({"capability": name, "payload": payload, "caller": self.caller.to_json()});
             let (answer, _) =
-                self.execute(&gate_cap, ask)
+                self.execute(&gate_cap, ask, until)
                     .await
                     .map_err(|e| CallError::Denied {
                         name: name.into(),
@@ -212,7 +228,7 @@ impl RunHostCalls {
             }
         }
         // execute
-        let (result, consumed) = match self.execute(&cap, payload.clone()).await {
+        let (result, consumed) = match self.execute(&cap, payload.clone(), until).await {
             Ok(done) => done,
             Err(e) => {
                 // Dispatch steps still hear of it (result and consumed null, the error stated), so a
@@ -236,12 +252,12 @@ impl RunHostCalls {
             let step_cap = match self.capability(step) {
                 Ok(c) => c.clone(),
                 Err(e) => {
-                    tracing::error!(capability = %cap.name, step = %step, error = %e, "dispatch step missing");
+                    tracing::error!(capability = %Escaped(&cap.name), step = %Escaped(step), error = %Escaped(&e.to_string()), "dispatch step missing");
                     continue;
                 }
             };
-            if let Err(e) = self.execute(&step_cap, body.clone()).await {
-                tracing::error!(capability = %cap.name, step = %step, error = %e, "dispatch step failed");
+            if let Err(e) = self.execute(&step_cap, body.clone(), None).await {
+                tracing::error!(capability = %Escaped(&cap.name), step = %Escaped(step), error = %Escaped(&e.to_string()), "dispatch step failed");
                 record.error = Some(format!("dispatch {step:?} failed: {e}"));
             }
         }
@@ -251,6 +267,34 @@ impl RunHostCalls {
 #[async_trait]
 impl HostCalls for RunHostCalls {
     async fn call(&self, hook: usize, name: &str, payload: Value) -> Result<Value, HostCallError> {
+        self.answer(hook, name, payload, None).await
+    }
+
+    async fn call_within(
+        &self,
+        hook: usize,
+        name: &str,
+        payload: Value,
+        budget: Duration,
+    ) -> Result<Value, HostCallError> {
+        self.answer(hook, name, payload, Some(Instant::now() + budget))
+            .await
+    }
+
+    fn audit(&self) -> Vec<AuditHostCall> {
+        self.audit.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl RunHostCalls {
+    /// One host_call, its gates and execute bounded by `until`, recorded and counted.
+    async fn answer(
+        &self,
+        hook: usize,
+        name: &str,
+        payload: Value,
+        until: Option<Instant>,
+    ) -> Result<Value, HostCallError> {
         let began = Instant::now();
         let hook_name = self.chain.spec.hooks.get(hook).map(|h| h.name.clone());
         let Some(hook_name) = hook_name else {
@@ -264,7 +308,7 @@ impl HostCalls for RunHostCalls {
             latency_us: 0,
             error: None,
         };
-        let result = self.run(hook, name, payload, &mut record).await;
+        let result = self.run(hook, name, payload, &mut record, until).await;
         record.latency_us = began.elapsed().as_micros() as u64;
         let outcome = match &result {
             Ok(_) => "ok",
@@ -294,10 +338,10 @@ impl HostCalls for RunHostCalls {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(record);
-        result.map_err(|e| HostCallError::Refused(Box::new(e)))
-    }
-
-    fn audit(&self) -> Vec<AuditHostCall> {
-        self.audit.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        result.map_err(|e| match e {
+            // The gateway's limit, not the capability's answer: counted as over_limit.
+            CallError::OutOfTime { .. } => HostCallError::OverLimit(e.to_string()),
+            e => HostCallError::Refused(Box::new(e)),
+        })
     }
 }

@@ -1,5 +1,7 @@
 //! `sluice test` and `sluice run`: chains run in the same local gVisor sandboxes the gateway uses, by
-//! an in-process gateway on a loopback port, with capabilities replaced by canned stubs.
+//! an in-process gateway on a loopback port. No Capability's own endpoint is ever called (the files
+//! may come from anyone): each answers from a canned stub, or, without one, with an error that says
+//! how to stub it.
 //!
 //! A test file (YAML):
 //!
@@ -34,6 +36,7 @@ use sluice_proto::convert::{from_proto, to_proto};
 use sluice_proto::{self as proto, gateway_client::GatewayClient};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -190,38 +193,44 @@ fn originals(copies: &[(PathBuf, PathBuf)], text: &str) -> String {
 }
 
 impl Local {
+    /// Serves `files` with every Capability's endpoint pointed at a stub on loopback: the stub's
+    /// canned answer where `stubs` has one, else an error saying how to stub it. A chain under test
+    /// may come from anyone (a pull request), so nothing it names is ever called.
     pub async fn start(files: &[PathBuf], stubs: &BTreeMap<String, Stub>) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let mut answers = StubAnswers::default();
         let mut copies = Vec::new();
         for (i, f) in files.iter().enumerate() {
             let text =
                 std::fs::read_to_string(f).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
-            // Capabilities with a stub are replaced by it.
-            let kept: Vec<&str> = text
-                .split("\n---")
-                .filter(|doc| {
-                    !stubs
-                        .keys()
-                        .any(|name| doc.contains("kind: Capability") && doc_names(doc, name))
-                })
-                .collect();
-            let copy = dir.path().join(format!("{i:03}.yaml"));
-            std::fs::write(&copy, kept.join("\n---"))?;
-            copies.push((copy, f.clone()));
+            // One copy per document, each at its line in the original, so file:line in errors
+            // still points into the file the author edits.
+            for (j, (line, doc)) in sluice_crds::manifest::documents(&text).iter().enumerate() {
+                let copy = dir.path().join(format!("{i:03}-{j:03}.yaml"));
+                let stubbed = |name: &str| stubs.contains_key(name);
+                let routed = |name: &str| answers.route(addr, name, stubs);
+                let served = match stubbed_capability(doc, stubbed, routed) {
+                    Some(json) => format!("{}{json}\n", "\n".repeat(line.saturating_sub(1))),
+                    None => doc.clone(),
+                };
+                std::fs::write(&copy, served)?;
+                copies.push((copy, f.clone()));
+            }
         }
-        let mut stub_task = None;
-        if !stubs.is_empty() {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            let addr = listener.local_addr()?;
-            let mut yaml = String::new();
-            for name in stubs.keys() {
+        // Stubs of capabilities the files do not define are served as capabilities of their own.
+        let mut yaml = String::new();
+        for name in stubs.keys() {
+            if !answers.defines(name) {
+                let url = answers.route(addr, name, stubs);
                 yaml.push_str(&format!(
-                    "---\napiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {{name: {name:?}, namespace: default}}\nspec: {{endpoint: {{http: \"http://{addr}/{name}\"}}, timeoutMs: 5000}}\n"
+                    "---\napiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {{name: {name:?}, namespace: default}}\nspec: {{endpoint: {{http: {url:?}}}, timeoutMs: 5000}}\n"
                 ));
             }
-            std::fs::write(dir.path().join("zz-stubs.yaml"), yaml)?;
-            stub_task = Some(tokio::spawn(serve_stubs(listener, stubs.clone())));
         }
+        std::fs::write(dir.path().join("zz-stubs.yaml"), yaml)?;
+        let stub_task = Some(tokio::spawn(serve_stubs(listener, Arc::new(answers))));
         let state = tempfile::Builder::new()
             .prefix("sluice-cli")
             .tempdir_in("/tmp")?;
@@ -231,6 +240,23 @@ impl Local {
         for e in gateway.engine.registry().errors() {
             if !e.message.contains("will fail until it does") {
                 anyhow::bail!("{}", originals(&copies, &e.to_string()));
+            }
+        }
+        // Whatever the rewriting above missed must not be served: only the stubs are reachable.
+        let stub_prefix = format!("http://{addr}/");
+        for cap in gateway.engine.registry().capabilities() {
+            let e = &cap.spec.endpoint;
+            let stubbed = e.grpc.is_none()
+                && e.http
+                    .as_deref()
+                    .is_none_or(|u| u.starts_with(&stub_prefix));
+            if !stubbed {
+                gateway.shutdown().await;
+                anyhow::bail!(
+                    "Capability {:?} in {} keeps its own endpoint; sluice test and sluice run call none (is it written in an unusual way?)",
+                    cap.name,
+                    cap.namespace
+                );
             }
         }
         let client = GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
@@ -322,31 +348,89 @@ impl Local {
     }
 }
 
-fn doc_names(doc: &str, name: &str) -> bool {
-    doc.lines().any(|l| {
-        let l = l.trim();
-        l == format!("name: {name}")
-            || l.contains(&format!("{{name: {name},"))
-            || l.contains(&format!("{{name: {name}}}"))
-            || l == format!("name: \"{name}\"")
-    })
+/// What the stub server answers, by path: `/<n>` is the n-th capability routed to it.
+#[derive(Default)]
+struct StubAnswers {
+    routes: Vec<(String, Option<Stub>)>,
 }
 
-async fn serve_stubs(listener: tokio::net::TcpListener, stubs: BTreeMap<String, Stub>) {
+impl StubAnswers {
+    /// The stub URL for capability `name`: its canned answer, or the error that says how to stub it.
+    fn route(
+        &mut self,
+        addr: std::net::SocketAddr,
+        name: &str,
+        stubs: &BTreeMap<String, Stub>,
+    ) -> String {
+        self.routes
+            .push((name.to_string(), stubs.get(name).cloned()));
+        format!("http://{addr}/{}", self.routes.len() - 1)
+    }
+
+    fn defines(&self, name: &str) -> bool {
+        self.routes.iter().any(|(n, _)| n == name)
+    }
+
+    /// HTTP status and body for a request to `path`.
+    fn answer(&self, path: &str) -> (u16, String) {
+        let route = path
+            .trim_start_matches('/')
+            .parse::<usize>()
+            .ok()
+            .and_then(|i| self.routes.get(i));
+        match route {
+            Some((_, Some(Stub { error: Some(e), .. }))) => (500, e.clone()),
+            Some((_, Some(s))) => (200, json!({"result": s.result}).to_string()),
+            Some((name, None)) => (
+                500,
+                format!(
+                    "{name:?} has no stub (no endpoint is called here): add it under `capabilities:` in the test file, or pass --stub {name}=RESULT_JSON to sluice run"
+                ),
+            ),
+            None => (404, "no such stub".to_string()),
+        }
+    }
+}
+
+/// A Capability document with its endpoint replaced by the stub `route` gives, as JSON (which is
+/// YAML); `None` for anything else (other kinds, built-in endpoints, documents that do not parse:
+/// the gateway reports those). A stubbed capability stands for the whole call, so its gates and
+/// dispatch steps go; an unstubbed one keeps them (each answers its own "no stub" error).
+fn stubbed_capability(
+    doc: &str,
+    stubbed: impl Fn(&str) -> bool,
+    route: impl FnOnce(&str) -> String,
+) -> Option<String> {
+    let mut v: Value = serde_saphyr::from_str(doc).ok()?;
+    if v.get("kind").and_then(Value::as_str) != Some("Capability") {
+        return None;
+    }
+    let endpoint = v.get("spec")?.get("endpoint");
+    if endpoint.is_some_and(|e| {
+        e.get("builtin").is_some() && e.get("http").is_none() && e.get("grpc").is_none()
+    }) {
+        return None;
+    }
+    let name = v.get("metadata")?.get("name")?.as_str()?.to_string();
+    v["spec"]["endpoint"] = json!({"http": route(&name)});
+    if stubbed(&name)
+        && let Some(spec) = v["spec"].as_object_mut()
+    {
+        spec.remove("gates");
+        spec.remove("dispatch");
+    }
+    Some(v.to_string())
+}
+
+async fn serve_stubs(listener: tokio::net::TcpListener, answers: Arc<StubAnswers>) {
     use http_body_util::Full;
     use hyper::{Response, body::Bytes, service::service_fn};
-    let stubs = std::sync::Arc::new(stubs);
     while let Ok((stream, _)) = listener.accept().await {
-        let stubs = stubs.clone();
+        let answers = answers.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let stub = stubs.get(req.uri().path().trim_start_matches('/')).cloned();
+                let (status, body) = answers.answer(req.uri().path());
                 async move {
-                    let (status, body) = match stub {
-                        Some(Stub { error: Some(e), .. }) => (500, e),
-                        Some(s) => (200, json!({"result": s.result}).to_string()),
-                        None => (404, "no such stub".to_string()),
-                    };
                     let mut r = Response::new(Full::new(Bytes::from(body)));
                     *r.status_mut() = hyper::StatusCode::from_u16(status)
                         .unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);

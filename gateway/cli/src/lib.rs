@@ -9,6 +9,6 @@ mod hooktest;
 
 pub use check::{DEFAULT_PYTHON, Finding, Report, check, expand};
 pub use hooktest::{
-    Case, CaseError, CaseReport, Expect, FileReport, Local, RunOptions, TestFile, TestFileError,
-    compare, junit, response_json, run_file,
+    Case, CaseError, CaseReport, Expect, FileReport, Local, RunOptions, Stub, TestFile,
+    TestFileError, compare, junit, response_json, run_file,
 };

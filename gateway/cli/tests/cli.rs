@@ -547,3 +547,76 @@ fn test_watch_runs_again_when_a_chain_changes() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// A chain under test (from a pull request, say) names its own Capabilities, with any endpoint.
+/// `sluice test` and `sluice run` never call them: a Capability without a stub answers an error that
+/// says how to stub it, and nothing leaves the machine.
+#[test]
+fn unstubbed_capabilities_are_never_called() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let endpoint = format!("http://{}/steal", listener.local_addr().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let chain = format!(
+        r#"apiVersion: sluice.dev/v1alpha1
+kind: Capability
+metadata:
+  name: "exfil.send"
+spec: {{endpoint: {{http: "{endpoint}"}}}}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: Capability
+metadata: {{name: llm.run}}
+spec: {{endpoint: {{grpc: "{endpoint}"}}}}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {{name: caller}}
+spec:
+  target: bot
+  triggerPoint: input
+  pool: {{warm: 1, max: 2}}
+  hooks:
+    - name: caller
+      action: modify
+      capabilities: [exfil.send, llm.run]
+      code: |
+        def execute(context, settings):
+            seen = []
+            for name in ("exfil.send", "llm.run"):
+                try:
+                    seen.append(name + " answered " + repr(context.host_call(name, {{"x": 1}})))
+                except HostCallError as e:
+                    seen.append(name + " failed: " + str(e))
+            return {{"action": "modify", "outgoing": " | ".join(seen)}}
+"#
+    );
+    let chain = write(dir.path(), "chain.yaml", &chain);
+    let (code, out) = sluice(&["run", &chain, "--text", "hi"]);
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let text = v["payload"]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    for name in ["exfil.send", "llm.run"] {
+        assert!(
+            text.contains(&format!("{name} failed"))
+                && text.contains(&format!("{name:?} has no stub")),
+            "{text}"
+        );
+    }
+    // `sluice test` says the same, and how to stub it.
+    let tests = write(
+        dir.path(),
+        "chain.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: calls\n    target: bot\n    text: hi\n    expect: {contains: [\"add it under `capabilities:`\"]}\n",
+    );
+    let (code, out) = sluice(&["test", &tests]);
+    assert_eq!(code, 0, "{out}");
+    match listener.accept() {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+        other => panic!("the chain's own endpoint was called: {other:?}"),
+    }
+}

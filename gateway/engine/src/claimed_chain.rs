@@ -7,6 +7,7 @@ use crate::chain::Chain;
 use crate::engine::Engine;
 use crate::host_call_guard::{HostCallGuard, HostCallReport};
 use crate::host_calls::Caller;
+use crate::log_text::Escaped;
 use crate::outcome::{self, Walk};
 use crate::request::{EngineError, Target};
 use crate::sandbox_pool::Claimed;
@@ -81,7 +82,7 @@ impl<'e> ClaimedChain<'e> {
         let pool = self.engine.pools().pool_for(&self.chain);
         let span = tracing::info_span!(
             "claim",
-            chain = %self.chain.qualified_name(),
+            chain = %Escaped(&self.chain.qualified_name()),
             sandbox = tracing::field::Empty,
         );
         let mut claimed = pool
@@ -133,7 +134,7 @@ impl<'e> ClaimedChain<'e> {
                     None => match self.claim().await {
                         Ok(()) => None,
                         Err(ClaimOrInit::Claim(e)) => {
-                            Some(SandboxFailure::Died(format!("no replacement sandbox: {e}")))
+                            Some(SandboxFailure::Died(format!("no sandbox to go on in: {e}")))
                         }
                         Err(ClaimOrInit::Init(f)) => Some(f),
                     },
@@ -180,6 +181,13 @@ impl<'e> ClaimedChain<'e> {
                 None => return walk,
             }
         }
+    }
+
+    /// Hands the sandbox back between walks (recycled or retired as after a trigger point); the
+    /// next walk claims one again. For a chain shared by every tenant (the baseline), so that no run
+    /// holds its sandbox while other chains run.
+    pub(crate) fn release(&mut self) {
+        self.claimed = None;
     }
 
     /// The host_calls made so far, for the audit.

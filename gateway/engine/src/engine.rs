@@ -177,31 +177,7 @@ impl Engine {
                 findings: h.findings.clone(),
             })
             .collect();
-        // Hook errors count against the chain the hook belongs to, by the hook's own name.
-        for h in walk.hooks.iter().filter(|h| h.error.is_some()) {
-            let (name, baseline) = match h
-                .name
-                .strip_prefix(BASELINE_PREFIX)
-                .or_else(|| h.name.strip_prefix(RECHECK_PREFIX))
-            {
-                Some(name) => (name, true),
-                None => (h.name.as_str(), false),
-            };
-            let Some((chain, _)) = chains.ordered().find(|(_, b)| *b == baseline) else {
-                continue;
-            };
-            let labels = ChainLabels::of(chain);
-            self.metrics
-                .hook_errors
-                .with_label_values(&[
-                    &chain.qualified_name(),
-                    &labels.namespace,
-                    &labels.target,
-                    &labels.trigger_point,
-                    name,
-                ])
-                .inc();
-        }
+        self.count_hook_errors(chains, walk);
         audit.action = walk.action.as_str();
         audit.terminal_index = walk.terminal_index;
         audit.latency_us = began.elapsed().as_micros() as u64;
@@ -239,5 +215,33 @@ impl Engine {
         let span = tracing::Span::current();
         span.record("action", walk.action.as_str());
         span.record("code", "ok");
+    }
+
+    /// Counts a walk's hook errors against the chain each hook belongs to, by the hook's own name.
+    pub(crate) fn count_hook_errors(&self, chains: &Chains, walk: &Walk) {
+        for h in walk.hooks.iter().filter(|h| h.error.is_some()) {
+            let (name, baseline) = match h
+                .name
+                .strip_prefix(BASELINE_PREFIX)
+                .or_else(|| h.name.strip_prefix(RECHECK_PREFIX))
+            {
+                Some(name) => (name, true),
+                None => (h.name.as_str(), false),
+            };
+            let Some((chain, _)) = chains.ordered().find(|(_, b)| *b == baseline) else {
+                continue;
+            };
+            let labels = ChainLabels::of(chain);
+            self.metrics
+                .hook_errors
+                .with_label_values(&[
+                    &chain.qualified_name(),
+                    &labels.namespace,
+                    &labels.target,
+                    &labels.trigger_point,
+                    name,
+                ])
+                .inc();
+        }
     }
 }

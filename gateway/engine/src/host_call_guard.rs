@@ -182,11 +182,13 @@ impl HostCalls for HostCallGuard {
             }
         };
         let recorded_before = self.inner.audit().len();
-        let answer =
-            match tokio::time::timeout(remaining, self.inner.call(hook, name, payload)).await {
-                Ok(answer) => answer,
-                Err(_) => Err(self.out_of_time()),
-            };
+        // Bounded by whoever answers, not cut off here: a capability's dispatch steps must still
+        // run when the budget ends mid-execute.
+        let answer = match self.inner.call_within(hook, name, payload, remaining).await {
+            // The budget ran out mid-call: said the same way as for the calls refused after it.
+            Err(HostCallError::OverLimit(_)) => Err(self.out_of_time()),
+            answer => answer,
+        };
         let answer = {
             let mut l = self.ledger();
             l.time += began.elapsed();

@@ -10,6 +10,7 @@ use async_trait::async_trait;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Who is calling: the run's identity, never the hook's payload.
 #[derive(Clone, Debug, PartialEq)]
@@ -58,6 +59,24 @@ pub enum HostCallError {
 #[async_trait]
 pub trait HostCalls: Send + Sync {
     async fn call(&self, hook: usize, name: &str, payload: Value) -> Result<Value, HostCallError>;
+    /// `call`, with `budget` left of the run's host_call time. The engine calls this one. Whoever
+    /// answers bounds its own steps by it, so that what must follow a call still runs when the
+    /// budget ends mid-call (the capability runner's dispatch steps, which settle what a gate
+    /// reserved); this default simply cuts the call off.
+    async fn call_within(
+        &self,
+        hook: usize,
+        name: &str,
+        payload: Value,
+        budget: Duration,
+    ) -> Result<Value, HostCallError> {
+        match tokio::time::timeout(budget, self.call(hook, name, payload)).await {
+            Ok(answer) => answer,
+            Err(_) => Err(HostCallError::OverLimit(format!(
+                "host_call limit reached: the run's host_call time ran out during {name:?}"
+            ))),
+        }
+    }
     /// The host_calls answered so far, for the run's audit event.
     fn audit(&self) -> Vec<AuditHostCall> {
         Vec::new()

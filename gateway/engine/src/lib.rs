@@ -23,7 +23,11 @@ mod engine;
 mod host_call_guard;
 mod host_calls;
 mod limits;
-mod log_text;
+/// The escaping of text others chose in log lines: one rule, kept in `sluice-crds` so the operator
+/// shares it.
+mod log_text {
+    pub(crate) use sluice_crds::log_text::Escaped;
+}
 mod metrics;
 mod outcome;
 mod pipeline;
@@ -44,7 +48,6 @@ pub use chain::{Chain, ChainError, ChainKey};
 pub use engine::Engine;
 pub use host_calls::{Caller, Capabilities, HostCallError, HostCalls, NoHostCalls};
 pub use limits::Limits;
-pub use log_text::Escaped;
 pub use metrics::Metrics;
 pub use outcome::{HookOutcome, Walk};
 pub use program::{CELL_RUNTIME, ProgramError, SUPERVISOR_BINARY, SupervisorProgram};
@@ -56,6 +59,7 @@ pub use sandbox::{
     discard_output,
 };
 pub use sandbox_pool::{ClaimError, Pools, WarmProgress};
+pub use sluice_crds::log_text::Escaped;
 pub use state_vector::StateVector;
 pub use stream::{ClientStreamError, StreamError, StreamInput, StreamOpen, StreamOutput};
 pub use supervisor::{CellEnd, SandboxFailure, SupervisorConn, WalkReport};

@@ -19,7 +19,8 @@ pub struct Limits {
     /// past it is answered with an error the hook sees as `HostCallError`.
     pub host_calls_per_run: u32,
     /// Time one chain's host_calls may take in one run, all together. A call still running when it
-    /// is spent is cut off; later ones are refused.
+    /// is spent is cut off (by the capability runner, whose dispatch steps still run, so a gate's
+    /// reservation is settled); later ones are refused.
     pub host_call_time_per_run: Duration,
     /// Bytes one chain's host_calls may move in one run: payloads sent plus results received (JSON).
     pub host_call_bytes_per_run: usize,

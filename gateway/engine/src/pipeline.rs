@@ -5,7 +5,8 @@
 //! the tenant changed is walked by the baseline once more. A tenant chain therefore cannot remove,
 //! reorder or weaken a baseline hook, nor undo what it did. Each chain keeps its own state vector;
 //! the answer lists the baseline's hooks first, named `baseline/<hook>`, then the tenant's, and
-//! `terminal_index` counts in that combined list.
+//! `terminal_index` counts in that combined list. When the tenant's chain ends the walk with a
+//! message, the baseline walks that message too before it leaves (`Pipeline::recheck_message`).
 
 use crate::audit::AuditEvent;
 use crate::chains::{BASELINE_PREFIX, Chains, RECHECK_PREFIX};
@@ -31,7 +32,8 @@ pub(crate) struct Pipeline<'e> {
 
 impl<'e> Pipeline<'e> {
     /// Claims and loads a sandbox for every chain (at the same time, so a baseline adds no claim
-    /// latency of its own). No sandbox in time for either → UNAVAILABLE.
+    /// latency of its own). No sandbox in time for either → UNAVAILABLE. The baseline's is handed
+    /// back after each of its walks and claimed again for the next (`walk`).
     pub(crate) async fn open(
         engine: &'e Engine,
         chains: &Chains,
@@ -68,16 +70,28 @@ impl<'e> Pipeline<'e> {
             _ => None,
         };
         let mut baseline_output = None;
+        let mut tenant_ended = false;
         for (stage, state) in self.stages.iter_mut().zip(states.iter_mut()) {
             let walk = stage.claimed.walk(combined.payload.clone(), state).await;
+            if stage.baseline {
+                // Every tenant shares the baseline's pool: its sandbox is held for its walk only.
+                stage.claimed.release();
+            }
             absorb(&mut combined, walk, offset, stage.baseline);
             offset += stage.claimed.chain.spec.hooks.len();
             if combined.is_terminal() {
-                return combined;
+                tenant_ended = !stage.baseline;
+                break;
             }
             if stage.baseline {
                 baseline_output = Some(combined.payload.clone());
             }
+        }
+        if combined.is_terminal() {
+            if let (true, Some(scratch)) = (tenant_ended, baseline_start) {
+                self.recheck_message(&mut combined, scratch, offset).await;
+            }
+            return combined;
         }
         if let (Some(mut scratch), Some(let_through)) = (baseline_start, baseline_output) {
             let trigger_point = self.stages[0].claimed.chain.spec.trigger_point;
@@ -89,11 +103,59 @@ impl<'e> Pipeline<'e> {
                 .claimed
                 .walk(combined.payload.clone(), &mut scratch)
                 .await;
+            self.stages[0].claimed.release();
             if recheck.is_terminal() || recheck.payload != combined.payload {
                 absorb_named(&mut combined, recheck, offset, RECHECK_PREFIX);
             }
         }
         combined
+    }
+
+    /// A tenant's block or skip message reaches the user as much as a payload does, so at the
+    /// trigger points that carry text the baseline walks it too (from the state it started with,
+    /// thrown away after): what it would change in the message is changed, and if it would end the
+    /// walk on it, its own verdict and message replace the tenant's.
+    async fn recheck_message(
+        &mut self,
+        combined: &mut Walk,
+        mut scratch: StateVector,
+        offset: usize,
+    ) {
+        let baseline = &mut self.stages[0];
+        if combined.message.is_empty() || !baseline.claimed.chain.spec.trigger_point.carries_text()
+        {
+            return;
+        }
+        let recheck = baseline
+            .claimed
+            .walk(Value::String(combined.message.clone()), &mut scratch)
+            .await;
+        baseline.claimed.release();
+        let changed = recheck.payload.as_str() != Some(combined.message.as_str());
+        if !recheck.is_terminal() && !changed {
+            return;
+        }
+        combined
+            .hooks
+            .extend(recheck.hooks.into_iter().map(|mut h| {
+                h.index += offset;
+                h.name = format!("{RECHECK_PREFIX}{}", h.name);
+                h
+            }));
+        match recheck.terminal_index {
+            Some(t) => {
+                combined.terminal_index = Some(t + offset);
+                combined.action = recheck.action;
+                combined.message = recheck.message;
+            }
+            None => {
+                combined.message = match recheck.payload {
+                    Value::String(text) => text,
+                    // A baseline that turns text into something else leaves nothing to show.
+                    _ => String::new(),
+                }
+            }
+        }
     }
 
     /// Sandbox ids for the audit: the tenant chain's (if any) and the baseline's (if any).

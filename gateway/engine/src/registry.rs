@@ -7,6 +7,7 @@
 //! tenant's own chain.
 
 use crate::chain::{Chain, ChainKey};
+use crate::log_text::Escaped;
 use sluice_crds::definition::{Definition, NotServed, Origin, Spec};
 use sluice_crds::{CapabilitySpec, TriggerPoint};
 use std::collections::{BTreeMap, HashMap};
@@ -168,8 +169,9 @@ impl Registry {
 
     /// Logs what is served and every error, after a (re)load.
     pub fn log_summary(&self) {
+        // Errors quote what tenants wrote (names, targets, file names): escaped, like the list.
         for e in &self.errors {
-            tracing::error!("{e}");
+            tracing::error!("{}", Escaped(&e.to_string()));
         }
         let mut chains: Vec<String> = self
             .all_chains()
@@ -190,7 +192,7 @@ impl Registry {
             errors = self.errors.len(),
             superseded = self.superseded(),
             "registry loaded: {}",
-            chains.join(", ")
+            Escaped(&chains.join(", "))
         );
     }
 
@@ -206,6 +208,11 @@ impl Registry {
     /// Every chain served, baselines included: each needs a warm pool.
     pub fn all_chains(&self) -> impl Iterator<Item = &Arc<Chain>> {
         self.chains.values().chain(self.baselines.values())
+    }
+
+    /// Every Capability served, in no particular order.
+    pub fn capabilities(&self) -> impl Iterator<Item = &Arc<CapabilityEntry>> {
+        self.capabilities.values()
     }
 
     pub fn capability(&self, namespace: &str, name: &str) -> Option<&Arc<CapabilityEntry>> {

@@ -63,7 +63,10 @@ impl Engine {
                 Err(e) => return Err(self.refuse(&mut audit, e, began, None)),
             };
             chains.describe(&mut audit);
-            tracing::Span::current().record("chain", chains.main().qualified_name());
+            tracing::Span::current().record(
+                "chain",
+                tracing::field::display(Escaped(&chains.main().qualified_name())),
+            );
             let mut pipeline = match Pipeline::open(self, &chains, &target, &run_id).await {
                 Ok(p) => p,
                 Err(e) => return Err(self.refuse(&mut audit, e, began, Some(&chains))),

@@ -38,22 +38,22 @@ impl SandboxSpec {
     }
 }
 
-/// Most bytes a sandbox's hooks may print (stdout and stderr together) before their output is no
-/// longer read: a hook that keeps printing then blocks until its deadline.
+/// Bytes the hooks of one trigger point may print (stdout and stderr together) before a deadline
+/// kill is blamed on their printing.
 pub const OUTPUT_LIMIT: u64 = 8 << 20;
 
-/// Reads a sandbox's stdout (hooks' prints) and drops it, counting the bytes in `counter`. Past
-/// `OUTPUT_LIMIT` nothing more is read: the writer blocks until its deadline ends it, and the failure
-/// names the output limit. Every backend drains stdout this way.
+/// Reads a sandbox's stdout (hooks' prints) and drops it, counting the bytes in `counter` over the
+/// sandbox's life. It never stops reading: what one trigger point printed must not stall the next
+/// one in a recycled sandbox, and a hook that prints without end is ended by its deadline (the
+/// failure then names the output limit, counted per trigger point by `SupervisorConn`). Every
+/// backend drains stdout this way.
 pub async fn discard_output(mut stdout: impl AsyncRead + Unpin, counter: Arc<AtomicU64>) {
-    let mut buf = vec![0u8; 16 << 10];
+    let mut buf = vec![0u8; 64 << 10];
     while let Ok(n) = stdout.read(&mut buf).await {
         if n == 0 {
             break;
         }
-        if counter.fetch_add(n as u64, Ordering::Relaxed) + n as u64 > OUTPUT_LIMIT {
-            std::future::pending::<()>().await;
-        }
+        counter.fetch_add(n as u64, Ordering::Relaxed);
     }
 }
 

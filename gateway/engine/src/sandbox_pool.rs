@@ -6,12 +6,14 @@
 //! (reuse: None, a dirty verdict, a deadline kill, a broken stream, `maxUses`) retires it.
 //!
 //! Boots are scheduled gateway-wide (`Scheduler`), so no chain can starve another: at most
-//! `boot_concurrency` at once; boots for claims that are waiting go before warm-up boots; chains
+//! `boot_concurrency` at once (a boot holds its slot until the sandbox is up, not while the chain's
+//! module code runs in its first cell); boots for claims that are waiting go before warm-up boots; chains
 //! take turns (round robin) within each kind; and warm-up boots stop at `Limits::warm_sandboxes`
 //! warm sandboxes across all chains.
 
 use crate::chain::Chain;
 use crate::limits::Limits;
+use crate::log_text::Escaped;
 use crate::metrics::{ChainLabels, Metrics};
 use crate::sandbox::{SandboxBackend, SandboxSpec};
 use crate::supervisor::CellEnd;
@@ -239,7 +241,11 @@ impl Pool {
     fn spawn_boot(self: &Arc<Self>) {
         let pool = self.clone();
         tokio::spawn(async move {
-            let result = pool.boot().await;
+            let slot = BootSlot {
+                shared: pool.shared.clone(),
+                released: AtomicBool::new(false),
+            };
+            let result = pool.boot(&slot).await;
             let leftover = {
                 let mut c = pool.lock();
                 c.booting -= 1;
@@ -263,7 +269,7 @@ impl Pool {
                         Some(Ok(conn))
                     }
                     Err(e) => {
-                        tracing::warn!(chain = %pool.name, error = %e, "sandbox failed to boot");
+                        tracing::warn!(chain = %Escaped(&pool.name), error = %Escaped(&e), "sandbox failed to boot");
                         pool.shared
                             .metrics
                             .sandbox_boot_failures
@@ -275,7 +281,7 @@ impl Pool {
                     }
                 }
             };
-            pool.shared.scheduler.finished();
+            slot.release();
             match leftover {
                 None => pool.changed.notify_waiters(),
                 // The pool closed while this one booted, or nobody needs it any more.
@@ -292,7 +298,10 @@ impl Pool {
         });
     }
 
-    async fn boot(&self) -> Result<SupervisorConn, String> {
+    /// Starts a sandbox and opens its first cell. `slot` is handed back as soon as the supervisor is
+    /// up: the cell's module code is the chain's own (it may sleep), and must not keep other chains
+    /// from booting.
+    async fn boot(&self, slot: &BootSlot) -> Result<SupervisorConn, String> {
         let began = Instant::now();
         let sandbox = self
             .shared
@@ -303,10 +312,12 @@ impl Pool {
         let mut conn = SupervisorConn::new(sandbox, self.shared.limits.max_line());
         let budget = self.shared.limits.boot_timeout;
         let ready = match conn.wait_ready(budget).await {
-            Ok(()) => conn
-                .prepare(&self.current_chain(), &self.shared.limits.wire(), budget)
-                .await
-                .map_err(|e| format!("its first cell did not open: {e}")),
+            Ok(()) => {
+                slot.release();
+                conn.prepare(&self.current_chain(), &self.shared.limits.wire(), budget)
+                    .await
+                    .map_err(|e| format!("its first cell did not open: {e}"))
+            }
             Err(e) => Err(format!("supervisor did not start: {e}")),
         };
         match ready {
@@ -362,7 +373,7 @@ impl Pool {
                     && !front.still_waiting()
                 {
                     if let Some(dead) = c.warm.pop_front() {
-                        tracing::warn!(chain = %self.name, sandbox = %dead.id, "a warm sandbox died while it waited; replacing it");
+                        tracing::warn!(chain = %Escaped(&self.name), sandbox = %dead.id, "a warm sandbox died while it waited; replacing it");
                         c.tearing_down += 1;
                         let pool = self.clone();
                         tokio::spawn(async move {
@@ -391,7 +402,7 @@ impl Pool {
                             .with_label_values(&self.labels.with(&[kind]))
                             .inc();
                         waited_for(self);
-                        tracing::debug!(chain = %self.name, kind, "sandbox claimed");
+                        tracing::debug!(chain = %Escaped(&self.name), kind, "sandbox claimed");
                         // Booting a replacement is CPU-heavy; starting it a moment later keeps it off
                         // the claimed run's critical path.
                         let pool = self.clone();
@@ -491,7 +502,7 @@ impl Pool {
                 }
                 let label = reason.split(':').next().unwrap_or("dirty").to_string();
                 if label != "reuse_none" {
-                    tracing::info!(chain = %pool.name, sandbox = %conn.id, uses = conn.uses(), %reason, "sandbox retired");
+                    tracing::info!(chain = %Escaped(&pool.name), sandbox = %conn.id, uses = conn.uses(), reason = %Escaped(&reason), "sandbox retired");
                 }
                 pool.shared
                     .metrics
@@ -583,6 +594,21 @@ impl Pool {
     /// True once nothing of this pool exists any more.
     fn drained(&self) -> bool {
         self.lock().total() == 0
+    }
+}
+
+/// One of the scheduler's gateway-wide boot slots, held from a boot's start until its sandbox is up
+/// (or the boot failed); released once.
+struct BootSlot {
+    shared: Arc<Shared>,
+    released: AtomicBool,
+}
+
+impl BootSlot {
+    fn release(&self) {
+        if !self.released.swap(true, Ordering::SeqCst) {
+            self.shared.scheduler.finished();
+        }
     }
 }
 

@@ -114,6 +114,8 @@ struct Stats {
     failing: bool,
     /// Text was committed to the client after a hook had failed on the stream path.
     committed_while_failing: bool,
+    /// The first hook failure on the stream path, worded as the audit's `failure_reason`.
+    first_failure: Option<String>,
 }
 
 /// One hook's part in a stream's flushes.
@@ -147,9 +149,21 @@ impl Stats {
             if let Some(e) = &h.error {
                 s.errors += 1;
                 self.failing = true;
+                self.first_failure.get_or_insert_with(|| {
+                    let e: String = e.chars().take(AUDIT_ERROR_CHARS).collect();
+                    format!("hook {:?} failed on the stream path: {e}", h.name)
+                });
                 s.error
                     .get_or_insert_with(|| e.chars().take(AUDIT_ERROR_CHARS).collect());
             }
+        }
+    }
+
+    /// Records a stream-path failure in the audit as passed over (the stream went on without it).
+    fn passed_over(&self, audit: &mut AuditEvent) {
+        if let Some(f) = &self.first_failure {
+            audit.policy_outcome = Some("passed_over");
+            audit.failure_reason = Some(f.clone());
         }
     }
 
@@ -272,7 +286,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
     let span = tracing::info_span!(
         "stream",
         run_id = %run_id,
-        chain = %chains.main().qualified_name(),
+        chain = %Escaped(&chains.main().qualified_name()),
         namespace = %Escaped(&target.key.namespace),
         target = %Escaped(&target.key.target),
         trigger_point = target.key.trigger_point.as_str(),
@@ -332,6 +346,7 @@ impl Run<'_> {
                 pipeline.record_host_calls(&mut audit, engine.limits().audit_host_calls);
                 drop(pipeline);
                 audit.error = Some(e.to_string());
+                stats.passed_over(&mut audit);
                 audit.stream = Some(stream_json(&stats, false));
                 audit.latency_us = self.began.elapsed().as_micros() as u64;
                 engine.audit().write(&audit);
@@ -351,6 +366,9 @@ impl Run<'_> {
         pipeline.record_host_calls(&mut audit, engine.limits().audit_host_calls);
         drop(pipeline);
         let stopped = final_walk.is_terminal();
+        // Failures of earlier passes count even when the final pass went clean: text was shown
+        // while they failed. The final pass's own failures, if any, take their place below.
+        stats.passed_over(&mut audit);
         audit.stream = Some(stream_json(&stats, stopped));
         engine.finish(&mut audit, self.chains, &final_walk, self.began, "stream");
         let result = RunResult {
@@ -428,6 +446,7 @@ impl Run<'_> {
                     let walk = pipeline.walk(Value::String(batch), &mut state).await;
                     stats.flushed(&walk);
                     if walk.is_terminal() {
+                        // This walk is the final: its errors are counted when it is audited.
                         let hook = walk
                             .hooks
                             .iter()
@@ -444,6 +463,7 @@ impl Run<'_> {
                         }
                         return End::Stopped(walk);
                     }
+                    self.engine.count_hook_errors(self.chains, &walk);
                     let text = walk.payload.as_str().unwrap_or_default().to_string();
                     window.settle(&text, last)
                 }

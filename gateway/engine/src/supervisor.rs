@@ -57,6 +57,8 @@ pub struct SupervisorConn {
     uses: u32,
     /// Since when it has waited in its pool for a claim.
     idle_since: Instant,
+    /// Bytes printed before the open cell's trigger point: output is counted per trigger point.
+    printed_before: u64,
 }
 
 /// How a cell ended: clean, or why the sandbox must not serve again.
@@ -99,6 +101,7 @@ impl SupervisorConn {
             cell: None,
             uses: 0,
             idle_since: Instant::now(),
+            printed_before: 0,
         }
     }
 
@@ -116,8 +119,11 @@ impl SupervisorConn {
         !self.broken && self.reader.fill_buf().now_or_never().is_none()
     }
 
+    /// Bytes printed since the open cell was prepared (its trigger point's module code and hooks).
     pub fn stdout_bytes(&self) -> u64 {
-        self.handle.stdout_bytes()
+        self.handle
+            .stdout_bytes()
+            .saturating_sub(self.printed_before)
     }
 
     async fn send(&mut self, msg: &ToSupervisor<'_>) -> Result<(), SandboxFailure> {
@@ -211,6 +217,7 @@ impl SupervisorConn {
         limits: &WireLimits,
         budget: Duration,
     ) -> Result<(), SandboxFailure> {
+        self.printed_before = self.handle.stdout_bytes();
         let hooks = chain
             .spec
             .hooks
@@ -333,7 +340,7 @@ impl SupervisorConn {
             let msg = match self.recv(remaining).await {
                 Ok(m) => m,
                 Err(SandboxFailure::Timeout(_)) => {
-                    let printed = self.handle.stdout_bytes();
+                    let printed = self.stdout_bytes();
                     report.failure = Some(if printed > crate::sandbox::OUTPUT_LIMIT {
                         SandboxFailure::Died(format!(
                             "the hook printed more than {} bytes to stdout/stderr and was stopped at its {} ms deadline",

@@ -154,3 +154,99 @@ async fn a_tenants_larger_window_is_kept() {
     let s = h.stream(&["call me at 010-", "1234-", "5678 or not"]).await;
     assert_eq!(s.commits.concat(), "call me at [phone] or not");
 }
+
+/// A tenant's block or skip message reaches the user too: the baseline sees it before it leaves,
+/// on Run and on the stream path alike.
+#[tokio::test]
+async fn a_tenants_block_or_skip_message_goes_through_the_baseline() {
+    for action in ["block", "skip"] {
+        let h = Harness::process(vec![
+            baseline("output", vec![py("redact", "modify", REDACT_SECRET)]),
+            tenant(
+                "output",
+                vec![py(
+                    "stop",
+                    action,
+                    &format!("return {{'action': '{action}', 'message': 'the secret is 42'}}"),
+                )],
+                json!({"streaming": {"flushChars": 4, "lookbackChars": 0}}),
+            ),
+        ])
+        .await;
+        let r = h.run("output", json!("hello")).await.unwrap();
+        assert!(r.walk.is_terminal(), "{:?}", r.walk);
+        assert_eq!(r.walk.message, "the [x] is 42", "{action}: {:?}", r.walk);
+        let s = h.stream(&["hello there"]).await;
+        let (blocked, _hook) = s
+            .blocked
+            .clone()
+            .unwrap_or_else(|| panic!("{action}: the stream was not stopped: {:?}", s.error));
+        assert_eq!(blocked, "the [x] is 42", "{action}");
+        let events = h.audit.events();
+        assert!(
+            events.iter().all(|e| !e.to_string().contains("secret is")),
+            "{action}: the audit shows what the user saw: {events:?}"
+        );
+    }
+}
+
+/// The baseline's pool serves every tenant: a run holds a baseline sandbox only while the baseline
+/// walks (and again for its recheck), not while the tenant's own chain runs. Tenant A's slow hook
+/// (waiting on a host_call) no longer keeps tenant B from the baseline's only sandbox.
+#[tokio::test]
+async fn a_slow_tenant_does_not_hold_the_baselines_sandbox() {
+    let slow = json!({"name": "slow", "action": "detect", "capabilities": ["sleep"], "code":
+        "def execute(context, settings):\n    context.host_call('sleep', {'ms': 30000})\n    return {'action': 'pass'}\n"});
+    let quick = py("quick", "detect", "return {'action': 'pass'}");
+    let limits = sluice_engine::Limits {
+        claim_timeout: std::time::Duration::from_secs(10),
+        host_call_time_per_run: std::time::Duration::from_secs(60),
+        ..common::limits()
+    };
+    let backend = sluice_sandbox_process::ProcessBackend::new().unwrap();
+    let h = Harness::with_backend(
+        std::sync::Arc::new(backend),
+        vec![
+            common::baseline_with(
+                "input",
+                vec![py("mark", "detect", "return {'action': 'pass'}")],
+                json!({"pool": {"warm": 1, "max": 1}}),
+            ),
+            common::chain(
+                "team-a",
+                "a",
+                "bot",
+                "input",
+                vec![slow],
+                json!({"timeoutMs": 60000}),
+            ),
+            common::chain("team-b", "b", "bot", "input", vec![quick], json!({})),
+        ],
+        limits,
+    )
+    .await;
+    let input = |ns: &str| sluice_engine::RunInput {
+        namespace: ns.into(),
+        target: "bot".into(),
+        trigger_point: "input".into(),
+        payload: Some(json!("hi")),
+        ..Default::default()
+    };
+    let engine = h.engine.clone();
+    let a_input = input("team-a");
+    let a = tokio::spawn(async move { engine.run(a_input).await });
+    // Until tenant A's hook is inside its host_call, after the baseline's walk.
+    while !h
+        .capabilities
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|c| c.name == "sleep")
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let b = h.engine.run(input("team-b")).await;
+    assert!(b.is_ok(), "tenant B was kept from the baseline: {b:?}");
+    a.abort();
+}

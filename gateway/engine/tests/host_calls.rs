@@ -7,7 +7,7 @@
 mod common;
 
 use common::scripted::{Chunk, Script, ScriptedBackend};
-use common::{Harness, hook, py, tenant};
+use common::{Harness, baseline, hook, py, tenant};
 use serde_json::{Value, json};
 use sluice_crds::Action;
 use sluice_engine::Limits;
@@ -327,4 +327,42 @@ async fn the_real_supervisor_still_gets_its_answers_within_the_limit() {
     assert_eq!(r.walk.action, Action::Detect, "{:?}", r.walk);
     assert_eq!(r.walk.hooks[0].findings, Some(json!({"errors": 4})));
     assert_eq!(h.capabilities.seen.lock().unwrap().len(), 16);
+}
+
+/// The limit holds per run for everything a stream does: flushes, the final pass, walks resumed in a
+/// fresh sandbox after a failure under `Open`, beside a baseline that rechecks each change.
+#[tokio::test]
+async fn a_stream_with_failures_and_a_baseline_stays_within_one_budget() {
+    let h = Harness::process(vec![
+        baseline(
+            "output",
+            vec![py(
+                "tidy",
+                "modify",
+                "return {'action': 'modify', 'outgoing': context['outgoing'].replace('!', '.')}",
+            )],
+        ),
+        tenant(
+            "output",
+            vec![
+                json!({"name": "ask", "action": "modify", "capabilities": ["echo"], "code":
+                    "def execute(context, settings):\n    for i in range(6):\n        try:\n            context.host_call('echo', {'i': i})\n        except HostCallError:\n            pass\n    if len(context['outgoing']) % 2:\n        raise RuntimeError('odd')\n    return {'action': 'modify', 'outgoing': context['outgoing'] + '!'}\n"}),
+                json!({"name": "again", "action": "detect", "capabilities": ["echo"], "code":
+                    "def execute(context, settings):\n    for i in range(6):\n        try:\n            context.host_call('echo', {'j': i})\n        except HostCallError:\n            pass\n    return {'action': 'pass'}\n"}),
+            ],
+            json!({"failurePolicy": "Open", "streaming": {"flushChars": 4, "lookbackChars": 0}}),
+        ),
+    ])
+    .await;
+    let s = h.stream(&["aaaa", "bbbbb", "cccc", "ddddd"]).await;
+    assert!(s.error.is_none(), "{:?}", s.error);
+    let tenant_calls = h
+        .capabilities
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.chain == "team/tenant")
+        .count();
+    assert_eq!(tenant_calls, 16, "one budget for the whole stream");
 }

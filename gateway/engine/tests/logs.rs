@@ -100,3 +100,68 @@ async fn a_newline_in_caller_strings_does_not_start_a_log_line() {
         );
     }
 }
+
+/// Strings a tenant writes into its objects (namespace and name in a chain directory, target,
+/// capability names, endpoints) reach the log on every reload and every run: none of them may start
+/// a line either.
+#[tokio::test]
+async fn a_newline_in_tenant_written_fields_does_not_start_a_log_line() {
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::DEBUG)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let namespace = format!("team{FORGED}");
+    let target = format!("bot{FORGED}");
+    let mut hooks = vec![py("noop", "detect", "return {'action': 'pass'}")];
+    hooks[0]["capabilities"] = json!([format!("cap{FORGED}")]);
+    let forged = common::chain(
+        &namespace,
+        &format!("chain{FORGED}"),
+        &target,
+        "input",
+        hooks,
+        json!({}),
+    );
+    // A second chain for the same place is reported as a conflict, naming both.
+    let conflicting = common::chain(
+        &namespace,
+        &format!("other{FORGED}"),
+        &target,
+        "input",
+        vec![py("noop", "detect", "return {'action': 'pass'}")],
+        json!({}),
+    );
+    let h = Harness::process(vec![forged.clone()]).await;
+    sluice_engine::Registry::build_for(common::PLATFORM, vec![forged, conflicting], vec![])
+        .log_summary();
+    h.engine.registry().log_summary();
+    // A run of that chain: its claim and pool lines name the chain.
+    let ran = h
+        .engine
+        .run(RunInput {
+            namespace: namespace.clone(),
+            target: target.clone(),
+            trigger_point: "input".into(),
+            payload: Some(json!("hi")),
+            ..Default::default()
+        })
+        .await;
+    assert!(ran.is_ok(), "{ran:?}");
+
+    let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        text.contains("registry loaded") && text.contains("FORGED"),
+        "the summary names the tenant's chain, escaped: {text}"
+    );
+    for line in text.lines() {
+        assert!(
+            !line.starts_with("2030-01-01") && !line.contains('\r') && !line.contains('\u{1b}'),
+            "a tenant-written string started or rewrote a log line: {line:?}\n--- the whole log:\n{text}"
+        );
+    }
+}

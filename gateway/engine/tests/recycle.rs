@@ -157,3 +157,31 @@ async fn a_supervisor_of_another_protocol_is_refused_with_a_clear_error() {
         other => panic!("expected UNAVAILABLE naming the protocols, got {other:?}"),
     }
 }
+
+/// What hooks print is drained and discarded per trigger point: a hook that printed just over the
+/// output limit in one trigger point leaves nothing behind for the next one in the same sandbox,
+/// whose honest (chatty) hook runs and is not blamed.
+#[tokio::test]
+async fn output_is_counted_per_trigger_point_and_always_drained() {
+    let chatty = "import sys\nif context['outgoing'] == 'flood':\n    sys.stdout.write('x' * ((8 << 20) + 4096))\nelse:\n    sys.stdout.write('y' * (1 << 20))\nsys.stdout.flush()\nreturn {'action': 'modify', 'outgoing': 'done'}";
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![py("chatty", "modify", chatty)],
+        json!({"timeoutMs": 5000, "pool": {"warm": 1, "max": 1, "reuse": "Recycle"}}),
+    )])
+    .await;
+    settle(&h).await;
+    let flood = h.run("input", json!("flood")).await.unwrap();
+    assert_eq!(flood.walk.payload, json!("done"), "{:?}", flood.walk);
+    for i in 0..3 {
+        settle(&h).await;
+        let r = h.run("input", json!("honest")).await.unwrap();
+        assert_eq!(
+            r.walk.payload,
+            json!("done"),
+            "trigger point {i} after the flood: {:?}",
+            r.walk
+        );
+    }
+    assert_eq!(h.engine.metrics().boots(), 1, "one sandbox served them all");
+}

@@ -125,3 +125,55 @@ async fn warm_sandboxes_are_capped_gateway_wide_and_shared_round_robin() {
     let r = h.run_at("c", "input", json!("hi")).await;
     assert!(r.is_ok(), "{r:?}");
 }
+
+/// A boot holds its gateway-wide slot only until the sandbox is up, not through the chain's module
+/// code: one chain whose module sleeps cannot keep another chain from booting.
+#[tokio::test]
+async fn slow_module_code_does_not_hold_a_boot_slot() {
+    let backend = sluice_sandbox_process::ProcessBackend::new().unwrap();
+    let sleepy = common::hook(
+        "sleepy",
+        "detect",
+        "import time\ntime.sleep(30)\ndef execute(context, settings):\n    return {'action': 'pass'}\n",
+    );
+    let quick = common::py(
+        "quick",
+        "modify",
+        "return {'action': 'modify', 'outgoing': 'ok'}",
+    );
+    let limits = Limits {
+        claim_timeout: Duration::from_secs(10),
+        boot_timeout: Duration::from_secs(60),
+        ..common::limits()
+    };
+    let h = Harness::with_boots(
+        Arc::new(backend),
+        vec![
+            chain(
+                NS,
+                "sleepy",
+                "sleepy",
+                "input",
+                vec![sleepy],
+                json!({"timeoutMs": 60000, "pool": {"warm": 2, "max": 2}}),
+            ),
+            chain(
+                NS,
+                "quick",
+                "quick",
+                "input",
+                vec![quick],
+                json!({"pool": {"warm": 1, "max": 1, "reuse": "None"}}),
+            ),
+        ],
+        limits,
+        1,
+    )
+    .await;
+    // Every run of the quick chain needs a boot of its own (reuse: None), while the sleepy chain's
+    // boots sit in their module code.
+    for i in 0..3 {
+        let r = h.run_at("quick", "input", json!("x")).await;
+        assert!(r.is_ok(), "run {i} of the quick chain: {r:?}");
+    }
+}

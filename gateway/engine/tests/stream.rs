@@ -269,3 +269,47 @@ async fn a_clean_stream_path_is_recorded_as_such() {
         "{stream}"
     );
 }
+
+/// Text was shown while a hook was failing on the stream path (under `Open`), and the final pass
+/// went clean: the run's audit still says a failure was passed over, which one, and the failing
+/// hook counts in the hook error metric.
+#[tokio::test]
+async fn failures_on_the_stream_path_are_in_the_audit_even_when_the_final_pass_is_clean() {
+    let h = Harness::process(vec![tenant(
+        "output",
+        vec![py(
+            "judge",
+            "modify",
+            "if len(context['outgoing']) < 20:\n    raise RuntimeError('too short to judge')\nreturn {'action': 'pass'}",
+        )],
+        json!({"failurePolicy": "Open", "streaming": {"flushChars": 8, "lookbackChars": 0}}),
+    )])
+    .await;
+    let s = h.stream(&["call me ", "at 010-12", "34-5678 ", "ok"]).await;
+    assert!(s.error.is_none(), "{:?}", s.error);
+    assert!(!s.commits.is_empty(), "text was committed");
+    let event = &h.audit.events()[0];
+    assert_eq!(event["stream"]["committed_while_failing"], true, "{event}");
+    assert_eq!(event["policy_outcome"], "passed_over", "{event}");
+    assert!(
+        event["failure_reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("judge") && r.contains("too short to judge")),
+        "{event}"
+    );
+    let errors = h
+        .engine
+        .metrics()
+        .registry
+        .gather()
+        .into_iter()
+        .find(|f| f.name() == "sluice_gateway_hook_errors_total")
+        .map(|f| {
+            f.get_metric()
+                .iter()
+                .map(|m| m.get_counter().get_value())
+                .sum::<f64>()
+        })
+        .unwrap_or_default();
+    assert_eq!(errors, 4.0, "one per failed flush");
+}

@@ -60,6 +60,11 @@ pub enum ConnectError {
     EmptyToken,
     #[error("the token cannot be sent as gRPC metadata (only visible ASCII is allowed)")]
     BadToken,
+    #[error(
+        "a bearer token is sent only over TLS or to a loopback address, and {addr} is neither: \
+         use https:// with --ca (or the system's roots), or reach the gateway on 127.0.0.1"
+    )]
+    PlainTextToken { addr: String },
     #[error("{addr:?} is not a gateway address (http://HOST:PORT or https://HOST:PORT)")]
     Address { addr: String },
     #[error("cannot reach the gateway at {addr}: {source}")]
@@ -165,10 +170,32 @@ impl ClientAuth {
             .map_err(|source| ConnectError::Connect { addr, source })
     }
 
-    /// A gateway client to `addr` with these options.
+    /// A gateway client to `addr` with these options. A token goes only over TLS or to this
+    /// machine: over plain HTTP/2 anyone on the path could read it and call as its owner.
     pub async fn connect(&self, addr: &str) -> Result<Client, ConnectError> {
         let bearer = self.bearer()?;
+        if bearer.0.is_some() && !self.wants_tls(addr) && !is_loopback(addr) {
+            return Err(ConnectError::PlainTextToken {
+                addr: addr.to_string(),
+            });
+        }
         let channel = self.channel(addr).await?;
         Ok(GatewayClient::with_interceptor(channel, bearer))
     }
+}
+
+/// Whether `addr` (http://HOST:PORT) names this machine: `localhost` or a loopback IP. Decided on
+/// the address as written, so nothing is resolved or sent to find out.
+fn is_loopback(addr: &str) -> bool {
+    let Ok(uri) = addr.parse::<tonic::codegen::http::Uri>() else {
+        return false;
+    };
+    let Some(host) = uri.host() else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }

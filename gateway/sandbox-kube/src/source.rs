@@ -83,7 +83,7 @@ fn check_chain(python: &std::path::Path, hc: &HookChain) -> Vec<String> {
         }
         Err(e) => tracing::warn!(
             chain = %key_of(&hc.metadata),
-            error = %e,
+            error = %sluice_crds::log_text::Escaped(&e.to_string()),
             "hook code not analysed; serving it unchecked"
         ),
     }

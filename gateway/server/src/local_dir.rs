@@ -470,8 +470,8 @@ fn check_file(file: &Path, text: &str, python: &Path) -> FileRead {
                     }
                 }
                 Err(e) => tracing::warn!(
-                    file = %file.display(),
-                    error = %e,
+                    file = %sluice_crds::log_text::Escaped(&file.display().to_string()),
+                    error = %sluice_crds::log_text::Escaped(&e.to_string()),
                     "hook code not analysed; serving it unchecked"
                 ),
             }

@@ -164,11 +164,13 @@ impl Gateway for GatewayService {
             session_id: r.session_id,
             auth,
         };
-        let result = self
-            .engine
-            .run(input)
-            .instrument(span)
+        // The run goes on in a task of its own, as streams do: a client that disconnects drops
+        // this handler, never the run, which is finished, settled and audited all the same.
+        let engine = self.engine.clone();
+        let run = tokio::spawn(async move { engine.run(input).instrument(span).await });
+        let result = run
             .await
+            .map_err(|e| Status::internal(format!("the run failed inside the gateway: {e}")))?
             .map_err(engine_status)?;
         Ok(Response::new(run_response(&result.run_id, &result.walk)))
     }

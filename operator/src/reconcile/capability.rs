@@ -206,7 +206,7 @@ async fn check(ctx: &Context, cap: &Guarded) {
         )
         .await
     {
-        tracing::warn!(capability = %format!("{namespace}/{name}"), error = %e, "cannot write Capability status");
+        tracing::warn!(capability = %format!("{namespace}/{name}"), error = %sluice_crds::log_text::Escaped(&e.to_string()), "cannot write Capability status");
     }
 }
 

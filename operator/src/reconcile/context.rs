@@ -101,7 +101,7 @@ impl Context {
         };
         // Events help people; a failure to record one must not stop the pool.
         if let Err(e) = self.recorder.publish(&ev, regarding).await {
-            tracing::warn!(error = %e, reason, "cannot publish event");
+            tracing::warn!(error = %sluice_crds::log_text::Escaped(&e.to_string()), reason, "cannot publish event");
         }
     }
 }

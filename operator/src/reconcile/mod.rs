@@ -41,6 +41,7 @@ use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{self, finalizer};
 use kube::{Resource, ResourceExt};
 use sluice_crds::HookChain;
+use sluice_crds::log_text::Escaped;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -136,7 +137,7 @@ pub fn error_policy(
     ctx: Arc<Context>,
 ) -> Action {
     ctx.metrics.reconcile_errors.inc();
-    tracing::warn!(%error, "reconcile failed; retrying");
+    tracing::warn!(error = %Escaped(&error.to_string()), "reconcile failed; retrying");
     Action::requeue(Duration::from_secs(5))
 }
 
@@ -147,7 +148,8 @@ async fn reconcile_unreadable(
     ctx: &Context,
 ) -> Result<Action, Error> {
     let name = obj.name_any();
-    tracing::warn!(chain = %name, error = %invalid.error, "HookChain does not match the schema");
+    // The reader's error quotes what the tenant wrote.
+    tracing::warn!(chain = %name, error = %Escaped(&invalid.error), "HookChain does not match the schema");
     let reference = obj.object_ref(&());
     ctx.publish(
         &reference,
@@ -174,7 +176,7 @@ async fn reconcile_unreadable(
             )
             .await
         {
-            tracing::warn!(chain = %name, error = %e, "cannot write status of an unreadable HookChain");
+            tracing::warn!(chain = %name, error = %Escaped(&e.to_string()), "cannot write status of an unreadable HookChain");
         }
     }
     Ok(Action::await_change())

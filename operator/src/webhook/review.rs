@@ -122,12 +122,11 @@ fn judge_request(
         // Deletes, and kinds the webhook is not configured for, are not its business.
         return Verdict::Admit { warnings: vec![] };
     }
-    if request.operation == Operation::Update
-        && (object["metadata"]["deletionTimestamp"].is_string()
-            || object.get("spec") == request_old_spec(request))
-    {
-        // Labels, annotations, finalizers, a deletion under way: the spec that was admitted (or
-        // was there before the webhook) is unchanged, and refusing would only block cleanup.
+    if request.operation == Operation::Update && object.get("spec") == request_old_spec(request) {
+        // Labels, annotations, finalizers (a deletion's cleanup included): the spec that was
+        // admitted (or was there before the webhook) is unchanged, and refusing would only block
+        // cleanup. A deletion under way is no reason to skip more: a finalizer can hold an object
+        // there for ever, and its spec still serves until it is gone.
         return Verdict::Admit { warnings: vec![] };
     }
     if !object.is_object() {
@@ -231,6 +230,56 @@ fn refusal(request: &AdmissionRequest<DynamicObject>, problems: &[String]) -> St
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn update(object: &Value, old: &Value) -> Vec<u8> {
+        serde_json::to_vec(&json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": "uid-1",
+                "kind": {"group": "sluice.dev", "version": "v1alpha1", "kind": "HookChain"},
+                "resource": {"group": "sluice.dev", "version": "v1alpha1", "resource": "hookchains"},
+                "name": "c", "namespace": "ns", "operation": "UPDATE",
+                "userInfo": {"username": "alice"},
+                "object": object, "oldObject": old,
+            }
+        }))
+        .unwrap()
+    }
+
+    fn allowed(body: &[u8]) -> bool {
+        let judge = Judge {
+            python: "python3".into(),
+            platform_namespace: "sluice-system".into(),
+        };
+        let answer = review(body, &judge).expect("a review");
+        let response = answer.response.expect("a response");
+        response.allowed
+    }
+
+    /// A deletion under way (a finalizer holds the object) is no licence to write any spec: only an
+    /// update that leaves the spec as it was goes unjudged.
+    #[test]
+    fn an_object_being_deleted_is_still_judged_when_its_spec_changes() {
+        let good = json!({
+            "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
+            "metadata": {"name": "c", "namespace": "ns", "finalizers": ["example.com/hold"],
+                         "deletionTimestamp": "2026-11-26T01:00:00Z"},
+            "spec": {"target": "bot", "triggerPoint": "input",
+                     "hooks": [{"name": "h", "action": "modify",
+                                "code": "def execute(c, s):\n    return {'action': 'pass'}\n"}]}
+        });
+        let mut rewritten = good.clone();
+        rewritten["spec"]["hooks"][0]["code"] = json!("def (");
+        assert!(
+            !allowed(&update(&rewritten, &good)),
+            "a broken spec written during deletion was admitted"
+        );
+        // The finalizer's removal (spec untouched) is what a deletion needs: admitted, even for a
+        // spec that would not pass today.
+        let mut released = rewritten.clone();
+        released["metadata"]["finalizers"] = json!([]);
+        assert!(allowed(&update(&released, &rewritten)));
+    }
 
     /// The object is judged through YAML text: every string must come back as it was sent.
     #[test]

@@ -89,6 +89,10 @@ struct RunArgs {
     /// Stream the text in chunks of this many characters.
     #[arg(long, value_name = "CHARS")]
     stream: Option<usize>,
+    /// Answer host_calls of capability NAME with this JSON result (others answer an error: no
+    /// endpoint is called).
+    #[arg(long = "stub", value_name = "NAME=JSON")]
+    stubs: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -556,7 +560,22 @@ async fn run(a: RunArgs) -> Result<Value, String> {
         context: parse_context(&a.context)?,
         expect: Expect::default(),
     };
-    let local = Local::start(&a.files, &Default::default())
+    let mut stubs = std::collections::BTreeMap::new();
+    for s in &a.stubs {
+        let (name, result) = s
+            .split_once('=')
+            .ok_or_else(|| format!("--stub {s:?}: expected NAME=JSON"))?;
+        let result = serde_json::from_str::<Value>(result)
+            .map_err(|e| format!("--stub {name}: the result is not JSON: {e}"))?;
+        stubs.insert(
+            name.to_string(),
+            sluice_cli::Stub {
+                result,
+                error: None,
+            },
+        );
+    }
+    let local = Local::start(&a.files, &stubs)
         .await
         .map_err(|e| format!("{e:#}"))?;
     let result = match a.stream {

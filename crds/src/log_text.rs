@@ -1,7 +1,10 @@
-//! Text from callers (namespace, target, trigger point, session, context) as it may appear in the
-//! gateway's text log: control characters and line separators escaped (`\n`, `\r`, `\u{1b}`), so a
-//! string a caller chose can never start a forged log line or rewrite the terminal. The JSON audit
-//! needs none of this: serde escapes it already.
+//! Text someone else chose, as it may appear in a text log of the gateway or the operator: what
+//! callers send (namespace, target, trigger point, session, context) and what tenants write into
+//! their objects (names, `spec.target`, capability names, endpoints, and every error message that
+//! quotes them). Control characters and line separators are escaped (`\n`, `\r`, `\u{1b}`), so such
+//! a string can never start a forged log line or rewrite the terminal. The JSON audit needs none of
+//! this: serde escapes it already. Kept here, in the crate operator and gateway share, so both escape
+//! the same way.
 
 use std::fmt;
 
