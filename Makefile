@@ -12,7 +12,8 @@ REGISTRY ?= ghcr.io/sluice-dev
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 DOCKER ?= docker
 
-.PHONY: deps build run test test-rust test-python test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean
+.PHONY: deps build run test test-rust test-python test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
+	cluster-deps cluster-build cluster-up cluster-down cluster-images cluster-install test-cluster
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
 # venv for the manifest tools), promtool (Debian's prometheus package, without its recommends) for the
@@ -78,6 +79,32 @@ images:
 # (log in first: docker login registry.example.com). Install with --set image.registry=$(REGISTRY).
 push: images
 	@for image in $(IMAGES); do $(DOCKER) push $(REGISTRY)/$$image:$(TAG) || exit 1; done
+
+# A real single-node Kubernetes on this machine (e2e/cluster/README.md): Kubernetes and etcd built
+# from the Go module proxy into a cache outside the checkout, containerd and gVisor from Debian.
+# Needs root. State lives in /var/lib/sluice-cluster and /run/sluice-cluster.
+CLUSTER := e2e/cluster
+cluster-deps: deps tools
+	$(CLUSTER)/cluster.sh deps
+
+cluster-build:
+	$(CLUSTER)/build.sh
+
+cluster-up: cluster-deps cluster-build
+	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(CLUSTER)/cluster.sh up
+
+cluster-down:
+	$(CLUSTER)/cluster.sh down
+
+cluster-images: cluster-deps
+	$(CLUSTER)/images.sh build
+
+cluster-install: cluster-deps
+	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH HELM=$(CURDIR)/$(TOOLS)/bin/helm $(CLUSTER)/install.sh
+
+# Up, install, the cluster suite with every test run, down (even when it fails).
+test-cluster: cluster-deps cluster-build
+	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH HELM=$(CURDIR)/$(TOOLS)/bin/helm CARGO=$(CARGO) $(CLUSTER)/test.sh
 
 # Needs a cluster with Sluice installed and SLUICE_GATEWAY reachable: see e2e/cluster/README.md.
 e2e-cluster:
