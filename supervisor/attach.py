@@ -5,10 +5,11 @@ up everything and started its zygote (which forks every cell) before the pod tur
 the abstract unix socket `@sluice-supervisor` and hands it the exec's own stdin, stdout and stderr
 (SCM_RIGHTS), so the protocol runs straight over the exec's pipes: the relay copies no byte. It then
 waits until the supervisor is done and exits with the status the supervisor reports, which ends the
-exec. `--probe` asks instead whether the supervisor is still waiting for its one attach with its
-zygote alive (exit 0), and attaches nothing; while the supervisor is still starting (nothing listens
-yet) it keeps trying for up to PROBE_WAIT seconds, so the kubelet's first probe, run as the container
-starts, turns the pod Ready as soon as the supervisor is, not one probe period later.
+exec. `--probe` asks instead whether the supervisor is up (exit 0): waiting for its one attach with
+its zygote alive, or already attached to its gateway (a kubelet that restarts probes every pod again);
+it attaches nothing. While the supervisor is still starting (nothing listens yet) it keeps trying for
+up to PROBE_WAIT seconds, so the kubelet's first probe, run as the container starts, turns the pod
+Ready as soon as the supervisor is, not one probe period later. A second attach is refused.
 
 Started on every claim, so it imports nothing beyond what the interpreter has already loaded: run
 it as `python3 -I -S attach.py`.
@@ -66,18 +67,20 @@ def main(argv):
         if probe:
             s.sendall(b"probe")
             answer = s.recv(256)
-            if answer == b"ready":
+            if answer in (b"ready", b"attached"):
                 return 0
             return fail(f"the supervisor is not ready: {answer.decode('utf-8', 'replace') or 'no answer'}")
         fds = b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in (0, 1, 2))
         # Our pid, so that the supervisor's check between trigger points knows we are no leftover.
         s.sendmsg([b"attach %d" % os.getpid()], [(SOL_SOCKET, SCM_RIGHTS, fds)])
         s.settimeout(None)  # the session lasts as long as the trigger point
-        status = s.recv(1)
+        status = s.recv(64)
     except OSError as e:
         return fail(f"lost the supervisor: {e.strerror or e}")
     if not status:
         return fail("the supervisor ended without reporting a status")
+    if len(status) > 1:  # a refusal, in words; a status is one byte
+        return fail(f"the supervisor refused the attach: {status.decode('utf-8', 'replace')}")
     return status[0]
 
 

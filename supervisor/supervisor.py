@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -1047,8 +1048,10 @@ def listen(zygote, log):
     the pod turns Ready: modules, warm-up, the zygote and its self-check. Then it waits for exactly
     one attach (attach.py, exec'd by the gateway once the pod is claimed), which hands over the exec's
     stdin, stdout and stderr; the protocol runs over them and, when the gateway closes stdin, the
-    status goes back to the relay and the supervisor exits, ending the pod. Readiness probes
-    (`attach.py --probe`) get "ready" while it waits with its zygote alive. Returns the exit status."""
+    status goes back to the relay and the supervisor exits, ending the pod. Startup probes
+    (`attach.py --probe`) get "ready" while it waits with its zygote alive, and "attached" once it
+    serves its gateway: a kubelet that restarts runs the startup probe of every pod again, and a
+    held pod must pass it (else the kubelet kills it). Returns the exit status."""
     address = attach_address()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -1085,7 +1088,9 @@ def listen(zygote, log):
         for fd in fds:
             os.close(fd)
         conn.close()
-    server.close()  # one attach per pod: a second exec finds no one listening
+    # One attach per pod: from now on the socket only tells probes the pod is alive and refuses
+    # every other attach.
+    threading.Thread(target=answer_while_attached, args=(server,), daemon=True).start()
     conn.settimeout(None)
     proto_in, hook_out, proto_out = fds
     os.close(hook_out)  # hook processes print to /dev/null here: the exec's stdout stays empty
@@ -1099,6 +1104,32 @@ def listen(zygote, log):
     except OSError:
         pass
     return 0
+
+
+def answer_while_attached(server):
+    """The attach socket of a supervisor that serves its gateway: probes get "attached", a second
+    attach gets "already attached" (its descriptors closed unused). Runs until the process exits."""
+    server.settimeout(None)
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        fds = []
+        try:
+            conn.settimeout(5)
+            request, fds, _, _ = socket.recv_fds(conn, 64, 3)
+            if request == b"probe":
+                conn.sendall(b"attached")
+            elif request.startswith(b"attach"):
+                conn.sendall(b"already attached")
+            else:
+                conn.sendall(b"unknown request")
+        except OSError:
+            pass
+        for fd in fds:
+            os.close(fd)
+        conn.close()
 
 
 PROBE_HOOK = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'].upper()}\n"

@@ -328,11 +328,15 @@ class CommandLineTest(unittest.TestCase):
                 self.assertTrue(all(h["ok"] for h in ack["hooks"]), ack)
                 result, hooks = s.chunk("hello")
                 self.assertEqual((result["action"], hooks[0]["outgoing"]), ("modify", "HELLO"))
-                # Attached, nobody else gets in: no second session, and the probe says so.
+                # Attached, nobody else gets in: no second session.
                 second = subprocess.run(pod.attach_command(), env=pod.env, capture_output=True, timeout=30)
                 self.assertEqual(second.returncode, 1)
-                self.assertIn(b"no supervisor is waiting", second.stderr)
-                self.assertEqual(pod.probe().returncode, 1)
+                self.assertIn(b"already attached", second.stderr)
+                # A kubelet that restarts runs the startup probe again: an attached pod passes it,
+                # or the kubelet would kill every held pod on the node.
+                self.assertEqual(pod.probe().returncode, 0, "an attached supervisor is alive")
+                result, hooks = s.chunk("still served")
+                self.assertEqual(hooks[0]["outgoing"], "STILL SERVED", "the probe and the refused attach left the session alone")
                 s.proc.stdin.close()
                 self.assertEqual(s.proc.stdout.read(), b"", "what hooks print reaches no one")
                 self.assertEqual(s.proc.wait(30), 0, "the relay exits with the supervisor's status")

@@ -198,8 +198,9 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
         }),
         // Ready once the supervisor answers, its zygote started and its self-check cell made. A
         // startup probe, not a readiness probe: a claimed pod serves trigger point after trigger
-        // point attached to one gateway, and an exec every period would cost CPU inside gVisor and
-        // fail (the supervisor listens for no one while attached). After startup the pod stays
+        // point attached to one gateway, and an exec every period would cost CPU inside gVisor. A
+        // kubelet that restarts runs the startup probe again: an attached supervisor answers it
+        // (`attached`), so held pods survive kubelet restarts. After startup the pod stays
         // Ready until its supervisor exits (it does when its zygote dies), which ends the pod.
         startup_probe: Some(Probe {
             exec: Some(ExecAction {
