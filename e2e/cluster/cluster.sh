@@ -268,7 +268,7 @@ tlsCertFile: $PKI/kubelet.crt
 tlsPrivateKeyFile: $PKI/kubelet.key
 clusterDomain: cluster.local
 resolvConf: /etc/resolv.conf
-staticPodPath: ""
+podLogsDirectory: $STATE/pod-logs
 # Test machines have small, busy disks: never evict, never collect images (the pause image is
 # imported, not pulled, so it must not be collected either).
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
@@ -319,7 +319,7 @@ up() {
 	start etcd "$bin/etcd" --name sluice --data-dir "$STATE/etcd" \
 		--listen-client-urls "http://$ETCD_CLIENT" --advertise-client-urls "http://$ETCD_CLIENT" \
 		--listen-peer-urls "http://$ETCD_PEER" --initial-advertise-peer-urls "http://$ETCD_PEER" \
-		--initial-cluster "sluice=http://$ETCD_PEER" --listen-metrics-urls "" \
+		--initial-cluster "sluice=http://$ETCD_PEER" \
 		--quota-backend-bytes 2147483648 --log-level warn
 	wait_for etcd 60 curl -sf "http://$ETCD_CLIENT/health"
 
@@ -351,8 +351,7 @@ up() {
 		--service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
 		--use-service-account-credentials=true \
 		--cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key" \
-		--service-cluster-ip-range "$SERVICE_CIDR" \
-		--controllers '*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller'
+		--service-cluster-ip-range "$SERVICE_CIDR"
 	start kube-scheduler "$bin/kube-scheduler" \
 		--kubeconfig "$STATE/scheduler.kubeconfig" \
 		--authentication-kubeconfig "$STATE/scheduler.kubeconfig" \
@@ -371,8 +370,6 @@ up() {
 		--kubeconfig "$STATE/kubelet.kubeconfig" --root-dir "$STATE/kubelet" \
 		--hostname-override "$NODE_NAME" --node-ip "$NODE_IP" --v 1
 	wait_for "node $NODE_NAME to register" 120 kubectl_ get node "$NODE_NAME"
-	# No nodeipam controller: the pod CIDR is the bridge's, set by hand for what reads it.
-	kubectl_ patch node "$NODE_NAME" --type merge -p "{\"spec\":{\"podCIDR\":\"$POD_CIDR\",\"podCIDRs\":[\"$POD_CIDR\"]}}" >/dev/null
 	wait_for "node $NODE_NAME Ready" 180 kubectl_ wait --for=condition=Ready "node/$NODE_NAME" --timeout=1s
 
 	kubectl_ apply -f - >/dev/null <<EOF

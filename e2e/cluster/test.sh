@@ -16,7 +16,7 @@ status=0
 "$here/install.sh" || { status=$?; echo "test-cluster: install.sh failed" >&2; exit $status; }
 # shellcheck source=/dev/null
 . "$STATE/e2e.env"
-(cd "$repo" && "$CARGO" test -p sluice-e2e --test cluster -- --test-threads=1 "$@") || status=$?
+(cd "$repo" && SLUICE_CLUSTER_REQUIRED=1 "$CARGO" test -p sluice-e2e --test cluster -- --test-threads=1 "$@") || status=$?
 if [ "$status" != 0 ]; then
 	echo "test-cluster: the suite failed; component logs were in $STATE/logs (copied to /tmp/sluice-cluster-logs)" >&2
 	rm -rf /tmp/sluice-cluster-logs && cp -r "$STATE/logs" /tmp/sluice-cluster-logs 2>/dev/null || true

@@ -4,8 +4,11 @@
 //!
 //! Opt-in: the suite runs only when `KUBECONFIG` is set (never against whatever `~/.kube/config`
 //! happens to point at) and the API server answers; otherwise each test prints
-//! `SKIPPED: no cluster: ...` and passes. The gateway is reached at `SLUICE_GATEWAY` (default
-//! `http://127.0.0.1:50051`, a `kubectl port-forward`), over TLS trusting `SLUICE_CA` and with the
+//! `SKIPPED: no cluster: ...` and passes. With `SLUICE_CLUSTER_REQUIRED=1` (`make test-cluster`
+//! sets it) every such skip is a failure instead. The gateway is reached at `SLUICE_GATEWAY`
+//! (default `http://127.0.0.1:50051`, a `kubectl port-forward`), or with
+//! `SLUICE_GATEWAY_SERVICE=<namespace>/<service>` directly at a ready pod behind that Service (the
+//! test cluster of `make cluster-up` has no kube-proxy), over TLS trusting `SLUICE_CA` and with the
 //! bearer token `SLUICE_TOKEN` when they are set. Each test works in a namespace of its own,
 //! labelled `sluice.dev/e2e=true`, deleted when the test ends (even when it fails). Sandbox pods are
 //! looked for in `SLUICE_SANDBOX_NAMESPACE` (the chart's `sandboxNamespace.name`, default
@@ -51,27 +54,38 @@ fn sandbox_namespace() -> Option<String> {
     }
 }
 
+/// Says why a test does not run: a skip that passes, or with `SLUICE_CLUSTER_REQUIRED=1` (a run
+/// that promised a cluster) a failure.
+fn skip(why: &str) {
+    if std::env::var("SLUICE_CLUSTER_REQUIRED").is_ok_and(|v| v == "1") {
+        panic!("SLUICE_CLUSTER_REQUIRED=1 but the test cannot run: {why}");
+    }
+    println!("SKIPPED: {why}");
+}
+
 /// Connects, or says why the suite is skipped. `None` means: print nothing more, pass.
 async fn cluster(test: &str) -> Option<Cluster> {
     if std::env::var_os("KUBECONFIG").is_none() {
-        println!("SKIPPED: no cluster: KUBECONFIG not set ({test})");
+        skip(&format!("no cluster: KUBECONFIG not set ({test})"));
         return None;
     }
     let client = match Client::try_default().await {
         Ok(c) => c,
         Err(e) => {
-            println!("SKIPPED: no cluster: API server unreachable: {e} ({test})");
+            skip(&format!("no cluster: API server unreachable: {e} ({test})"));
             return None;
         }
     };
     match tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => {
-            println!("SKIPPED: no cluster: API server unreachable: {e} ({test})");
+            skip(&format!("no cluster: API server unreachable: {e} ({test})"));
             return None;
         }
         Err(_) => {
-            println!("SKIPPED: no cluster: API server unreachable: no answer in 10 s ({test})");
+            skip(&format!(
+                "no cluster: API server unreachable: no answer in 10 s ({test})"
+            ));
             return None;
         }
     }
@@ -80,13 +94,22 @@ async fn cluster(test: &str) -> Option<Cluster> {
         .list(&ListParams::default().limit(1))
         .await
         .expect("the HookChain CRD is installed (helm install sluice charts/sluice, see e2e/cluster/README.md)");
-    let addr = std::env::var("SLUICE_GATEWAY").unwrap_or_else(|_| "http://127.0.0.1:50051".into());
     // A gateway installed with the chart's defaults speaks TLS and wants a caller: SLUICE_CA (its CA
     // bundle) and SLUICE_TOKEN (a token its caller policy admits to every namespace).
-    let auth = ClientAuth {
+    let mut auth = ClientAuth {
         ca: std::env::var_os("SLUICE_CA").map(Into::into),
         token: std::env::var("SLUICE_TOKEN").ok(),
         ..Default::default()
+    };
+    let addr = match std::env::var("SLUICE_GATEWAY_SERVICE") {
+        Ok(service) => {
+            let (addr, server_name) = gateway_behind(&client, &service).await;
+            auth.server_name = Some(server_name);
+            addr
+        }
+        Err(_) => {
+            std::env::var("SLUICE_GATEWAY").unwrap_or_else(|_| "http://127.0.0.1:50051".into())
+        }
     };
     let gateway = auth
         .connect(&addr)
@@ -108,6 +131,43 @@ async fn cluster(test: &str) -> Option<Cluster> {
         sandboxes: sandbox_namespace(),
         gateway,
     })
+}
+
+/// The address of a ready gateway pod behind `<namespace>/<service>` (its EndpointSlices) and the
+/// name its certificate carries (`<service>.<namespace>.svc`).
+async fn gateway_behind(client: &Client, service: &str) -> (String, String) {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let (ns, name) = service.split_once('/').unwrap_or_else(|| {
+        panic!("SLUICE_GATEWAY_SERVICE={service:?}: expected <namespace>/<service>")
+    });
+    let slices = Api::<EndpointSlice>::namespaced(client.clone(), ns);
+    let addr = poll(
+        Duration::from_secs(60),
+        &format!("a ready endpoint of Service {service}"),
+        || {
+            let slices = slices.clone();
+            async move {
+                let list = slices
+                    .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={name}")))
+                    .await
+                    .ok()?;
+                list.items.iter().find_map(|slice| {
+                    let port = slice
+                        .ports
+                        .as_ref()?
+                        .iter()
+                        .find(|p| p.name.as_deref() == Some("grpc"))?
+                        .port?;
+                    let ready = slice.endpoints.iter().find(|e| {
+                        e.conditions.as_ref().and_then(|c| c.ready) == Some(true)
+                    })?;
+                    Some(format!("https://{}:{port}", ready.addresses.first()?))
+                })
+            }
+        },
+    )
+    .await;
+    (addr, format!("{name}.{ns}.svc"))
 }
 
 fn rand_suffix() -> u32 {
@@ -684,7 +744,7 @@ async fn the_admission_webhook_refuses_broken_chains_at_apply() {
         .await
         .expect("list ValidatingWebhookConfigurations");
     if configs.items.is_empty() {
-        println!("SKIPPED: the chart was installed without webhook.enabled=true (webhook)");
+        skip("the chart was installed without webhook.enabled=true (webhook)");
         return;
     }
     let chain = |code: &str| {
