@@ -8,6 +8,7 @@
 #   cluster.sh down     stop it and remove every process, mount, network namespace, interface and
 #                       cgroup it made, then check that none is left
 #   cluster.sh status   what runs
+#   cluster.sh restart <component>   stop one component and start it again (tests)
 #   cluster.sh kubeconfig
 #
 # Everything lives under $SLUICE_CLUSTER_STATE (default /var/lib/sluice-cluster) and
@@ -296,35 +297,19 @@ pause_image() {
 
 ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
 
-# === up ===
+# === components: run_<name> starts one and waits until it answers ===
 
-up() {
-	need_root
-	deps
-	local bin
-	bin=$("$here/build.sh")
-	if running kube-apiserver || [ -e "$RUN/pids" ]; then
-		die "a cluster is already up (or was not taken down): make cluster-down first"
-	fi
-	ip netns list | grep -qw "$NETNS" && die "network namespace $NETNS exists: make cluster-down first"
-	mkdir -p "$STATE" "$RUN" "$PIDS" "$LOGS"
-	export PATH="$bin:$PATH"
-
-	log "certificates"
-	make_pki
-	log "node network ($NODE_IP on $VETH)"
-	node_network
-
-	log "etcd"
-	start etcd "$bin/etcd" --name sluice --data-dir "$STATE/etcd" \
+run_etcd() {
+	start etcd "$BIN/etcd" --name sluice --data-dir "$STATE/etcd" \
 		--listen-client-urls "http://$ETCD_CLIENT" --advertise-client-urls "http://$ETCD_CLIENT" \
 		--listen-peer-urls "http://$ETCD_PEER" --initial-advertise-peer-urls "http://$ETCD_PEER" \
 		--initial-cluster "sluice=http://$ETCD_PEER" \
 		--quota-backend-bytes 2147483648 --log-level warn
 	wait_for etcd 60 curl -sf "http://$ETCD_CLIENT/health"
+}
 
-	log "kube-apiserver"
-	start kube-apiserver "$bin/kube-apiserver" \
+run_kube_apiserver() {
+	start kube-apiserver "$BIN/kube-apiserver" \
 		--etcd-servers "http://$ETCD_CLIENT" \
 		--advertise-address "$NODE_IP" --bind-address 0.0.0.0 --secure-port "$APISERVER_PORT" \
 		--service-cluster-ip-range "$SERVICE_CIDR" \
@@ -341,9 +326,10 @@ up() {
 		--allow-privileged=false \
 		--profiling=false
 	wait_for kube-apiserver 120 kubectl_ get --raw /readyz
+}
 
-	log "kube-controller-manager, kube-scheduler"
-	start kube-controller-manager "$bin/kube-controller-manager" \
+run_kube_controller_manager() {
+	start kube-controller-manager "$BIN/kube-controller-manager" \
 		--kubeconfig "$STATE/controller-manager.kubeconfig" \
 		--authentication-kubeconfig "$STATE/controller-manager.kubeconfig" \
 		--authorization-kubeconfig "$STATE/controller-manager.kubeconfig" \
@@ -352,24 +338,75 @@ up() {
 		--use-service-account-credentials=true \
 		--cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key" \
 		--service-cluster-ip-range "$SERVICE_CIDR"
-	start kube-scheduler "$bin/kube-scheduler" \
+}
+
+run_kube_scheduler() {
+	start kube-scheduler "$BIN/kube-scheduler" \
 		--kubeconfig "$STATE/scheduler.kubeconfig" \
 		--authentication-kubeconfig "$STATE/scheduler.kubeconfig" \
 		--authorization-kubeconfig "$STATE/scheduler.kubeconfig" \
 		--bind-address 127.0.0.1 --leader-elect=false
+}
 
-	log "containerd"
-	containerd_config
+run_containerd() {
 	start containerd containerd --config "$STATE/containerd.toml"
 	wait_for containerd 60 ctr_ version
-	pause_image
+}
 
-	log "kubelet"
-	kubelet_config
-	start kubelet "$bin/kubelet" --config "$STATE/kubelet.yaml" \
+run_kubelet() {
+	start kubelet "$BIN/kubelet" --config "$STATE/kubelet.yaml" \
 		--kubeconfig "$STATE/kubelet.kubeconfig" --root-dir "$STATE/kubelet" \
 		--hostname-override "$NODE_NAME" --node-ip "$NODE_IP" --v 1
 	wait_for "node $NODE_NAME to register" 120 kubectl_ get node "$NODE_NAME"
+	wait_for "the kubelet's health" 60 curl -sf http://127.0.0.1:10248/healthz
+}
+
+# restart <component>: stop it and start it again as up did (the cluster suite's restart tests).
+restart() {
+	need_root
+	local name=${1:-}
+	case "$name" in
+	etcd | kube-apiserver | kube-controller-manager | kube-scheduler | containerd | kubelet) ;;
+	*) die "restart: unknown component '$name' (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, containerd, kubelet)" ;;
+	esac
+	running "$name" || die "restart: $name is not running (make cluster-up first)"
+	BIN=$("$here/build.sh" --path)
+	stop "$name"
+	"run_${name//-/_}"
+	log "restarted $name"
+}
+
+# === up ===
+
+up() {
+	need_root
+	deps
+	BIN=$("$here/build.sh")
+	if running kube-apiserver || [ -e "$RUN/pids" ]; then
+		die "a cluster is already up (or was not taken down): make cluster-down first"
+	fi
+	ip netns list | grep -qw "$NETNS" && die "network namespace $NETNS exists: make cluster-down first"
+	mkdir -p "$STATE" "$RUN" "$PIDS" "$LOGS"
+
+	log "certificates"
+	make_pki
+	log "node network ($NODE_IP on $VETH)"
+	node_network
+
+	log "etcd"
+	run_etcd
+	log "kube-apiserver"
+	run_kube_apiserver
+	log "kube-controller-manager, kube-scheduler"
+	run_kube_controller_manager
+	run_kube_scheduler
+	log "containerd"
+	containerd_config
+	run_containerd
+	pause_image
+	log "kubelet"
+	kubelet_config
+	run_kubelet
 	wait_for "node $NODE_NAME Ready" 180 kubectl_ wait --for=condition=Ready "node/$NODE_NAME" --timeout=1s
 
 	kubectl_ apply -f - >/dev/null <<EOF
@@ -495,6 +532,7 @@ deps) deps ;;
 up) up ;;
 down) down ;;
 status) status ;;
+restart) restart "${2:-}" ;;
 kubeconfig) [ -f "$KUBECONFIG_ADMIN" ] || die "no cluster is up"; echo "$KUBECONFIG_ADMIN" ;;
-*) die "usage: cluster.sh deps|up|down|status|kubeconfig" ;;
+*) die "usage: cluster.sh deps|up|down|status|restart <component>|kubeconfig" ;;
 esac
