@@ -62,7 +62,6 @@ deps() {
 	command -v openssl >/dev/null || missing+=(openssl)
 	command -v debootstrap >/dev/null || missing+=(debootstrap)
 	command -v gcc >/dev/null || missing+=(gcc libc6-dev)
-	command -v conntrack >/dev/null || missing+=(conntrack)
 	if [ ${#missing[@]} -gt 0 ]; then
 		log "installing ${missing[*]}"
 		apt-get update -qq

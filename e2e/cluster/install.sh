@@ -106,5 +106,6 @@ export SLUICE_CA=$PKI/ca.crt
 export SLUICE_TOKEN=$(cat "$PKI/token")
 export SLUICE_SANDBOX_NAMESPACE=$SANDBOX_NS
 export SLUICE_RELEASE_NAMESPACE=$RELEASE_NS
+export SLUICE_CLUSTER_CTL=$here/cluster.sh
 EOF
 log "installed; the suite's environment: $STATE/e2e.env"
