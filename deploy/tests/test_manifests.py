@@ -598,6 +598,18 @@ class KustomizeTest(ManifestCase):
         self.assertEqual({(o["kind"], o["metadata"]["name"]) for o in objs} - {("Namespace", NAMESPACE)}, chart)
         self.assertEqual(granted(objs), expected_rbac("", SANDBOXES))
 
+    def test_gke_overlay_leaves_the_runtime_class_to_gke(self):
+        # GKE's own RuntimeClass gvisor has handler gvisor and is immutable: applying the base's
+        # (handler runsc) fails there. Everything else is the base, and pods still ask for gvisor.
+        objs = kustomize("deploy/overlays/gke")
+        self.assertValid(objs, "kubectl kustomize deploy/overlays/gke")
+        self.assertFalse([o for o in objs if o["kind"] == "RuntimeClass"])
+        base = kustomize("deploy/base")
+        self.assertEqual({(o["kind"], o["metadata"]["name"]) for o in objs},
+                         {(o["kind"], o["metadata"]["name"]) for o in base if o["kind"] != "RuntimeClass"})
+        args = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+        self.assertIn("--runtime-class=gvisor", args)
+
     def test_example_overlay_renders_valid_objects_crds_before_chains(self):
         objs = kustomize("deploy/overlays/example")
         self.assertValid(objs, "kubectl kustomize deploy/overlays/example")

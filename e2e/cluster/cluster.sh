@@ -205,12 +205,17 @@ containerd_config() {
 	# runsc through containerd's runc shim (gVisor's own shim is not on the module proxy). The shim
 	# starts one runtime per container; this wrapper makes each container a gVisor sandbox of its
 	# own (see README.md, "gVisor without its shim").
+	# SLUICE_RUNSC_DEBUG=1 at up: runsc's debug logs of every call in $LOGS/runsc.
+	local debug=""
+	if [ "${SLUICE_RUNSC_DEBUG:-}" = 1 ]; then
+		debug="--log-dir $LOGS/runsc"
+		mkdir -p "$LOGS/runsc"
+	fi
 	cat >"$RUN/runsc-runtime" <<EOF
 #!/bin/sh
-exec python3 -I -S $here/runsc-runtime.py --runsc /usr/bin/runsc --log-dir $LOGS/runsc -- "\$@"
+exec python3 -I -S $here/runsc-runtime.py --runsc $(command -v runsc) $debug -- "\$@"
 EOF
 	chmod 0755 "$RUN/runsc-runtime"
-	mkdir -p "$LOGS/runsc"
 	cat >"$STATE/containerd.toml" <<EOF
 version = 2
 root = "$STATE/containerd"

@@ -448,6 +448,15 @@ async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
             );
             assert_eq!(Some(owner.uid.as_str()), chain.metadata.uid.as_deref());
         }
+        assert_eq!(
+            pod.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("cluster-autoscaler.kubernetes.io/safe-to-evict"))
+                .map(String::as_str),
+            Some("true"),
+            "a warm pod may go with its node"
+        );
         let spec = pod.spec.as_ref().expect("pod spec");
         assert_eq!(spec.runtime_class_name.as_deref(), Some(RUNTIME_CLASS));
         assert_eq!(spec.automount_service_account_token, Some(false));
@@ -469,6 +478,19 @@ async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
         .cloned()
         .collect();
     let r = c.run("support-bot", "hello cluster").await.expect("Run");
+    // Claimed pods are not the autoscaler's to evict.
+    for pod in c.pool_pods("shout", "claimed").await {
+        assert_eq!(
+            pod.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("cluster-autoscaler.kubernetes.io/safe-to-evict"))
+                .map(String::as_str),
+            Some("false"),
+            "claimed pod {:?}",
+            pod.metadata.name
+        );
+    }
     assert_eq!(action(&r), Action::Modify);
     assert_eq!(text(&r), "HELLO CLUSTER");
     assert_eq!(r.hooks.len(), 1);
