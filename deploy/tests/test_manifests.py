@@ -511,6 +511,10 @@ class ChartTest(ManifestCase):
         self.assertEqual((rule["apiGroups"], sorted(rule["operations"]), sorted(rule["resources"])),
                          (["sluice.dev"], ["CREATE", "UPDATE"], ["capabilities", "hookchains"]))
         self.assertEqual(hook["namespaceSelector"], {})
+        # Metadata-only updates (labels, finalizers) are not judged: an unreachable webhook with
+        # failurePolicy Fail must not block the operator's finalizer (the cluster suite shows it).
+        (condition,) = hook["matchConditions"]
+        self.assertIn("object.spec != oldObject.spec", condition["expression"])
         self.assertNotIn("caBundle", hook["clientConfig"])
         # The Service the API server calls reaches the operator's webhook port, and the certificate names it.
         ref = hook["clientConfig"]["service"]
