@@ -1375,3 +1375,106 @@ async fn cells_hold_in_a_pod() {
         );
     }
 }
+
+/// The operator's `--start-deadline`, read from its Deployment (the chart's default otherwise).
+async fn operator_start_deadline(c: &Cluster) -> Duration {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let d = Api::<Deployment>::namespaced(c.client.clone(), &release_namespace())
+        .get("sluice-operator")
+        .await
+        .expect("the operator's Deployment");
+    let args = d
+        .spec
+        .and_then(|s| s.template.spec)
+        .map(|s| s.containers[0].args.clone().unwrap_or_default())
+        .unwrap_or_default();
+    let value = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--start-deadline="))
+        .unwrap_or("120s");
+    let secs: u64 = value
+        .strip_suffix('s')
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("--start-deadline={value}: expected whole seconds"));
+    Duration::from_secs(secs)
+}
+
+/// A pod that waits for a node longer than the start deadline (here: the node is cordoned, as when
+/// an autoscaler is still adding one) gets its full start deadline once it is scheduled: it starts
+/// and serves, instead of being deleted as a start timeout the moment it lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_start_deadline_counts_from_scheduling() {
+    use k8s_openapi::api::core::v1::Node;
+    let Some(c) = cluster("schedule").await else {
+        return;
+    };
+    let deadline = operator_start_deadline(&c).await;
+    let nodes = Api::<Node>::all(c.client.clone());
+    let node_names: Vec<String> = nodes
+        .list(&ListParams::default())
+        .await
+        .expect("nodes")
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    let cordon = |on: bool| {
+        let (nodes, node_names) = (nodes.clone(), node_names.clone());
+        async move {
+            for n in &node_names {
+                nodes
+                    .patch(
+                        n,
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"spec": {"unschedulable": on}})),
+                    )
+                    .await
+                    .expect("cordon or uncordon the node");
+            }
+        }
+    };
+    cordon(true).await;
+    c.apply_chain(
+        "late",
+        "late-bot",
+        "input",
+        json!({"pool": {"warm": 1, "max": 2}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    let waiting = poll(
+        Duration::from_secs(60),
+        "an unschedulable warm pod",
+        || async {
+            c.pool_pods("late", "warm").await.into_iter().find(|p| {
+                p.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| {
+                        cs.iter().any(|c| {
+                            c.type_ == "PodScheduled"
+                                && c.reason.as_deref() == Some("Unschedulable")
+                        })
+                    })
+            })
+        },
+    )
+    .await;
+    let name = waiting.metadata.name.clone().expect("pod name");
+    println!("{name} waits for a node; waiting out the start deadline ({deadline:?}) first");
+    tokio::time::sleep(deadline + Duration::from_secs(5)).await;
+    let still = names(&c.pool_pods("late", "warm").await);
+    cordon(false).await;
+    assert!(
+        still.contains(&name),
+        "an unschedulable pod is held, not replaced: {still:?}"
+    );
+    c.wait_pool_ready("late").await;
+    assert!(
+        names(&c.pool_pods("late", "warm").await).contains(&name)
+            || names(&c.pool_pods("late", "claimed").await).contains(&name),
+        "the pod that waited for a node started and is in the pool"
+    );
+    let r = c.run("late-bot", "landed").await.expect("Run");
+    assert_eq!(text(&r), "LANDED");
+}
