@@ -1434,6 +1434,7 @@ async fn the_start_deadline_counts_from_scheduling() {
         }
     };
     cordon(true).await;
+    let _uncordon = Uncordon(node_names.clone());
     c.apply_chain(
         "late",
         "late-bot",
@@ -1477,4 +1478,34 @@ async fn the_start_deadline_counts_from_scheduling() {
     );
     let r = c.run("late-bot", "landed").await.expect("Run");
     assert_eq!(text(&r), "LANDED");
+}
+
+/// Uncordons the nodes when dropped, so a failing test leaves the cluster schedulable.
+struct Uncordon(Vec<String>);
+
+impl Drop for Uncordon {
+    fn drop(&mut self) {
+        use k8s_openapi::api::core::v1::Node;
+        let nodes = std::mem::take(&mut self.0);
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                if let Ok(client) = Client::try_default().await {
+                    for n in nodes {
+                        let _ = Api::<Node>::all(client.clone())
+                            .patch(
+                                &n,
+                                &PatchParams::default(),
+                                &Patch::Merge(json!({"spec": {"unschedulable": false}})),
+                            )
+                            .await;
+                    }
+                }
+            })
+        });
+        let _ = done.join();
+    }
 }
