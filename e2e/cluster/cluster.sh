@@ -231,6 +231,9 @@ state = "$RUN/containerd"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "$PAUSE_IMAGE"
   netns_mounts_under_state_dir = true
+  # Without CAP_SYS_RESOURCE (some test machines' root lacks it) no oom_score_adj may go below
+  # containerd's own: the pause container's -998 would fail every pod.
+  restrict_oom_score_adj = true
   enable_selinux = false
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
@@ -295,7 +298,7 @@ pause_image() {
 	gcc -static -Os -o "$work/pause" "$here/pause.c"
 	strip "$work/pause"
 	python3 "$here/oci.py" --name "$PAUSE_IMAGE" --file "$work/pause:/pause:0755" \
-		--entrypoint /pause --user 65535:65535 --out "$work/pause.tar"
+		--entrypoint /pause --user 65535:65535 --out "$work/pause.tar" >/dev/null
 	ctr_ images import "$work/pause.tar" >/dev/null
 }
 
@@ -357,7 +360,22 @@ run_containerd() {
 	wait_for containerd 60 ctr_ version
 }
 
+# The kubelet's cgroupRoot must exist in every hierarchy; a new cpuset cgroup needs its parent's
+# cpus and mems before anything can join it.
+pod_cgroups() {
+	local c
+	for c in /sys/fs/cgroup/*/; do
+		[ "$c" = /sys/fs/cgroup/unified/ ] && continue
+		mkdir -p "$c${CGROUP_ROOT#/}"
+	done
+	if [ -d "/sys/fs/cgroup/cpuset${CGROUP_ROOT}" ]; then
+		cat /sys/fs/cgroup/cpuset/cpuset.cpus >"/sys/fs/cgroup/cpuset${CGROUP_ROOT}/cpuset.cpus"
+		cat /sys/fs/cgroup/cpuset/cpuset.mems >"/sys/fs/cgroup/cpuset${CGROUP_ROOT}/cpuset.mems"
+	fi
+}
+
 run_kubelet() {
+	pod_cgroups
 	start kubelet "$BIN/kubelet" --config "$STATE/kubelet.yaml" \
 		--kubeconfig "$STATE/kubelet.kubeconfig" --root-dir "$STATE/kubelet" \
 		--hostname-override "$NODE_NAME" --node-ip "$NODE_IP" --v 1
@@ -431,7 +449,7 @@ EOF
 leftover_pids() {
 	local pid cmd
 	for pid in $(ls /proc | grep -E '^[0-9]+$'); do
-		cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || continue
+		cmd=$( { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null) || continue
 		case "$cmd" in
 		*"$CONTAINERD_SOCK"* | *"--root=$RUN/"* | *"--root $RUN/"* | *"$STATE/"*) echo "$pid" ;;
 		esac
