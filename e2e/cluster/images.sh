@@ -64,7 +64,7 @@ supervisor_image() {
 		--file "$repo/supervisor/attach.py:/opt/sluice/attach.py:0444" \
 		--env PYTHONDONTWRITEBYTECODE=1 --env PYTHONUNBUFFERED=1 \
 		--user 65534:65534 --workdir /tmp \
-		--cmd python3 --cmd -u --cmd /opt/sluice/supervisor.py --cmd --listen
+		--cmd=python3 --cmd=-u --cmd=/opt/sluice/supervisor.py --cmd=--listen
 }
 
 # The operator and the gateway: a release binary on the same root filesystem (deploy/docker/).
