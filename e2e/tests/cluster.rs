@@ -1345,8 +1345,9 @@ async fn cells_hold_in_a_pod() {
         ],
     )
     .await;
-    c.wait_pool_ready("cells").await;
     for i in 0..3 {
+        // The leaver makes every sandbox dirty (retired after its run): wait for a fresh one.
+        c.wait_pool_ready("cells").await;
         let r = c
             .run("cells-bot", &format!("trigger point {i}"))
             .await
