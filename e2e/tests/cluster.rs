@@ -1201,7 +1201,9 @@ async fn service_accounts_can_do_what_they_need_and_nothing_more() {
 }
 
 /// A kubelet restart while the gateway holds pods: no pod of the chain fails a probe (the kubelet
-/// runs startup probes again when it restarts), runs go on, and nothing leaks.
+/// runs startup probes again when it restarts), runs go on, and nothing leaks. What a real kubelet
+/// shows: it proxies every exec stream, so its restart ends every held session; those pods retire
+/// (their supervisor exits with the session) and the gateway claims others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubelet_restart_with_held_pods() {
     let Some(c) = cluster("kubelet").await else {
