@@ -13,7 +13,7 @@ TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 DOCKER ?= docker
 
 .PHONY: deps build run test test-rust test-python test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
-	cluster-deps cluster-build cluster-up cluster-down cluster-images cluster-install test-cluster
+	cluster-deps cluster-build cluster-up cluster-down cluster-images cluster-install test-cluster bench-cluster
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
 # venv for the manifest tools), promtool (Debian's prometheus package, without its recommends) for the
@@ -124,6 +124,10 @@ crds:
 
 bench: deps
 	$(CARGO) run --release -q -p sluice-bench
+
+# The kube-cluster rows against the running test cluster (make cluster-up cluster-install first).
+bench-cluster:
+	. $${SLUICE_CLUSTER_STATE:-/var/lib/sluice-cluster}/e2e.env && $(CARGO) run --release -q -p sluice-bench -- kube-cluster
 
 fmt:
 	$(CARGO) fmt --all
