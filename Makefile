@@ -40,8 +40,9 @@ run: build
 	trap "kill $$services 2>/dev/null" EXIT INT TERM; \
 	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR)
 
-# test-manifests runs last: it validates what the built `sluice-operator render` prints.
-test: deps test-python test-rust test-clients test-manifests
+# test-manifests validates what the built `sluice-operator render` prints; test-cluster (root, Go)
+# then runs the cluster suite on a real single-node Kubernetes built and started here.
+test: deps test-python test-rust test-clients test-manifests test-cluster
 
 test-python:
 	python3 -m unittest discover -s supervisor
