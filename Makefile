@@ -12,7 +12,8 @@ REGISTRY ?= ghcr.io/sluice-dev
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 DOCKER ?= docker
 
-.PHONY: deps cell cell-release build run test test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean
+.PHONY: deps cell cell-release build run test test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
+	cluster-deps cluster-build cluster-up cluster-down cluster-images cluster-install test-cluster bench-cluster
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
 # venv for the manifest tools), promtool (Debian's prometheus package, without its recommends) for the
@@ -49,8 +50,9 @@ run: build
 	trap "kill $$services 2>/dev/null" EXIT INT TERM; \
 	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR)
 
-# test-manifests runs last: it validates what the built `sluice-operator render` prints.
-test: deps test-rust test-clients test-manifests
+# test-manifests validates what the built `sluice-operator render` prints; test-cluster (root, Go)
+# then runs the cluster suite on a real single-node Kubernetes built and started here.
+test: deps test-rust test-clients test-manifests test-cluster
 
 # The Python client, installed into $(CLIENTS_VENV) as an application would (with its `test` extra),
 # tested against a real local gateway (runsc sandboxes; those tests skip, saying so, without runsc).
@@ -86,6 +88,32 @@ images:
 push: images
 	@for image in $(IMAGES); do $(DOCKER) push $(REGISTRY)/$$image:$(TAG) || exit 1; done
 
+# A real single-node Kubernetes on this machine (e2e/cluster/README.md): Kubernetes and etcd built
+# from the Go module proxy into a cache outside the checkout, containerd and gVisor from Debian.
+# Needs root. State lives in /var/lib/sluice-cluster and /run/sluice-cluster.
+CLUSTER := e2e/cluster
+cluster-deps: deps tools
+	$(CLUSTER)/cluster.sh deps
+
+cluster-build:
+	$(CLUSTER)/build.sh
+
+cluster-up: cluster-deps cluster-build
+	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(CLUSTER)/cluster.sh up
+
+cluster-down:
+	$(CLUSTER)/cluster.sh down
+
+cluster-images: cluster-deps
+	$(CLUSTER)/images.sh build
+
+cluster-install: cluster-deps
+	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH HELM=$(CURDIR)/$(TOOLS)/bin/helm $(CLUSTER)/install.sh
+
+# Up, install, the cluster suite with every test run, down (even when it fails).
+test-cluster: cluster-deps cluster-build
+	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH HELM=$(CURDIR)/$(TOOLS)/bin/helm CARGO=$(CARGO) $(CLUSTER)/test.sh
+
 # Needs a cluster with Sluice installed and SLUICE_GATEWAY reachable: see e2e/cluster/README.md.
 e2e-cluster:
 	$(CARGO) test -p sluice-e2e --test cluster -- --nocapture --test-threads=1
@@ -104,6 +132,10 @@ crds:
 
 bench: deps cell-release
 	$(CARGO) run --release -q -p sluice-bench
+
+# The kube-cluster rows against the running test cluster (make cluster-up cluster-install first).
+bench-cluster:
+	. $${SLUICE_CLUSTER_STATE:-/var/lib/sluice-cluster}/e2e.env && $(CARGO) run --release -q -p sluice-bench -- kube-cluster
 
 fmt:
 	$(CARGO) fmt --all

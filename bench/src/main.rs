@@ -1,7 +1,7 @@
 //! `make bench`: every number an issue asks for, printed as a table beside baselines measured in the
 //! same run on the same machine. `sluice-bench [SECTION...]` runs some sections only
-//! (cells, run, stream, host_call, load, tenants, kube; kube-recycle runs the kube section's
-//! recycled-pod rows alone).
+//! (cells, cpu, run, stream, host_call, load, tenants, kube; kube-recycle runs the kube section's
+//! recycled-pod rows alone; kube-cluster measures a real cluster, `make bench-cluster`).
 
 use anyhow::Context as _;
 use sluice_gateway::{LocalOptions, RunningGateway, start_local};
@@ -9,6 +9,7 @@ use sluice_proto::{self as proto, gateway_client::GatewayClient};
 use std::time::{Duration, Instant};
 
 mod cells;
+mod cluster;
 mod kube;
 mod load;
 mod naive;
@@ -125,6 +126,23 @@ impl Bench {
     }
 }
 
+/// `n` local Recycle Runs with a warm sandbox waiting (the same chain and text as the Run rows).
+pub async fn local_recycle_samples(n: usize) -> anyhow::Result<Vec<Duration>> {
+    let bench = Bench::start(&[(
+        "c.yaml",
+        chain_yaml("bench", "bench", "input", "{warm: 2, max: 8}", ""),
+    )])
+    .await?;
+    let text = text_1k();
+    bench.run("bench", &text).await?;
+    let mut samples = Vec::new();
+    for _ in 0..n {
+        samples.push(bench.warm_run("bench", &text).await?.0);
+    }
+    bench.gateway.shutdown().await;
+    Ok(samples)
+}
+
 /// Run latency with a warm sandbox waiting, beside the in-process floor and a fresh runsc per call.
 async fn run_latency(table: &mut Table) -> anyhow::Result<()> {
     let bench = Bench::start(&[(
@@ -225,6 +243,10 @@ async fn main() -> anyhow::Result<()> {
     }
     if on("kube") {
         kube::bench(&mut table).await.context("kube")?;
+    }
+    // A real cluster only when asked by name (`make bench-cluster`).
+    if wanted.iter().any(|w| w == "kube-cluster") {
+        cluster::bench(&mut table).await.context("kube-cluster")?;
     }
     table.print();
     Ok(())

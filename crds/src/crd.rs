@@ -59,26 +59,24 @@ fn finish(
             schema["description"] = description.into();
             let props = &mut schema["properties"];
             // As controller-gen writes them, so `kubectl explain` describes every field.
-            for (field, type_, text) in [
+            for (field, text) in [
                 (
                     "apiVersion",
-                    "string",
                     "The versioned schema of this object: sluice.dev/v1alpha1.",
                 ),
-                ("kind", "string", "The kind of this object."),
-                (
-                    "metadata",
-                    "object",
-                    "Standard object metadata; metadata.name is how other objects name this one.",
-                ),
+                ("kind", "The kind of this object."),
             ] {
                 if props.get(field).is_none() {
-                    props[field] = json!({"type": type_});
+                    props[field] = json!({"type": "string"});
                 }
                 if props[field].get("description").is_none() {
                     props[field]["description"] = text.into();
                 }
             }
+            // `metadata` exactly as controller-gen writes it: a real API server refuses a CRD whose
+            // schema says anything more about it ("must not specify anything other than name and
+            // generateName"), a description included. `kubectl explain` describes it from ObjectMeta.
+            props["metadata"] = json!({"type": "object"});
             if let Some(rule) = &spec_rule {
                 props["spec"]["x-kubernetes-validations"] = json!([rule]);
             }

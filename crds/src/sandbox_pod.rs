@@ -22,6 +22,10 @@ pub const POOL_WARM: &str = "warm";
 pub const POOL_CLAIMED: &str = "claimed";
 pub const ANNOTATION_CLAIMED_BY: &str = "sluice.dev/claimed-by";
 pub const ANNOTATION_CLAIMED_AT: &str = "sluice.dev/claimed-at";
+/// The cluster autoscaler's annotation: `"true"` on warm pods (a node holding only warm sandboxes
+/// may be scaled down: the operator makes new ones elsewhere), `"false"` from the claim on (a
+/// claimed pod holds a gateway's session). Without it, autoscaled sandbox node pools never shrink.
+pub const ANNOTATION_SAFE_TO_EVICT: &str = "cluster-autoscaler.kubernetes.io/safe-to-evict";
 pub const SANDBOX_NAME: &str = "sluice-sandbox";
 /// The container the gateway execs into.
 pub const CONTAINER: &str = "supervisor";

@@ -497,7 +497,8 @@ class ChartTest(ManifestCase):
     def test_webhook_with_cert_manager_is_wired_end_to_end(self):
         objs = helm_template("webhook.enabled=true")
         self.assertEqual(self.webhook_objects(objs), [
-            ("Certificate", "sluice-operator-webhook"), ("Issuer", "sluice-operator-webhook-selfsigned"),
+            ("Certificate", "sluice-operator-webhook"), ("Certificate", "sluice-operator-webhook-ca"),
+            ("Issuer", "sluice-operator-webhook-ca"), ("Issuer", "sluice-operator-webhook-selfsigned"),
             ("Service", "sluice-operator-webhook"), ("ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")])
         config = self.find(objs, "ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")
         certificate = self.find(objs, "Certificate", "sluice-operator-webhook")
@@ -511,6 +512,10 @@ class ChartTest(ManifestCase):
         self.assertEqual((rule["apiGroups"], sorted(rule["operations"]), sorted(rule["resources"])),
                          (["sluice.dev"], ["CREATE", "UPDATE"], ["capabilities", "hookchains"]))
         self.assertEqual(hook["namespaceSelector"], {})
+        # Metadata-only updates (labels, finalizers) are not judged: an unreachable webhook with
+        # failurePolicy Fail must not block the operator's finalizer (the cluster suite shows it).
+        (condition,) = hook["matchConditions"]
+        self.assertIn("object.spec != oldObject.spec", condition["expression"])
         self.assertNotIn("caBundle", hook["clientConfig"])
         # The Service the API server calls reaches the operator's webhook port, and the certificate names it.
         ref = hook["clientConfig"]["service"]
@@ -519,7 +524,13 @@ class ChartTest(ManifestCase):
         (port,) = service["spec"]["ports"]
         self.assertEqual((port["port"], port["targetPort"]), (ref["port"], "webhook"))
         self.assertIn(f"{ref['name']}.{NAMESPACE}.svc", certificate["spec"]["dnsNames"])
-        self.assertEqual(certificate["spec"]["issuerRef"], {"kind": "Issuer", "name": "sluice-operator-webhook-selfsigned"})
+        # Signed by the chart's CA, which is what the API server trusts: a renewed leaf is trusted
+        # at once (a self-signed leaf is not until cert-manager injects it).
+        self.assertEqual(certificate["spec"]["issuerRef"], {"kind": "Issuer", "name": "sluice-operator-webhook-ca"})
+        ca = self.find(objs, "Certificate", "sluice-operator-webhook-ca")
+        self.assertTrue(ca["spec"]["isCA"])
+        self.assertEqual(ca["spec"]["issuerRef"]["name"], "sluice-operator-webhook-selfsigned")
+        self.assertEqual(self.find(objs, "Issuer", "sluice-operator-webhook-ca")["spec"], {"ca": {"secretName": ca["spec"]["secretName"]}})
         deployment = self.find(objs, "Deployment", "sluice-operator")
         self.assertEqual(service["spec"]["selector"], deployment["spec"]["selector"]["matchLabels"])
         pod = deployment["spec"]["template"]["spec"]
@@ -536,7 +547,10 @@ class ChartTest(ManifestCase):
         # The API server (matched by address, it is not a pod) may reach the webhook port.
         policy = self.find(objs, "NetworkPolicy", "sluice-operator")["spec"]
         webhook_rules = [r for r in policy["ingress"] if any(p["port"] == 9443 for p in r["ports"])]
-        self.assertEqual(webhook_rules, [{"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"protocol": "TCP", "port": 9443}]}])
+        self.assertEqual(webhook_rules, [{"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}},
+                                                   {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                                                    "podSelector": {"matchLabels": {"k8s-app": "konnectivity-agent"}}}],
+                                          "ports": [{"protocol": "TCP", "port": 9443}]}])
 
     def test_webhook_with_an_own_secret_or_issuer(self):
         objs = helm_template("webhook.enabled=true", "webhook.certificate.source=secret",
@@ -597,6 +611,31 @@ class KustomizeTest(ManifestCase):
         chart = {(o["kind"], o["metadata"]["name"]) for o in helm_template()}
         self.assertEqual({(o["kind"], o["metadata"]["name"]) for o in objs} - {("Namespace", NAMESPACE)}, chart)
         self.assertEqual(granted(objs), expected_rbac("", SANDBOXES))
+
+    def test_konnectivity_agents_may_call_the_webhook(self):
+        # GKE's API server reaches pods through konnectivity: the call comes from its agents' pods,
+        # which an address-only rule drops (and with failurePolicy Fail, every apply fails).
+        objs = helm_template("webhook.enabled=true")
+        policy = self.find(objs, "NetworkPolicy", "sluice-operator")
+        (rule,) = [r for r in policy["spec"]["ingress"] if {"protocol": "TCP", "port": 9443} in r["ports"]]
+        self.assertIn({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                       "podSelector": {"matchLabels": {"k8s-app": "konnectivity-agent"}}}, rule["from"])
+        objs = helm_template("webhook.enabled=true", "networkPolicy.apiServer.konnectivity.enabled=false")
+        policy = self.find(objs, "NetworkPolicy", "sluice-operator")
+        (rule,) = [r for r in policy["spec"]["ingress"] if {"protocol": "TCP", "port": 9443} in r["ports"]]
+        self.assertTrue(all("ipBlock" in f for f in rule["from"]))
+
+    def test_gke_overlay_leaves_the_runtime_class_to_gke(self):
+        # GKE's own RuntimeClass gvisor has handler gvisor and is immutable: applying the base's
+        # (handler runsc) fails there. Everything else is the base, and pods still ask for gvisor.
+        objs = kustomize("deploy/overlays/gke")
+        self.assertValid(objs, "kubectl kustomize deploy/overlays/gke")
+        self.assertFalse([o for o in objs if o["kind"] == "RuntimeClass"])
+        base = kustomize("deploy/base")
+        self.assertEqual({(o["kind"], o["metadata"]["name"]) for o in objs},
+                         {(o["kind"], o["metadata"]["name"]) for o in base if o["kind"] != "RuntimeClass"})
+        args = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+        self.assertIn("--runtime-class=gvisor", args)
 
     def test_example_overlay_renders_valid_objects_crds_before_chains(self):
         objs = kustomize("deploy/overlays/example")

@@ -4,8 +4,11 @@
 //!
 //! Opt-in: the suite runs only when `KUBECONFIG` is set (never against whatever `~/.kube/config`
 //! happens to point at) and the API server answers; otherwise each test prints
-//! `SKIPPED: no cluster: ...` and passes. The gateway is reached at `SLUICE_GATEWAY` (default
-//! `http://127.0.0.1:50051`, a `kubectl port-forward`), over TLS trusting `SLUICE_CA` and with the
+//! `SKIPPED: no cluster: ...` and passes. With `SLUICE_CLUSTER_REQUIRED=1` (`make test-cluster`
+//! sets it) every such skip is a failure instead. The gateway is reached at `SLUICE_GATEWAY`
+//! (default `http://127.0.0.1:50051`, a `kubectl port-forward`), or with
+//! `SLUICE_GATEWAY_SERVICE=<namespace>/<service>` directly at a ready pod behind that Service (the
+//! test cluster of `make cluster-up` has no kube-proxy), over TLS trusting `SLUICE_CA` and with the
 //! bearer token `SLUICE_TOKEN` when they are set. Each test works in a namespace of its own,
 //! labelled `sluice.dev/e2e=true`, deleted when the test ends (even when it fails). Sandbox pods are
 //! looked for in `SLUICE_SANDBOX_NAMESPACE` (the chart's `sandboxNamespace.name`, default
@@ -51,27 +54,38 @@ fn sandbox_namespace() -> Option<String> {
     }
 }
 
+/// Says why a test does not run: a skip that passes, or with `SLUICE_CLUSTER_REQUIRED=1` (a run
+/// that promised a cluster) a failure.
+fn skip(why: &str) {
+    if std::env::var("SLUICE_CLUSTER_REQUIRED").is_ok_and(|v| v == "1") {
+        panic!("SLUICE_CLUSTER_REQUIRED=1 but the test cannot run: {why}");
+    }
+    println!("SKIPPED: {why}");
+}
+
 /// Connects, or says why the suite is skipped. `None` means: print nothing more, pass.
 async fn cluster(test: &str) -> Option<Cluster> {
     if std::env::var_os("KUBECONFIG").is_none() {
-        println!("SKIPPED: no cluster: KUBECONFIG not set ({test})");
+        skip(&format!("no cluster: KUBECONFIG not set ({test})"));
         return None;
     }
     let client = match Client::try_default().await {
         Ok(c) => c,
         Err(e) => {
-            println!("SKIPPED: no cluster: API server unreachable: {e} ({test})");
+            skip(&format!("no cluster: API server unreachable: {e} ({test})"));
             return None;
         }
     };
     match tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => {
-            println!("SKIPPED: no cluster: API server unreachable: {e} ({test})");
+            skip(&format!("no cluster: API server unreachable: {e} ({test})"));
             return None;
         }
         Err(_) => {
-            println!("SKIPPED: no cluster: API server unreachable: no answer in 10 s ({test})");
+            skip(&format!(
+                "no cluster: API server unreachable: no answer in 10 s ({test})"
+            ));
             return None;
         }
     }
@@ -80,13 +94,22 @@ async fn cluster(test: &str) -> Option<Cluster> {
         .list(&ListParams::default().limit(1))
         .await
         .expect("the HookChain CRD is installed (helm install sluice charts/sluice, see e2e/cluster/README.md)");
-    let addr = std::env::var("SLUICE_GATEWAY").unwrap_or_else(|_| "http://127.0.0.1:50051".into());
     // A gateway installed with the chart's defaults speaks TLS and wants a caller: SLUICE_CA (its CA
     // bundle) and SLUICE_TOKEN (a token its caller policy admits to every namespace).
-    let auth = ClientAuth {
+    let mut auth = ClientAuth {
         ca: std::env::var_os("SLUICE_CA").map(Into::into),
         token: std::env::var("SLUICE_TOKEN").ok(),
         ..Default::default()
+    };
+    let addr = match std::env::var("SLUICE_GATEWAY_SERVICE") {
+        Ok(service) => {
+            let (addr, server_name) = gateway_behind(&client, &service).await;
+            auth.server_name = Some(server_name);
+            addr
+        }
+        Err(_) => {
+            std::env::var("SLUICE_GATEWAY").unwrap_or_else(|_| "http://127.0.0.1:50051".into())
+        }
     };
     let gateway = auth
         .connect(&addr)
@@ -108,6 +131,47 @@ async fn cluster(test: &str) -> Option<Cluster> {
         sandboxes: sandbox_namespace(),
         gateway,
     })
+}
+
+/// The address of a ready gateway pod behind `<namespace>/<service>` (its EndpointSlices) and the
+/// name its certificate carries (`<service>.<namespace>.svc`).
+async fn gateway_behind(client: &Client, service: &str) -> (String, String) {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let (ns, name) = service.split_once('/').unwrap_or_else(|| {
+        panic!("SLUICE_GATEWAY_SERVICE={service:?}: expected <namespace>/<service>")
+    });
+    let slices = Api::<EndpointSlice>::namespaced(client.clone(), ns);
+    let addr = poll(
+        Duration::from_secs(60),
+        &format!("a ready endpoint of Service {service}"),
+        || {
+            let slices = slices.clone();
+            async move {
+                let list = slices
+                    .list(
+                        &ListParams::default()
+                            .labels(&format!("kubernetes.io/service-name={name}")),
+                    )
+                    .await
+                    .ok()?;
+                list.items.iter().find_map(|slice| {
+                    let port = slice
+                        .ports
+                        .as_ref()?
+                        .iter()
+                        .find(|p| p.name.as_deref() == Some("grpc"))?
+                        .port?;
+                    let ready = slice
+                        .endpoints
+                        .iter()
+                        .find(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))?;
+                    Some(format!("https://{}:{port}", ready.addresses.first()?))
+                })
+            }
+        },
+    )
+    .await;
+    (addr, format!("{name}.{ns}.svc"))
 }
 
 fn rand_suffix() -> u32 {
@@ -384,6 +448,15 @@ async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
             );
             assert_eq!(Some(owner.uid.as_str()), chain.metadata.uid.as_deref());
         }
+        assert_eq!(
+            pod.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("cluster-autoscaler.kubernetes.io/safe-to-evict"))
+                .map(String::as_str),
+            Some("true"),
+            "a warm pod may go with its node"
+        );
         let spec = pod.spec.as_ref().expect("pod spec");
         assert_eq!(spec.runtime_class_name.as_deref(), Some(RUNTIME_CLASS));
         assert_eq!(spec.automount_service_account_token, Some(false));
@@ -405,6 +478,19 @@ async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
         .cloned()
         .collect();
     let r = c.run("support-bot", "hello cluster").await.expect("Run");
+    // Claimed pods are not the autoscaler's to evict.
+    for pod in c.pool_pods("shout", "claimed").await {
+        assert_eq!(
+            pod.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("cluster-autoscaler.kubernetes.io/safe-to-evict"))
+                .map(String::as_str),
+            Some("false"),
+            "claimed pod {:?}",
+            pod.metadata.name
+        );
+    }
     assert_eq!(action(&r), Action::Modify);
     assert_eq!(text(&r), "HELLO CLUSTER");
     assert_eq!(r.hooks.len(), 1);
@@ -684,7 +770,7 @@ async fn the_admission_webhook_refuses_broken_chains_at_apply() {
         .await
         .expect("list ValidatingWebhookConfigurations");
     if configs.items.is_empty() {
-        println!("SKIPPED: the chart was installed without webhook.enabled=true (webhook)");
+        skip("the chart was installed without webhook.enabled=true (webhook)");
         return;
     }
     let chain = |code: &str| {
@@ -773,4 +859,656 @@ async fn deleting_a_chain_deletes_its_pods_and_policy() {
         },
     )
     .await;
+}
+
+// === what only a real cluster shows ===
+
+/// The namespace the chart was installed in (`SLUICE_RELEASE_NAMESPACE`, default `sluice-system`).
+fn release_namespace() -> String {
+    std::env::var("SLUICE_RELEASE_NAMESPACE").unwrap_or_else(|_| "sluice-system".into())
+}
+
+/// Runs `$SLUICE_CLUSTER_CTL <args>` (`e2e/cluster/cluster.sh`: `restart kubelet`, ...), the
+/// cluster's own control script. `None` when the cluster offers none (a skip, or with
+/// `SLUICE_CLUSTER_REQUIRED=1` a failure).
+fn cluster_ctl(args: &[&str]) -> Option<()> {
+    let Some(ctl) = std::env::var_os("SLUICE_CLUSTER_CTL") else {
+        skip(&format!(
+            "SLUICE_CLUSTER_CTL is not set: this cluster cannot be told to {}",
+            args.join(" ")
+        ));
+        return None;
+    };
+    let out = std::process::Command::new(&ctl)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("run {ctl:?} {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{ctl:?} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(())
+}
+
+/// Every pod of a chain (warm and claimed), by name.
+async fn chain_pods(c: &Cluster, chain: &str) -> BTreeSet<String> {
+    names(&c.pool_pods(chain, "warm").await)
+        .union(&names(&c.pool_pods(chain, "claimed").await))
+        .cloned()
+        .collect()
+}
+
+/// `Unhealthy` events (failed probes) of a chain's pods.
+async fn probe_failures(c: &Cluster, chain: &str) -> Vec<String> {
+    let events = Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.client.clone(), c.pod_ns())
+        .list(&Default::default())
+        .await
+        .expect("events");
+    events
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("Unhealthy"))
+        .filter(|e| {
+            e.involved_object
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with(&c.pod_prefix(chain)))
+        })
+        .map(|e| {
+            format!(
+                "{}: {}",
+                e.involved_object.name.unwrap_or_default(),
+                e.message.unwrap_or_default()
+            )
+        })
+        .collect()
+}
+
+/// Waits until the chain settles: no more claimed pods than one gateway holds plus none in flight,
+/// and no more pods than `max` (nothing leaked by a restart).
+async fn wait_no_leak(c: &Cluster, chain: &str, max: usize) {
+    poll(
+        Duration::from_secs(120),
+        &format!("{chain}: at most one held pod and {max} pods in all"),
+        || async {
+            let claimed = c.pool_pods(chain, "claimed").await.len();
+            let all = chain_pods(c, chain).await.len();
+            (claimed <= 1 && all <= max).then_some(())
+        },
+    )
+    .await;
+}
+
+/// A `kubectl apply` that changes only metadata never waits on the webhook: with the operator (and
+/// its webhook) gone and `failurePolicy: Fail`, a spec change is refused but a label is not. Without
+/// the chart's matchConditions the label (and the operator's own finalizer update) fails too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_only_updates_do_not_wait_for_the_webhook() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let Some(c) = cluster("matchconditions").await else {
+        return;
+    };
+    c.apply_chain(
+        "labelled",
+        "label-bot",
+        "input",
+        json!({}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    let deployments = Api::<Deployment>::namespaced(c.client.clone(), &release_namespace());
+    let scale = |replicas: i32| {
+        let deployments = deployments.clone();
+        async move {
+            deployments
+                .patch(
+                    "sluice-operator",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+                )
+                .await
+                .expect("scale the operator")
+        }
+    };
+    scale(0).await;
+    poll(
+        Duration::from_secs(120),
+        "the operator's pods are gone",
+        || async {
+            let pods = Api::<Pod>::namespaced(c.client.clone(), &release_namespace())
+                .list(&ListParams::default().labels("app.kubernetes.io/component=operator"))
+                .await
+                .ok()?;
+            pods.items.is_empty().then_some(())
+        },
+    )
+    .await;
+    let label = c
+        .chains()
+        .patch(
+            "labelled",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"team": "e2e"}}})),
+        )
+        .await;
+    let spec = c
+        .chains()
+        .patch(
+            "labelled",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"timeoutMs": 3000}})),
+        )
+        .await;
+    scale(1).await;
+    poll(Duration::from_secs(180), "the operator is back", || async {
+        let d = deployments.get("sluice-operator").await.ok()?;
+        (d.status?.available_replicas? >= 1).then_some(())
+    })
+    .await;
+    let refused = spec.expect_err("with no webhook answering, a spec change is refused");
+    assert!(
+        refused.to_string().contains("failed calling webhook"),
+        "{refused}"
+    );
+    label.expect("a label change does not need the webhook");
+}
+
+/// Pod Security `restricted` is enforced on the sandbox namespace and admits the operator's
+/// sandbox pods: a server-side dry run of a warm pod passes, the same pod made privileged fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_security_restricted_admits_sandbox_pods() {
+    let Some(c) = cluster("psa").await else {
+        return;
+    };
+    let ns = Api::<Namespace>::all(c.client.clone())
+        .get(c.pod_ns())
+        .await
+        .expect("the sandbox namespace");
+    assert_eq!(
+        ns.metadata
+            .labels
+            .unwrap_or_default()
+            .get("pod-security.kubernetes.io/enforce")
+            .map(String::as_str),
+        Some("restricted")
+    );
+    c.apply_chain(
+        "psa",
+        "psa-bot",
+        "input",
+        json!({}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("psa").await;
+    let warm = c.pool_pods("psa", "warm").await;
+    let pod = warm.first().expect("a warm pod").clone();
+    let copy = |privileged: bool| {
+        let mut p = pod.clone();
+        p.metadata = kube::api::ObjectMeta {
+            generate_name: Some("psa-check-".into()),
+            namespace: pod.metadata.namespace.clone(),
+            ..Default::default()
+        };
+        if let Some(spec) = p.spec.as_mut() {
+            spec.node_name = None;
+            if privileged {
+                let sc = spec.containers[0].security_context.get_or_insert_default();
+                sc.run_as_non_root = Some(false);
+                sc.run_as_user = Some(0);
+                sc.allow_privilege_escalation = Some(true);
+            }
+        }
+        p.status = None;
+        p
+    };
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    c.pods()
+        .create(&dry, &copy(false))
+        .await
+        .expect("PSA restricted admits a sandbox pod");
+    let err = c
+        .pods()
+        .create(&dry, &copy(true))
+        .await
+        .expect_err("PSA restricted refuses a root, escalating pod");
+    assert!(err.to_string().contains("violates PodSecurity"), "{err}");
+}
+
+/// Each component's ServiceAccount may do exactly what `deploy/tests/rbac_required.yaml` lists,
+/// where it lists it, as the real authorizer decides (SubjectAccessReview, what `kubectl auth
+/// can-i --as` asks): every listed verb is allowed, every other verb on those resources is denied,
+/// and neither may read Secrets or exec outside the sandbox namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn service_accounts_can_do_what_they_need_and_nothing_more() {
+    use k8s_openapi::api::authorization::v1::SubjectAccessReview;
+    let Some(c) = cluster("rbac").await else {
+        return;
+    };
+    let release = release_namespace();
+    let required: Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/tests/rbac_required.yaml"
+        ))
+        .expect("read deploy/tests/rbac_required.yaml"),
+    )
+    .expect("parse rbac_required.yaml");
+    let reviews = Api::<SubjectAccessReview>::all(c.client.clone());
+    let can = |sa: String, ns: String, group: String, resource: String, verb: String| {
+        let reviews = reviews.clone();
+        let release = release.clone();
+        async move {
+            let (resource, subresource) = match resource.split_once('/') {
+                Some((r, s)) => (r.to_string(), Some(s.to_string())),
+                None => (resource, None),
+            };
+            let review: SubjectAccessReview = serde_json::from_value(json!({
+                "spec": {
+                    "user": format!("system:serviceaccount:{release}:{sa}"),
+                    "groups": ["system:serviceaccounts", format!("system:serviceaccounts:{release}"), "system:authenticated"],
+                    "resourceAttributes": {"namespace": ns, "group": group, "resource": resource,
+                                           "subresource": subresource, "verb": verb},
+                }
+            }))
+            .expect("review");
+            reviews
+                .create(&PostParams::default(), &review)
+                .await
+                .expect("create SubjectAccessReview")
+                .status
+                .is_some_and(|s| s.allowed)
+        }
+    };
+    const VERBS: [&str; 8] = [
+        "get",
+        "list",
+        "watch",
+        "create",
+        "update",
+        "patch",
+        "delete",
+        "deletecollection",
+    ];
+    let mut wrong = Vec::new();
+    for component in ["operator", "gateway"] {
+        let sa = format!("sluice-{component}");
+        let scopes = required[component].as_object().expect("component rules");
+        for (scope, rules) in scopes {
+            let ns = match scope.as_str() {
+                "chains" => c.ns.clone(),
+                "sandboxes" => c.pod_ns().to_string(),
+                "release" => release.clone(),
+                other => panic!("unknown scope {other} in rbac_required.yaml"),
+            };
+            for rule in rules.as_array().expect("rules") {
+                let group = rule["apiGroup"].as_str().expect("apiGroup").to_string();
+                let resource = rule["resource"].as_str().expect("resource").to_string();
+                let needed: Vec<&str> = rule["verbs"]
+                    .as_array()
+                    .expect("verbs")
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .collect();
+                for verb in VERBS {
+                    let allowed = can(
+                        sa.clone(),
+                        ns.clone(),
+                        group.clone(),
+                        resource.clone(),
+                        verb.into(),
+                    )
+                    .await;
+                    if allowed != needed.contains(&verb) {
+                        wrong.push(format!(
+                            "{sa} {verb} {group}/{resource} in {ns}: allowed={allowed}, needed={}",
+                            needed.contains(&verb)
+                        ));
+                    }
+                }
+            }
+        }
+        // Never: Secrets anywhere, exec or pod creation outside the sandbox namespace.
+        for (ns, group, resource, verb) in [
+            (release.as_str(), "", "secrets", "get"),
+            ("kube-system", "", "secrets", "list"),
+            (c.ns.as_str(), "", "pods/exec", "create"),
+            (c.ns.as_str(), "", "pods", "create"),
+            ("kube-system", "", "pods/exec", "create"),
+        ] {
+            if can(
+                sa.clone(),
+                ns.into(),
+                group.into(),
+                resource.into(),
+                verb.into(),
+            )
+            .await
+            {
+                wrong.push(format!("{sa} may {verb} {resource} in {ns}"));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "RBAC differs from rbac_required.yaml:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// A kubelet restart while the gateway holds pods: no pod of the chain fails a probe (the kubelet
+/// runs startup probes again when it restarts), runs go on, and nothing leaks. What a real kubelet
+/// shows: it proxies every exec stream, so its restart ends every held session; those pods retire
+/// (their supervisor exits with the session) and the gateway claims others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_restart_with_held_pods() {
+    let Some(c) = cluster("kubelet").await else {
+        return;
+    };
+    c.apply_chain(
+        "held",
+        "held-bot",
+        "input",
+        json!({"pool": {"warm": 2, "max": 4, "reuse": "Recycle"}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("held").await;
+    let r = c.run("held-bot", "before").await.expect("Run before");
+    assert_eq!(text(&r), "BEFORE");
+    poll(
+        Duration::from_secs(60),
+        "the gateway holds a pod",
+        || async { c.pool_pods("held", "claimed").await.into_iter().next() },
+    )
+    .await;
+    if cluster_ctl(&["restart", "kubelet"]).is_none() {
+        return;
+    }
+    // Every pod the chain has once the kubelet is back is started again (its startup probe passed
+    // anew), and Runs are answered.
+    poll(
+        Duration::from_secs(120),
+        "every pod of the chain started after the kubelet restart",
+        || async {
+            let pods: Vec<Pod> = [
+                c.pool_pods("held", "warm").await,
+                c.pool_pods("held", "claimed").await,
+            ]
+            .concat();
+            let started = pods.iter().all(|p| {
+                p.status
+                    .as_ref()
+                    .and_then(|s| s.container_statuses.as_ref())
+                    .is_some_and(|cs| cs.iter().all(|c| c.started == Some(true)))
+            });
+            (!pods.is_empty() && started).then_some(())
+        },
+    )
+    .await;
+    let r = poll(
+        Duration::from_secs(60),
+        "a Run after the kubelet restart",
+        || async { c.run("held-bot", "after").await.ok() },
+    )
+    .await;
+    assert_eq!(text(&r), "AFTER");
+    for i in 0..3 {
+        let r = c.run("held-bot", &format!("again {i}")).await.expect("Run");
+        assert_eq!(text(&r), format!("AGAIN {i}"));
+    }
+    wait_no_leak(&c, "held", 4).await;
+    let failures = probe_failures(&c, "held").await;
+    assert!(failures.is_empty(), "probe failures: {failures:?}");
+}
+
+/// An API server restart while the gateway holds pods: Runs go on once it is back, and nothing
+/// leaks (held exec streams run through the API server: the gateway must notice they broke).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apiserver_restart_with_held_pods() {
+    let Some(c) = cluster("apiserver").await else {
+        return;
+    };
+    c.apply_chain(
+        "held",
+        "held-bot",
+        "input",
+        json!({"pool": {"warm": 2, "max": 4, "reuse": "Recycle"}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("held").await;
+    let r = c.run("held-bot", "before").await.expect("Run before");
+    assert_eq!(text(&r), "BEFORE");
+    if cluster_ctl(&["restart", "kube-apiserver"]).is_none() {
+        return;
+    }
+    // Once the API server answers, a Run issued then is answered: it was not in flight.
+    poll(
+        Duration::from_secs(60),
+        "the API server answers",
+        || async { c.client.apiserver_version().await.ok() },
+    )
+    .await;
+    let r = poll(
+        Duration::from_secs(120),
+        "a Run after the API server restart",
+        || async { c.run("held-bot", "after").await.ok() },
+    )
+    .await;
+    assert_eq!(text(&r), "AFTER");
+    for i in 0..3 {
+        let r = c.run("held-bot", &format!("again {i}")).await.expect("Run");
+        assert_eq!(text(&r), format!("AGAIN {i}"));
+    }
+    wait_no_leak(&c, "held", 4).await;
+    let failures = probe_failures(&c, "held").await;
+    assert!(failures.is_empty(), "probe failures: {failures:?}");
+}
+
+const PEEK: &str = r#"import os
+def execute(context, settings):
+    seen = os.path.exists('/tmp/left-by-a-hook')
+    with open('/tmp/left-by-a-hook', 'w') as f:
+        f.write('x')
+    pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+    return {'action': 'detect', 'findings': {'saw_file': seen, 'pids': pids}}
+"#;
+
+const LEAVE_A_PROCESS: &str = r#"import os, time
+def execute(context, settings):
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+    return {'action': 'pass'}
+"#;
+
+/// Cells under the real runtime, in a pod: each hook sees only its own processes in `/proc` and its
+/// own `/tmp` (nothing of the hook before it, nor of the previous trigger point), and a process a
+/// hook leaves behind is killed without failing the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cells_hold_in_a_pod() {
+    let Some(c) = cluster("cells").await else {
+        return;
+    };
+    c.apply_chain(
+        "cells",
+        "cells-bot",
+        "input",
+        json!({"pool": {"warm": 1, "max": 3, "reuse": "Recycle"}}),
+        &[
+            ("first", "detect", PEEK),
+            ("leaver", "modify", LEAVE_A_PROCESS),
+            ("second", "detect", PEEK),
+        ],
+    )
+    .await;
+    for i in 0..3 {
+        // The leaver makes every sandbox dirty (retired after its run): wait for a fresh one.
+        c.wait_pool_ready("cells").await;
+        let r = c
+            .run("cells-bot", &format!("trigger point {i}"))
+            .await
+            .expect("Run");
+        assert_eq!(r.hooks.len(), 3, "{r:?}");
+        for (index, hook) in [(0, "first"), (2, "second")] {
+            let outcome = &r.hooks[index];
+            assert_eq!(outcome.name, hook);
+            assert!(outcome.error.is_empty(), "{hook}: {}", outcome.error);
+            let findings = sluice_e2e::from_proto(outcome.findings.as_ref().expect("findings"));
+            assert_eq!(
+                findings["saw_file"],
+                json!(false),
+                "{hook} saw a file another hook or trigger point left in /tmp (run {i})"
+            );
+            assert_eq!(
+                findings["pids"],
+                json!([1]),
+                "{hook} sees only itself in /proc (run {i})"
+            );
+        }
+        assert!(
+            r.hooks[1].error.is_empty(),
+            "the leaver's run: {}",
+            r.hooks[1].error
+        );
+    }
+}
+
+/// The operator's `--start-deadline`, read from its Deployment (the chart's default otherwise).
+async fn operator_start_deadline(c: &Cluster) -> Duration {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let d = Api::<Deployment>::namespaced(c.client.clone(), &release_namespace())
+        .get("sluice-operator")
+        .await
+        .expect("the operator's Deployment");
+    let args = d
+        .spec
+        .and_then(|s| s.template.spec)
+        .map(|s| s.containers[0].args.clone().unwrap_or_default())
+        .unwrap_or_default();
+    let value = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--start-deadline="))
+        .unwrap_or("120s");
+    let secs: u64 = value
+        .strip_suffix('s')
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("--start-deadline={value}: expected whole seconds"));
+    Duration::from_secs(secs)
+}
+
+/// A pod that waits for a node longer than the start deadline (here: the node is cordoned, as when
+/// an autoscaler is still adding one) gets its full start deadline once it is scheduled: it starts
+/// and serves, instead of being deleted as a start timeout the moment it lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_start_deadline_counts_from_scheduling() {
+    use k8s_openapi::api::core::v1::Node;
+    let Some(c) = cluster("schedule").await else {
+        return;
+    };
+    let deadline = operator_start_deadline(&c).await;
+    let nodes = Api::<Node>::all(c.client.clone());
+    let node_names: Vec<String> = nodes
+        .list(&ListParams::default())
+        .await
+        .expect("nodes")
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    let cordon = |on: bool| {
+        let (nodes, node_names) = (nodes.clone(), node_names.clone());
+        async move {
+            for n in &node_names {
+                nodes
+                    .patch(
+                        n,
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"spec": {"unschedulable": on}})),
+                    )
+                    .await
+                    .expect("cordon or uncordon the node");
+            }
+        }
+    };
+    cordon(true).await;
+    let _uncordon = Uncordon(node_names.clone());
+    c.apply_chain(
+        "late",
+        "late-bot",
+        "input",
+        json!({"pool": {"warm": 1, "max": 2}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    let waiting = poll(
+        Duration::from_secs(60),
+        "an unschedulable warm pod",
+        || async {
+            c.pool_pods("late", "warm").await.into_iter().find(|p| {
+                p.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| {
+                        cs.iter().any(|c| {
+                            c.type_ == "PodScheduled"
+                                && c.reason.as_deref() == Some("Unschedulable")
+                        })
+                    })
+            })
+        },
+    )
+    .await;
+    let name = waiting.metadata.name.clone().expect("pod name");
+    println!("{name} waits for a node; waiting out the start deadline ({deadline:?}) first");
+    tokio::time::sleep(deadline + Duration::from_secs(5)).await;
+    let still = names(&c.pool_pods("late", "warm").await);
+    cordon(false).await;
+    assert!(
+        still.contains(&name),
+        "an unschedulable pod is held, not replaced: {still:?}"
+    );
+    c.wait_pool_ready("late").await;
+    assert!(
+        names(&c.pool_pods("late", "warm").await).contains(&name)
+            || names(&c.pool_pods("late", "claimed").await).contains(&name),
+        "the pod that waited for a node started and is in the pool"
+    );
+    let r = c.run("late-bot", "landed").await.expect("Run");
+    assert_eq!(text(&r), "LANDED");
+}
+
+/// Uncordons the nodes when dropped, so a failing test leaves the cluster schedulable.
+struct Uncordon(Vec<String>);
+
+impl Drop for Uncordon {
+    fn drop(&mut self) {
+        use k8s_openapi::api::core::v1::Node;
+        let nodes = std::mem::take(&mut self.0);
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                if let Ok(client) = Client::try_default().await {
+                    for n in nodes {
+                        let _ = Api::<Node>::all(client.clone())
+                            .patch(
+                                &n,
+                                &PatchParams::default(),
+                                &Patch::Merge(json!({"spec": {"unschedulable": false}})),
+                            )
+                            .await;
+                    }
+                }
+            })
+        });
+        let _ = done.join();
+    }
 }

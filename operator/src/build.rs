@@ -14,8 +14,8 @@ use sluice_crds::HookChain;
 use std::collections::BTreeMap;
 
 pub use sluice_crds::sandbox_pod::{
-    ANNOTATION_CLAIMED_AT, ANNOTATION_CLAIMED_BY, CONTAINER, FINALIZER, LABEL_CHAIN,
-    LABEL_CHAIN_NAMESPACE, LABEL_CHAIN_UID, LABEL_MANAGED_BY, LABEL_NAME, LABEL_POOL,
+    ANNOTATION_CLAIMED_AT, ANNOTATION_CLAIMED_BY, ANNOTATION_SAFE_TO_EVICT, CONTAINER, FINALIZER,
+    LABEL_CHAIN, LABEL_CHAIN_NAMESPACE, LABEL_CHAIN_UID, LABEL_MANAGED_BY, LABEL_NAME, LABEL_POOL,
     LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM, SANDBOX_NAME, SUPERVISOR, probe_command,
     supervisor_command,
 };
@@ -198,8 +198,9 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
         }),
         // Ready once the supervisor answers, its zygote started and its self-check cell made. A
         // startup probe, not a readiness probe: a claimed pod serves trigger point after trigger
-        // point attached to one gateway, and an exec every period would cost CPU inside gVisor and
-        // fail (the supervisor listens for no one while attached). After startup the pod stays
+        // point attached to one gateway, and an exec every period would cost CPU inside gVisor. A
+        // kubelet that restarts runs the startup probe again: an attached supervisor answers it
+        // (`attached`), so held pods survive kubelet restarts. After startup the pod stays
         // Ready until its supervisor exits (it does when its zygote dies), which ends the pod.
         startup_probe: Some(Probe {
             exec: Some(ExecAction {
@@ -230,10 +231,11 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
             }),
             namespace: Some(settings.pod_namespace(&namespace).to_string()),
             labels: Some(labels),
-            annotations: Some(BTreeMap::from([(
-                ANNOTATION_PIDS.to_string(),
-                r.pids.to_string(),
-            )])),
+            annotations: Some(BTreeMap::from([
+                (ANNOTATION_PIDS.to_string(), r.pids.to_string()),
+                // A warm pod may go with its node (the claim turns this to "false").
+                (ANNOTATION_SAFE_TO_EVICT.to_string(), "true".to_string()),
+            ])),
             owner_references: owner_reference(chain, settings).map(|o| vec![o]),
             ..Default::default()
         },
@@ -404,6 +406,11 @@ pub(crate) mod tests {
         let chain = simple();
         let pod = pod(&chain, &Settings::default());
         let labels = pod.metadata.labels.unwrap();
+        // A node of warm pods only may be scaled down by the cluster autoscaler.
+        assert_eq!(
+            pod.metadata.annotations.as_ref().unwrap()[ANNOTATION_SAFE_TO_EVICT],
+            "true"
+        );
         assert_eq!(labels[LABEL_NAME], "sluice-sandbox");
         assert_eq!(labels[LABEL_MANAGED_BY], "sluice-operator");
         assert_eq!(labels[LABEL_CHAIN], "redactor");

@@ -117,7 +117,7 @@ struct RunArgs {
     /// Claimed pods held longer than this are deleted (300s, 5m, 1500ms).
     #[arg(long, default_value = "300s", value_parser = parse_duration)]
     claim_deadline: Duration,
-    /// New pods not ready this long after their creation are deleted and replaced (one at a time
+    /// New pods not ready this long after they were scheduled are deleted and replaced (one at a time
     /// while they keep failing), unless the scheduler cannot place them.
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     start_deadline: Duration,

@@ -31,6 +31,9 @@ pub struct Observed {
     /// The scheduler's message, when the pod is `PodScheduled=False` for reason `Unschedulable`.
     pub unschedulable: Option<String>,
     pub created: Option<Timestamp>,
+    /// When the scheduler placed it (`PodScheduled=True`): its start deadline counts from here, not
+    /// from creation, so a pod that waited for a node (an autoscaler adding one) gets its full time.
+    pub scheduled: Option<Timestamp>,
     /// `sluice.dev/claimed-at`, when present and a valid RFC 3339 time. Anyone who can patch pods
     /// writes it: `plan` clamps it to now and never lets it overflow.
     pub claimed_at: Option<Timestamp>,
@@ -138,6 +141,10 @@ impl Observed {
             terminating: meta.deletion_timestamp.is_some(),
             unschedulable,
             created: meta.creation_timestamp.as_ref().map(|t| t.0),
+            scheduled: condition("PodScheduled")
+                .filter(|c| c.status == "True")
+                .and_then(|c| c.last_transition_time.as_ref())
+                .map(|t| t.0),
             // Unparseable: as if absent (the claim is timed from the pod's creation).
             claimed_at: meta
                 .annotations
@@ -163,8 +170,8 @@ pub struct Input<'a> {
     pub pending_deletes: &'a HashSet<String>,
     pub now: Timestamp,
     pub claim_deadline: SignedDuration,
-    /// A warm pod of the current template not ready this long after its creation is replaced
-    /// (unless the scheduler cannot place it: that one is held).
+    /// A warm pod of the current template not ready this long after it was scheduled (or created,
+    /// while it is not) is replaced (unless the scheduler cannot place it: that one is held).
     pub start_deadline: SignedDuration,
     /// Pods of the current template that failed to start in a row (the reconciler remembers;
     /// reset once one of the template's pods is ready).
@@ -317,7 +324,8 @@ pub fn plan(input: &Input) -> Plan {
             PoolState::Warm => {
                 let current = p.template.as_deref() == Some(input.template);
                 let start_expiry = p
-                    .created
+                    .scheduled
+                    .or(p.created)
                     .map(|t| t.min(input.now))
                     .and_then(|t| t.checked_add(input.start_deadline).ok());
                 match (current, p.ready) {
@@ -493,6 +501,7 @@ mod tests {
             terminating: false,
             unschedulable: None,
             created: Some(now() - SignedDuration::from_secs(3600)),
+            scheduled: None,
             claimed_at: None,
             problem: None,
         }
@@ -886,6 +895,24 @@ mod tests {
             problem: Some(why.into()),
             ..starting(name)
         }
+    }
+
+    #[test]
+    fn the_start_deadline_counts_from_scheduling() {
+        // Created 10 minutes ago, waiting for a node (an autoscaler's) until 30 s ago: starting, not
+        // timed out; past the deadline counted from the scheduling, replaced.
+        let waited = |name: &str, scheduled_secs_ago: i64| Observed {
+            scheduled: Some(now() - SignedDuration::from_secs(scheduled_secs_ago)),
+            ..stuck(name, 600, "ContainerCreating")
+        };
+        let p = case(1, 10, vec![waited("a", 30)]).run();
+        assert!(p.delete.is_empty(), "{p:?}");
+        assert_eq!(
+            p.next_start_deadline,
+            Some(now() + SignedDuration::from_secs(90))
+        );
+        let p = case(1, 10, vec![waited("a", 121)]).run();
+        assert_eq!(deleted(&p), [("a", DeleteReason::StartTimeout)]);
     }
 
     #[test]

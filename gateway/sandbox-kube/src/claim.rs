@@ -132,6 +132,7 @@ pub(crate) fn claim_patch(resource_version: &str, identity: &str, now: &str) -> 
             "annotations": {
                 labels::ANNOTATION_CLAIMED_BY: identity,
                 labels::ANNOTATION_CLAIMED_AT: now,
+                labels::ANNOTATION_SAFE_TO_EVICT: "false",
             },
         }
     })
@@ -331,6 +332,11 @@ mod tests {
         assert_eq!(
             p["metadata"]["annotations"][labels::ANNOTATION_CLAIMED_AT],
             "2026-11-22T03:00:00Z"
+        );
+        // The autoscaler may take a node from under warm pods, never from under a held one.
+        assert_eq!(
+            p["metadata"]["annotations"][labels::ANNOTATION_SAFE_TO_EVICT],
+            "false"
         );
     }
 }

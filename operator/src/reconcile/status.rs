@@ -14,8 +14,12 @@ use kube::api::{Api, Patch, PatchParams};
 use sluice_crds::{HookChain, HookChainStatus};
 use std::time::{Duration, Instant};
 
-/// Least time between two status writes that change nothing but the counts.
-pub(super) const COUNTS_EVERY: Duration = Duration::from_secs(5);
+/// Least time between two status writes that change nothing but the counts. Every write sends the
+/// whole chain (up to 512 KiB of code) to every watcher, every gateway replica among them: under
+/// steady traffic the counts move on nearly every trigger point, so this bounds that churn to one
+/// write a minute per chain (it was 5 s). `kubectl get hc` counts may lag by that much; the pool
+/// gauges are live.
+pub(super) const COUNTS_EVERY: Duration = Duration::from_secs(60);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StatusError {

@@ -1,0 +1,276 @@
+//! The `kube-cluster` section: Sluice installed in a real cluster (`make cluster-up cluster-install`,
+//! then `. /var/lib/sluice-cluster/e2e.env`), measured through the API server and the gateway as an
+//! application sees them. API writes are counted by the API server itself
+//! (`apiserver_request_total`, write verbs, before and after, minus the idle rate of the same span);
+//! latencies are client-side. Beside them, the local backend's Recycle Run in the same run.
+
+use crate::report::{Row, Table, percentile};
+use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::Client;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use sluice_crds::HookChain;
+use sluice_proto::client::{Client as GatewayClient, ClientAuth};
+use sluice_proto::{self as proto};
+use std::time::{Duration, Instant};
+
+const NS: &str = "sluice-bench";
+const WRITE_VERBS: [&str; 5] = ["POST", "PUT", "PATCH", "DELETE", "APPLY"];
+
+/// Writes the API server has served so far (every resource, every client).
+async fn api_writes(client: &Client) -> anyhow::Result<f64> {
+    let req = http::Request::get("/metrics").body(Vec::new())?;
+    let text = client.request_text(req).await.context("GET /metrics")?;
+    let mut total = 0.0;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        if WRITE_VERBS
+            .iter()
+            .any(|v| labels.contains(&format!("verb=\"{v}\"")))
+        {
+            total += value.trim().parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    Ok(total)
+}
+
+async fn gateway(client: &Client) -> anyhow::Result<GatewayClient> {
+    let service = std::env::var("SLUICE_GATEWAY_SERVICE").context("SLUICE_GATEWAY_SERVICE")?;
+    let (ns, name) = service
+        .split_once('/')
+        .context("SLUICE_GATEWAY_SERVICE is <namespace>/<service>")?;
+    let slices = Api::<EndpointSlice>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={name}")))
+        .await?;
+    let addr = slices
+        .items
+        .iter()
+        .find_map(|s| {
+            let port = s
+                .ports
+                .as_ref()?
+                .iter()
+                .find(|p| p.name.as_deref() == Some("grpc"))?
+                .port?;
+            let e = s
+                .endpoints
+                .iter()
+                .find(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))?;
+            Some(format!("https://{}:{port}", e.addresses.first()?))
+        })
+        .context("no ready gateway endpoint")?;
+    let auth = ClientAuth {
+        ca: std::env::var_os("SLUICE_CA").map(Into::into),
+        token: std::env::var("SLUICE_TOKEN").ok(),
+        server_name: Some(format!("{name}.{ns}.svc")),
+        ..Default::default()
+    };
+    Ok(auth.connect(&addr).await?)
+}
+
+async fn run(gw: &mut GatewayClient, target: &str) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    gw.run(proto::RunRequest {
+        namespace: NS.into(),
+        target: target.into(),
+        trigger_point: "input".into(),
+        payload: Some(proto::run_request::Payload::Text(crate::text_1k())),
+        context: Default::default(),
+        session_id: "bench".into(),
+    })
+    .await?;
+    Ok(started.elapsed())
+}
+
+async fn apply(client: &Client, name: &str, reuse: &str, warm: u32) -> anyhow::Result<()> {
+    let yaml = crate::chain_yaml(
+        name,
+        name,
+        "input",
+        &format!("{{warm: {warm}, max: {}, reuse: {reuse}}}", warm + 4),
+        "",
+    )
+    .replace("namespace: default", &format!("namespace: {NS}"))
+    .replace("cpu: '1'", "cpu: 100m");
+    let hc: HookChain = serde_saphyr::from_str(&yaml)?;
+    Api::<HookChain>::namespaced(client.clone(), NS)
+        .patch(
+            name,
+            &PatchParams::apply("sluice-bench").force(),
+            &Patch::Apply(&hc),
+        )
+        .await?;
+    wait_ready(client, name, warm).await
+}
+
+async fn wait_ready(client: &Client, name: &str, warm: u32) -> anyhow::Result<()> {
+    let api = Api::<HookChain>::namespaced(client.clone(), NS);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let hc = api.get(name).await?;
+        if let Some(s) = &hc.status
+            && s.conditions
+                .iter()
+                .any(|c| c.type_ == "PoolReady" && c.status == "True")
+            && s.warm >= warm
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("HookChain {name} not PoolReady in 300 s");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// API writes per trigger point: writes during `n` runs and until the pool is full again, minus
+/// what the cluster writes anyway over the same span (leases, node status), measured idle.
+async fn writes_per_trigger_point(
+    client: &Client,
+    gw: &mut GatewayClient,
+    chain: &str,
+    n: usize,
+) -> anyhow::Result<f64> {
+    let idle_from = (Instant::now(), api_writes(client).await?);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let idle_rate = (api_writes(client).await? - idle_from.1) / idle_from.0.elapsed().as_secs_f64();
+    let (start, before) = (Instant::now(), api_writes(client).await?);
+    for _ in 0..n {
+        run(gw, chain).await?;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    wait_ready(client, chain, 2).await?;
+    let after = api_writes(client).await?;
+    let background = idle_rate * start.elapsed().as_secs_f64();
+    Ok(((after - before - background) / n as f64).max(0.0))
+}
+
+/// Pod create → Ready with gVisor: pods of the supervisor image, one at a time.
+async fn pod_ready(client: &Client, n: usize) -> anyhow::Result<Vec<Duration>> {
+    let pods = Api::<Pod>::namespaced(client.clone(), NS);
+    let image = std::env::var("SLUICE_SUPERVISOR_IMAGE")
+        .unwrap_or_else(|_| "sluice.test/sluice-supervisor:e2e".into());
+    let mut samples = Vec::new();
+    for i in 0..n {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": format!("bench-ready-{i}")},
+            "spec": {
+                "runtimeClassName": "gvisor", "restartPolicy": "Never",
+                "automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+                "containers": [{
+                    "name": "s", "image": image, "imagePullPolicy": "Never",
+                    "command": ["python3", "-c", "import time; time.sleep(3600)"],
+                    "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+                }],
+            },
+        }))?;
+        let started = Instant::now();
+        pods.create(&PostParams::default(), &pod).await?;
+        loop {
+            let p = pods.get(&format!("bench-ready-{i}")).await?;
+            let ready = p
+                .status
+                .and_then(|s| s.conditions)
+                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            if ready {
+                break;
+            }
+            if started.elapsed() > Duration::from_secs(120) {
+                bail!("pod bench-ready-{i} not Ready in 120 s");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        samples.push(started.elapsed());
+        pods.delete(&format!("bench-ready-{i}"), &DeleteParams::default())
+            .await?;
+    }
+    Ok(samples)
+}
+
+pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
+    if std::env::var_os("KUBECONFIG").is_none()
+        || std::env::var_os("SLUICE_GATEWAY_SERVICE").is_none()
+    {
+        println!(
+            "kube-cluster: no cluster (KUBECONFIG and SLUICE_GATEWAY_SERVICE unset; `make cluster-up cluster-install`, then `. /var/lib/sluice-cluster/e2e.env`)"
+        );
+        return Ok(());
+    }
+    let client = Client::try_default().await?;
+    let namespaces = Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone());
+    let _ = namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": NS}}))?,
+        )
+        .await;
+    let mut gw = gateway(&client).await?;
+    apply(&client, "bench-recycle", "Recycle", 2).await?;
+    apply(&client, "bench-none", "None", 2).await?;
+    run(&mut gw, "bench-recycle").await?;
+
+    let recycle = writes_per_trigger_point(&client, &mut gw, "bench-recycle", 20).await?;
+    table.push(Row::value(
+        "API writes per trigger point (Recycle)",
+        format!("{recycle:.2} (apiserver_request_total, write verbs)"),
+    ));
+    // One at a time, each from a fresh pod: slow by design.
+    let none = writes_per_trigger_point(&client, &mut gw, "bench-none", 6).await?;
+    table.push(Row::value(
+        "API writes per trigger point (None)",
+        format!("{none:.2} (apiserver_request_total, write verbs)"),
+    ));
+
+    table.push(Row::latency(
+        "pod create → Ready with gVisor",
+        &pod_ready(&client, 5).await?,
+    ));
+
+    let mut held = Vec::new();
+    for _ in 0..100 {
+        held.push(run(&mut gw, "bench-recycle").await?);
+    }
+    table.push(Row::latency("Run from a held pod (Recycle)", &held));
+    let local = crate::local_recycle_samples(100).await?;
+    table.push(
+        Row::value(
+            "  local Recycle Run, same run",
+            format!("p50 {:?}", percentile(&local, 50.0)),
+        )
+        .target("baseline"),
+    );
+
+    let clients = 8;
+    let span = Duration::from_secs(15);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let mut gw = gw.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut done = 0u32;
+            while started.elapsed() < span {
+                if run(&mut gw, "bench-recycle").await.is_ok() {
+                    done += 1;
+                }
+            }
+            done
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await?;
+    }
+    table.push(Row::value(
+        "runs/s at 8 clients (Recycle, held pods)",
+        format!("{:.1}", f64::from(total) / started.elapsed().as_secs_f64()),
+    ));
+    let _ = namespaces.delete(NS, &DeleteParams::default()).await;
+    Ok(())
+}

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The project's images for the test cluster, without a registry or a container engine: OCI archives
+# of the operator, the gateway and the supervisor, made from this checkout's release binaries and a
+# Debian root filesystem with Python (the operator and the gateway check hook code with python3; the
+# supervisor runs hooks in its own CPython, WebAssembly, and needs only glibc), then imported into the
+# cluster's containerd.
+#
+#   images.sh build      write $OUT/sluice-{operator,gateway,supervisor}.tar
+#   images.sh import     build, then `ctr -n k8s.io images import` each (the cluster must be up)
+#
+# Image names: $REGISTRY/sluice-<component>:$TAG (defaults sluice.test/sluice-*:e2e), as the chart's
+# image.registry and image.tag expect. The root filesystem (debootstrap, from Debian's packages) is
+# cached in $SLUICE_CLUSTER_CACHE, keyed by the suite and the package list.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+CACHE=${SLUICE_CLUSTER_CACHE:-/var/cache/sluice-cluster}
+REGISTRY=${REGISTRY:-sluice.test}
+TAG=${TAG:-e2e}
+OUT=${OUT:-${SLUICE_CLUSTER_STATE:-/var/lib/sluice-cluster}/images}
+SUITE=bookworm
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+PACKAGES=python3
+CARGO=${CARGO:-cargo}
+
+log() { echo "images: $*" >&2; }
+die() { echo "images: $*" >&2; exit 1; }
+
+# A Debian root filesystem with Python as one uncompressed layer, built once per key.
+base_layer() {
+	local key layer rootfs
+	key="rootfs-$SUITE-$(echo "$MIRROR $PACKAGES" | sha256sum | cut -c1-12)"
+	layer="$CACHE/$key.tar"
+	if [ ! -f "$layer" ]; then
+		command -v debootstrap >/dev/null || die "debootstrap is missing (make cluster-deps)"
+		mkdir -p "$CACHE"
+		rootfs=$(mktemp -d "$CACHE/.$key.XXXXXX")
+		log "debootstrap $SUITE with $PACKAGES (once per machine)"
+		nice -n 5 debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$rootfs" "$MIRROR" >"$rootfs.log" 2>&1 ||
+			die "debootstrap failed: $(tail -n 5 "$rootfs.log")"
+		# Nothing an image needs: package caches, documentation, the package manager's lists.
+		rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* "$rootfs"/usr/share/doc \
+			"$rootfs"/usr/share/man "$rootfs"/usr/share/info "$rootfs"/usr/share/locale "$rootfs"/var/log/*
+		tar --sort=name --numeric-owner --mtime=@0 --xattrs -C "$rootfs" -cf "$layer.partial" .
+		mv "$layer.partial" "$layer"
+		rm -rf "$rootfs" "$rootfs.log"
+	fi
+	echo "$layer"
+}
+
+release_binaries() {
+	log "cargo build --release (operator, gateway, supervisor and its cell runtime)"
+	(cd "$repo" && nice -n 5 "$CARGO" build -q --release --locked -p sluice-operator -p sluice-gateway --bins)
+	(cd "$repo" && nice -n 5 supervisor/build-cell.sh release >/dev/null)
+}
+
+oci() { python3 "$here/oci.py" "$@" >/dev/null; }
+
+# The sandbox image: what every warm pod runs under gVisor (supervisor/Dockerfile's contents). The
+# one place to change when the supervisor changes form.
+supervisor_image() {
+	local base=$1 release="$repo/target/release"
+	oci --name "$REGISTRY/sluice-supervisor:$TAG" --out "$OUT/sluice-supervisor.tar" --layer "$base" \
+		--file "$release/sluice-supervisor:/opt/sluice/sluice-supervisor:0555" \
+		--file "$release/sluice-cell.cwasm:/opt/sluice/sluice-cell.cwasm:0444" \
+		--file "$release/sluice-cell.cwasm.sha256:/opt/sluice/sluice-cell.cwasm.sha256:0444" \
+		--user 65534:65534 --workdir /tmp \
+		--cmd=/opt/sluice/sluice-supervisor --cmd=--listen --cmd=--runtime --cmd=/opt/sluice/sluice-cell.cwasm
+}
+
+# The operator and the gateway: a release binary on the same root filesystem (deploy/docker/).
+component_image() {
+	local base=$1 component=$2
+	oci --name "$REGISTRY/sluice-$component:$TAG" --out "$OUT/sluice-$component.tar" --layer "$base" \
+		--file "$repo/target/release/sluice-$component:/usr/local/bin/sluice-$component:0755" \
+		--env PYTHONDONTWRITEBYTECODE=1 --user 65534:65534 --entrypoint "/usr/local/bin/sluice-$component"
+}
+
+build() {
+	local base
+	base=$(base_layer)
+	release_binaries
+	mkdir -p "$OUT"
+	supervisor_image "$base"
+	component_image "$base" operator
+	component_image "$base" gateway
+	log "built $REGISTRY/sluice-{supervisor,operator,gateway}:$TAG in $OUT"
+}
+
+import() {
+	local sock=${SLUICE_CLUSTER_RUN:-/run/sluice-cluster}/containerd/containerd.sock image
+	[ -S "$sock" ] || die "no cluster containerd at $sock: make cluster-up first"
+	build
+	for image in sluice-supervisor sluice-operator sluice-gateway; do
+		ctr --address "$sock" -n k8s.io images import "$OUT/$image.tar" >/dev/null
+	done
+	log "imported into the cluster's containerd"
+}
+
+case "${1:-}" in
+build) build ;;
+import) import ;;
+*) die "usage: images.sh build|import" ;;
+esac

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# make test-cluster: a fresh cluster (cluster.sh up), Sluice installed with the chart (install.sh),
+# the cluster suite against it, and the cluster taken down again whatever happened (down fails if
+# it leaves anything behind). The suite's exit status is the script's.
+set -uo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+STATE=${SLUICE_CLUSTER_STATE:-/var/lib/sluice-cluster}
+CARGO=${CARGO:-cargo}
+
+"$here/cluster.sh" down >/dev/null 2>&1 || true
+trap '"$here/cluster.sh" down || status=1' EXIT
+status=0
+"$here/cluster.sh" up || { status=$?; echo "test-cluster: cluster.sh up failed" >&2; exit $status; }
+"$here/install.sh" || { status=$?; echo "test-cluster: install.sh failed" >&2; exit $status; }
+# shellcheck source=/dev/null
+. "$STATE/e2e.env"
+(cd "$repo" && SLUICE_CLUSTER_REQUIRED=1 "$CARGO" test -p sluice-e2e --test cluster -- --test-threads=1 "$@") || status=$?
+if [ "$status" != 0 ]; then
+	echo "test-cluster: the suite failed; component logs were in $STATE/logs (copied to /tmp/sluice-cluster-logs)" >&2
+	rm -rf /tmp/sluice-cluster-logs && cp -r "$STATE/logs" /tmp/sluice-cluster-logs 2>/dev/null || true
+	KUBECONFIG=$STATE/admin.kubeconfig kubectl get pods -A -o wide >&2 || true
+fi
+exit $status
