@@ -4,7 +4,9 @@
 //! claimed pod: that relay hands the exec's stdin, stdout and stderr over the socket (SCM_RIGHTS),
 //! so the protocol runs straight over the exec's pipes and the relay copies no byte. When the gateway
 //! closes stdin, the supervisor sends the relay one status byte and exits, which ends the pod.
-//! `attach --probe` is the readiness probe: it asks whether the supervisor is still waiting.
+//! `attach --probe` is the startup probe: it asks whether the supervisor is up, waiting (`ready`) or
+//! already serving its gateway (`attached`): a kubelet that restarts runs every pod's startup probe
+//! again, and a held pod must pass it or be killed. A second attach is refused.
 
 // Passing descriptors over a unix socket needs sendmsg/recvmsg with control messages, which std
 // does not offer on stable Rust; each unsafe block below is one such call on buffers it owns.
@@ -72,7 +74,9 @@ pub(crate) fn listen(runtime: Runtime) -> u8 {
             }
         }
     };
-    drop(listener); // one attach per pod: a second exec finds no one listening
+    // One attach per pod: from now on the socket only tells probes the pod is alive and refuses
+    // every other attach.
+    std::thread::spawn(move || answer_while_attached(&listener));
     let _ = conn.set_read_timeout(None);
     let mut fds = fds.into_iter();
     let (Some(proto_in), Some(_exec_stdout), Some(proto_out)) =
@@ -88,6 +92,21 @@ pub(crate) fn listen(runtime: Runtime) -> u8 {
     .serve();
     let _ = (&conn).write_all(&[0]);
     0
+}
+
+/// The socket of a supervisor that serves its gateway: probes get `attached`, a second attach
+/// `already attached` (its descriptors closed unused). Runs until the process exits.
+fn answer_while_attached(listener: &UnixListener) {
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+        let answer: &[u8] = match receive(&conn) {
+            Ok((request, _fds)) if request == "probe" => b"attached",
+            Ok((request, _fds)) if request.starts_with("attach") => b"already attached",
+            _ => b"unknown request",
+        };
+        let _ = (&conn).write_all(answer);
+    }
 }
 
 /// The relay the gateway execs into a claimed pod, or (`probe`) the pod's readiness probe.
@@ -119,7 +138,7 @@ pub(crate) fn relay(probe: bool) -> u8 {
         }
         let mut answer = Vec::new();
         let _ = (&conn).take(64).read_to_end(&mut answer);
-        return if answer == b"ready" {
+        return if answer == b"ready" || answer == b"attached" {
             0
         } else {
             fail(format!(
@@ -131,10 +150,12 @@ pub(crate) fn relay(probe: bool) -> u8 {
     if send(&conn, &format!("attach {}", std::process::id()), &[0, 1, 2]).is_err() {
         return fail("the supervisor went away".into());
     }
-    let mut status = [0u8; 1];
-    match (&conn).read_exact(&mut status) {
-        Ok(()) => status[0],
-        Err(_) => fail("the supervisor vanished".into()),
+    // One byte is the status; more is a refusal in words.
+    let mut status = Vec::new();
+    match (&conn).take(64).read_to_end(&mut status) {
+        Ok(_) if status.len() == 1 => status[0],
+        Ok(_) if status.len() > 1 => fail(format!("the supervisor refused the attach: {}", String::from_utf8_lossy(&status))),
+        _ => fail("the supervisor ended without reporting a status".into()),
     }
 }
 
