@@ -196,7 +196,7 @@ impl Local {
     /// Serves `files` with every Capability's endpoint pointed at a stub on loopback: the stub's
     /// canned answer where `stubs` has one, else an error saying how to stub it. A chain under test
     /// may come from anyone (a pull request), so nothing it names is ever called.
-    pub async fn start(files: &[PathBuf], stubs: &BTreeMap<String, Stub>) -> anyhow::Result<Self> {
+    pub async fn start(files: &[PathBuf], stubs: &BTreeMap<String, Stub>, gvisor: bool) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -236,6 +236,7 @@ impl Local {
             .tempdir_in("/tmp")?;
         let mut opts = LocalOptions::new(dir.path(), state.path());
         opts.limits.claim_timeout = std::time::Duration::from_secs(60);
+        opts.gvisor = gvisor;
         let gateway = start_local(opts).await?;
         for e in gateway.engine.registry().errors() {
             if !e.message.contains("will fail until it does") {
@@ -590,6 +591,8 @@ pub struct RunOptions {
     pub only: Option<String>,
     /// Keep each case's full answer (`-v`).
     pub verbose: bool,
+    /// Run hooks in gVisor sandboxes (runsc and root) as well as in their WebAssembly instances.
+    pub gvisor: bool,
 }
 
 /// One case's outcome.
@@ -735,7 +738,7 @@ pub async fn run_file(path: &Path, opts: &RunOptions) -> Result<FileReport, Test
     }
     let base = path.parent().unwrap_or(Path::new("."));
     let chains: Vec<PathBuf> = file.chains.iter().map(|c| base.join(c)).collect();
-    let local = Local::start(&chains, &file.capabilities)
+    let local = Local::start(&chains, &file.capabilities, opts.gvisor)
         .await
         .map_err(|e| TestFileError::Gateway {
             path: shown.clone(),

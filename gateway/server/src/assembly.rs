@@ -104,6 +104,10 @@ pub struct LocalOptions {
     /// The interpreter whose compiler and `ast` check hook code when the directory is read (hooks
     /// themselves run in the sandboxes' own CPython).
     pub python: PathBuf,
+    /// Sandboxes are gVisor containers (runsc, root). Without: the supervisor runs as a plain
+    /// process and hooks are walled in by its WebAssembly instances alone (an author's machine
+    /// without runsc or root, for `sluice test` and `sluice run`).
+    pub gvisor: bool,
 }
 
 impl LocalOptions {
@@ -121,6 +125,7 @@ impl LocalOptions {
                 .unwrap_or(2),
             platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
             python: PathBuf::from("/usr/bin/python3"),
+            gvisor: true,
         }
     }
 }
@@ -175,9 +180,20 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
     // certificate or "address in use" must not wait for the backend's checks or any boot.
     let secured = opts.security.prepare(opts.listen)?;
     let listener = bind(opts.listen).await?;
-    let backend = LocalBackend::new(opts.sandbox.clone())
-        .await
-        .context("preparing the runsc sandbox backend")?;
+    let backend: Arc<dyn SandboxBackend> = if opts.gvisor {
+        Arc::new(
+            LocalBackend::new(opts.sandbox.clone())
+                .await
+                .context("preparing the runsc sandbox backend")?,
+        )
+    } else {
+        let program = match opts.sandbox.program.clone() {
+            Some(p) => p,
+            None => sluice_engine::SupervisorProgram::locate()
+                .context("finding the supervisor for WebAssembly-only sandboxes")?,
+        };
+        Arc::new(sluice_sandbox_process::ProcessBackend::with_program(program))
+    };
     let removed = backend.clean_leftovers().await;
     if removed > 0 {
         tracing::warn!(
@@ -187,7 +203,7 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
     }
     let metrics = Metrics::new();
     let engine = engine(
-        Arc::new(backend),
+        backend,
         opts.audit,
         metrics,
         &opts.limits,

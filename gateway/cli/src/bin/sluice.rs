@@ -37,9 +37,10 @@ enum Command {
     },
     /// Run declarative test cases (YAML) against their chains in local gVisor sandboxes.
     ///
-    /// Needs root and runsc, as the local gateway does. Exit codes: 0 every case passed; 1 a case
-    /// failed; 2 something could not be run at all (no runsc or not root, a test file that cannot
-    /// be read, chains the local gateway refuses).
+    /// Hooks run in the same WebAssembly cells as in the gateway, inside gVisor too where runsc
+    /// and root are there (without, it says so and runs WebAssembly-only). Exit codes: 0 every case
+    /// passed; 1 a case failed; 2 something could not be run at all (a test file that cannot be
+    /// read, chains the local gateway refuses).
     Test {
         /// Test files (*.test.yaml) or directories of them.
         #[arg(required = true)]
@@ -219,7 +220,7 @@ async fn main() -> ExitCode {
             junit,
             watch,
         } => {
-            let opts = sluice_cli::RunOptions { only: run, verbose };
+            let opts = sluice_cli::RunOptions { only: run, verbose, gvisor: gvisor_or_say_why("sluice test") };
             return test(&files, &opts, junit.as_deref(), watch).await;
         }
         Command::Init { dir } => return init(&dir),
@@ -278,10 +279,6 @@ async fn test(
     watch: bool,
 ) -> ExitCode {
     quiet_logs();
-    if let Err(missing) = preflight() {
-        println!("sluice test: {missing}");
-        return ExitCode::from(TEST_COULD_NOT_RUN);
-    }
     // Taken before the run, so that a change made while it runs starts the next one.
     let mut seen = watched(files);
     let mut code = test_once(files, opts, junit).await;
@@ -356,7 +353,7 @@ async fn test_once(
     }
 }
 
-/// What `sluice test` needs before it can run a hook: runsc on PATH and root, as the local gateway.
+/// Whether hooks can run inside gVisor here, as the gateway runs them (runsc on PATH and root).
 fn preflight() -> Result<(), String> {
     let runsc = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).any(|d| d.join("runsc").is_file()))
@@ -376,8 +373,19 @@ fn preflight() -> Result<(), String> {
         (false, false) => "runsc (gVisor) is not on PATH and it is not running as root",
     };
     Err(format!(
-        "hooks run in the same gVisor sandboxes as the gateway, which need runsc and root, but {missing}: install runsc (apt-get install runsc) and run as root (e.g. sudo sluice test ...)"
+        "{missing}: hooks run in their WebAssembly cells only, without gVisor's wall around them (the gateway runs them inside gVisor as well; for that here, install runsc from bookworm-backports and run as root)"
     ))
+}
+
+/// True when gVisor is there; otherwise says so once (on stderr) and runs WebAssembly-only.
+fn gvisor_or_say_why(command: &str) -> bool {
+    match preflight() {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!("{command}: {why}");
+            false
+        }
+    }
 }
 
 /// Paths, sizes and modification times of the test files and the chain files they use.
@@ -575,7 +583,7 @@ async fn run(a: RunArgs) -> Result<Value, String> {
             },
         );
     }
-    let local = Local::start(&a.files, &stubs)
+    let local = Local::start(&a.files, &stubs, gvisor_or_say_why("sluice run"))
         .await
         .map_err(|e| format!("{e:#}"))?;
     let result = match a.stream {
