@@ -399,7 +399,9 @@ fn a_failed_hook_reads_as_an_error_with_its_line_its_settings_and_its_budget() {
         error.contains("timed out after 500 ms") && error.contains("spec.timeoutMs is 500 ms"),
         "{error}"
     );
-    assert_eq!(v["hooks"][0]["latency_us"], 500_000, "{v:#}");
+    // The supervisor stopped it at its deadline and measured how long it really ran.
+    let latency = v["hooks"][0]["latency_us"].as_u64().unwrap_or_default();
+    assert!(latency >= 500_000, "{v:#}");
 
     // `sluice test` shows why a case failed: the hook's exception and the message.
     write(
