@@ -130,15 +130,15 @@ async fn runs_and_streams_real_chains_over_exec_v4() {
 }
 
 /// Lists the sandbox's processes: the second hook runs after the clean-up that follows the first.
+/// What a hook finds of the sandbox's processes: in a WebAssembly cell there is no `/proc` (no
+/// filesystem at all), so nothing of the supervisor, the relay or another hook.
 const PROCESSES: &str = r#"import os
 def execute(context, settings):
-    commands = []
-    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
-        try:
-            commands.append(open("/proc/" + pid + "/cmdline", "rb").read().replace(b"\0", b" ").decode())
-        except OSError:
-            pass
-    return {"action": "detect", "findings": {"commands": commands}}"#;
+    try:
+        seen = sorted(os.listdir("/proc"))
+    except OSError as e:
+        seen = type(e).__name__
+    return {"action": "detect", "findings": {"proc": seen}}"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_pods_supervisor_serves_through_the_relay_and_a_hook_sees_only_its_cell() {
@@ -153,15 +153,10 @@ async fn the_pods_supervisor_serves_through_the_relay_and_a_hook_sees_only_its_c
     let r = h.run_text("bot", "input", "call 555").await.expect("run");
     assert_eq!(text(&r), "call ###");
     let seen = sluice_e2e::from_proto(r.hooks[1].findings.as_ref().expect("findings"));
-    let commands: Vec<String> = serde_json::from_value(seen["commands"].clone()).expect("list");
-    // The pod's supervisor (`--listen`, warmed up before the claim) served the run through the
-    // exec'd relay; the hook, in its cell, sees neither of them nor the first hook: only itself,
-    // a process forked from the pod supervisor's zygote.
-    assert_eq!(commands.len(), 1, "{commands:?}");
-    assert!(
-        commands[0].contains("supervisor.py --listen"),
-        "{commands:?}"
-    );
+    // The pod's supervisor (`--listen`, its runtime loaded before the claim) served the run through
+    // the exec'd relay; the hook, in its WebAssembly cell, sees no process at all: not the
+    // supervisor, not the relay, not the first hook.
+    assert_eq!(seen["proc"], "FileNotFoundError", "{seen}");
     h.stop_kube_and_check(&api).await;
     api.stop().await;
 }
