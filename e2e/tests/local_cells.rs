@@ -13,32 +13,38 @@ def execute(context, settings):
     return {"action": "modify", "outgoing": P.sub("[gone]", context["outgoing"])}
 "#;
 
-/// On "leave", leaves everything a process can leave behind but processes; on "daemon", a
-/// double-forked `setsid` daemon; on "look", reports what it can see of any of it, of other hooks, of
-/// the raw payload and of the sandbox, appended to the payload as JSON.
-const SNEAKY: &str = r#"import ctypes, gc, json, os, random, resource, signal, socket, threading, time
-def daemon():
-    if os.fork() == 0:
-        os.setsid()
-        if os.fork() == 0:
-            time.sleep(300)
-        os._exit(0)
-    os.wait()
+/// On "leave", leaves everything a hook can try to leave behind (state in the interpreter, its
+/// modules and builtins; files, threads, processes, timers, sockets, environment where it can); on
+/// "daemon", tries to start something that outlives it; on "look", reports what it can see of any of
+/// it, of other hooks, of the raw payload and of the sandbox, appended to the payload as JSON.
+const SNEAKY: &str = r#"import builtins, gc, json, os, random, sys
+def attempt(f):
+    try:
+        f()
+        return "done"
+    except BaseException as e:
+        return type(e).__name__
 def leave():
-    open("/tmp/left", "w").write("x")
-    if os.path.isdir("/dev/shm"):
-        open("/dev/shm/left", "w").write("x")
-    signal.signal(signal.SIGALRM, lambda *_: open("/tmp/alarm", "w").write("fired"))
-    signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
-    threading.Thread(target=lambda: time.sleep(300), daemon=True).start()
-    ctypes.CDLL(None).shmget(0x51c0, 4096, 0o1666)
-    global SOCK
-    SOCK = socket.socket(socket.AF_UNIX)
-    SOCK.bind("\0sluice-left")
-    SOCK.listen(1)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (17, 17))
-    os.environ["LEFT"] = "1"
-    os.chdir("/")
+    builtins.LEFT = "x"
+    json.LEFT = "x"
+    sys.modules["left_behind"] = sys
+    sys.setrecursionlimit(123)
+    tried = {
+        "tmp": attempt(lambda: open("/tmp/left", "w").write("x")),
+        "env": attempt(lambda: os.environ.__setitem__("LEFT", "1")),
+        "cwd": attempt(lambda: os.chdir("/")),
+        "thread": attempt(lambda: __import__("threading").Thread(target=lambda: None).start()),
+        "timer": attempt(lambda: __import__("signal").setitimer(0, 0.05, 0.05)),
+        "socket": attempt(lambda: __import__("socket").socket()),
+    }
+    return tried
+def daemon():
+    return {"fork": attempt(lambda: os.fork())}
+def listing(path):
+    try:
+        return sorted(os.listdir(path))
+    except OSError as e:
+        return type(e).__name__
 def look(payload):
     # Built here, so that the hook's own constants are not what it finds.
     secrets = ["RAW-", "SETTINGS-", "GLOBAL-"]
@@ -47,42 +53,24 @@ def look(payload):
     for o in gc.get_objects():
         items = list(o.keys()) + list(o.values()) if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else ()
         for v in items:
-            if isinstance(v, (str, bytes)) and v not in secrets:
+            if isinstance(v, (str, bytes)) and v not in secrets and v != payload:
                 text = v if isinstance(v, str) else v.decode("utf-8", "replace")
                 found += [s for s in secrets if s in text]
-    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
-        for name in ("environ", "cmdline"):
-            try:
-                data = open("/proc/%s/%s" % (pid, name), "rb").read()
-            except OSError:
-                continue
-            if b"SLUICE_" in data or any(s.encode() in data for s in secrets):
-                found.append("/proc/%s/%s" % (pid, name))
-    try:
-        s = socket.socket(socket.AF_UNIX)
-        s.connect("\0sluice-left")
-        sock = True
-    except OSError:
-        sock = False
     return {
-        "procs": sorted(p for p in os.listdir("/proc") if p.isdigit()),
-        "tmp": sorted(os.listdir("/tmp")),
-        "shm": sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else [],
-        "sysv": ctypes.CDLL(None).shmget(0x51c0, 4096, 0o666) >= 0,
-        "socket": sock,
-        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        "procs": listing("/proc"),
+        "tmp": listing("/tmp"),
+        "left": [n for n in dir(builtins) + dir(json) if n.startswith("LEFT")] + [m for m in sys.modules if m.startswith("left")],
+        "recursion": sys.getrecursionlimit(),
         "env": "LEFT" in os.environ,
-        "cwd": os.getcwd(),
-        "threads": threading.active_count(),
         "found": sorted(set(found)),
     }
 def execute(context, settings):
     out = context["outgoing"]
     seen = {"random": [random.random() for _ in range(3)]}
     if out.startswith("leave"):
-        leave()
+        seen["tried"] = leave()
     elif out.startswith("daemon"):
-        daemon()
+        seen["tried"] = daemon()
     else:
         seen.update(look(out))
     return {"action": "modify", "outgoing": out + " SEEN:" + json.dumps(seen)}
@@ -122,23 +110,30 @@ async fn look(h: &Harness, n: u32) -> Value {
 }
 
 fn assert_sees_nothing(after: &Value, before: &Value) {
-    assert_eq!(after["procs"], serde_json::json!(["1"]), "{after}");
-    assert_eq!(after["tmp"], serde_json::json!([]), "{after}");
-    assert_eq!(after["shm"], serde_json::json!([]), "{after}");
-    assert_eq!(after["sysv"], false, "SysV IPC survived: {after}");
-    assert_eq!(
-        after["socket"], false,
-        "an abstract socket survived: {after}"
+    // No filesystem at all in a cell: nothing to find, nothing to leave.
+    assert_eq!(after["procs"], "FileNotFoundError", "{after}");
+    assert_eq!(after["tmp"], "FileNotFoundError", "{after}");
+    assert_eq!(after["left"], serde_json::json!([]), "{after}");
+    assert_ne!(
+        after["recursion"], 123,
+        "the interpreter's settings survived: {after}"
     );
-    assert_ne!(after["nofile"], 17, "an rlimit survived: {after}");
     assert_eq!(after["env"], false, "the environment survived: {after}");
-    assert_eq!(after["cwd"], "/tmp", "{after}");
-    assert_eq!(after["threads"], 1, "{after}");
     assert_eq!(after["found"], serde_json::json!([]), "{after}");
     assert_ne!(
         before["random"], after["random"],
         "two trigger points share a random sequence"
     );
+}
+
+/// What a hook tried to leave behind failed, every one of it but its own interpreter state.
+fn assert_could_not_leave(left: &Value) {
+    for (what, outcome) in left["tried"].as_object().expect("tried").iter() {
+        if what == "env" || what == "cwd" {
+            continue; // they change only the instance, which is gone with the call
+        }
+        assert_ne!(outcome, "done", "{what} succeeded: {left}");
+    }
 }
 
 async fn next_trigger_point_sees_nothing(reuse: &str) {
@@ -152,6 +147,7 @@ async fn next_trigger_point_sees_nothing(reuse: &str) {
     )
     .to_string();
     assert!(left.starts_with("leave [gone] SEEN:"), "{left}");
+    assert_could_not_leave(&seen(&left));
     assert_sees_nothing(&look(&h, 2).await, &seen(&left));
     let boots = h.boots() - boots_before;
     match reuse {
@@ -164,17 +160,10 @@ async fn next_trigger_point_sees_nothing(reuse: &str) {
         ),
         _ => assert!(boots >= 1, "reuse None booted no fresh sandbox"),
     }
-    // A process that outlives its hook is killed with the cell, and the sandbox retired (the
-    // supervisor's verdict is dirty): the next trigger point runs in a fresh one either way.
+    // Nothing can outlive its hook: there is no process to start.
     let daemon = text(&h.run_text("cells", "input", "daemon").await.unwrap()).to_string();
+    assert_could_not_leave(&seen(&daemon));
     assert_sees_nothing(&look(&h, 3).await, &seen(&daemon));
-    if reuse == "Recycle" {
-        assert!(
-            h.retirements().contains(&("dirty".to_string(), 1)),
-            "{:?}",
-            h.retirements()
-        );
-    }
     h.stop_and_check_leaks().await;
 }
 

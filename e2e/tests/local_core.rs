@@ -265,6 +265,7 @@ async fn an_infinite_loop_hits_the_deadline_and_the_next_run_is_fine() {
         r.message
     );
     let killed = h.audit()[0]["sandbox"].as_str().unwrap().to_string();
+    let _ = &killed;
 
     let r = h.run_text("t-loop", "input", "fine").await.unwrap();
     assert_eq!((action(&r), text(&r)), (Action::Modify, "ok"));
@@ -274,15 +275,11 @@ async fn an_infinite_loop_hits_the_deadline_and_the_next_run_is_fine() {
     assert_eq!((action(&r), text(&r)), (Action::Modify, "X"));
     assert!(r.hooks[0].error.contains("timed out"), "{:?}", r.hooks[0]);
 
-    // The killed sandbox is gone while the gateway still runs.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while h.gateway().backend().live().await.contains(&killed) {
-        assert!(
-            Instant::now() < deadline,
-            "sandbox {killed} survived its deadline"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // The supervisor stopped the loop itself: the sandbox that ran it served on.
+    assert!(
+        h.gateway().backend().live().await.contains(&killed),
+        "the sandbox {killed} of a timed-out hook was destroyed"
+    );
     h.stop_and_check_leaks().await;
 }
 
@@ -368,7 +365,7 @@ async fn hooks_cannot_reach_host_files_network_or_environment() {
     };
 
     let code = format!(
-        r#"import os, socket
+        r#"import os
 def execute(c, s):
     seen = []
     for path in [{cwd:?}, {tmp:?}, "/etc/passwd", "/root"]:
@@ -378,6 +375,7 @@ def execute(c, s):
         except Exception as e:
             seen.append("no " + path)
     try:
+        import socket
         socket.create_connection(("127.0.0.1", {port}), timeout=1).close()
         seen.append("connected")
     except Exception as e:

@@ -9,13 +9,13 @@ use sluice_proto as proto;
 use sluice_proto::Action;
 use std::time::{Duration, Instant};
 
-/// Leaves a secret in its globals, its frame and a /tmp file, then appends " [A]".
-const HONEST_BEFORE: &str = r#"import os
+/// Leaves a secret in its globals, its frame, a module and the builtins, then appends " [A]".
+const HONEST_BEFORE: &str = r#"import builtins, json
 SECRET = "s3cr3t" + "-A"
 def execute(context, settings):
     local_secret = SECRET
-    with open("/tmp/secret-A", "w") as f:
-        f.write(local_secret)
+    builtins.LEFT_SECRET = local_secret
+    json.LEFT_SECRET = local_secret
     return {"action": "modify", "outgoing": context["outgoing"] + " [A]"}
 "#;
 
@@ -27,9 +27,7 @@ def execute(context, settings):
     text = re.sub("zzz", "", context["outgoing"])
     assert len("abc") == 3, "len was patched"
     assert json.loads(json.dumps({"k": 1})) == {"k": 1}, "json was patched"
-    assert not any(p.startswith("/tmp") for p in []), "never"
-    import os
-    leftovers = os.listdir("/tmp")
+    leftovers = [n for n in dir(builtins) + dir(json) if n.startswith("LEFT")]
     return {"action": "modify", "outgoing": text + " [B]" + (" TMP:" + ",".join(leftovers) if leftovers else "")}
 "#;
 
@@ -209,9 +207,10 @@ fn problems(name: &str, r: &proto::RunResponse, took: Duration) -> Vec<String> {
             .find(|o| o.name == "hostile")
             .map(|o| o.error.clone())
             .unwrap_or_default();
-        if !hostile.contains("printed more than") {
+        // What a hook prints never leaves its instance: the flood runs until its deadline.
+        if !hostile.contains("timed out") {
             problems.push(format!(
-                "the flood's error does not name the output limit: {hostile:?}"
+                "the flood did not end at its deadline: {hostile:?}"
             ));
         }
     }
@@ -309,7 +308,7 @@ async fn hostile_hooks_never_break_honest_ones_or_the_gateway_none() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trigger_point_cannot_see_the_previous_ones_files_or_processes() {
-    let probe = "    import os\n    found = sorted(os.listdir('/tmp'))\n    open('/tmp/left-by-earlier-run', 'w').write('x')\n    if os.fork() == 0:\n        import time\n        time.sleep(30)\n        os._exit(0)\n    found += [p for p in os.listdir('/proc') if p.isdigit()]\n    return {'action': 'modify', 'outgoing': c['outgoing'] + ' FOUND:' + repr(found)}\n";
+    let probe = "    import builtins, os, sys\n    found = [n for n in dir(builtins) if n.startswith('left_by')] + [m for m in sys.modules if m.startswith('left_by')]\n    builtins.left_by_earlier_run = 'x'\n    sys.modules['left_by_earlier_run'] = sys\n    try:\n        found += sorted(os.listdir('/tmp')) + [p for p in os.listdir('/proc') if p.isdigit()]\n    except OSError:\n        pass\n    try:\n        os.fork()\n        found.append('forked')\n    except (OSError, AttributeError):\n        pass\n    return {'action': 'modify', 'outgoing': c['outgoing'] + ' FOUND:' + repr(found)}\n";
     let yaml = chain("probe", probe, "None");
     let h = Harness::start(&[("probe.yaml", &yaml)]).await;
     let first = text(&h.run_text("probe", "input", "one").await.unwrap()).to_string();
@@ -321,13 +320,9 @@ async fn a_trigger_point_cannot_see_the_previous_ones_files_or_processes() {
         );
         assert!(out.contains(" [A]") && out.contains(" [B]"), "{out}");
     }
-    // Each cell sees the same processes: the hook's own, nothing of an earlier trigger point.
-    let procs = |s: &str| {
-        s.split("FOUND:")
-            .nth(1)
-            .map(|f| f.matches('\'').count() / 2)
-            .unwrap_or(0)
-    };
-    assert_eq!(procs(&first), procs(&second), "{first}\n{second}");
+    // Each cell finds nothing: no file, no process, nothing an earlier trigger point left.
+    for out in [&first, &second] {
+        assert!(out.contains("FOUND:[]"), "{out}");
+    }
     h.stop_and_check_leaks().await;
 }

@@ -154,7 +154,10 @@ pub(crate) fn relay(probe: bool) -> u8 {
     let mut status = Vec::new();
     match (&conn).take(64).read_to_end(&mut status) {
         Ok(_) if status.len() == 1 => status[0],
-        Ok(_) if status.len() > 1 => fail(format!("the supervisor refused the attach: {}", String::from_utf8_lossy(&status))),
+        Ok(_) if status.len() > 1 => fail(format!(
+            "the supervisor refused the attach: {}",
+            String::from_utf8_lossy(&status)
+        )),
         _ => fail("the supervisor ended without reporting a status".into()),
     }
 }

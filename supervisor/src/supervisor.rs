@@ -338,7 +338,13 @@ impl Supervisor {
         let (answer, remaining) = self
             .runtime
             .call_hook(&hook.name, code, &request, relay, *left);
-        *left = remaining;
+        // A hook that ran out of time has failed; under `Open` the hooks after it get the whole
+        // budget again, as they did in the fresh sandbox a gateway resumed such a walk in.
+        *left = if matches!(answer, Err(CallError::Deadline)) {
+            cell.timeout
+        } else {
+            remaining
+        };
         let answer = answer.map_err(|e| match e {
             CallError::Deadline => HookError(format!(
                 "timed out after {} ms: an endless loop or slow code (the chain's spec.timeoutMs is {} ms for the whole chain, \

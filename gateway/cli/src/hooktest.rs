@@ -196,7 +196,11 @@ impl Local {
     /// Serves `files` with every Capability's endpoint pointed at a stub on loopback: the stub's
     /// canned answer where `stubs` has one, else an error saying how to stub it. A chain under test
     /// may come from anyone (a pull request), so nothing it names is ever called.
-    pub async fn start(files: &[PathBuf], stubs: &BTreeMap<String, Stub>, gvisor: bool) -> anyhow::Result<Self> {
+    pub async fn start(
+        files: &[PathBuf],
+        stubs: &BTreeMap<String, Stub>,
+        gvisor: bool,
+    ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;

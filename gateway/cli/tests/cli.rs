@@ -495,7 +495,10 @@ fn without_runsc_test_runs_hooks_in_webassembly_only_and_says_so() {
         .env("PATH", dir.path())
         .output()
         .unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
     assert!(stderr.contains("runsc (gVisor) is not on PATH"), "{stderr}");
     assert!(stderr.contains("WebAssembly cells only"), "{stderr}");

@@ -33,6 +33,9 @@ const CGROUP_PARENT: &str = "sluice";
 /// The host-side pids cgroup also holds gVisor's own threads (sentry and gofer, Go runtimes of a few
 /// dozen threads each), so the chain's `pids` is granted on top of this allowance.
 const RUNTIME_THREADS: u64 = 256;
+/// Memory of the sandbox that is not a hook's: gVisor's sentry and the supervisor with its
+/// WebAssembly runtime (the chain's `memory` bounds each hook instance; this comes on top).
+const RUNTIME_MEMORY: u64 = 256 << 20;
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 #[derive(Clone, Debug)]
@@ -322,7 +325,7 @@ impl LocalBackend {
                 "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
                 "cgroupsPath": format!("/{CGROUP_PARENT}/{id}"),
                 "resources": {
-                    "memory": {"limit": memory_bytes},
+                    "memory": {"limit": memory_bytes + RUNTIME_MEMORY},
                     "pids": {"limit": spec.pids as u64 + RUNTIME_THREADS},
                     "cpu": {"quota": (cpu_millis * period / 1000).max(1000), "period": period}
                 }

@@ -192,7 +192,9 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
             None => sluice_engine::SupervisorProgram::locate()
                 .context("finding the supervisor for WebAssembly-only sandboxes")?,
         };
-        Arc::new(sluice_sandbox_process::ProcessBackend::with_program(program))
+        Arc::new(sluice_sandbox_process::ProcessBackend::with_program(
+            program,
+        ))
     };
     let removed = backend.clean_leftovers().await;
     if removed > 0 {

@@ -220,7 +220,11 @@ async fn main() -> ExitCode {
             junit,
             watch,
         } => {
-            let opts = sluice_cli::RunOptions { only: run, verbose, gvisor: gvisor_or_say_why("sluice test") };
+            let opts = sluice_cli::RunOptions {
+                only: run,
+                verbose,
+                gvisor: gvisor_or_say_why("sluice test"),
+            };
             return test(&files, &opts, junit.as_deref(), watch).await;
         }
         Command::Init { dir } => return init(&dir),
