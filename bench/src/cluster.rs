@@ -289,9 +289,11 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
         &pod_ready(&client, 5).await?,
     ));
 
+    wait_warm_pods(&client, "bench-recycle", 2).await?;
+    run_when_ready(&mut gw, "bench-recycle").await?;
     let mut held = Vec::new();
     for _ in 0..100 {
-        held.push(run(&mut gw, "bench-recycle").await?);
+        held.push(run_when_ready(&mut gw, "bench-recycle").await?);
     }
     table.push(Row::latency("Run from a held pod (Recycle)", &held));
     let local = crate::local_recycle_samples(100).await?;
