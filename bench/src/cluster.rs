@@ -89,6 +89,60 @@ async fn run(gw: &mut GatewayClient, target: &str) -> anyhow::Result<Duration> {
     Ok(started.elapsed())
 }
 
+/// A run that waits (up to a minute) for a sandbox to be there: warm-up, and `reuse: None`, where
+/// every run takes a fresh pod.
+async fn run_when_ready(gw: &mut GatewayClient, target: &str) -> anyhow::Result<Duration> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match run(gw, target).await {
+            Ok(d) => return Ok(d),
+            Err(e) if Instant::now() < deadline => {
+                tracing_free_note(&e);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn tracing_free_note(e: &anyhow::Error) {
+    if std::env::var_os("SLUICE_BENCH_VERBOSE").is_some() {
+        eprintln!("kube-cluster: retrying a run: {e}");
+    }
+}
+
+/// Waits until the chain has `n` Ready warm pods (read from the pods: status counts lag a minute).
+async fn wait_warm_pods(client: &Client, chain: &str, n: usize) -> anyhow::Result<()> {
+    let ns =
+        std::env::var("SLUICE_SANDBOX_NAMESPACE").unwrap_or_else(|_| "sluice-sandboxes".into());
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns);
+    let selector =
+        format!("sluice.dev/chain-namespace={NS},sluice.dev/chain={chain},sluice.dev/pool=warm");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let ready = pods
+            .list(&ListParams::default().labels(&selector))
+            .await?
+            .items
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter(|p| {
+                p.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+            })
+            .count();
+        if ready >= n {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{chain}: {n} warm pods not Ready in 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 async fn apply(client: &Client, name: &str, reuse: &str, warm: u32) -> anyhow::Result<()> {
     let yaml = crate::chain_yaml(
         name,
@@ -143,10 +197,10 @@ async fn writes_per_trigger_point(
     let idle_rate = (api_writes(client).await? - idle_from.1) / idle_from.0.elapsed().as_secs_f64();
     let (start, before) = (Instant::now(), api_writes(client).await?);
     for _ in 0..n {
-        run(gw, chain).await?;
+        run_when_ready(gw, chain).await?;
     }
+    wait_warm_pods(client, chain, 2).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    wait_ready(client, chain, 2).await?;
     let after = api_writes(client).await?;
     let background = idle_rate * start.elapsed().as_secs_f64();
     Ok(((after - before - background) / n as f64).max(0.0))
@@ -214,7 +268,9 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     let mut gw = gateway(&client).await?;
     apply(&client, "bench-recycle", "Recycle", 2).await?;
     apply(&client, "bench-none", "None", 2).await?;
-    run(&mut gw, "bench-recycle").await?;
+    run_when_ready(&mut gw, "bench-recycle").await?;
+    run_when_ready(&mut gw, "bench-none").await?;
+    wait_warm_pods(&client, "bench-none", 2).await?;
 
     let recycle = writes_per_trigger_point(&client, &mut gw, "bench-recycle", 20).await?;
     table.push(Row::value(
@@ -233,9 +289,11 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
         &pod_ready(&client, 5).await?,
     ));
 
+    wait_warm_pods(&client, "bench-recycle", 2).await?;
+    run_when_ready(&mut gw, "bench-recycle").await?;
     let mut held = Vec::new();
     for _ in 0..100 {
-        held.push(run(&mut gw, "bench-recycle").await?);
+        held.push(run_when_ready(&mut gw, "bench-recycle").await?);
     }
     table.push(Row::latency("Run from a held pod (Recycle)", &held));
     let local = crate::local_recycle_samples(100).await?;
