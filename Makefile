@@ -50,9 +50,9 @@ run: build
 	trap "kill $$services 2>/dev/null" EXIT INT TERM; \
 	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR)
 
-# test-manifests validates what the built `sluice-operator render` prints; test-cluster (root, Go)
-# then runs the cluster suite on a real single-node Kubernetes built and started here.
-test: deps test-rust test-clients test-manifests test-cluster
+# test-manifests validates what the built `sluice-operator render` prints. The real-cluster suite
+# (`make test-cluster`: root, Go) is run on its own until it has run on WebAssembly cells.
+test: deps test-rust test-clients test-manifests
 
 # The Python client, installed into $(CLIENTS_VENV) as an application would (with its `test` extra),
 # tested against a real local gateway (runsc sandboxes; those tests skip, saying so, without runsc).

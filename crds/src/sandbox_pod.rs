@@ -33,6 +33,11 @@ pub const CONTAINER: &str = "supervisor";
 /// `SUPERVISOR --listen --runtime RUNTIME --memory-bytes M --pids P`: ready (runtime loaded, a hook
 /// run through a real instance) before the pod turns Ready.
 pub const SUPERVISOR: &str = "/opt/sluice/sluice-supervisor";
+/// Memory a sandbox needs beyond its hooks': gVisor's sentry and the supervisor with its WebAssembly
+/// runtime. The chain's `resources.memory` bounds each hook's instance; a pod's (and a local
+/// sandbox's) memory limit is that plus this.
+pub const RUNTIME_MEMORY_BYTES: u64 = 256 << 20;
+
 /// The cell runtime in the supervisor image (the pre-initialised CPython component, precompiled);
 /// its SHA-256 is in `RUNTIME.sha256` beside it, which the supervisor checks before loading it.
 pub const RUNTIME: &str = "/opt/sluice/sluice-cell.cwasm";

@@ -166,9 +166,14 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
     // Validated before any pod is built; 0 (no address-space limit, the cgroup still holds) otherwise.
     let memory_bytes = sluice_crds::quantity::memory_bytes(&r.memory).unwrap_or(0);
     // requests = limits: a sandbox gets exactly what the chain asked for (Guaranteed QoS).
+    // The chain's memory bounds each hook's instance; gVisor and the supervisor's runtime come on top.
+    let pod_memory = format!(
+        "{}Mi",
+        (memory_bytes + sluice_crds::sandbox_pod::RUNTIME_MEMORY_BYTES).div_ceil(1 << 20)
+    );
     let amounts = BTreeMap::from([
         ("cpu".to_string(), quantity(&r.cpu)),
-        ("memory".to_string(), quantity(&r.memory)),
+        ("memory".to_string(), quantity(&pod_memory)),
     ]);
     let security = SecurityContext {
         allow_privilege_escalation: Some(false),
@@ -387,7 +392,8 @@ pub(crate) mod tests {
         let res = spec.containers[0].resources.clone().unwrap();
         for amounts in [res.requests.unwrap(), res.limits.unwrap()] {
             assert_eq!(amounts["cpu"].0, "500m");
-            assert_eq!(amounts["memory"].0, "256Mi");
+            // The chain's 256Mi for its hooks, 256Mi for gVisor and the supervisor's runtime.
+            assert_eq!(amounts["memory"].0, "512Mi");
         }
         let vol = &spec.volumes.unwrap()[0];
         let dir = vol.empty_dir.clone().unwrap();

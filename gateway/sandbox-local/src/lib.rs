@@ -33,9 +33,8 @@ const CGROUP_PARENT: &str = "sluice";
 /// The host-side pids cgroup also holds gVisor's own threads (sentry and gofer, Go runtimes of a few
 /// dozen threads each), so the chain's `pids` is granted on top of this allowance.
 const RUNTIME_THREADS: u64 = 256;
-/// Memory of the sandbox that is not a hook's: gVisor's sentry and the supervisor with its
-/// WebAssembly runtime (the chain's `memory` bounds each hook instance; this comes on top).
-const RUNTIME_MEMORY: u64 = 256 << 20;
+/// Memory of the sandbox that is not a hook's (the same allowance a pod gets).
+const RUNTIME_MEMORY: u64 = sluice_crds::sandbox_pod::RUNTIME_MEMORY_BYTES;
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 #[derive(Clone, Debug)]
