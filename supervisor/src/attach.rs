@@ -167,7 +167,7 @@ fn send(conn: &UnixStream, text: &str, fds: &[RawFd]) -> std::io::Result<()> {
         iov_base: text.as_ptr() as *mut libc::c_void,
         iov_len: text.len(),
     };
-    let space = unsafe { libc::CMSG_SPACE((fds.len() * size_of::<RawFd>()) as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(size_of_val(fds) as u32) } as usize;
     let mut control = vec![0u8; space.max(1)];
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -180,7 +180,7 @@ fn send(conn: &UnixStream, text: &str, fds: &[RawFd]) -> std::io::Result<()> {
             let cmsg = libc::CMSG_FIRSTHDR(&msg);
             (*cmsg).cmsg_level = libc::SOL_SOCKET;
             (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-            (*cmsg).cmsg_len = libc::CMSG_LEN((fds.len() * size_of::<RawFd>()) as u32) as usize;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(size_of_val(fds) as u32) as usize;
             std::ptr::copy_nonoverlapping(
                 fds.as_ptr(),
                 libc::CMSG_DATA(cmsg).cast::<RawFd>(),

@@ -268,9 +268,7 @@ impl Supervisor {
             match self.call(
                 cell,
                 hook,
-                &payload,
-                state,
-                &context,
+                (&payload, state, &context),
                 Relay::new(link),
                 &mut left,
             ) {
@@ -321,9 +319,7 @@ impl Supervisor {
         &self,
         cell: &OpenCell,
         hook: &Hook,
-        payload: &Value,
-        state: Value,
-        context: &Value,
+        (payload, state, context): (&Value, Value, &Value),
         relay: Relay,
         left: &mut Duration,
     ) -> Result<Map<String, Value>, HookError> {
