@@ -241,7 +241,7 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
 
 /// Time from `runsc exec` to the supervisor's `ready` line inside a warm pod-shaped sandbox: through
 /// the attach relay (what a claim runs) and, as the baseline, starting a whole supervisor with its
-/// zygote and self-check cell (what a claim would run if the pod's main process did not wait warmed
+/// runtime loaded and self-checked (what a claim would run if the pod's main process did not wait warmed
 /// up). Each sample uses a fresh sandbox, as each claim uses a fresh pod.
 async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
     use sluice_engine::{SandboxBackend, SandboxSpec};

@@ -201,12 +201,12 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
             limits: Some(amounts),
             ..Default::default()
         }),
-        // Ready once the supervisor answers, its zygote started and its self-check cell made. A
+        // Ready once the supervisor answers, its runtime loaded and its self-check passed. A
         // startup probe, not a readiness probe: a claimed pod serves trigger point after trigger
         // point attached to one gateway, and an exec every period would cost CPU inside gVisor. A
         // kubelet that restarts runs the startup probe again: an attached supervisor answers it
         // (`attached`), so held pods survive kubelet restarts. After startup the pod stays
-        // Ready until its supervisor exits (it does when its zygote dies), which ends the pod.
+        // Ready until its supervisor exits, which ends the pod.
         startup_probe: Some(Probe {
             exec: Some(ExecAction {
                 command: Some(probe_command()),
