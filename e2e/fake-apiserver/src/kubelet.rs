@@ -252,17 +252,34 @@ impl Shared {
     }
 
     /// Runs the pod's readiness probe command in sandbox `id`, as the kubelet runs exec probes.
+    /// The sandbox holds only what the supervisor image holds (`/opt/sluice/`); a probe of any
+    /// other program (a test's own, to make a probe flap) runs on this host instead, as kwok runs
+    /// exec: what is checked then is the kubelet's probing, not where the command ran.
     pub(crate) async fn probe(
         &self,
         id: &str,
         command: &[String],
         timeout: Duration,
     ) -> Result<(), String> {
-        let child = self
-            .backend
-            .exec(id, &self.in_sandbox(command))
-            .await
-            .map_err(|e| e.to_string())?;
+        let in_image = command
+            .first()
+            .is_some_and(|c| c.starts_with("/opt/sluice/"));
+        let child = if in_image {
+            self.backend
+                .exec(id, &self.in_sandbox(command))
+                .await
+                .map_err(|e| e.to_string())?
+        } else {
+            let (program, args) = command.split_first().ok_or("an empty probe command")?;
+            tokio::process::Command::new(program)
+                .args(args)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .map_err(|e| format!("cannot run {program}: {e}"))?
+        };
         let out = tokio::time::timeout(timeout, child.wait_with_output())
             .await
             .map_err(|_| format!("command timed out after {}s", timeout.as_secs()))?
