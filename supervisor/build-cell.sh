@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the cell runtime every sandbox's supervisor loads, beside the binaries of one profile:
-#   guest/runner.py + wit/cell.wit --componentize-py--> cell.wasm (a pre-initialised CPython component)
+#   guest/*.py + wit/cell.wit --componentize-py--> cell.wasm (a pre-initialised CPython component)
 #   cell.wasm --sluice-supervisor compile--> target/<profile>/sluice-cell.cwasm (+ .sha256)
 # componentize-py (pinned, from PyPI) lives in a cache outside the checkout, and so does the component,
 # keyed by its inputs: a second checkout or CI run reuses both. Usage: build-cell.sh debug|release
@@ -24,7 +24,7 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 
-key=$( (echo "componentize-py $COMPONENTIZE_PY_VERSION"; cat supervisor/wit/cell.wit supervisor/guest/runner.py) | sha256sum | cut -c1-16)
+key=$( (echo "componentize-py $COMPONENTIZE_PY_VERSION"; cat supervisor/wit/cell.wit supervisor/guest/*.py) | sha256sum | cut -c1-16)
 component="$cache/cell-$key.wasm"
 if [ ! -f "$component" ]; then
   "$venv/bin/componentize-py" -q -d supervisor/wit -w cell componentize -p supervisor/guest runner -o "$component.tmp"

@@ -1,18 +1,127 @@
 //! Static analysis of hook code, shared by `sluice check` and the operator's `CodeValid` condition:
 //! the host's python3 parses each hook with `ast` (never executes it) and reports what would fail at
 //! load or call time: a syntax error, no `execute(context, settings)`, imports outside the standard
-//! library, returned actions other than the declared one or `pass`, an `execute` that never returns
+//! library or not available in the sandbox, returned actions other than the declared one or `pass`, an `execute` that never returns
 //! a value. It also lists the settings keys the code reads (`settings["k"]`, `settings.get("k")`), so
 //! `sluice check` can compare them with the keys the hook declares.
 
 use crate::HookSpec;
+
+/// The modules a hook can import inside a cell: what the cell runtime's snapshot holds
+/// (`supervisor/guest/runner.py` imports them while the snapshot is made) and the modules built into
+/// its interpreter; nothing else can be imported there. Modules whose name has a part starting with `_` are not listed and not checked.
+/// supervisor/tests/cells.rs checks this list against a real instance.
+pub const SANDBOX_MODULES: &[&str] = &[
+    "abc",
+    "annotationlib",
+    "array",
+    "atexit",
+    "ast",
+    "base64",
+    "binascii",
+    "bisect",
+    "builtins",
+    "calendar",
+    "cmath",
+    "codecs",
+    "codeop",
+    "collections",
+    "collections.abc",
+    "colorsys",
+    "compression",
+    "contextlib",
+    "copy",
+    "copyreg",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "dis",
+    "encodings",
+    "encodings.aliases",
+    "encodings.utf_8",
+    "enum",
+    "errno",
+    "faulthandler",
+    "fnmatch",
+    "fractions",
+    "functools",
+    "gc",
+    "genericpath",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "html.entities",
+    "html.parser",
+    "importlib",
+    "importlib.machinery",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "json.decoder",
+    "json.encoder",
+    "json.scanner",
+    "keyword",
+    "linecache",
+    "locale",
+    "marshal",
+    "math",
+    "numbers",
+    "opcode",
+    "operator",
+    "os",
+    "os.path",
+    "posix",
+    "posixpath",
+    "pprint",
+    "pyexpat",
+    "pyexpat.errors",
+    "pyexpat.model",
+    "random",
+    "re",
+    "reprlib",
+    "secrets",
+    "select",
+    "shlex",
+    "stat",
+    "statistics",
+    "string",
+    "struct",
+    "sys",
+    "textwrap",
+    "time",
+    "token",
+    "tokenize",
+    "traceback",
+    "types",
+    "typing",
+    "unicodedata",
+    "urllib",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "weakref",
+    "xml",
+    "xml.etree",
+    "xml.etree.ElementPath",
+    "xml.etree.ElementTree",
+    "zipimport",
+    "zlib",
+];
 
 /// Static analysis of hook code, run by the host's python3 on the code as text.
 const ANALYSER: &str = r#"
 import ast, json, sys
 ACTIONS = ("modify", "block", "skip", "detect")
 out = []
-for hook in json.load(sys.stdin):
+data = json.load(sys.stdin)
+SANDBOX = set(data["sandbox"])
+for hook in data["hooks"]:
     problems = []
     reads = []
     hints = []
@@ -49,7 +158,9 @@ for hook in json.load(sys.stdin):
         for name in names:
             top = name.split(".")[0]
             if top not in sys.stdlib_module_names:
-                problems.append({"line": node.lineno, "message": "imports %r, which is not in Python's standard library (hooks can use only the standard library)" % top})
+                problems.append({"line": node.lineno, "message": "imports %r, which is not in Python's standard library (hooks can use only the standard library modules docs/hooks.md lists)" % top})
+            elif name not in SANDBOX and not any(part.startswith("_") for part in name.split(".")):
+                problems.append({"line": node.lineno, "message": "imports %r, which is not available in the sandbox (hooks have no files, network, processes or threads; docs/hooks.md lists the modules they can use)" % name})
         if isinstance(node, ast.Dict):
             for k, v in zip(node.keys, node.values):
                 if isinstance(k, ast.Constant) and k.value == "action" and isinstance(v, ast.Constant) and isinstance(v.value, str):
@@ -130,10 +241,11 @@ pub fn analyse_code(
     hooks: &[(&str, &str)],
 ) -> Result<Vec<HookAnalysis>, CodeCheckError> {
     use std::io::Write;
-    let input: Vec<serde_json::Value> = hooks
+    let hooks: Vec<serde_json::Value> = hooks
         .iter()
         .map(|(action, code)| serde_json::json!({"action": action, "code": code}))
         .collect();
+    let input = serde_json::json!({"sandbox": SANDBOX_MODULES, "hooks": hooks});
     let mut child = std::process::Command::new(python)
         .args(["-I", "-S", "-c", ANALYSER])
         .stdin(std::process::Stdio::piped())

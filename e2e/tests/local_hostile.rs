@@ -129,7 +129,7 @@ fn cases(port: u16) -> Vec<(&'static str, String)> {
     v.push(("read-protocol-stdin", format!("    import os\n    found = []\n    for fd in range(0, 256):\n        try:\n            os.set_blocking(fd, False)\n            data = os.read(fd, 65536)\n            if data:\n                found.append(data[:200])\n        except OSError:\n            pass\n{report}")));
     v.push(("gc-walk", format!("    import gc\n    found = [o for o in gc.get_objects() if isinstance(o, dict) and 's3cr3t-A' in str(o.values())][:3]\n{report}")));
     v.push(("frame-walk", format!("    import sys\n    found = []\n    for frame in sys._current_frames().values():\n        while frame:\n            found += [v for v in frame.f_locals.values() if isinstance(v, str) and 's3cr3t' in v]\n            frame = frame.f_back\n{report}")));
-    v.push(("read-tmp-and-proc", format!("    import os\n    found = []\n    for d in ['/tmp'] + ['/proc/%s' % p for p in os.listdir('/proc') if p.isdigit()]:\n        for name in (os.listdir(d) if d == '/tmp' else ['environ', 'cmdline', 'mem']):\n            try:\n                with open(os.path.join(d, name), 'rb') as f:\n                    data = f.read(1 << 20)\n                if b's3cr3t' in data or b'SLUICE_TEST_SECRET' in data:\n                    found.append(os.path.join(d, name))\n            except OSError:\n                pass\n{report}")));
+    v.push(("read-tmp-and-proc", format!("    import os\n    found = []\n    try:\n        procs = ['/proc/%s' % p for p in os.listdir('/proc') if p.isdigit()]\n    except OSError:\n        procs = []\n    for d in ['/tmp'] + procs:\n        for name in (os.listdir(d) if d == '/tmp' else ['environ', 'cmdline', 'mem']):\n            try:\n                with open(os.path.join(d, name), 'rb') as f:\n                    data = f.read(1 << 20)\n                if b's3cr3t' in data or b'SLUICE_TEST_SECRET' in data:\n                    found.append(os.path.join(d, name))\n            except OSError:\n                pass\n{report}")));
     v.push(("network", format!("    import socket\n    found = []\n    for host, port in [('127.0.0.1', {port}), ('8.8.8.8', 53), ('10.0.0.1', 80)]:\n        try:\n            socket.create_connection((host, port), timeout=0.3).close()\n            found.append(host)\n        except OSError:\n            pass\n    try:\n        found.append(socket.gethostbyname('example.com'))\n    except OSError:\n        pass\n{report}")));
     v.push(("kill-other-workers", "    import os, signal\n    for p in os.listdir('/proc'):\n        if p.isdigit() and int(p) not in (1, os.getpid()):\n            try:\n                os.kill(int(p), signal.SIGKILL)\n            except OSError:\n                pass\n    return {'action': 'pass'}\n".into()));
     v.push(("thread-acts-later", "    import os, threading, time, signal\n    def later():\n        time.sleep(0.05)\n        for p in os.listdir('/proc'):\n            if p.isdigit() and int(p) != os.getpid():\n                try:\n                    os.kill(int(p), signal.SIGKILL)\n                except OSError:\n                    pass\n        open('/tmp/from-thread', 'w').write('x')\n    threading.Thread(target=later, daemon=True).start()\n    return {'action': 'pass'}\n".into()));
@@ -145,8 +145,32 @@ fn cases(port: u16) -> Vec<(&'static str, String)> {
     v
 }
 
+/// `import a, b` lines rewritten as `a, b, = __import__('a'), __import__('b'),`, as an attacker
+/// would write them: the static check refuses a chain that imports what the sandbox lacks
+/// (`socket`, `threading`, `signal`, ...), and the case must reach the sandbox to show it holds.
+fn dynamic_imports(body: &str) -> String {
+    body.lines()
+        .map(|line| {
+            let code = line.trim_start();
+            let indent = &line[..line.len() - code.len()];
+            match code.strip_prefix("import ") {
+                Some(names) if !names.contains(" as ") => {
+                    let names: Vec<&str> = names.split(',').map(str::trim).collect();
+                    let targets: String = names.iter().map(|n| format!("{n}, ")).collect();
+                    let values: String = names
+                        .iter()
+                        .map(|n| format!("__import__('{n}'), "))
+                        .collect();
+                    format!("{indent}{}= {}\n", targets.trim_end(), values.trim_end())
+                }
+                _ => format!("{line}\n"),
+            }
+        })
+        .collect()
+}
+
 fn chain(name: &str, body: &str, reuse: &str) -> String {
-    let hostile = format!("def execute(c, s):\n{body}");
+    let hostile = format!("def execute(c, s):\n{}", dynamic_imports(body));
     let mut y = format!(
         "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  target: {name}\n  triggerPoint: input\n  failurePolicy: Open\n  timeoutMs: 3000\n  pool: {{warm: 1, max: 4, reuse: {reuse}}}\n  resources: {{cpu: '1', memory: 128Mi, pids: 32}}\n  hooks:\n"
     );

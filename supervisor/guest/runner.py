@@ -5,19 +5,21 @@ started, this module and the standard-library modules hooks commonly use are imp
 and the memory that results is the snapshot every instance starts from. Nothing of any hook or
 payload is in it. Each hook of each trigger point then runs in a fresh instance of that snapshot,
 which the supervisor drops afterwards: whatever a hook changes here (globals, modules, builtins,
-`/tmp`) is gone with its instance.
+its in-memory `/tmp`, see tmpfs.py) is gone with its instance.
 
 Everything in this file can be tampered with by the hook that runs beside it, in its own instance:
 the supervisor re-checks what comes out, and so does the gateway.
 """
 
 import builtins
+import io
 import json
 import marshal
 import random
 import sys
 import traceback
 
+import tmpfs
 import wit_world
 from componentize_py_types import Err
 
@@ -181,6 +183,15 @@ def warm_up():
     namespace = module_namespace("warm-up")
     exec(compile(sample, "<warm-up>", "exec", dont_inherit=True), namespace)
     json.loads(json.dumps({"outgoing": "call 555-1234 " * 50, "state": [None]}))
+    # What a hook prints reaches the supervisor as it is written (unbuffered: an instance stopped at
+    # its deadline has nothing left in a buffer), where it is kept, bounded, for the hook's result.
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
+    )
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
+    )
+    tmpfs.install()
     # From here on, every import is answered from what the snapshot holds, or refused with a reason.
     sys.meta_path.append(SandboxFinder)
 

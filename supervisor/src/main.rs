@@ -12,6 +12,7 @@
 
 mod attach;
 mod checks;
+mod output;
 mod protocol;
 mod relay;
 mod runtime;

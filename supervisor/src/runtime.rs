@@ -19,6 +19,7 @@ use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
+use crate::output::Output;
 use crate::relay::Relay;
 
 wasmtime::component::bindgen!({
@@ -102,9 +103,11 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// What one instance's store holds: its WASI context (no preopened directory, no environment, no
-/// arguments; stdout and stderr go nowhere), its limits, and the relay for host calls.
+/// arguments; stdout and stderr into its own bounded `Output`), its limits, and the relay for host
+/// calls.
 pub(crate) struct HookState {
     wasi: WasiCtx,
+    output: Output,
     table: ResourceTable,
     limits: Limits,
     relay: Relay,
@@ -131,6 +134,14 @@ pub(crate) struct Runtime {
     pre: CellPre<HookState>,
     timer: Timer,
     memory_bytes: usize,
+}
+
+/// One hook call: what the instance answered, the time left of the budget it was given, and the
+/// end of what the hook wrote to stdout and stderr (None when it wrote nothing).
+pub(crate) struct Called {
+    pub(crate) answer: Result<String, CallError>,
+    pub(crate) left: Duration,
+    pub(crate) output: Option<String>,
 }
 
 /// How one call in an instance ended, when it did not return.
@@ -204,11 +215,16 @@ impl Runtime {
             memory_bytes: self.memory_bytes,
             refused: false,
         };
-        let wasi = WasiCtxBuilder::new().build();
+        let output = Output::default();
+        let wasi = WasiCtxBuilder::new()
+            .stdout(output.clone())
+            .stderr(output.clone())
+            .build();
         let mut store = Store::new(
             &self.engine,
             HookState {
                 wasi,
+                output,
                 table: ResourceTable::new(),
                 limits,
                 relay,
@@ -236,8 +252,8 @@ impl Runtime {
         .0
     }
 
-    /// One call of a hook in a fresh instance, within `timeout` (host-call time excluded); what it
-    /// answered and the time left.
+    /// One call of a hook in a fresh instance, within `timeout` (host-call time excluded): what it
+    /// answered, the time left and what it wrote.
     pub(crate) fn call_hook(
         &self,
         name: &str,
@@ -245,11 +261,16 @@ impl Runtime {
         request: &str,
         relay: Relay,
         timeout: Duration,
-    ) -> (Result<String, CallError>, Duration) {
+    ) -> Called {
         let mut store = self.store(relay);
-        self.run(&mut store, timeout, |store, cell| {
+        let (answer, left) = self.run(&mut store, timeout, |store, cell| {
             cell.call_call(store, name, code, request)
-        })
+        });
+        Called {
+            answer,
+            left,
+            output: store.data().output.text(),
+        }
     }
 
     /// Runs `f` in a fresh instance within `timeout`; what it returned and the time left of
@@ -478,7 +499,7 @@ impl Runtime {
                 Relay::refusing("no host calls in the self-check"),
                 timeout,
             )
-            .0
+            .answer
             .map_err(|e| format!("the self-check hook failed: {e}"))?;
         if answer != r#"{"value": {"action": "detect", "findings": {"n": 3}}}"# {
             return Err(format!("the self-check hook answered {answer}"));

@@ -271,6 +271,7 @@ impl Supervisor {
                 (&payload, state, &context),
                 Relay::new(link),
                 &mut left,
+                &mut result,
             ) {
                 Ok(fields) => result.extend(fields),
                 Err(HookError(error)) => {
@@ -314,7 +315,8 @@ impl Supervisor {
         self.send(&json!({"type": "result", "id": run, "action": top, "terminal_index": terminal}));
     }
 
-    /// Runs one hook in a fresh instance; the fields of its `hook_result`, or its error.
+    /// Runs one hook in a fresh instance; the fields of its `hook_result`, or its error. What the
+    /// hook wrote goes into `output` either way.
     fn call(
         &self,
         cell: &OpenCell,
@@ -322,6 +324,7 @@ impl Supervisor {
         (payload, state, context): (&Value, Value, &Value),
         relay: Relay,
         left: &mut Duration,
+        output: &mut Map<String, Value>,
     ) -> Result<Map<String, Value>, HookError> {
         if let Some(error) = &hook.error {
             return Err(HookError(error.clone()));
@@ -331,17 +334,20 @@ impl Supervisor {
             .as_ref()
             .ok_or_else(|| HookError("the hook's code did not load".into()))?;
         let request = json!({"outgoing": payload, "state": state, "context": context, "settings": hook.settings}).to_string();
-        let (answer, remaining) = self
+        let called = self
             .runtime
             .call_hook(&hook.name, code, &request, relay, *left);
+        if let Some(text) = called.output {
+            output.insert("output".into(), json!(text));
+        }
         // A hook that ran out of time has failed; under `Open` the hooks after it get the whole
         // budget again, as they did in the fresh sandbox a gateway resumed such a walk in.
-        *left = if matches!(answer, Err(CallError::Deadline)) {
+        *left = if matches!(called.answer, Err(CallError::Deadline)) {
             cell.timeout
         } else {
-            remaining
+            called.left
         };
-        let answer = answer.map_err(|e| match e {
+        let answer = called.answer.map_err(|e| match e {
             CallError::Deadline => HookError(format!(
                 "timed out after {} ms: an endless loop or slow code (the chain's spec.timeoutMs is {} ms for the whole chain, \
                  time in host_calls not counted); fix the loop, make the hook faster or raise spec.timeoutMs",

@@ -154,10 +154,8 @@ def execute(context, settings):
     builtins.LEFT = context['outgoing']
     json.dumps = lambda *a, **k: 'patched'
     sys.modules['hook_spy'] = sys
-    try:
-        open('/tmp/left', 'w').write(context['outgoing'])
-    except OSError:
-        pass
+    with open('/tmp/left', 'w') as f:
+        f.write(context['outgoing'])
     return {'action': 'pass'}
 "#;
 
@@ -177,7 +175,8 @@ fn nothing_of_one_hook_or_trigger_point_reaches_the_next() {
     assert_eq!(seen["builtin"], Value::Null, "{seen}");
     assert_eq!(seen["json_patched"], false, "{seen}");
     assert_eq!(seen["modules"], json!([]), "{seen}");
-    assert_ne!(seen["tmp"], json!(["left"]), "{seen}");
+    // /tmp works, and is the instance's own: empty for the next hook.
+    assert_eq!(seen["tmp"], json!([]), "{seen}");
     s.end();
     // Nor does the next trigger point, in the same supervisor; and randomness is drawn afresh.
     s.init("input", 2000, &[("snoop", "detect", SNOOP)]);
@@ -240,13 +239,109 @@ fn a_hook_that_eats_memory_fails_alone() {
 }
 
 #[test]
-fn hook_output_never_reaches_the_protocol() {
+fn hook_output_never_reaches_the_protocol_and_comes_back_bounded_per_hook() {
     let mut s = Supervisor::start(256 << 20);
     let loud = "import os, sys\ndef execute(context, settings):\n    print('x' * 100000)\n    sys.stderr.write('{\"type\": \"result\"}\\n' * 100)\n    os.write(2, b'{\"type\": \"ended\", \"clean\": true}\\n')\n    os.write(1, b'out')\n    return {'action': 'modify', 'outgoing': 'quiet'}\n";
-    s.init("input", 2000, &[("loud", "modify", loud)]);
+    let chatty = "def execute(context, settings):\n    print('seen', context['outgoing'])\n    return {'action': 'pass'}\n";
+    let silent = "def execute(context, settings):\n    return {'action': 'pass'}\n";
+    let spin = "def execute(context, settings):\n    print('before the loop')\n    while True:\n        pass\n";
+    s.init(
+        "input",
+        1000,
+        &[
+            ("loud", "modify", loud),
+            ("chatty", "detect", chatty),
+            ("silent", "detect", silent),
+            ("spin", "detect", spin),
+        ],
+    );
     let r = s.chunk(json!("x"), no_host);
-    assert_eq!(r.len(), 1);
+    assert_eq!(r.len(), 4);
     assert_eq!(r[0]["outgoing"], "quiet", "{r:?}");
+    // The end of what the hook wrote, stdout and stderr as written, bounded, saying what it dropped.
+    let out = r[0]["output"].as_str().expect("the loud hook's output");
+    assert!(
+        out.ends_with("{\"type\": \"ended\", \"clean\": true}\nout"),
+        "{out:.200}"
+    );
+    assert!(
+        out.starts_with('[') && out.contains("earlier bytes of output dropped"),
+        "{out:.200}"
+    );
+    assert!(out.len() < 4200, "{} bytes came back", out.len());
+    // Each hook's own: the next one starts with nothing of it.
+    assert_eq!(r[1]["output"], "seen quiet\n", "{:?}", r[1]);
+    assert!(r[2].get("output").is_none(), "{:?}", r[2]);
+    // Output written before a deadline is not lost in a buffer.
+    assert!(
+        r[3]["error"].as_str().unwrap().contains("timed out"),
+        "{:?}",
+        r[3]
+    );
+    assert_eq!(r[3]["output"], "before the loop\n", "{:?}", r[3]);
+    s.end();
+}
+
+#[test]
+fn tmp_is_private_in_memory_and_bounded_by_the_hooks_memory() {
+    let files = r#"
+import os
+def execute(context, settings):
+    os.makedirs('/tmp/a/b', exist_ok=True)
+    with open('/tmp/a/b/t.txt', 'w') as f:
+        f.write('héllo\n')
+    with open('/tmp/a/b/t.txt', 'a') as f:
+        print('again', file=f)
+    with open('/tmp/bin', 'wb') as f:
+        f.write(bytes(range(4)))
+    os.replace('/tmp/bin', '/tmp/a/bin')
+    seen = {
+        'text': open('/tmp/a/b/t.txt').read(),
+        'bin': list(open('/tmp/a/bin', 'rb').read()),
+        'ls': os.listdir('/tmp/a'),
+        'size': os.path.getsize('/tmp/a/bin'),
+        'isdir': os.path.isdir('/tmp/a/b'),
+    }
+    os.remove('/tmp/a/bin')
+    seen['gone'] = not os.path.exists('/tmp/a/bin')
+    try:
+        open('/tmp/missing')
+    except FileNotFoundError:
+        seen['missing'] = 'FileNotFoundError'
+    try:
+        open('/etc/hostname', 'w')
+    except OSError:
+        seen['elsewhere'] = 'OSError'
+    return {'action': 'detect', 'findings': seen}
+"#;
+    let fill = "def execute(context, settings):\n    with open('/tmp/big', 'wb') as f:\n        for _ in range(64):\n            f.write(b'x' * (4 << 20))\n    return {'action': 'pass'}\n";
+    let mut s = Supervisor::start(96 << 20);
+    s.init(
+        "input",
+        5000,
+        &[
+            ("files", "detect", files),
+            ("fill", "detect", fill),
+            ("snoop", "detect", SNOOP),
+        ],
+    );
+    let r = s.chunk(json!("x"), no_host);
+    let seen = findings(&r[0]);
+    assert_eq!(seen["text"], "héllo\nagain\n", "{seen}");
+    assert_eq!(seen["bin"], json!([0, 1, 2, 3]), "{seen}");
+    assert_eq!(seen["ls"], json!(["b", "bin"]), "{seen}");
+    assert_eq!(seen["size"], 4, "{seen}");
+    assert_eq!(seen["isdir"], true, "{seen}");
+    assert_eq!(seen["gone"], true, "{seen}");
+    assert_eq!(seen["missing"], "FileNotFoundError", "{seen}");
+    assert_eq!(seen["elsewhere"], "OSError", "{seen}");
+    // 256 MiB of files in a hook allowed 96 MiB: the hook's own memory error, nobody else's.
+    let error = r[1]["error"].as_str().expect("filling /tmp fails");
+    assert!(
+        error.contains("MemoryError") || error.contains("out of memory"),
+        "{error}"
+    );
+    assert_eq!(findings(&r[2])["tmp"], json!([]), "{:?}", r[2]);
     s.end();
 }
 
@@ -393,6 +488,42 @@ fn module_code_errors_and_syntax_errors_name_the_line() {
             .unwrap()
             .contains("declared action"),
         "{ack}"
+    );
+    s.end();
+}
+
+#[test]
+fn the_modules_sluice_check_accepts_are_the_ones_an_instance_has() {
+    let list = r#"
+import sys
+def execute(context, settings):
+    # Importable: what the snapshot holds, and the modules built into the interpreter.
+    names = sorted({m for m in list(sys.modules) + list(sys.builtin_module_names) if not any(p.startswith('_') for p in m.split('.'))})
+    return {'action': 'detect', 'findings': names}
+"#;
+    let mut s = Supervisor::start(256 << 20);
+    s.init("input", 5000, &[("list", "detect", list)]);
+    let r = s.chunk(json!("x"), no_host);
+    // The runner's own modules are there too, but are not for hooks.
+    let internal = [
+        "componentize_py_runtime",
+        "componentize_py_types",
+        "runner",
+        "site",
+        "tmpfs",
+        "wit_world",
+    ];
+    let found: Vec<&str> = findings(&r[0])
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .filter(|m| !internal.contains(m))
+        .collect();
+    assert_eq!(
+        found,
+        sluice_crds::code::SANDBOX_MODULES,
+        "update sluice_crds::code::SANDBOX_MODULES (and docs/hooks.md) to what the cell runtime has"
     );
     s.end();
 }

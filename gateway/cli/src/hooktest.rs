@@ -164,6 +164,9 @@ pub fn response_json(r: &proto::RunResponse) -> Value {
             if failed {
                 o["error"] = json!(h.error);
             }
+            if !h.output.is_empty() {
+                o["output"] = json!(h.output);
+            }
             o
         }).collect::<Vec<_>>(),
     });
@@ -172,6 +175,9 @@ pub fn response_json(r: &proto::RunResponse) -> Value {
     }
     out
 }
+
+/// How much of what each hook printed (its end) `sluice test` and `sluice run` show.
+pub(crate) const HOOK_OUTPUT_BYTES: usize = 4096;
 
 /// An in-process gateway over the given chain files, with stubbed capabilities.
 pub struct Local {
@@ -240,6 +246,9 @@ impl Local {
             .tempdir_in("/tmp")?;
         let mut opts = LocalOptions::new(dir.path(), state.path());
         opts.limits.claim_timeout = std::time::Duration::from_secs(60);
+        // What hooks print is shown to their author: in `sluice run`'s answers and under a failing
+        // case of `sluice test`.
+        opts.limits.hook_output_bytes = HOOK_OUTPUT_BYTES;
         opts.gvisor = gvisor;
         let gateway = start_local(opts).await?;
         for e in gateway.engine.registry().errors() {
@@ -554,7 +563,8 @@ pub fn compare(expect: &Expect, got: &Value, streamed: bool) -> Vec<String> {
     diff
 }
 
-/// What each hook that failed said, for a failing case: the usual reason it failed.
+/// What each hook that failed said, and what each hook printed, for a failing case: the usual
+/// reasons it failed.
 fn hook_failures(got: Option<&Value>, streamed: bool) -> Vec<String> {
     let Some(got) = got else { return Vec::new() };
     let result = if streamed { &got["final"] } else { got };
@@ -565,6 +575,13 @@ fn hook_failures(got: Option<&Value>, streamed: bool) -> Vec<String> {
                 "hook {} failed:\n    {}",
                 h["name"],
                 error.replace('\n', "\n    ")
+            ));
+        }
+        if let Some(printed) = h["output"].as_str().filter(|o| !o.is_empty()) {
+            out.push(format!(
+                "hook {} printed:\n    {}",
+                h["name"],
+                printed.trim_end().replace('\n', "\n    ")
             ));
         }
     }

@@ -55,6 +55,14 @@ spec:
         import requests
         def execute(context, settings):
             return {"action": "pass"}
+    - name: networked
+      action: detect
+      code: |
+        import json, os.path
+        from xml.etree import ElementTree
+        import socket, threading
+        def execute(context, settings):
+            return {"action": "pass"}
 "#;
 
 #[test]
@@ -92,6 +100,21 @@ fn check_reports_each_error_class_with_hook_and_line() {
     assert!(
         line("'requests'").contains("broken.yaml:29:")
             && line("'requests'").contains("standard library"),
+        "{out}"
+    );
+    // Standard library, but not in a cell: said so, with the line; what is there passes.
+    for (module, at) in [
+        ("'socket'", "broken.yaml:37:"),
+        ("'threading'", "broken.yaml:37:"),
+    ] {
+        let l = line(module);
+        assert!(
+            l.contains(at) && l.contains("not available in the sandbox"),
+            "{l}"
+        );
+    }
+    assert!(
+        !out.contains("'json'") && !out.contains("'os.path'") && !out.contains("xml.etree"),
         "{out}"
     );
     assert!(
@@ -367,6 +390,7 @@ spec:
       settings: {mask: "[id]"}
       code: |
         def execute(context, settings):
+            print("looking at", context["outgoing"])
             if context["outgoing"] == "slow":
                 while True:
                     pass
@@ -387,10 +411,12 @@ fn a_failed_hook_reads_as_an_error_with_its_line_its_settings_and_its_budget() {
     let error = v["errors"][0]["error"].as_str().unwrap_or_default();
     assert!(error.starts_with("KeyError: 'mask_text'"), "{error}");
     assert!(
-        error.contains("chain.yaml:19), in execute: text = settings[\"mask_text\"]"),
+        error.contains("chain.yaml:20), in execute: text = settings[\"mask_text\"]"),
         "the source line and its file line: {error}"
     );
     assert!(error.contains("settings have mask"), "{error}");
+    // What the hook printed comes back to its author, with the hook.
+    assert_eq!(v["hooks"][0]["output"], "looking at CUST-123\n", "{v:#}");
 
     let (_, out) = sluice(&["run", &chain, "--text", "slow"]);
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
@@ -417,6 +443,12 @@ fn a_failed_hook_reads_as_an_error_with_its_line_its_settings_and_its_budget() {
         "{out}"
     );
     assert!(out.contains("message: \"hook \\\"mask\\\" failed"), "{out}");
+    // ... and what it printed, under the case.
+    let printed = out
+        .split_once("hook \"mask\" printed:\n")
+        .and_then(|(_, rest)| rest.lines().next())
+        .map(str::trim);
+    assert_eq!(printed, Some("looking at CUST-123"), "{out}");
 }
 
 #[test]

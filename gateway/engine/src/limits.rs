@@ -43,6 +43,10 @@ pub struct Limits {
     /// How long a sandbox past its pool's warm target may wait unclaimed before it is retired (in
     /// a cluster: its pod deleted), so a pool that grew with demand shrinks again.
     pub idle_retire: Duration,
+    /// Bytes of what each hook printed (stdout and stderr, the end of it) a Run's answer carries.
+    /// 0, the default, carries none: what a hook prints is the author's debugging, not the
+    /// application's business. `sluice test` and `sluice run` show it.
+    pub hook_output_bytes: usize,
 }
 
 impl Default for Limits {
@@ -65,6 +69,7 @@ impl Default for Limits {
             stream_bytes: 4 << 20,
             stream_idle: Duration::from_secs(60),
             idle_retire: Duration::from_secs(60),
+            hook_output_bytes: 0,
         }
     }
 }

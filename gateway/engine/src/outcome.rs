@@ -21,6 +21,9 @@ pub struct HookOutcome {
     pub findings: Option<Value>,
     pub error: Option<String>,
     pub latency_us: u64,
+    /// The end of what the hook printed, up to `Limits::hook_output_bytes` (None when it printed
+    /// nothing or the gateway carries none).
+    pub output: Option<String>,
 }
 
 /// Where a walk stands after folding one report.
@@ -59,7 +62,14 @@ impl Walk {
     }
 
     /// Applies a hook failure under the chain's policy.
-    fn hook_failed(&mut self, chain: &Chain, index: usize, error: String, latency_us: u64) {
+    fn hook_failed(
+        &mut self,
+        chain: &Chain,
+        index: usize,
+        error: String,
+        latency_us: u64,
+        output: Option<String>,
+    ) {
         let error = explain(chain, index, &error);
         let name = chain.spec.hooks[index].name.clone();
         let reason = format!("hook {name:?} failed: {error}");
@@ -71,6 +81,7 @@ impl Walk {
             findings: None,
             error: Some(error),
             latency_us,
+            output,
         });
         if chain.spec.failure_policy == FailurePolicy::Closed {
             self.end(index, Action::Block, reason);
@@ -89,6 +100,7 @@ impl Walk {
             findings: None,
             error: Some(message.clone()),
             latency_us: 0,
+            output: None,
         });
         self.end(index, Action::Block, message);
     }
@@ -277,7 +289,13 @@ pub(crate) fn fold(
         let hook = &hooks[r.index];
         expected += 1;
         if let Some(error) = &r.error {
-            walk.hook_failed(chain, r.index, error.clone(), r.latency_us);
+            walk.hook_failed(
+                chain,
+                r.index,
+                error.clone(),
+                r.latency_us,
+                output_tail(r.output.as_deref(), limits.hook_output_bytes),
+            );
             continue;
         }
         let Some(action) = Action::parse(&r.action) else {
@@ -335,6 +353,7 @@ pub(crate) fn fold(
             findings: r.findings.clone(),
             error: None,
             latency_us: r.latency_us,
+            output: output_tail(r.output.as_deref(), limits.hook_output_bytes),
         });
         match action {
             Action::Block | Action::Skip => walk.end(r.index, action, message),
@@ -358,7 +377,7 @@ pub(crate) fn fold(
             return;
         }
         let (error, latency_us) = failure_text(chain, failure);
-        walk.hook_failed(chain, expected, error, latency_us);
+        walk.hook_failed(chain, expected, error, latency_us, None);
         if !walk.is_terminal() && expected + 1 < hooks.len() {
             walk.resume_at = Some(expected + 1);
         }
@@ -387,6 +406,17 @@ pub(crate) fn fold(
             "no result summary".into(),
         ),
     }
+}
+
+/// The last `max` bytes of a hook's output (at a character boundary), or None. The supervisor
+/// bounds it too; this bound is the gateway's own, as for everything else a sandbox sends.
+fn output_tail(output: Option<&str>, max: usize) -> Option<String> {
+    let text = output.filter(|o| !o.is_empty() && max > 0)?;
+    let mut cut = text.len().saturating_sub(max);
+    while !text.is_char_boundary(cut) {
+        cut += 1;
+    }
+    Some(text[cut..].to_string())
 }
 
 /// Convenience for failures before any hook ran (init timeout, sandbox death at init).

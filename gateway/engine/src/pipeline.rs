@@ -258,6 +258,7 @@ mod tests {
             findings: None,
             error: None,
             latency_us: 1,
+            output: None,
         }
     }
 

@@ -116,6 +116,9 @@ pub struct HookResult {
     pub error: Option<String>,
     #[serde(default)]
     pub latency_us: u64,
+    /// The end of what the hook wrote to stdout and stderr, when it wrote anything.
+    #[serde(default)]
+    pub output: Option<String>,
 }
 
 /// A key that is present is `Some`, even when its value is `null`.

@@ -415,3 +415,38 @@ async fn every_run_writes_exactly_one_audit_event_refusals_included() {
             .contains("no HookChain")
     );
 }
+
+#[tokio::test]
+async fn what_a_hook_prints_is_carried_only_when_asked_and_only_its_end() {
+    let printing = vec![
+        py(
+            "chatty",
+            "modify",
+            "print('x' * 50, 'seen', context['outgoing'])\nreturn {'action': 'pass'}",
+        ),
+        py("quiet", "modify", PASS),
+    ];
+    // By default an answer carries none of it: it is the author's debugging.
+    let h = Harness::process(vec![tenant("input", printing.clone(), json!({}))]).await;
+    let r = h.run("input", json!("hello")).await.unwrap();
+    assert!(r.walk.hooks.iter().all(|o| o.output.is_none()), "{r:?}");
+
+    let limits = sluice_engine::Limits {
+        hook_output_bytes: 11,
+        ..common::limits()
+    };
+    let backend = sluice_sandbox_process::ProcessBackend::new().expect("a temporary directory");
+    let h = Harness::with_backend(
+        std::sync::Arc::new(backend),
+        vec![tenant("input", printing, json!({}))],
+        limits,
+    )
+    .await;
+    let r = h.run("input", json!("hello")).await.unwrap();
+    assert_eq!(
+        r.walk.hooks[0].output.as_deref(),
+        Some("seen hello\n"),
+        "{r:?}"
+    );
+    assert_eq!(r.walk.hooks[1].output, None);
+}

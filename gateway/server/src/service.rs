@@ -129,6 +129,7 @@ fn run_response(run_id: &str, walk: &Walk) -> proto::RunResponse {
                 findings: h.findings.as_ref().map(to_proto),
                 error: h.error.clone().unwrap_or_default(),
                 latency_us: h.latency_us,
+                output: h.output.clone().unwrap_or_default(),
             })
             .collect(),
         terminal_index: walk.terminal_index.map(|i| i as u32),

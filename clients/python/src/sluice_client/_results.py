@@ -38,6 +38,9 @@ class HookOutcome:
     findings: Any
     error: Optional[str]
     latency_us: int
+    # The end of what the hook printed; None unless the gateway carries hook output
+    # (`--hook-output-bytes`), which is for debugging a chain.
+    output: Optional[str] = None
 
     @classmethod
     def _from_proto(cls, h: "pb.HookOutcome") -> "HookOutcome":
@@ -48,6 +51,7 @@ class HookOutcome:
             findings=from_value(h.findings) if h.HasField("findings") else None,
             error=h.error or None,
             latency_us=h.latency_us,
+            output=h.output or None,
         )
 
 

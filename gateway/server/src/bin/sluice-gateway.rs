@@ -53,6 +53,10 @@ struct Args {
     /// regardless (its boot goes before every warm-up boot).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     max_warm_sandboxes: u32,
+    /// Bytes of what each hook printed (the end of it) a Run's answer carries, for debugging a
+    /// chain; 0 (the default) carries none.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=65536))]
+    hook_output_bytes: u32,
     /// gRPC listen address. A non-loopback address needs TLS and --callers, or --insecure.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
@@ -155,6 +159,7 @@ async fn main() -> anyhow::Result<()> {
             opts.platform_namespace = args.platform_namespace;
             opts.audit = audit;
             opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
+            opts.limits.hook_output_bytes = args.hook_output_bytes as usize;
             start_local(opts).await?
         }
         None => {
@@ -182,6 +187,7 @@ async fn main() -> anyhow::Result<()> {
             }
             opts.limits.claim_timeout = args.claim_timeout;
             opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
+            opts.limits.hook_output_bytes = args.hook_output_bytes as usize;
             start_kube(opts).await?
         }
     };

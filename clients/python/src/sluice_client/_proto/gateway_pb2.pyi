@@ -47,20 +47,22 @@ class RunRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., target: _Optional[str] = ..., trigger_point: _Optional[str] = ..., text: _Optional[str] = ..., value: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., context: _Optional[_Mapping[str, str]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class HookOutcome(_message.Message):
-    __slots__ = ("name", "action", "message", "findings", "error", "latency_us")
+    __slots__ = ("name", "action", "message", "findings", "error", "latency_us", "output")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LATENCY_US_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     action: Action
     message: str
     findings: _struct_pb2.Value
     error: str
     latency_us: int
-    def __init__(self, name: _Optional[str] = ..., action: _Optional[_Union[Action, str]] = ..., message: _Optional[str] = ..., findings: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., error: _Optional[str] = ..., latency_us: _Optional[int] = ...) -> None: ...
+    output: str
+    def __init__(self, name: _Optional[str] = ..., action: _Optional[_Union[Action, str]] = ..., message: _Optional[str] = ..., findings: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., error: _Optional[str] = ..., latency_us: _Optional[int] = ..., output: _Optional[str] = ...) -> None: ...
 
 class RunResponse(_message.Message):
     __slots__ = ("action", "text", "value", "message", "hooks", "terminal_index", "run_id")
