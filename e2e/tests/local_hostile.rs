@@ -141,6 +141,9 @@ fn cases(port: u16) -> Vec<(&'static str, String)> {
     v.push(("timer-outlives-hook", TIMER_OUTLIVES_HOOK.into()));
     v.push(("limits-of-pid-1", LIMITS_OF_PID_1.into()));
     v.push(("signal-pid-1", SIGNAL_PID_1.into()));
+    // The attack that went through fork cells: a nested user namespace, gVisor's cgroupfs mounted
+    // and written, values left for the next trigger point's cell. Every step must fail.
+    v.push(("cgroupfs-write", "    import os\n    found = []\n    steps = [\n        ('unshare', lambda: os.unshare(0x10000000 | 0x00020000)),\n        ('list', lambda: os.listdir('/sys/fs/cgroup')),\n        ('write', lambda: open('/sys/fs/cgroup/memory/memory.limit_in_bytes', 'w').write('1')),\n        ('mount', lambda: os.system('mount -t cgroup none /tmp')),\n    ]\n    for step, f in steps:\n        try:\n            f()\n            found.append(step)\n        except (OSError, AttributeError):\n            pass\n".to_string() + report));
     v.push(("leftover-process", "    import os, time, signal\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(0.05)\n        for p in os.listdir('/proc'):\n            if p.isdigit():\n                try:\n                    os.kill(int(p), signal.SIGKILL)\n                except OSError:\n                    pass\n        os._exit(0)\n    return {'action': 'pass'}\n".into()));
     v
 }
@@ -258,7 +261,7 @@ async fn hostile_hooks_never_break_honest_ones_or_the_gateway(reuse: &str) {
         std::env::set_var("SLUICE_TEST_SECRET", "gateway-env")
     };
     let cases = cases(port);
-    assert!(cases.len() >= 34, "the suite has {} cases", cases.len());
+    assert!(cases.len() >= 35, "the suite has {} cases", cases.len());
     let files: Vec<(String, String)> = cases
         .iter()
         .map(|(n, b)| (format!("{n}.yaml"), chain(n, b, reuse)))

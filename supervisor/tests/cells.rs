@@ -527,3 +527,60 @@ def execute(context, settings):
     );
     s.end();
 }
+
+/// CPU time (user + system) the process `pid` has used, from /proc/<pid>/stat.
+fn cpu_of(pid: u32) -> std::time::Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command name, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    std::time::Duration::from_millis(ticks * 10) // USER_HZ is 100 on Linux
+}
+
+#[test]
+fn an_open_cell_runs_nothing_while_it_waits() {
+    // Module code that tries to leave something running: a thread (there are none), a loop that
+    // never ends (stopped at the load's deadline). Then the cell waits, as a prepared cell in a
+    // warm pool does, and must cost no CPU while it does.
+    let spawner = "spin = lambda: [None for _ in iter(int, 1)]\n__import__('threading').Thread(target=spin, daemon=True).start()\ndef execute(context, settings):\n    return {'action': 'pass'}\n";
+    let spinner =
+        "while True:\n    pass\ndef execute(context, settings):\n    return {'action': 'pass'}\n";
+    let fine =
+        "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': 'fine'}\n";
+    let mut s = Supervisor::start(256 << 20);
+    let ack = s.init(
+        "input",
+        300,
+        &[
+            ("spawner", "detect", spawner),
+            ("spinner", "detect", spinner),
+            ("fine", "modify", fine),
+        ],
+    );
+    assert_eq!(ack["hooks"][0]["ok"], false, "{ack}");
+    assert_eq!(ack["hooks"][1]["ok"], false, "{ack}");
+    assert!(
+        ack["hooks"][1]["error"]
+            .as_str()
+            .unwrap()
+            .contains("did not finish"),
+        "{ack}"
+    );
+    let pid = s.child.id();
+    let before = cpu_of(pid);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let idle = cpu_of(pid) - before;
+    // A thread or loop left running would use the whole 2 s; an idle supervisor uses ~0.
+    assert!(
+        idle < std::time::Duration::from_millis(200),
+        "the waiting cell used {idle:?} of CPU in 2 s"
+    );
+    let r = s.chunk(json!("x"), no_host);
+    assert_eq!(r[2]["outgoing"], "fine", "{r:?}");
+    s.end();
+}

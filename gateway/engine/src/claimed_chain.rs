@@ -30,6 +30,8 @@ pub(crate) struct ClaimedChain<'e> {
     pub sandbox_id: String,
     /// A failure while loading the hooks, reported by the next walk.
     pending: Option<SandboxFailure>,
+    /// The namespace the run is for: tenants take turns in a pool they share.
+    tenant: String,
 }
 
 impl<'e> ClaimedChain<'e> {
@@ -66,6 +68,7 @@ impl<'e> ClaimedChain<'e> {
             host,
             sandbox_id: String::new(),
             pending: None,
+            tenant: target.key.namespace.clone(),
         };
         match claimed.claim().await {
             Ok(()) => Ok(claimed),
@@ -86,7 +89,7 @@ impl<'e> ClaimedChain<'e> {
             sandbox = tracing::field::Empty,
         );
         let mut claimed = pool
-            .claim(self.engine.limits().claim_timeout)
+            .claim(&self.tenant, self.engine.limits().claim_timeout)
             .instrument(span.clone())
             .await
             .map_err(|e| ClaimOrInit::Claim(e.to_string()))?;

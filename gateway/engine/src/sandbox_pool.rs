@@ -1,6 +1,7 @@
 //! Warm pools: per chain, `pool.warm` sandboxes already booted with a cell open for the chain's next
 //! trigger point, never more than `pool.max` in all (warm, booting, claimed, recycling and being torn
-//! down). A claim takes one for a single trigger point; claims wait in arrival order. When the
+//! down). A claim takes one for a single trigger point; claims wait in arrival order, tenants taking
+//! turns where several share a pool (the platform baseline's). When the
 //! trigger point ends, `reuse: Recycle` ends its cell and, if the supervisor's verdict is clean and
 //! the sandbox has served fewer than `maxUses`, opens the next cell and puts it back; anything else
 //! (reuse: None, a dirty verdict, a deadline kill, a broken stream, `maxUses`) retires it.
@@ -50,14 +51,67 @@ struct Counts {
     recycling: usize,
     tearing_down: usize,
     last_error: Option<String>,
-    /// Tickets of claims waiting, served oldest first.
-    waiting: std::collections::BTreeSet<u64>,
+    /// Tickets of claims waiting, oldest first, with the tenant each claims for.
+    waiting: std::collections::BTreeMap<u64, Arc<str>>,
     next_ticket: u64,
+    /// Per tenant with claims held or waiting: how many it holds, and when it was last served.
+    tenants: HashMap<Arc<str>, TenantUse>,
+    served: u64,
     /// After a failed boot: no boot for this pool before then.
     retry_at: Option<Instant>,
 }
 
+/// One tenant's use of a pool.
+#[derive(Default)]
+struct TenantUse {
+    held: usize,
+    last_served: u64,
+}
+
 impl Counts {
+    /// The ticket served next: the oldest of the tenant that holds the fewest of this pool's
+    /// sandboxes, least recently served among equals. One tenant alone is served in arrival order;
+    /// several take turns, so a tenant that floods a shared pool (the platform baseline's, which
+    /// every tenant's runs go through) cannot queue the others out of it.
+    fn next_in_line(&self) -> Option<u64> {
+        let mut best: Option<((usize, u64), u64)> = None;
+        for (&ticket, tenant) in &self.waiting {
+            let key = self
+                .tenants
+                .get(tenant)
+                .map_or((0, 0), |t| (t.held, t.last_served));
+            if best.is_none_or(|(k, _)| key < k) {
+                best = Some((key, ticket));
+            }
+        }
+        best.map(|(_, ticket)| ticket)
+    }
+
+    fn served(&mut self, ticket: u64) {
+        if let Some(tenant) = self.waiting.remove(&ticket) {
+            self.served += 1;
+            let t = self.tenants.entry(tenant).or_default();
+            t.held += 1;
+            t.last_served = self.served;
+        }
+    }
+
+    /// A tenant's claim ended; its entry goes once it holds and waits for nothing.
+    fn handed_back(&mut self, tenant: &Arc<str>) {
+        if let Some(t) = self.tenants.get_mut(tenant) {
+            t.held = t.held.saturating_sub(1);
+        }
+        self.forget_if_idle(tenant);
+    }
+
+    fn forget_if_idle(&mut self, tenant: &Arc<str>) {
+        let idle = self.tenants.get(tenant).is_some_and(|t| t.held == 0)
+            && !self.waiting.values().any(|w| w == tenant);
+        if idle {
+            self.tenants.remove(tenant);
+        }
+    }
+
     fn total(&self) -> usize {
         self.warm.len() + self.booting + self.claimed + self.recycling + self.tearing_down
     }
@@ -338,8 +392,14 @@ impl Pool {
         }
     }
 
-    /// Takes a warm sandbox for one trigger point, waiting up to `timeout` for one to boot.
-    pub async fn claim(self: &Arc<Self>, timeout: Duration) -> Result<Claimed, ClaimError> {
+    /// Takes a warm sandbox for one trigger point of `tenant` (the namespace the run is for),
+    /// waiting up to `timeout` for one to boot.
+    pub async fn claim(
+        self: &Arc<Self>,
+        tenant: &str,
+        timeout: Duration,
+    ) -> Result<Claimed, ClaimError> {
+        let tenant: Arc<str> = Arc::from(tenant);
         let began = Instant::now();
         let deadline = began + timeout;
         let waited_for = |pool: &Self| {
@@ -354,10 +414,11 @@ impl Pool {
             let mut c = self.lock();
             c.next_ticket += 1;
             let t = c.next_ticket;
-            c.waiting.insert(t);
+            c.waiting.insert(t, tenant.clone());
             Ticket {
                 pool: self.clone(),
                 id: t,
+                tenant: tenant.clone(),
             }
         };
         let mut waited = false;
@@ -383,11 +444,12 @@ impl Pool {
                         });
                     }
                 }
-                if c.waiting.first() == Some(&ticket.id)
+                if c.next_in_line() == Some(ticket.id)
                     && let Some(conn) = c.warm.pop_front()
                 {
                     {
                         c.claimed += 1;
+                        c.served(ticket.id);
                         self.shared
                             .metrics
                             .pool_warm
@@ -413,6 +475,7 @@ impl Pool {
                         return Ok(Claimed {
                             conn: Some(conn),
                             pool: self.clone(),
+                            tenant,
                         });
                     }
                 }
@@ -616,11 +679,16 @@ impl BootSlot {
 struct Ticket {
     pool: Arc<Pool>,
     id: u64,
+    tenant: Arc<str>,
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.pool.lock().waiting.remove(&self.id);
+        {
+            let mut c = self.pool.lock();
+            c.waiting.remove(&self.id);
+            c.forget_if_idle(&self.tenant);
+        }
         self.pool.changed.notify_waiters();
     }
 }
@@ -629,6 +697,7 @@ impl Drop for Ticket {
 pub struct Claimed {
     conn: Option<SupervisorConn>,
     pool: Arc<Pool>,
+    tenant: Arc<str>,
 }
 
 impl Claimed {
@@ -642,6 +711,7 @@ impl Claimed {
 impl Drop for Claimed {
     fn drop(&mut self) {
         if let Some(conn) = self.conn.take() {
+            self.pool.lock().handed_back(&self.tenant);
             self.pool.release(conn);
         }
     }

@@ -250,3 +250,76 @@ async fn a_slow_tenant_does_not_hold_the_baselines_sandbox() {
     assert!(b.is_ok(), "tenant B was kept from the baseline: {b:?}");
     a.abort();
 }
+
+/// Tenants take turns in the baseline's pool, which every tenant's runs go through: a tenant that
+/// floods it gets its turn, not the whole queue. Tenant B's one run, sent after tenant A's flood,
+/// is served at the next free sandbox; in arrival order it would wait behind all of A's.
+#[tokio::test]
+async fn a_flooding_tenant_cannot_queue_others_out_of_the_baselines_pool() {
+    let limits = sluice_engine::Limits {
+        claim_timeout: std::time::Duration::from_millis(2500),
+        ..common::limits()
+    };
+    let backend = sluice_sandbox_process::ProcessBackend::new().unwrap();
+    let h = Harness::with_backend(
+        std::sync::Arc::new(backend),
+        vec![
+            common::baseline_with(
+                "input",
+                vec![py(
+                    "slow-mark",
+                    "detect",
+                    "import time\ntime.sleep(1.0)\nreturn {'action': 'pass'}",
+                )],
+                json!({"pool": {"warm": 2, "max": 2}}),
+            ),
+            common::chain(
+                "team-a",
+                "a",
+                "bot",
+                "input",
+                vec![py("qa", "detect", "return {'action': 'pass'}")],
+                json!({}),
+            ),
+            common::chain(
+                "team-b",
+                "b",
+                "bot",
+                "input",
+                vec![py("qb", "detect", "return {'action': 'pass'}")],
+                json!({}),
+            ),
+        ],
+        limits,
+    )
+    .await;
+    let input = |ns: &str| sluice_engine::RunInput {
+        namespace: ns.into(),
+        target: "bot".into(),
+        trigger_point: "input".into(),
+        payload: Some(json!("hi")),
+        ..Default::default()
+    };
+    // Both tenants' own pools warm, so that only the baseline's is contended.
+    assert!(h.engine.run(input("team-a")).await.is_ok());
+    assert!(h.engine.run(input("team-b")).await.is_ok());
+    // Two of A's runs hold both sandboxes for 1 s, six wait; B's one run comes next. In arrival
+    // order B would get a sandbox at 3 s, past its 2.5 s claim timeout; taking turns, at 1 s.
+    let flood: Vec<_> = (0..8)
+        .map(|_| {
+            let engine = h.engine.clone();
+            let i = input("team-a");
+            tokio::spawn(async move { engine.run(i).await })
+        })
+        .collect();
+    // Until A's flood is queued behind the baseline's two sandboxes.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let b = h.engine.run(input("team-b")).await;
+    assert!(
+        b.is_ok(),
+        "tenant B was queued out of the baseline by A's flood: {b:?}"
+    );
+    for f in flood {
+        let _ = f.await;
+    }
+}
