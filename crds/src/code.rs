@@ -9,14 +9,15 @@ use crate::HookSpec;
 
 /// The modules a hook can import inside a cell: what the cell runtime's snapshot holds
 /// (`supervisor/guest/runner.py` imports them while the snapshot is made) and the modules built into
-/// its interpreter; nothing else can be imported there. Modules whose name has a part starting with `_` are not listed and not checked.
-/// supervisor/tests/cells.rs checks this list against a real instance.
+/// its interpreter; nothing else can be imported there. Modules whose name has a part starting with
+/// `_` are not listed and not checked. supervisor/tests/cells.rs checks this list (sorted) against a
+/// real instance.
 pub const SANDBOX_MODULES: &[&str] = &[
     "abc",
     "annotationlib",
     "array",
-    "atexit",
     "ast",
+    "atexit",
     "base64",
     "binascii",
     "bisect",

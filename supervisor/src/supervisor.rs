@@ -129,6 +129,8 @@ impl Supervisor {
         );
         let specs = msg["hooks"].as_array().cloned().unwrap_or_default();
         let mut hooks = Vec::with_capacity(specs.len());
+        // All hooks' module code together runs within the chain's deadline, as a walk's hooks do.
+        let mut left = timeout;
         for (index, spec) in specs.iter().enumerate() {
             let name = spec["name"]
                 .as_str()
@@ -156,7 +158,20 @@ impl Supervisor {
                         .unwrap_or_else(|| "None".into())
                 ));
             } else {
-                match self.load(&hook.name, spec["code"].as_str().unwrap_or(""), timeout) {
+                let began = Instant::now();
+                let loaded = self.load(
+                    &hook.name,
+                    spec["code"].as_str().unwrap_or(""),
+                    left,
+                    timeout,
+                );
+                // A hook that ran out of time has failed; the hooks after it get the whole deadline
+                // again, as in a walk.
+                left = match &loaded {
+                    Err((error, _)) if *error == Self::load_timed_out(timeout) => timeout,
+                    _ => left.saturating_sub(began.elapsed()),
+                };
+                match loaded {
                     Ok(code) => hook.code = Some(code),
                     Err((error, line)) => {
                         hook.error = Some(error);
@@ -182,7 +197,8 @@ impl Supervisor {
 
     /// A hook's compiled code: from the cache when this exact code was loaded before, else compiled
     /// (and its module code run once, as a check) in a fresh instance.
-    fn load(&mut self, name: &str, code: &str, timeout: Duration) -> Loaded {
+    /// `left` is what remains of the chain's deadline (`timeout`) for this hook's module code.
+    fn load(&mut self, name: &str, code: &str, left: Duration, timeout: Duration) -> Loaded {
         let mut digest = Sha256::new();
         digest.update(name.as_bytes());
         digest.update([0]);
@@ -191,7 +207,10 @@ impl Supervisor {
         if let Some(found) = self.loaded.get(&key) {
             return found.clone();
         }
-        let loaded = match self.runtime.load_hook(name, code, timeout) {
+        if left.is_zero() {
+            return Err((Self::load_timed_out(timeout), None));
+        }
+        let loaded = match self.runtime.load_hook(name, code, left) {
             Ok(Ok(compiled)) => Ok(Arc::new(compiled)),
             Ok(Err(refusal)) => {
                 let refusal: Value =
@@ -203,15 +222,7 @@ impl Supervisor {
                 Err((error, refusal["line"].as_u64()))
             }
             // A load that ran out of time or memory says so; it is not cached (it may pass later).
-            Err(CallError::Deadline) => {
-                return Err((
-                    format!(
-                        "its module code did not finish within the chain's spec.timeoutMs ({} ms)",
-                        timeout.as_millis()
-                    ),
-                    None,
-                ));
-            }
+            Err(CallError::Deadline) => return Err((Self::load_timed_out(timeout), None)),
             Err(e) => return Err((format!("its module code failed: {e}"), None)),
         };
         if self.loaded.len() >= LOADED_CACHE_ENTRIES {
@@ -219,6 +230,13 @@ impl Supervisor {
         }
         self.loaded.insert(key, loaded.clone());
         loaded
+    }
+
+    fn load_timed_out(timeout: Duration) -> String {
+        format!(
+            "its module code did not finish within the chain's spec.timeoutMs ({} ms, for the module code of all its hooks together)",
+            timeout.as_millis()
+        )
     }
 
     fn chunk(&mut self, msg: &Value) {

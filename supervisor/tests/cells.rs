@@ -584,3 +584,28 @@ fn an_open_cell_runs_nothing_while_it_waits() {
     assert_eq!(r[2]["outgoing"], "fine", "{r:?}");
     s.end();
 }
+
+#[test]
+fn all_hooks_module_code_runs_within_the_chains_deadline() {
+    // Each hook's module code alone fits in the 1 s deadline; all three together do not.
+    let slow = "import time\ntime.sleep(0.4)\ndef execute(context, settings):\n    return {'action': 'pass'}\n";
+    let mut s = Supervisor::start(256 << 20);
+    let ack = s.init(
+        "input",
+        1000,
+        &[
+            ("a", "detect", slow),
+            ("b", "detect", slow),
+            ("c", "detect", &slow.replace("0.4", "0.41")),
+        ],
+    );
+    assert_eq!(ack["hooks"][0]["ok"], true, "{ack}");
+    assert_eq!(ack["hooks"][1]["ok"], true, "{ack}");
+    assert_eq!(ack["hooks"][2]["ok"], false, "{ack}");
+    let error = ack["hooks"][2]["error"].as_str().unwrap();
+    assert!(
+        error.contains("did not finish within the chain's spec.timeoutMs (1000 ms"),
+        "{error}"
+    );
+    s.end();
+}

@@ -29,8 +29,20 @@ use tokio::time::Instant;
 
 /// How long after a claim the replacement boot starts.
 const BACKFILL_DELAY: Duration = Duration::from_millis(25);
-/// How long a pool whose boot failed waits before its next one, so a broken runtime is not hammered.
+/// How long a pool whose boot failed waits before its next one, doubled after each further failure
+/// up to `BOOT_RETRY_MAX`, so a broken runtime or chain is not hammered (and does not take boot slots
+/// from chains that boot fine).
 const BOOT_RETRY: Duration = Duration::from_millis(500);
+const BOOT_RETRY_MAX: Duration = Duration::from_secs(30);
+/// Beyond the chain's deadline, what opening a cell may take (instances made, acks sent).
+const PREPARE_MARGIN: Duration = Duration::from_secs(2);
+
+/// The wait before the next boot after `failures` failed boots in a row (at least one).
+fn boot_retry(failures: u32) -> Duration {
+    BOOT_RETRY
+        .saturating_mul(1 << failures.saturating_sub(1).min(16))
+        .min(BOOT_RETRY_MAX)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
@@ -59,6 +71,8 @@ struct Counts {
     served: u64,
     /// After a failed boot: no boot for this pool before then.
     retry_at: Option<Instant>,
+    /// Boots that failed in a row (reset by one that succeeds).
+    failed_boots: u32,
 }
 
 /// One tenant's use of a pool.
@@ -311,6 +325,7 @@ impl Pool {
                         conn.mark_idle();
                         c.warm.push_back(conn);
                         c.last_error = None;
+                        c.failed_boots = 0;
                         pool.shared
                             .metrics
                             .pool_warm
@@ -330,8 +345,10 @@ impl Pool {
                             .with_label_values(&pool.labels.with(&[]))
                             .inc();
                         c.last_error = Some(e.clone());
-                        c.retry_at = Some(Instant::now() + BOOT_RETRY);
-                        Some(Err(e))
+                        c.failed_boots = c.failed_boots.saturating_add(1);
+                        let wait = boot_retry(c.failed_boots);
+                        c.retry_at = Some(Instant::now() + wait);
+                        Some(Err(wait))
                     }
                 }
             };
@@ -343,13 +360,20 @@ impl Pool {
                     conn.close().await;
                     pool.lock().tearing_down -= 1;
                 }
-                Some(Err(_)) => {
+                Some(Err(wait)) => {
                     pool.changed.notify_waiters();
-                    tokio::time::sleep(BOOT_RETRY).await;
+                    tokio::time::sleep(wait).await;
                     pool.backfill();
                 }
             }
         });
+    }
+
+    /// How long opening a cell for `chain` may take: its hooks' module code runs within the chain's
+    /// deadline (the supervisor stops it there), plus a margin for making the instances.
+    fn prepare_budget(&self, chain: &Chain) -> Duration {
+        (Duration::from_millis(chain.spec.timeout_ms as u64) + PREPARE_MARGIN)
+            .min(self.shared.limits.boot_timeout)
     }
 
     /// Starts a sandbox and opens its first cell. `slot` is handed back as soon as the supervisor is
@@ -368,7 +392,8 @@ impl Pool {
         let ready = match conn.wait_ready(budget).await {
             Ok(()) => {
                 slot.release();
-                conn.prepare(&self.current_chain(), &self.shared.limits.wire(), budget)
+                let chain = self.current_chain();
+                conn.prepare(&chain, &self.shared.limits.wire(), self.prepare_budget(&chain))
                     .await
                     .map_err(|e| format!("its first cell did not open: {e}"))
             }
@@ -591,7 +616,8 @@ impl Pool {
         if self.closed.load(Ordering::Relaxed) {
             return Err("pool_closed".into());
         }
-        conn.prepare(&self.current_chain(), &self.shared.limits.wire(), budget)
+        let chain = self.current_chain();
+        conn.prepare(&chain, &self.shared.limits.wire(), self.prepare_budget(&chain))
             .await
             .map_err(|e| format!("broken: the next cell did not open: {e}"))?;
         self.shared

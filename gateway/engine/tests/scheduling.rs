@@ -177,3 +177,59 @@ async fn slow_module_code_does_not_hold_a_boot_slot() {
         assert!(r.is_ok(), "run {i} of the quick chain: {r:?}");
     }
 }
+
+/// A backend whose every start fails, counting the attempts.
+#[derive(Default)]
+struct Broken {
+    starts: std::sync::atomic::AtomicU64,
+}
+
+#[async_trait::async_trait]
+impl sluice_engine::SandboxBackend for Broken {
+    async fn start(
+        &self,
+        _spec: &sluice_engine::SandboxSpec,
+    ) -> Result<sluice_engine::Sandbox, sluice_engine::StartError> {
+        self.starts
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Err(sluice_engine::StartError::Runtime(
+            "the runtime is broken".into(),
+        ))
+    }
+    async fn clean_leftovers(&self) -> usize {
+        0
+    }
+    async fn live(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+#[tokio::test]
+async fn a_chain_whose_boots_fail_backs_off() {
+    // Boots that fail again and again are retried ever more slowly (0.5 s, 1 s, 2 s, ...), not
+    // every half second for as long as the runtime is broken.
+    let broken = Arc::new(Broken::default());
+    let h = Harness::with_boots(
+        broken.clone(),
+        vec![chain_for("doomed", json!({"warm": 1, "max": 2}))],
+        Limits {
+            claim_timeout: Duration::from_secs(1),
+            ..common::limits()
+        },
+        2,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(4200)).await;
+    let starts = broken.starts.load(std::sync::atomic::Ordering::Relaxed);
+    // At 0, 0.5, 1.5 and 3.5 s; a fixed half-second retry would have made nine.
+    assert!(
+        (2..=5).contains(&starts),
+        "{starts} boots in 4.2 s of a broken runtime"
+    );
+    // A run says why, instead of waiting for a boot that cannot come.
+    let error = h.run_at("doomed", "input", json!("hi")).await.unwrap_err();
+    assert!(
+        error.to_string().contains("the runtime is broken"),
+        "{error}"
+    );
+}
