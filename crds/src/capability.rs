@@ -93,6 +93,10 @@ pub struct Endpoint {
 pub enum Builtin {
     /// Answers with the payload it was given.
     Echo,
+    /// Executes nothing and reports `{credits: N}` consumed (the payload's `credits`, default 1):
+    /// for a capability that only charges, gated by a credit check that reserves and settled by a
+    /// dispatch step that consumes (the examples' `credit.charge`).
+    Charge,
 }
 
 impl Endpoint {

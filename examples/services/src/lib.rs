@@ -5,7 +5,8 @@
 //! - a **credit ledger** over HTTP (the JSON POST of the design) serving two capabilities: the gate
 //!   `credit.check`, which *reserves* the call's cost so concurrent runs can never overspend, and the
 //!   dispatch step `credit.consume`, which settles the reservation with what was really used (or
-//!   releases it when execute failed).
+//!   releases it when the call did not execute). Both are keyed by the gateway's `call_id`, so a
+//!   settlement the gateway tries again is applied once.
 //!
 //! Both record every call they receive, so tests can assert the order of gate, execute and dispatch.
 
@@ -32,6 +33,15 @@ fn record(log: &Log, call: Call) {
 }
 
 /// Credits one `llm.run` call costs: a base plus one per 100 characters of prompt.
+/// What a call costs: `credits` when the payload names them (`credit.charge`), else 1 per started
+/// 100 characters of `prompt` (`llm.run`).
+pub fn cost(payload: &Value) -> i64 {
+    if let Some(credits) = payload.get("credits").and_then(Value::as_i64) {
+        return credits.max(0);
+    }
+    llm_cost(payload)
+}
+
 pub fn llm_cost(payload: &Value) -> i64 {
     let chars = payload
         .get("prompt")
@@ -94,13 +104,16 @@ impl CapabilityService for FakeLlm {
 struct Account {
     balance: i64,
     reserved: i64,
-    /// Reservations by run id, in the order they were made.
-    holds: HashMap<String, Vec<i64>>,
+    /// Open reservations by the gateway's call id.
+    holds: HashMap<String, i64>,
 }
 
 #[derive(Clone, Default)]
 pub struct Credit {
     accounts: Arc<Mutex<HashMap<String, Account>>>,
+    /// Call ids already settled, with what each settled: a settlement tried again is answered from
+    /// here, never applied twice.
+    settled: Arc<Mutex<HashMap<String, i64>>>,
     pub log: Log,
 }
 
@@ -119,6 +132,12 @@ impl Credit {
         a.get(user)
             .map(|a| (a.balance, a.reserved))
             .unwrap_or((0, 0))
+    }
+
+    /// Reservations still open for `user` (each should have been settled or released).
+    pub fn open_holds(&self, user: &str) -> usize {
+        let a = self.accounts.lock().unwrap_or_else(|p| p.into_inner());
+        a.get(user).map_or(0, |a| a.holds.len())
     }
 
     /// Handles one capability call: `credit.check` (gate) or `credit.consume` (dispatch).
@@ -144,7 +163,11 @@ impl Credit {
             },
         );
         let user = caller.get("user_id").cloned().unwrap_or_default();
-        let run = caller.get("run_id").cloned().unwrap_or_default();
+        let call = payload
+            .get("call_id")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
         let inner = payload.get("payload").cloned().unwrap_or(Value::Null);
         let mut accounts = self.accounts.lock().unwrap_or_else(|p| p.into_inner());
         match name {
@@ -154,8 +177,16 @@ impl Credit {
                         json!({"result": {"allow": false, "reason": "no user_id in the caller context"}}),
                     );
                 }
-                let cost = llm_cost(&inner);
+                if call.is_empty() {
+                    return Err("no call_id: reservations are keyed by it".into());
+                }
+                let cost = cost(&inner);
                 let account = accounts.entry(user.clone()).or_default();
+                if let Some(held) = account.holds.get(&call) {
+                    return Ok(
+                        json!({"result": {"allow": true, "reason": format!("reserved {held}")}}),
+                    );
+                }
                 let available = account.balance - account.reserved;
                 if available < cost {
                     return Ok(
@@ -163,24 +194,30 @@ impl Credit {
                     );
                 }
                 account.reserved += cost;
-                account.holds.entry(run).or_default().push(cost);
+                account.holds.insert(call, cost);
                 Ok(json!({"result": {"allow": true, "reason": format!("reserved {cost}")}}))
             }
             "credit.consume" => {
+                let mut settled = self.settled.lock().unwrap_or_else(|p| p.into_inner());
                 let account = accounts.entry(user).or_default();
-                let hold = account
-                    .holds
-                    .get_mut(&run)
-                    .and_then(|h| (!h.is_empty()).then(|| h.remove(0)))
-                    .unwrap_or(0);
+                if let Some(used) = settled.get(&call) {
+                    return Ok(
+                        json!({"result": {"settled": used, "balance": account.balance, "again": true}}),
+                    );
+                }
+                let hold = account.holds.remove(&call).unwrap_or(0);
                 account.reserved -= hold;
-                // Execute failed: nothing was used, the reservation is released.
+                // The call did not execute (denied, failed, timed out): nothing was used, the
+                // reservation is released.
                 let used = payload
                     .get("consumed")
                     .and_then(|c| c.get("credits"))
                     .and_then(Value::as_i64)
                     .unwrap_or(0);
                 account.balance -= used;
+                if !call.is_empty() {
+                    settled.insert(call, used);
+                }
                 Ok(json!({"result": {"settled": used, "balance": account.balance}}))
             }
             other => Err(format!("unknown capability {other:?}")),

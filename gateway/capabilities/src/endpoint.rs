@@ -75,6 +75,17 @@ impl Transport {
         if let Some(builtin) = endpoint.builtin {
             return Ok(match builtin {
                 Builtin::Echo => (payload, None),
+                Builtin::Charge => {
+                    let credits = payload
+                        .get("credits")
+                        .and_then(Value::as_i64)
+                        .unwrap_or(1)
+                        .max(0);
+                    (
+                        json!({"charged": credits}),
+                        Some(json!({"credits": credits})),
+                    )
+                }
             });
         }
         if let Some(url) = &endpoint.http {

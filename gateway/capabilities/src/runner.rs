@@ -9,9 +9,10 @@ use async_trait::async_trait;
 use serde_json::{Value, json};
 use sluice_crds::log_text::Escaped;
 use sluice_engine::{
-    AuditGate, AuditHostCall, Caller, Capabilities, CapabilityEntry, Chain, HostCallError,
-    HostCalls, Limits, Metrics, Registry,
+    AuditGate, AuditHostCall, Caller, Capabilities, CapabilityEntry, Chain, HostCallCode,
+    HostCallError, HostCalls, Limits, Metrics, Registry,
 };
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tracing::Instrument;
@@ -23,6 +24,14 @@ pub enum CallError {
     Unknown(String, String),
     #[error("hook {hook:?} may not call {name:?}: list it under the hook's capabilities")]
     NotAllowed { hook: String, name: String },
+    #[error(
+        "{name:?} is a {role} of {of:?}, which settles what hooks use: hooks cannot call it; call {of:?} instead (or, to charge per message, a capability gated and settled by it, like the examples' credit.charge)"
+    )]
+    NotCallable {
+        name: String,
+        role: &'static str,
+        of: String,
+    },
     #[error("payload for {name:?} does not match its schema: {reason}")]
     Schema { name: String, reason: String },
     #[error("{name:?} denied by gate {gate:?}: {reason}")]
@@ -30,6 +39,13 @@ pub enum CallError {
         name: String,
         gate: String,
         reason: String,
+    },
+    /// The gate could not say (its endpoint failed or timed out): not a refusal.
+    #[error("{name:?} could not be checked by gate {gate:?}: {source}")]
+    GateFailed {
+        name: String,
+        gate: String,
+        source: Box<CallError>,
     },
     #[error("{name:?} failed: {reason}")]
     Failed { name: String, reason: String },
@@ -39,6 +55,28 @@ pub enum CallError {
     #[error("host_call limit reached: the run's host_call time ran out while {name:?} ran")]
     OutOfTime { name: String },
 }
+
+impl CallError {
+    /// What the hook's `HostCallError.code` says.
+    pub fn code(&self) -> HostCallCode {
+        match self {
+            Self::Unknown(..) | Self::NotAllowed { .. } | Self::NotCallable { .. } => {
+                HostCallCode::Forbidden
+            }
+            Self::Schema { .. } => HostCallCode::Invalid,
+            Self::Denied { .. } => HostCallCode::Denied,
+            Self::GateFailed { source, .. } => source.code(),
+            Self::Failed { .. } => HostCallCode::Unavailable,
+            Self::Timeout { .. } => HostCallCode::Timeout,
+            Self::OutOfTime { .. } => HostCallCode::Limit,
+        }
+    }
+}
+
+/// Tries of a dispatch step that fails: each settles what a gate reserved, so a step that failed
+/// (the ledger restarting) is tried again. Steps must be idempotent per `call_id`.
+const DISPATCH_TRIES: u32 = 3;
+const DISPATCH_RETRY: Duration = Duration::from_millis(100);
 
 /// Shared, long-lived part of the runner: transports (connections are reused across runs).
 pub struct Runner {
@@ -73,6 +111,7 @@ impl Capabilities for Runner {
             transport: self.transport.clone(),
             max_result_bytes: self.limits.payload_bytes,
             audit: Mutex::default(),
+            calls: AtomicU64::new(0),
         })
     }
 }
@@ -86,6 +125,8 @@ struct RunHostCalls {
     transport: Transport,
     max_result_bytes: usize,
     audit: Mutex<Vec<AuditHostCall>>,
+    /// host_calls of this run so far: each gets its own `call_id` (`<run id>.<n>`).
+    calls: AtomicU64,
 }
 
 impl RunHostCalls {
@@ -93,6 +134,23 @@ impl RunHostCalls {
         self.registry
             .capability(&self.chain.namespace, name)
             .ok_or_else(|| CallError::Unknown(name.to_string(), self.chain.namespace.clone()))
+    }
+
+    /// A capability that some capability of the namespace uses as a gate or dispatch step: it
+    /// reserves or settles on behalf of another call, so a hook calling it directly would reserve
+    /// what nothing settles.
+    fn settles_for(&self, name: &str) -> Option<(&'static str, String)> {
+        self.registry
+            .capabilities_in(&self.chain.namespace)
+            .find_map(|other| {
+                if other.spec.gates.iter().any(|g| g == name) {
+                    Some(("gate", other.name.clone()))
+                } else if other.spec.dispatch.iter().any(|d| d == name) {
+                    Some(("dispatch step", other.name.clone()))
+                } else {
+                    None
+                }
+            })
     }
 
     /// Calls one capability's endpoint within its timeout and, when given, before `until` (the end
@@ -173,6 +231,13 @@ impl RunHostCalls {
     ) -> Result<Value, CallError> {
         // resolve
         let cap = self.capability(name)?.clone();
+        if let Some((role, of)) = self.settles_for(name) {
+            return Err(CallError::NotCallable {
+                name: name.into(),
+                role,
+                of,
+            });
+        }
         let hook_spec = &self.chain.spec.hooks[hook];
         if !hook_spec.capabilities.iter().any(|c| c == name) {
             return Err(CallError::NotAllowed {
@@ -187,18 +252,51 @@ impl RunHostCalls {
                 reason: e.to_string(),
             })?;
         }
-        // gates, each a capability answering {allow, reason}
+        // From the first gate on, every way this call ends is told to the dispatch steps (the
+        // result and what was consumed, or the error), so a gate's reservation is always settled
+        // or released, once, under this call's id.
+        let call_id = format!(
+            "{}.{}",
+            self.caller.0.get("run_id").map_or("", String::as_str),
+            self.calls.fetch_add(1, Ordering::Relaxed) + 1
+        );
+        let outcome = self
+            .gates_then_execute(&cap, name, &payload, &call_id, record, until)
+            .await;
+        let body = match &outcome {
+            Ok((result, consumed)) => {
+                json!({"capability": name, "call_id": call_id, "payload": payload, "result": result, "consumed": consumed, "caller": self.caller.to_json()})
+            }
+            Err(e) => {
+                json!({"capability": name, "call_id": call_id, "payload": payload, "result": null, "consumed": null, "error": e.to_string(), "caller": self.caller.to_json()})
+            }
+        };
+        self.dispatch(&cap, body, record).await;
+        let (result, consumed) = outcome?;
+        record.consumed = consumed;
+        Ok(result)
+    }
+
+    /// The gates in order (each a capability answering {allow, reason}), then execute.
+    async fn gates_then_execute(
+        &self,
+        cap: &CapabilityEntry,
+        name: &str,
+        payload: &Value,
+        call_id: &str,
+        record: &mut AuditHostCall,
+        until: Option<Instant>,
+    ) -> Result<(Value, Option<Value>), CallError> {
         for gate in &cap.spec.gates {
             let gate_cap = self.capability(gate)?.clone();
-            let ask =
-                json!({"capability": name, "payload": payload, "caller": self.caller.to_json()});
+            let ask = json!({"capability": name, "call_id": call_id, "payload": payload, "caller": self.caller.to_json()});
             let (answer, _) =
                 self.execute(&gate_cap, ask, until)
                     .await
-                    .map_err(|e| CallError::Denied {
+                    .map_err(|e| CallError::GateFailed {
                         name: name.into(),
                         gate: gate.clone(),
-                        reason: format!("gate failed: {e}"),
+                        source: Box::new(e),
                     })?;
             let allow = answer
                 .get("allow")
@@ -227,26 +325,12 @@ impl RunHostCalls {
                 });
             }
         }
-        // execute
-        let (result, consumed) = match self.execute(&cap, payload.clone(), until).await {
-            Ok(done) => done,
-            Err(e) => {
-                // Dispatch steps still hear of it (result and consumed null, the error stated), so a
-                // gate's reservation can be released.
-                let body = json!({"capability": name, "payload": payload, "result": null, "consumed": null, "error": e.to_string(), "caller": self.caller.to_json()});
-                self.dispatch(&cap, body, record).await;
-                return Err(e);
-            }
-        };
-        record.consumed = consumed.clone();
-        // dispatch: after execute, told what was used.
-        let body = json!({"capability": name, "payload": payload, "result": result, "consumed": consumed, "caller": self.caller.to_json()});
-        self.dispatch(&cap, body, record).await;
-        Ok(result)
+        self.execute(cap, payload.clone(), until).await
     }
 
-    /// Runs the capability's dispatch steps in order. A failing step is recorded and logged; the hook
-    /// still gets its result, since the work was done and must not be repeated.
+    /// Runs the capability's dispatch steps in order, each tried up to `DISPATCH_TRIES` times. A
+    /// step that still fails is recorded, logged and counted; the hook still gets its result, since
+    /// the work was done and must not be repeated.
     async fn dispatch(&self, cap: &CapabilityEntry, body: Value, record: &mut AuditHostCall) {
         for step in &cap.spec.dispatch {
             let step_cap = match self.capability(step) {
@@ -256,8 +340,21 @@ impl RunHostCalls {
                     continue;
                 }
             };
-            if let Err(e) = self.execute(&step_cap, body.clone(), None).await {
-                tracing::error!(capability = %Escaped(&cap.name), step = %Escaped(step), error = %Escaped(&e.to_string()), "dispatch step failed");
+            let mut tries = 0;
+            let failed = loop {
+                tries += 1;
+                match self.execute(&step_cap, body.clone(), None).await {
+                    Ok(_) => break None,
+                    Err(e) if tries >= DISPATCH_TRIES => break Some(e),
+                    Err(_) => tokio::time::sleep(DISPATCH_RETRY * tries).await,
+                }
+            };
+            if let Some(e) = failed {
+                tracing::error!(capability = %Escaped(&cap.name), step = %Escaped(step), tries, error = %Escaped(&e.to_string()), "dispatch step failed");
+                self.metrics
+                    .host_calls
+                    .with_label_values(&[step.as_str(), "dispatch_failed"])
+                    .inc();
                 record.error = Some(format!("dispatch {step:?} failed: {e}"));
             }
         }
@@ -313,7 +410,11 @@ impl RunHostCalls {
         let outcome = match &result {
             Ok(_) => "ok",
             Err(CallError::Denied { .. }) => "denied",
-            Err(CallError::Unknown(..) | CallError::NotAllowed { .. }) => "refused",
+            Err(
+                CallError::Unknown(..)
+                | CallError::NotAllowed { .. }
+                | CallError::NotCallable { .. },
+            ) => "refused",
             Err(CallError::Schema { .. }) => "invalid",
             Err(_) => "failed",
         };
@@ -341,7 +442,10 @@ impl RunHostCalls {
         result.map_err(|e| match e {
             // The gateway's limit, not the capability's answer: counted as over_limit.
             CallError::OutOfTime { .. } => HostCallError::OverLimit(e.to_string()),
-            e => HostCallError::Refused(Box::new(e)),
+            e => HostCallError::Refused {
+                code: e.code(),
+                error: Box::new(e),
+            },
         })
     }
 }

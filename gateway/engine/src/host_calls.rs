@@ -39,8 +39,39 @@ impl Caller {
     }
 }
 
+/// How a host_call failed, as the hook sees it: `HostCallError.code` in the hook, so hook code can
+/// tell "no credit" (`denied`) from "the ledger is down" (`unavailable`) without parsing messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostCallCode {
+    /// A gate refused the call (e.g. not enough credit): the answer the application gave.
+    Denied,
+    /// The payload or the call itself is wrong (schema, no such hook).
+    Invalid,
+    /// The capability's endpoint could not be reached or answered an error.
+    Unavailable,
+    /// The capability did not answer within its `timeoutMs`.
+    Timeout,
+    /// The run's host_call count, time or bytes are spent.
+    Limit,
+    /// The hook may not call this capability (unknown, not listed by the hook, or a gate).
+    Forbidden,
+}
+
+impl HostCallCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Denied => "denied",
+            Self::Invalid => "invalid",
+            Self::Unavailable => "unavailable",
+            Self::Timeout => "timeout",
+            Self::Limit => "limit",
+            Self::Forbidden => "forbidden",
+        }
+    }
+}
+
 /// Why a host_call was not answered with a result. The hook sees the message as a raised
-/// `HostCallError`.
+/// `HostCallError`, with `code()` as its `code`.
 #[derive(Debug, thiserror::Error)]
 pub enum HostCallError {
     #[error("host_call from unknown hook #{0}")]
@@ -51,8 +82,22 @@ pub enum HostCallError {
     #[error("{0}")]
     OverLimit(String),
     /// Refused or failed by whoever answers host_calls (the capability runner's own error).
-    #[error(transparent)]
-    Refused(Box<dyn std::error::Error + Send + Sync>),
+    #[error("{error}")]
+    Refused {
+        code: HostCallCode,
+        error: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl HostCallError {
+    pub fn code(&self) -> HostCallCode {
+        match self {
+            Self::UnknownHook(_) => HostCallCode::Invalid,
+            Self::Unavailable(_) => HostCallCode::Unavailable,
+            Self::OverLimit(_) => HostCallCode::Limit,
+            Self::Refused { code, .. } => *code,
+        }
+    }
 }
 
 /// Answers the host_calls of one run.

@@ -46,7 +46,7 @@ mod wire;
 pub use audit::{Audit, AuditGate, AuditHostCall, AuditHostCallCount, AuditHostCallSummary};
 pub use chain::{Chain, ChainError, ChainKey};
 pub use engine::Engine;
-pub use host_calls::{Caller, Capabilities, HostCallError, HostCalls, NoHostCalls};
+pub use host_calls::{Caller, Capabilities, HostCallCode, HostCallError, HostCalls, NoHostCalls};
 pub use limits::Limits;
 pub use metrics::Metrics;
 pub use outcome::{HookOutcome, Walk};

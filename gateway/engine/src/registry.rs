@@ -219,6 +219,17 @@ impl Registry {
         self.capabilities
             .get(&(namespace.to_string(), name.to_string()))
     }
+
+    /// The Capabilities of one namespace.
+    pub fn capabilities_in<'a>(
+        &'a self,
+        namespace: &'a str,
+    ) -> impl Iterator<Item = &'a Arc<CapabilityEntry>> + 'a {
+        self.capabilities
+            .iter()
+            .filter(move |((ns, _), _)| ns == namespace)
+            .map(|(_, c)| c)
+    }
 }
 
 #[cfg(test)]

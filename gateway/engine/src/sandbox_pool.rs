@@ -393,9 +393,13 @@ impl Pool {
             Ok(()) => {
                 slot.release();
                 let chain = self.current_chain();
-                conn.prepare(&chain, &self.shared.limits.wire(), self.prepare_budget(&chain))
-                    .await
-                    .map_err(|e| format!("its first cell did not open: {e}"))
+                conn.prepare(
+                    &chain,
+                    &self.shared.limits.wire(),
+                    self.prepare_budget(&chain),
+                )
+                .await
+                .map_err(|e| format!("its first cell did not open: {e}"))
             }
             Err(e) => Err(format!("supervisor did not start: {e}")),
         };
@@ -617,9 +621,13 @@ impl Pool {
             return Err("pool_closed".into());
         }
         let chain = self.current_chain();
-        conn.prepare(&chain, &self.shared.limits.wire(), self.prepare_budget(&chain))
-            .await
-            .map_err(|e| format!("broken: the next cell did not open: {e}"))?;
+        conn.prepare(
+            &chain,
+            &self.shared.limits.wire(),
+            self.prepare_budget(&chain),
+        )
+        .await
+        .map_err(|e| format!("broken: the next cell did not open: {e}"))?;
         self.shared
             .metrics
             .cells_prepared

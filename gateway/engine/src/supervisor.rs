@@ -412,9 +412,9 @@ impl SupervisorConn {
                     );
                     let answer = host.call(hook, &name, payload).instrument(span).await;
                     report.host_call_time += waited.elapsed();
-                    let (ok, result, error) = match answer {
-                        Ok(v) => (true, Some(v), None),
-                        Err(e) => (false, None, Some(e.to_string())),
+                    let (ok, result, error, code) = match answer {
+                        Ok(v) => (true, Some(v), None, None),
+                        Err(e) => (false, None, Some(e.to_string()), Some(e.code().as_str())),
                     };
                     if let Err(f) = self
                         .send(&ToSupervisor::HostResult {
@@ -422,6 +422,7 @@ impl SupervisorConn {
                             ok,
                             result,
                             error,
+                            code,
                         })
                         .await
                     {

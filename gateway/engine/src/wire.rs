@@ -35,6 +35,9 @@ pub(crate) enum ToSupervisor<'a> {
         result: Option<Value>,
         #[serde(skip_serializing_if = "Option::is_none")]
         error: Option<String>,
+        /// Set with `error`: how the call failed (`HostCallCode`), the hook's `HostCallError.code`.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        code: Option<&'static str>,
     },
     /// Closes the open cell; answered by `ended`.
     End,

@@ -168,7 +168,10 @@ impl HostCalls for FakeRun {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
                 Ok(json!({"slept": ms}))
             }
-            "deny" => Err(HostCallError::Refused(Box::new(Denied(name.into())))),
+            "deny" => Err(HostCallError::Refused {
+                code: sluice_engine::HostCallCode::Denied,
+                error: Box::new(Denied(name.into())),
+            }),
             other => Err(HostCallError::Unavailable(other.into())),
         };
         self.records.lock().unwrap().push(AuditHostCall {
