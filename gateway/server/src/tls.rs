@@ -270,6 +270,7 @@ impl ReloadingTls {
                 if tx.is_closed() {
                     return;
                 }
+                crate::assembly::no_delay(&tcp);
                 let acceptor = TlsAcceptor::from(self.current.load_full());
                 let tx = tx.clone();
                 tokio::spawn(async move {
