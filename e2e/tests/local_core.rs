@@ -375,7 +375,8 @@ def execute(c, s):
         except Exception as e:
             seen.append("no " + path)
     try:
-        import socket
+        # Imported as an attacker would, past `sluice check`'s refusal of `import socket`.
+        socket = __import__("socket")
         socket.create_connection(("127.0.0.1", {port}), timeout=1).close()
         seen.append("connected")
     except Exception as e:

@@ -81,6 +81,25 @@ pub fn check(files: &[PathBuf], python: &Path) -> Report {
             _ => None,
         })
         .collect();
+    // Capabilities that others use as a gate or dispatch step: the gateway refuses them as a hook's
+    // host_call (they reserve or settle on behalf of another call).
+    let settling: Vec<(String, String, &'static str, String)> = objects
+        .iter()
+        .filter_map(|o| match &o.value {
+            Object::Capability(c) => Some(c),
+            _ => None,
+        })
+        .flat_map(|c| {
+            let ns = manifest::namespace_of(&c.metadata);
+            let of = c.metadata.name.clone().unwrap_or_default();
+            let gates = c.spec.gates.iter().map(|g| (g.clone(), "gate"));
+            let steps = c.spec.dispatch.iter().map(|d| (d.clone(), "dispatch step"));
+            gates
+                .chain(steps)
+                .map(move |(name, role)| (ns.clone(), name, role, of.clone()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
     for o in &objects {
         // What the admission webhook refuses as well: the same rules, worded once.
         for message in manifest::object_problems(&o.value, sluice_crds::DEFAULT_PLATFORM_NAMESPACE)
@@ -112,6 +131,17 @@ pub fn check(files: &[PathBuf], python: &Path) -> Report {
                 let text = std::fs::read_to_string(&o.file).unwrap_or_default();
                 for hook in &hc.spec.hooks {
                     for cap in &hook.capabilities {
+                        if let Some((_, _, role, of)) = settling
+                            .iter()
+                            .find(|(n, name, ..)| *n == ns && name == cap)
+                        {
+                            report.findings.push(Finding {
+                                file: o.file.clone(),
+                                line: manifest::hook_code_line(&text, o.line, &hook.name)
+                                    .unwrap_or(o.line),
+                                message: format!("HookChain {chain:?}, hook {:?}: capability {cap:?} is a {role} of {of:?}: hooks cannot call it (the gateway does, settling what {of:?} reserves); list {of:?} instead", hook.name),
+                            });
+                        }
                         if !capabilities.contains(&(ns.clone(), cap.clone())) {
                             report.findings.push(Finding {
                                 file: o.file.clone(),

@@ -74,7 +74,12 @@ fn check_reports_each_error_class_with_hook_and_line() {
         "schema.yaml",
         "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: s}\nspec:\n  target: bot\n  triggerPoint: input\n  hooks:\n    - name: a\n      action: explode\n      code: x\n",
     );
-    let (code, out) = sluice(&["check", &broken, &bad_schema]);
+    let gated = write(
+        dir.path(),
+        "gated.yaml",
+        "apiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: paid.run}\nspec: {gates: [credit.check], dispatch: [credit.consume], endpoint: {builtin: echo}}\n---\napiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: credit.check}\nspec: {endpoint: {builtin: echo}}\n---\napiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: credit.consume}\nspec: {endpoint: {builtin: echo}}\n---\napiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: g}\nspec:\n  target: g\n  triggerPoint: input\n  hooks:\n    - name: sneaky\n      action: detect\n      capabilities: [credit.check]\n      code: |\n        def execute(context, settings):\n            return {'action': 'pass'}\n",
+    );
+    let (code, out) = sluice(&["check", &broken, &bad_schema, &gated]);
     assert_eq!(code, 1, "{out}");
     let line = |needle: &str| {
         out.lines()
@@ -116,6 +121,12 @@ fn check_reports_each_error_class_with_hook_and_line() {
     assert!(
         !out.contains("'json'") && !out.contains("'os.path'") && !out.contains("xml.etree"),
         "{out}"
+    );
+    let gate = line("hook \"sneaky\"");
+    assert!(
+        gate.contains("\"credit.check\" is a gate of \"paid.run\"")
+            && gate.contains("list \"paid.run\" instead"),
+        "{gate}"
     );
     assert!(
         line("llm.missing").contains("not defined in the files checked"),

@@ -35,7 +35,7 @@ const BACKFILL_DELAY: Duration = Duration::from_millis(25);
 const BOOT_RETRY: Duration = Duration::from_millis(500);
 const BOOT_RETRY_MAX: Duration = Duration::from_secs(30);
 /// Beyond the chain's deadline, what opening a cell may take (instances made, acks sent).
-const PREPARE_MARGIN: Duration = Duration::from_secs(2);
+const PREPARE_MARGIN: Duration = Duration::from_secs(5);
 
 /// The wait before the next boot after `failures` failed boots in a row (at least one).
 fn boot_retry(failures: u32) -> Duration {
