@@ -7,7 +7,7 @@ use serde_json::Value;
 use sluice_e2e::{Harness, action, chain_yaml, manifest_json, text};
 use sluice_engine::SandboxBackend;
 use sluice_engine::SandboxSpec;
-use sluice_fake_apiserver::{ExecProtocol, FakeApiServer, Resource};
+use sluice_fake_apiserver::{ExecProtocol, FakeApiServer, Fault as Injected, Resource};
 use sluice_proto::Action;
 use sluice_sandbox_kube::{KubeBackend, KubeConfig};
 use std::time::Duration;
@@ -287,6 +287,104 @@ async fn two_claimers_one_warm_pod_exactly_one_wins() {
     winner.handle.destroy(true).await;
     assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
     assert!(a.live().await.is_empty() && b.live().await.is_empty());
+    api.stop().await;
+}
+
+/// A fake with one warm pod of a one-hook chain, and a backend claiming as `gw-a` (2 s claim timeout).
+async fn one_warm_pod() -> (FakeApiServer, KubeBackend, SandboxSpec, String) {
+    let api = FakeApiServer::start(ExecProtocol::V5)
+        .await
+        .expect("fake API");
+    let chain = chain_yaml("faulty", "bot", "input", "", &[("d", "modify", REDACT)]);
+    let spec = sandbox_of(&chain);
+    let pod = api.add_warm_pod(&spec).await.expect("pod");
+    let mut cfg = KubeConfig::new("gw-a");
+    cfg.claim_timeout = Duration::from_secs(2);
+    let backend = KubeBackend::new(
+        api.client(),
+        cfg,
+        sluice_engine::Metrics::new(),
+        Duration::from_secs(10),
+    )
+    .await
+    .expect("backend");
+    (api, backend, spec, pod)
+}
+
+/// Far more than any claim or boot deadline here (2 s, 20 s): a start still going then hangs on
+/// the API server's say (kube's own retries follow `Retry-After` for up to 15 tries).
+const HANGS: Duration = Duration::from_secs(90);
+
+/// A claim the API server keeps answering 429 or 503 (API Priority and Fairness, a rollout; an
+/// hour's `Retry-After`) ends at the claim deadline with the reason, instead of waiting an hour;
+/// the pod was never taken, and once the API server answers it is claimed.
+async fn a_claim_refused_with(code: u16) {
+    let (api, backend, spec, pod) = one_warm_pod().await;
+    api.inject(Injected::answer("PATCH", "/pods/", code).retry_after(3600));
+    let started = tokio::time::timeout(HANGS, backend.start(&spec)).await;
+    let e = match started {
+        Err(_) => panic!("a claim under {code} was still waiting after {HANGS:?}"),
+        Ok(Ok(_)) => panic!("a claim the API server refused cannot succeed"),
+        Ok(Err(e)) => e.to_string(),
+    };
+    assert!(e.contains(&pod) && e.contains("claim"), "{e}");
+    api.clear_faults();
+    let stored = api.get(Resource::Pods, "default", &pod).expect("pod");
+    assert_eq!(stored["metadata"]["labels"]["sluice.dev/pool"], "warm");
+    let s = tokio::time::timeout(HANGS, backend.start(&spec))
+        .await
+        .expect("a claim with the API server back")
+        .expect("the pod is claimed once the API server answers");
+    s.handle.destroy(true).await;
+    assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
+    assert!(backend.live().await.is_empty());
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_under_429_ends_at_its_deadline() {
+    a_claim_refused_with(429).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_under_503_ends_at_its_deadline() {
+    a_claim_refused_with(503).await;
+}
+
+/// A claim PATCH that was applied but answered 504 (the API server timed out on etcd, which
+/// committed anyway) is ours: the client's retry of it meets a 409, and the pod must not be lost
+/// until the operator's claim deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_applied_but_answered_504_is_still_ours() {
+    let (api, backend, spec, pod) = one_warm_pod().await;
+    api.inject(Injected::answer("PATCH", "/pods/", 504).after_commit().times(1));
+    let s = tokio::time::timeout(HANGS, backend.start(&spec))
+        .await
+        .expect("the claim ends")
+        .expect("the claim that took the pod is ours");
+    let stored = api.get(Resource::Pods, "default", &pod).expect("pod");
+    assert_eq!(stored["metadata"]["labels"]["sluice.dev/pool"], "claimed");
+    assert_eq!(stored["metadata"]["annotations"]["sluice.dev/claimed-by"], "gw-a");
+    s.handle.destroy(true).await;
+    assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
+    api.stop().await;
+}
+
+/// The exec into a claimed pod meets 503s (an API server rollout): the boot ends at its deadline
+/// instead of following an hour's `Retry-After`, and the pod it claimed is given back (deleted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exec_under_503_ends_at_its_deadline_and_gives_the_pod_back() {
+    let (api, backend, spec, pod) = one_warm_pod().await;
+    api.inject(Injected::answer("GET", "/exec", 503).retry_after(3600));
+    let started = tokio::time::timeout(HANGS, backend.start(&spec)).await;
+    let e = match started {
+        Err(_) => panic!("an exec under 503 was still waiting after {HANGS:?}"),
+        Ok(Ok(_)) => panic!("an exec the API server refused cannot succeed"),
+        Ok(Err(e)) => e.to_string(),
+    };
+    assert!(e.contains(&pod) && e.contains("exec"), "{e}");
+    assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
+    assert!(backend.live().await.is_empty());
     api.stop().await;
 }
 

@@ -16,7 +16,10 @@
 //!   its CLOSE signal, or `v4.channel.k8s.io`; channel 0 stdin, 1 stdout, 2 stderr, 3 a `Status` at
 //!   exit);
 //! - every write counted by verb and resource ([`FakeApiServer::writes`]), the scheduler's and the
-//!   kubelet's included.
+//!   kubelet's included;
+//! - injected faults a real API server cannot be made to produce on demand ([`FakeApiServer::inject`]):
+//!   `429`/`503` with `Retry-After` (API Priority and Fairness, a rollout), and `504` after the write
+//!   took effect (a timeout between the API server and etcd whose write committed anyway).
 //!
 //! A created pod is scheduled and started by stand-ins for the scheduler and the kubelet
 //! (`kubelet.rs`): after a configurable start latency its container is a real local runsc sandbox
@@ -58,6 +61,71 @@ pub enum ExecProtocol {
     V5,
     /// Only v4, as clusters before Kubernetes 1.30 do.
     V4,
+}
+
+/// An answer the fake gives instead of the real one, to requests that match: what API Priority and
+/// Fairness (429), an API server going away (503) or a timed-out write that committed (504) look like.
+#[derive(Clone, Debug)]
+pub struct Fault {
+    method: String,
+    path_contains: String,
+    code: u16,
+    retry_after: Option<u64>,
+    commit: bool,
+    times: Option<usize>,
+}
+
+impl Fault {
+    /// Answers `code` to every `method` request whose path contains `path_contains` (`"/pods/"`,
+    /// `"/exec"`), without doing it.
+    pub fn answer(method: &str, path_contains: &str, code: u16) -> Self {
+        Self {
+            method: method.into(),
+            path_contains: path_contains.into(),
+            code,
+            retry_after: None,
+            commit: false,
+            times: None,
+        }
+    }
+
+    /// With a `Retry-After` header of `secs` seconds (what the real server sends with 429 and 503).
+    pub fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+
+    /// The request takes effect (the write is stored) and only then is answered with the fault.
+    pub fn after_commit(mut self) -> Self {
+        self.commit = true;
+        self
+    }
+
+    /// Only the next `n` matching requests (default: all of them, until `clear_faults`).
+    pub fn times(mut self, n: usize) -> Self {
+        self.times = Some(n);
+        self
+    }
+
+    fn matches(&self, method: &str, path: &str) -> bool {
+        self.method == method && path.contains(&self.path_contains) && self.times != Some(0)
+    }
+
+    fn response(&self) -> Response<Body> {
+        let code = StatusCode::from_u16(self.code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        let reason = match self.code {
+            429 => "TooManyRequests",
+            504 => "Timeout",
+            _ => "ServiceUnavailable",
+        };
+        let mut r = status(code, reason, &format!("injected {} ({reason})", self.code));
+        if let Some(secs) = self.retry_after
+            && let Ok(v) = http::HeaderValue::from_str(&secs.to_string())
+        {
+            r.headers_mut().insert("retry-after", v);
+        }
+        r
+    }
 }
 
 /// One request the server received, for tests that assert what a client sent.
@@ -184,6 +252,8 @@ struct Shared {
     stdin_seen: Mutex<HashMap<String, Vec<u8>>>,
     /// Every open connection and exec bridge, so `restart` can drop them all.
     connections: Mutex<Vec<tokio::task::AbortHandle>>,
+    /// Injected faults, the first that matches a request answers it.
+    faults: Mutex<Vec<Fault>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -221,6 +291,7 @@ impl FakeApiServer {
             kubelet_events: Mutex::default(),
             stdin_seen: Mutex::default(),
             connections: Mutex::default(),
+            faults: Mutex::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -399,6 +470,16 @@ impl FakeApiServer {
         for c in open {
             c.abort();
         }
+    }
+
+    /// From now on, requests that match `fault` get its answer instead of the real one.
+    pub fn inject(&self, fault: Fault) {
+        lock(&self.shared.faults).push(fault);
+    }
+
+    /// Removes every injected fault: the server answers truly again.
+    pub fn clear_faults(&self) {
+        lock(&self.shared.faults).clear();
     }
 
     /// Runsc sandboxes of pods that still exist (once those of deleted pods have gone).
@@ -707,12 +788,44 @@ impl Shared {
         let method = req.method().clone();
         let path = req.uri().path().to_string();
         let query = req.uri().query().unwrap_or_default().to_string();
-        let params = store::query_params(&query);
         let client = req
             .headers()
             .get(CLIENT_HEADER)
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
+        let fault = {
+            let mut faults = lock(&self.faults);
+            faults
+                .iter_mut()
+                .find(|f| f.matches(method.as_str(), &path))
+                .map(|f| {
+                    if let Some(n) = f.times.as_mut() {
+                        *n -= 1;
+                    }
+                    f.clone()
+                })
+        };
+        if let Some(f) = fault {
+            if f.commit {
+                // Done as asked, answered as if it had failed.
+                let _ = Box::pin(self.serve(req, method, path, query, client)).await;
+            } else {
+                self.log(&client, method.as_str(), &path, &query, &Value::Null);
+            }
+            return f.response();
+        }
+        self.serve(req, method, path, query, client).await
+    }
+
+    async fn serve(
+        self: &Arc<Self>,
+        req: Request<hyper::body::Incoming>,
+        method: hyper::Method,
+        path: String,
+        query: String,
+        client: Option<String>,
+    ) -> Response<Body> {
+        let params = store::query_params(&query);
         let Some(route) = store::Route::parse(&path) else {
             return status(
                 StatusCode::NOT_FOUND,
