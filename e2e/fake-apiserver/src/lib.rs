@@ -221,6 +221,8 @@ pub struct FakeApiServer {
     shared: Arc<Shared>,
     server: tokio::task::JoinHandle<()>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Set by `stop`; a fake dropped without it (a test that panicked) cleans up in `Drop`.
+    stopped: bool,
     _state_dir: tempfile::TempDir,
 }
 
@@ -323,6 +325,7 @@ impl FakeApiServer {
             shared,
             server,
             tasks: Mutex::default(),
+            stopped: false,
             _state_dir: state_dir,
         })
     }
@@ -489,7 +492,7 @@ impl FakeApiServer {
     }
 
     /// Stops backfill tasks and the kubelet, destroys every pod's container and stops serving.
-    pub async fn stop(self) {
+    pub async fn stop(mut self) {
         for t in lock(&self.tasks).drain(..) {
             t.abort();
         }
@@ -504,6 +507,36 @@ impl FakeApiServer {
         }
         self.shared.backend.clean_leftovers().await;
         self.server.abort();
+        self.stopped = true;
+    }
+
+    /// Where the fake keeps its pods' sandboxes (their runsc root, bundles).
+    pub fn state_dir(&self) -> &std::path::Path {
+        self._state_dir.path()
+    }
+}
+
+/// A test that fails panics before `stop`: the pods' sandboxes (real runsc containers, their
+/// processes and cgroups) must not outlive it. Nothing can be awaited here, so they are
+/// force-deleted with blocking runsc commands.
+impl Drop for FakeApiServer {
+    fn drop(&mut self) {
+        if self.stopped {
+            return;
+        }
+        for t in lock(&self.tasks).drain(..) {
+            t.abort();
+        }
+        self.server.abort();
+        for (_, rt) in lock(&self.shared.pods).drain() {
+            if let Some(t) = rt.task {
+                t.abort();
+            }
+        }
+        let removed = self.shared.backend.clean_leftovers_blocking();
+        if removed > 0 {
+            tracing::warn!(removed, "the fake API server was dropped without stop(): its pods' sandboxes were force-deleted");
+        }
     }
 }
 
