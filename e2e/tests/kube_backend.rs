@@ -243,6 +243,58 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
     api.stop().await;
 }
 
+/// A held pod's exec connection goes half-open while the pod waits (the API server's node gone
+/// without a FIN or RST): nothing tells the gateway, whose reads would simply never end. The
+/// gateway's keepalive notices the missing answer and replaces the pod before any run is handed
+/// it; without it, the next run takes the dead sandbox and fails at its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_pod_whose_connection_went_half_open_is_replaced_before_a_run_takes_it() {
+    let chain = chain_yaml(
+        "halfopen",
+        "bot",
+        "input",
+        "pool: {warm: 1, max: 4, reuse: Recycle}",
+        &[("digits", "modify", REDACT)],
+    );
+    let api = FakeApiServer::start(ExecProtocol::V5)
+        .await
+        .expect("fake API server");
+    api.apply(Resource::HookChains, manifest_json(&chain));
+    api.keep_warm(sandbox_of(&chain), 1);
+    let h = Harness::start_kube_with(&api, "gw-test", Duration::from_secs(30), |o| {
+        o.kube.hold = 1
+    })
+    .await;
+    let held = a_held_pod_other_than(&api, &[]).await;
+    // Attached (its exec open) and, a moment later, waiting in the gateway's pool with its cell for
+    // the next trigger point open: nothing is said on the stream until a run comes.
+    let exec = format!("/pods/{held}/exec");
+    for _ in 0..1200 {
+        if api.requests().iter().any(|r| r.path.ends_with(&exec)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    api.half_open("default", &held);
+    // Keepalives go every 30 s of silence and wait 10 s for their answer.
+    for _ in 0..(120 * 20) {
+        if sluice_e2e::pod_deleted(&api, "default", &held) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        sluice_e2e::pod_deleted(&api, "default", &held),
+        "the pod behind a half-open connection is still held"
+    );
+    let r = h.run_text("bot", "input", "call 777").await.expect("run");
+    assert_eq!(action(&r), Action::Modify, "{r:?}");
+    assert_eq!(text(&r), "call ###");
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_claimers_one_warm_pod_exactly_one_wins() {
     let api = FakeApiServer::start(ExecProtocol::V5)

@@ -256,6 +256,8 @@ struct Shared {
     connections: Mutex<Vec<tokio::task::AbortHandle>>,
     /// Injected faults, the first that matches a request answers it.
     faults: Mutex<Vec<Fault>>,
+    /// Pods ("namespace/name") whose exec connections went half-open.
+    half_open: Mutex<std::collections::HashSet<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -294,6 +296,7 @@ impl FakeApiServer {
             stdin_seen: Mutex::default(),
             connections: Mutex::default(),
             faults: Mutex::default(),
+            half_open: Mutex::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -478,6 +481,13 @@ impl FakeApiServer {
     /// From now on, requests that match `fault` get its answer instead of the real one.
     pub fn inject(&self, fault: Fault) {
         lock(&self.shared.faults).push(fault);
+    }
+
+    /// The exec connections into pod `namespace/name` go half-open, as when the API server's node
+    /// vanishes without a FIN or RST: the connection stays open, but nothing sent on it arrives any
+    /// more (stdin, pings) and nothing comes back from the pod.
+    pub fn half_open(&self, namespace: &str, name: &str) {
+        lock(&self.shared.half_open).insert(format!("{namespace}/{name}"));
     }
 
     /// Removes every injected fault: the server answers truly again.
@@ -799,6 +809,10 @@ impl Shared {
             .exec(&id, &self.in_sandbox(command))
             .await
             .map_err(|e| e.to_string())
+    }
+
+    pub(crate) fn is_half_open(&self, key: &str) -> bool {
+        lock(&self.half_open).contains(key)
     }
 
     pub(crate) fn track(&self, task: tokio::task::AbortHandle) {
