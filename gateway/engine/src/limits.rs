@@ -43,6 +43,12 @@ pub struct Limits {
     /// How long a sandbox past its pool's warm target may wait unclaimed before it is retired (in
     /// a cluster: its pod deleted), so a pool that grew with demand shrinks again.
     pub idle_retire: Duration,
+    /// A warm sandbox whose supervisor has said nothing for this long is pinged (`ping`, answered
+    /// `pong` within `keepalive_deadline`) and retired if the answer is late: in a cluster the
+    /// kubelet cuts an exec stream idle for 4 h, and a half-open connection is noticed only so.
+    /// None: never (local sandboxes are pipes of this process).
+    pub keepalive: Option<Duration>,
+    pub keepalive_deadline: Duration,
 }
 
 impl Default for Limits {
@@ -65,6 +71,8 @@ impl Default for Limits {
             stream_bytes: 4 << 20,
             stream_idle: Duration::from_secs(60),
             idle_retire: Duration::from_secs(60),
+            keepalive: None,
+            keepalive_deadline: Duration::from_secs(10),
         }
     }
 }

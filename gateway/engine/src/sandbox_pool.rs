@@ -48,6 +48,8 @@ struct Counts {
     claimed: usize,
     /// Released sandboxes whose cell is being ended and the next one opened.
     recycling: usize,
+    /// Warm sandboxes taken out for a keepalive `ping`.
+    probing: usize,
     tearing_down: usize,
     last_error: Option<String>,
     /// Tickets of claims waiting, served oldest first.
@@ -59,12 +61,17 @@ struct Counts {
 
 impl Counts {
     fn total(&self) -> usize {
-        self.warm.len() + self.booting + self.claimed + self.recycling + self.tearing_down
+        self.warm.len()
+            + self.booting
+            + self.claimed
+            + self.recycling
+            + self.probing
+            + self.tearing_down
     }
 
     /// Sandboxes that are or will soon be waiting for a claim.
     fn coming(&self) -> usize {
-        self.warm.len() + self.booting + self.recycling
+        self.warm.len() + self.booting + self.recycling + self.probing
     }
 }
 
@@ -578,6 +585,60 @@ impl Pool {
         }
     }
 
+    /// Pings the warm sandboxes whose supervisor has been silent for `limits.keepalive`, one task
+    /// each, out of the warm queue meanwhile: one that answers in time goes back; one that does not
+    /// (a half-open connection, a stream the kubelet cut) is retired and replaced, so no run is ever
+    /// handed a dead sandbox and left to fail at its deadline.
+    fn keepalive(self: &Arc<Self>) {
+        let Some(every) = self.shared.limits.keepalive else {
+            return;
+        };
+        let due: Vec<SupervisorConn> = {
+            let mut c = self.lock();
+            let (due, keep): (VecDeque<_>, VecDeque<_>) =
+                c.warm.drain(..).partition(|conn| conn.silent_for() >= every);
+            c.warm = keep;
+            c.probing += due.len();
+            due.into()
+        };
+        for mut conn in due {
+            let pool = self.clone();
+            tokio::spawn(async move {
+                let answered = conn.ping(pool.shared.limits.keepalive_deadline).await;
+                let closed = pool.closed.load(Ordering::Relaxed);
+                {
+                    let mut c = pool.lock();
+                    c.probing -= 1;
+                    if answered.is_ok() && !closed {
+                        // Back where claims look first: it waited longest.
+                        c.warm.push_front(conn);
+                        drop(c);
+                        pool.changed.notify_waiters();
+                        return;
+                    }
+                    c.tearing_down += 1;
+                    pool.shared
+                        .metrics
+                        .pool_warm
+                        .with_label_values(&[&pool.name])
+                        .set(c.warm.len() as i64);
+                }
+                if let Err(e) = answered {
+                    tracing::warn!(chain = %Escaped(&pool.name), sandbox = %conn.id, error = %e, "a warm sandbox did not answer its keepalive; replacing it");
+                    pool.shared
+                        .metrics
+                        .sandbox_retirements
+                        .with_label_values(&pool.labels.with(&["broken"]))
+                        .inc();
+                }
+                conn.close().await;
+                pool.lock().tearing_down -= 1;
+                pool.changed.notify_waiters();
+                pool.backfill();
+            });
+        }
+    }
+
     /// Stops backfilling and destroys the warm sandboxes; claimed ones are destroyed on release.
     async fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
@@ -734,6 +795,7 @@ impl Pools {
                     .collect();
                 for pool in all {
                     pool.shrink();
+                    pool.keepalive();
                 }
             }
         });

@@ -38,6 +38,8 @@ pub(crate) enum ToSupervisor<'a> {
     },
     /// Closes the open cell; answered by `ended`.
     End,
+    /// A keepalive over an idle stream; answered by `pong`.
+    Ping,
     Shutdown,
 }
 
@@ -91,6 +93,8 @@ pub(crate) enum FromSupervisor {
         #[serde(default)]
         reason: Option<String>,
     },
+    /// Answer to `ping`.
+    Pong,
     Error {
         message: String,
     },
