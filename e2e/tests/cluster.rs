@@ -1009,21 +1009,25 @@ async fn metadata_only_updates_do_not_wait_for_the_webhook() {
     // The cluster goes back as it was found: the API server reaches the webhook through the
     // Service's endpoints, which follow the new pod a while after the Deployment counts it, and
     // the next test's apply must not meet a webhook still coming back.
-    poll(Duration::from_secs(120), "the webhook answers again", || async {
-        let dry_run = PatchParams {
-            dry_run: true,
-            ..Default::default()
-        };
-        c.chains()
-            .patch(
-                "labelled",
-                &dry_run,
-                &Patch::Merge(json!({"spec": {"timeoutMs": 3000}})),
-            )
-            .await
-            .ok()
-            .map(|_| ())
-    })
+    poll(
+        Duration::from_secs(120),
+        "the webhook answers again",
+        || async {
+            let dry_run = PatchParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            c.chains()
+                .patch(
+                    "labelled",
+                    &dry_run,
+                    &Patch::Merge(json!({"spec": {"timeoutMs": 3000}})),
+                )
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
     .await;
     let refused = spec.expect_err("with no webhook answering, a spec change is refused");
     assert!(

@@ -180,6 +180,33 @@ async fn a_held_pod_other_than(api: &FakeApiServer, seen: &[String]) -> String {
     panic!("the gateway never held a pod: {:?}", claimed_pods(api));
 }
 
+/// A fake cluster keeping `warm` pods of `chain` warm, and a gateway holding one pod ahead of demand.
+async fn holding_cluster(chain: &str, warm: usize) -> (FakeApiServer, Harness) {
+    let api = FakeApiServer::start(ExecProtocol::V5)
+        .await
+        .expect("fake API server");
+    api.apply(Resource::HookChains, manifest_json(chain));
+    api.keep_warm(sandbox_of(chain), warm);
+    let h = Harness::start_kube_with(&api, "gw-test", Duration::from_secs(30), |o| {
+        o.kube.hold = 1
+    })
+    .await;
+    (api, h)
+}
+
+/// Waits until the gateway attached to held pod `pod` (its exec open) and, a moment later, put it
+/// in its pool, past `ready`, with a cell open for the next trigger point.
+async fn attached_and_waiting(api: &FakeApiServer, pod: &str) {
+    let exec = format!("/pods/{pod}/exec");
+    for _ in 0..1200 {
+        if api.requests().iter().any(|r| r.path.ends_with(&exec)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_used() {
     let chain = chain_yaml(
@@ -190,15 +217,7 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
         "pool: {warm: 2, max: 8, reuse: None}",
         &[("digits", "modify", REDACT), ("look", "detect", PROCESSES)],
     );
-    let api = FakeApiServer::start(ExecProtocol::V5)
-        .await
-        .expect("fake API server");
-    api.apply(Resource::HookChains, manifest_json(&chain));
-    api.keep_warm(sandbox_of(&chain), 2);
-    let h = Harness::start_kube_with(&api, "gw-test", Duration::from_secs(30), |o| {
-        o.kube.hold = 1
-    })
-    .await;
+    let (api, h) = holding_cluster(&chain, 2).await;
     // With nothing asked yet, the gateway claims one pod and attaches to it.
     let held = a_held_pod_other_than(&api, &[]).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -223,15 +242,7 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
     // The next held pod dies while it waits (evicted, its exec connection broken): the next run
     // must not get it (under failurePolicy Closed a dead sandbox would block the run).
     let next = a_held_pod_other_than(&api, std::slice::from_ref(&held)).await;
-    // Attached (its exec open) and, a moment later, past `ready`: waiting in the gateway's pool.
-    for _ in 0..1200 {
-        let exec = format!("/pods/{next}/exec");
-        if api.requests().iter().any(|r| r.path.ends_with(&exec)) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    attached_and_waiting(&api, &next).await;
     api.kill_pod("default", &next).await;
     // The death reaches the gateway within milliseconds (the exec ends); a loaded machine gets slack.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -256,26 +267,10 @@ async fn a_held_pod_whose_connection_went_half_open_is_replaced_before_a_run_tak
         "pool: {warm: 1, max: 4, reuse: Recycle}",
         &[("digits", "modify", REDACT)],
     );
-    let api = FakeApiServer::start(ExecProtocol::V5)
-        .await
-        .expect("fake API server");
-    api.apply(Resource::HookChains, manifest_json(&chain));
-    api.keep_warm(sandbox_of(&chain), 1);
-    let h = Harness::start_kube_with(&api, "gw-test", Duration::from_secs(30), |o| {
-        o.kube.hold = 1
-    })
-    .await;
+    let (api, h) = holding_cluster(&chain, 1).await;
     let held = a_held_pod_other_than(&api, &[]).await;
-    // Attached (its exec open) and, a moment later, waiting in the gateway's pool with its cell for
-    // the next trigger point open: nothing is said on the stream until a run comes.
-    let exec = format!("/pods/{held}/exec");
-    for _ in 0..1200 {
-        if api.requests().iter().any(|r| r.path.ends_with(&exec)) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Nothing is said on its stream until a run comes.
+    attached_and_waiting(&api, &held).await;
     api.half_open("default", &held);
     // Keepalives go every 30 s of silence and wait 10 s for their answer.
     for _ in 0..(120 * 20) {
@@ -409,14 +404,21 @@ async fn a_claim_under_503_ends_at_its_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_claim_applied_but_answered_504_is_still_ours() {
     let (api, backend, spec, pod) = one_warm_pod().await;
-    api.inject(Injected::answer("PATCH", "/pods/", 504).after_commit().times(1));
+    api.inject(
+        Injected::answer("PATCH", "/pods/", 504)
+            .after_commit()
+            .times(1),
+    );
     let s = tokio::time::timeout(HANGS, backend.start(&spec))
         .await
         .expect("the claim ends")
         .expect("the claim that took the pod is ours");
     let stored = api.get(Resource::Pods, "default", &pod).expect("pod");
     assert_eq!(stored["metadata"]["labels"]["sluice.dev/pool"], "claimed");
-    assert_eq!(stored["metadata"]["annotations"]["sluice.dev/claimed-by"], "gw-a");
+    assert_eq!(
+        stored["metadata"]["annotations"]["sluice.dev/claimed-by"],
+        "gw-a"
+    );
     s.handle.destroy(true).await;
     assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
     api.stop().await;

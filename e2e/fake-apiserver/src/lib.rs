@@ -545,7 +545,10 @@ impl Drop for FakeApiServer {
         }
         let removed = self.shared.backend.clean_leftovers_blocking();
         if removed > 0 {
-            tracing::warn!(removed, "the fake API server was dropped without stop(): its pods' sandboxes were force-deleted");
+            tracing::warn!(
+                removed,
+                "the fake API server was dropped without stop(): its pods' sandboxes were force-deleted"
+            );
         }
     }
 }

@@ -199,6 +199,15 @@ impl Pool {
         self.counts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The warm gauge, set from the counts (under their lock) wherever the warm queue changes.
+    fn show_warm(&self, c: &Counts) {
+        self.shared
+            .metrics
+            .pool_warm
+            .with_label_values(&[&self.name])
+            .set(c.warm.len() as i64);
+    }
+
     /// Warm and claimed counts, for status and metrics.
     pub fn sizes(&self) -> (usize, usize) {
         let c = self.lock();
@@ -264,11 +273,7 @@ impl Pool {
                         conn.mark_idle();
                         c.warm.push_back(conn);
                         c.last_error = None;
-                        pool.shared
-                            .metrics
-                            .pool_warm
-                            .with_label_values(&[&pool.name])
-                            .set(c.warm.len() as i64);
+                        pool.show_warm(&c);
                         None
                     }
                     Ok(conn) => {
@@ -395,11 +400,7 @@ impl Pool {
                 {
                     {
                         c.claimed += 1;
-                        self.shared
-                            .metrics
-                            .pool_warm
-                            .with_label_values(&[&self.name])
-                            .set(c.warm.len() as i64);
+                        self.show_warm(&c);
                         drop(c);
                         drop(ticket); // the next in line may go
                         let kind = if waited { "cold" } else { "warm" };
@@ -489,11 +490,7 @@ impl Pool {
                         c.recycling -= 1;
                         conn.mark_idle();
                         c.warm.push_back(conn);
-                        pool.shared
-                            .metrics
-                            .pool_warm
-                            .with_label_values(&[&pool.name])
-                            .set(c.warm.len() as i64);
+                        pool.show_warm(&c);
                         drop(c);
                         pool.changed.notify_waiters();
                         pool.backfill();
@@ -562,11 +559,7 @@ impl Pool {
                 }
             }
             if !victims.is_empty() {
-                self.shared
-                    .metrics
-                    .pool_warm
-                    .with_label_values(&[&self.name])
-                    .set(c.warm.len() as i64);
+                self.show_warm(&c);
             }
             victims
         };
@@ -595,8 +588,10 @@ impl Pool {
         };
         let due: Vec<SupervisorConn> = {
             let mut c = self.lock();
-            let (due, keep): (VecDeque<_>, VecDeque<_>) =
-                c.warm.drain(..).partition(|conn| conn.silent_for() >= every);
+            let (due, keep): (VecDeque<_>, VecDeque<_>) = c
+                .warm
+                .drain(..)
+                .partition(|conn| conn.silent_for() >= every);
             c.warm = keep;
             c.probing += due.len();
             due.into()
@@ -617,11 +612,7 @@ impl Pool {
                         return;
                     }
                     c.tearing_down += 1;
-                    pool.shared
-                        .metrics
-                        .pool_warm
-                        .with_label_values(&[&pool.name])
-                        .set(c.warm.len() as i64);
+                    pool.show_warm(&c);
                 }
                 if let Err(e) = answered {
                     tracing::warn!(chain = %Escaped(&pool.name), sandbox = %conn.id, error = %e, "a warm sandbox did not answer its keepalive; replacing it");

@@ -654,7 +654,11 @@ impl LocalBackend {
                 let _ = run(&["delete", "--force", id]);
             }
         }
-        for e in std::fs::read_dir(&self.bundles).into_iter().flatten().flatten() {
+        for e in std::fs::read_dir(&self.bundles)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             let _ = std::fs::remove_dir_all(e.path());
         }
         for dir in leftover_cgroups_with_prefix(self.dir_prefix()) {
