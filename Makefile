@@ -50,9 +50,10 @@ run: build
 	trap "kill $$services 2>/dev/null" EXIT INT TERM; \
 	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR)
 
-# test-manifests validates what the built `sluice-operator render` prints. The real-cluster suite
-# (`make test-cluster`: root, Go) is run on its own until it has run on WebAssembly cells.
-test: deps test-rust test-clients test-manifests
+# test-manifests validates what the built `sluice-operator render` prints; test-cluster brings up a
+# real single-node Kubernetes (root; Go for its first build, cached per version), runs the cluster
+# suite on it with no test skipped, and takes it down again.
+test: deps test-rust test-clients test-manifests test-cluster
 
 # The Python client, installed into $(CLIENTS_VENV) as an application would (with its `test` extra),
 # tested against a real local gateway (runsc sandboxes; those tests skip, saying so, without runsc).

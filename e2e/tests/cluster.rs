@@ -1006,6 +1006,29 @@ async fn metadata_only_updates_do_not_wait_for_the_webhook() {
         (d.status?.available_replicas? >= 1).then_some(())
     })
     .await;
+    // The cluster goes back as it was found: the API server reaches the webhook through the
+    // Service's endpoints, which follow the new pod a while after the Deployment counts it, and
+    // the next test's apply must not meet a webhook still coming back.
+    poll(
+        Duration::from_secs(120),
+        "the webhook answers again",
+        || async {
+            let dry_run = PatchParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            c.chains()
+                .patch(
+                    "labelled",
+                    &dry_run,
+                    &Patch::Merge(json!({"spec": {"timeoutMs": 3000}})),
+                )
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await;
     let refused = spec.expect_err("with no webhook answering, a spec change is refused");
     assert!(
         refused.to_string().contains("failed calling webhook"),
@@ -1353,12 +1376,17 @@ async fn cells_hold_in_a_pod() {
         ],
     )
     .await;
-    for i in 0..3 {
+    // More trigger points than pods serve them (Recycle): some pod served two or more, so "nothing
+    // of the previous trigger point" was seen by a cell in the same sandbox, not just a fresh one.
+    const RUNS: usize = 6;
+    let mut served_by = BTreeSet::new();
+    for i in 0..RUNS {
         c.wait_pool_ready("cells").await;
         let r = c
             .run("cells-bot", &format!("trigger point {i}"))
             .await
             .expect("Run");
+        served_by.extend(names(&c.pool_pods("cells", "claimed").await));
         assert_eq!(r.hooks.len(), 3, "{r:?}");
         for (index, hook) in [(0, "first"), (2, "second")] {
             let outcome = &r.hooks[index];
@@ -1382,6 +1410,10 @@ async fn cells_hold_in_a_pod() {
             r.hooks[1]
         );
     }
+    assert!(
+        !served_by.is_empty() && served_by.len() < RUNS,
+        "pods that served: {served_by:?}"
+    );
 }
 
 /// The operator's `--start-deadline`, read from its Deployment (the chart's default otherwise).

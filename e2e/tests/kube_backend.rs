@@ -7,7 +7,7 @@ use serde_json::Value;
 use sluice_e2e::{Harness, action, chain_yaml, manifest_json, text};
 use sluice_engine::SandboxBackend;
 use sluice_engine::SandboxSpec;
-use sluice_fake_apiserver::{ExecProtocol, FakeApiServer, Resource};
+use sluice_fake_apiserver::{ExecProtocol, FakeApiServer, Fault as Injected, Resource};
 use sluice_proto::Action;
 use sluice_sandbox_kube::{KubeBackend, KubeConfig};
 use std::time::Duration;
@@ -180,6 +180,33 @@ async fn a_held_pod_other_than(api: &FakeApiServer, seen: &[String]) -> String {
     panic!("the gateway never held a pod: {:?}", claimed_pods(api));
 }
 
+/// A fake cluster keeping `warm` pods of `chain` warm, and a gateway holding one pod ahead of demand.
+async fn holding_cluster(chain: &str, warm: usize) -> (FakeApiServer, Harness) {
+    let api = FakeApiServer::start(ExecProtocol::V5)
+        .await
+        .expect("fake API server");
+    api.apply(Resource::HookChains, manifest_json(chain));
+    api.keep_warm(sandbox_of(chain), warm);
+    let h = Harness::start_kube_with(&api, "gw-test", Duration::from_secs(30), |o| {
+        o.kube.hold = 1
+    })
+    .await;
+    (api, h)
+}
+
+/// Waits until the gateway attached to held pod `pod` (its exec open) and, a moment later, put it
+/// in its pool, past `ready`, with a cell open for the next trigger point.
+async fn attached_and_waiting(api: &FakeApiServer, pod: &str) {
+    let exec = format!("/pods/{pod}/exec");
+    for _ in 0..1200 {
+        if api.requests().iter().any(|r| r.path.ends_with(&exec)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_used() {
     let chain = chain_yaml(
@@ -190,15 +217,7 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
         "pool: {warm: 2, max: 8, reuse: None}",
         &[("digits", "modify", REDACT), ("look", "detect", PROCESSES)],
     );
-    let api = FakeApiServer::start(ExecProtocol::V5)
-        .await
-        .expect("fake API server");
-    api.apply(Resource::HookChains, manifest_json(&chain));
-    api.keep_warm(sandbox_of(&chain), 2);
-    let h = Harness::start_kube_with(&api, "gw-test", Duration::from_secs(30), |o| {
-        o.kube.hold = 1
-    })
-    .await;
+    let (api, h) = holding_cluster(&chain, 2).await;
     // With nothing asked yet, the gateway claims one pod and attaches to it.
     let held = a_held_pod_other_than(&api, &[]).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -223,15 +242,7 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
     // The next held pod dies while it waits (evicted, its exec connection broken): the next run
     // must not get it (under failurePolicy Closed a dead sandbox would block the run).
     let next = a_held_pod_other_than(&api, std::slice::from_ref(&held)).await;
-    // Attached (its exec open) and, a moment later, past `ready`: waiting in the gateway's pool.
-    for _ in 0..1200 {
-        let exec = format!("/pods/{next}/exec");
-        if api.requests().iter().any(|r| r.path.ends_with(&exec)) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    attached_and_waiting(&api, &next).await;
     api.kill_pod("default", &next).await;
     // The death reaches the gateway within milliseconds (the exec ends); a loaded machine gets slack.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -239,6 +250,42 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
     assert_eq!(action(&r), Action::Modify, "{r:?}");
     assert_eq!(text(&r), "call ###");
     assert!(r.hooks.iter().all(|o| o.error.is_empty()), "{:?}", r.hooks);
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
+}
+
+/// A held pod's exec connection goes half-open while the pod waits (the API server's node gone
+/// without a FIN or RST): nothing tells the gateway, whose reads would simply never end. The
+/// gateway's keepalive notices the missing answer and replaces the pod before any run is handed
+/// it; without it, the next run takes the dead sandbox and fails at its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_pod_whose_connection_went_half_open_is_replaced_before_a_run_takes_it() {
+    let chain = chain_yaml(
+        "halfopen",
+        "bot",
+        "input",
+        "pool: {warm: 1, max: 4, reuse: Recycle}",
+        &[("digits", "modify", REDACT)],
+    );
+    let (api, h) = holding_cluster(&chain, 1).await;
+    let held = a_held_pod_other_than(&api, &[]).await;
+    // Nothing is said on its stream until a run comes.
+    attached_and_waiting(&api, &held).await;
+    api.half_open("default", &held);
+    // Keepalives go every 30 s of silence and wait 10 s for their answer.
+    for _ in 0..(120 * 20) {
+        if sluice_e2e::pod_deleted(&api, "default", &held) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        sluice_e2e::pod_deleted(&api, "default", &held),
+        "the pod behind a half-open connection is still held"
+    );
+    let r = h.run_text("bot", "input", "call 777").await.expect("run");
+    assert_eq!(action(&r), Action::Modify, "{r:?}");
+    assert_eq!(text(&r), "call ###");
     h.stop_kube_and_check(&api).await;
     api.stop().await;
 }
@@ -287,6 +334,111 @@ async fn two_claimers_one_warm_pod_exactly_one_wins() {
     winner.handle.destroy(true).await;
     assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
     assert!(a.live().await.is_empty() && b.live().await.is_empty());
+    api.stop().await;
+}
+
+/// A fake with one warm pod of a one-hook chain, and a backend claiming as `gw-a` (2 s claim timeout).
+async fn one_warm_pod() -> (FakeApiServer, KubeBackend, SandboxSpec, String) {
+    let api = FakeApiServer::start(ExecProtocol::V5)
+        .await
+        .expect("fake API");
+    let chain = chain_yaml("faulty", "bot", "input", "", &[("d", "modify", REDACT)]);
+    let spec = sandbox_of(&chain);
+    let pod = api.add_warm_pod(&spec).await.expect("pod");
+    let mut cfg = KubeConfig::new("gw-a");
+    cfg.claim_timeout = Duration::from_secs(2);
+    let backend = KubeBackend::new(
+        api.client(),
+        cfg,
+        sluice_engine::Metrics::new(),
+        Duration::from_secs(10),
+    )
+    .await
+    .expect("backend");
+    (api, backend, spec, pod)
+}
+
+/// Far more than any claim or boot deadline here (2 s, 20 s): a start still going then hangs on
+/// the API server's say (kube's own retries follow `Retry-After` for up to 15 tries).
+const HANGS: Duration = Duration::from_secs(90);
+
+/// A claim the API server keeps answering 429 or 503 (API Priority and Fairness, a rollout; an
+/// hour's `Retry-After`) ends at the claim deadline with the reason, instead of waiting an hour;
+/// the pod was never taken, and once the API server answers it is claimed.
+async fn a_claim_refused_with(code: u16) {
+    let (api, backend, spec, pod) = one_warm_pod().await;
+    api.inject(Injected::answer("PATCH", "/pods/", code).retry_after(3600));
+    let started = tokio::time::timeout(HANGS, backend.start(&spec)).await;
+    let e = match started {
+        Err(_) => panic!("a claim under {code} was still waiting after {HANGS:?}"),
+        Ok(Ok(_)) => panic!("a claim the API server refused cannot succeed"),
+        Ok(Err(e)) => e.to_string(),
+    };
+    assert!(e.contains(&pod) && e.contains("claim"), "{e}");
+    api.clear_faults();
+    let stored = api.get(Resource::Pods, "default", &pod).expect("pod");
+    assert_eq!(stored["metadata"]["labels"]["sluice.dev/pool"], "warm");
+    let s = tokio::time::timeout(HANGS, backend.start(&spec))
+        .await
+        .expect("a claim with the API server back")
+        .expect("the pod is claimed once the API server answers");
+    s.handle.destroy(true).await;
+    assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
+    assert!(backend.live().await.is_empty());
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_under_429_ends_at_its_deadline() {
+    a_claim_refused_with(429).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_under_503_ends_at_its_deadline() {
+    a_claim_refused_with(503).await;
+}
+
+/// A claim PATCH that was applied but answered 504 (the API server timed out on etcd, which
+/// committed anyway) is ours: the client's retry of it meets a 409, and the pod must not be lost
+/// until the operator's claim deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_applied_but_answered_504_is_still_ours() {
+    let (api, backend, spec, pod) = one_warm_pod().await;
+    api.inject(
+        Injected::answer("PATCH", "/pods/", 504)
+            .after_commit()
+            .times(1),
+    );
+    let s = tokio::time::timeout(HANGS, backend.start(&spec))
+        .await
+        .expect("the claim ends")
+        .expect("the claim that took the pod is ours");
+    let stored = api.get(Resource::Pods, "default", &pod).expect("pod");
+    assert_eq!(stored["metadata"]["labels"]["sluice.dev/pool"], "claimed");
+    assert_eq!(
+        stored["metadata"]["annotations"]["sluice.dev/claimed-by"],
+        "gw-a"
+    );
+    s.handle.destroy(true).await;
+    assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
+    api.stop().await;
+}
+
+/// The exec into a claimed pod meets 503s (an API server rollout): the boot ends at its deadline
+/// instead of following an hour's `Retry-After`, and the pod it claimed is given back (deleted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exec_under_503_ends_at_its_deadline_and_gives_the_pod_back() {
+    let (api, backend, spec, pod) = one_warm_pod().await;
+    api.inject(Injected::answer("GET", "/exec", 503).retry_after(3600));
+    let started = tokio::time::timeout(HANGS, backend.start(&spec)).await;
+    let e = match started {
+        Err(_) => panic!("an exec under 503 was still waiting after {HANGS:?}"),
+        Ok(Ok(_)) => panic!("an exec the API server refused cannot succeed"),
+        Ok(Err(e)) => e.to_string(),
+    };
+    assert!(e.contains(&pod) && e.contains("exec"), "{e}");
+    assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
+    assert!(backend.live().await.is_empty());
     api.stop().await;
 }
 

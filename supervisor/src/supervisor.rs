@@ -104,6 +104,8 @@ impl Supervisor {
                 Some("init") => self.init(&msg),
                 Some("chunk") => self.chunk(&msg),
                 Some("end") => self.end(),
+                // A keepalive over an idle stream: answered at once, whatever the cell's state.
+                Some("ping") => self.send(&json!({"type": "pong"})),
                 other => {
                     let shown = other
                         .map(|t| format!("'{t}'"))

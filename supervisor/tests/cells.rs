@@ -609,3 +609,20 @@ fn all_hooks_module_code_runs_within_the_chains_deadline() {
     );
     s.end();
 }
+
+/// `ping` is answered `pong` at once, with or without an open cell, and changes nothing: the
+/// gateway's keepalive over a held sandbox's idle stream.
+#[test]
+fn a_ping_is_answered_with_or_without_a_cell() {
+    let mut s = Supervisor::start(64 << 20);
+    s.send(json!({"type": "ping"}));
+    assert_eq!(s.read(), json!({"type": "pong"}));
+    let ack = s.init("input", 2000, &[("p", "modify", "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'] + '!'}")]);
+    assert_eq!(ack["type"], "ack", "{ack}");
+    s.send(json!({"type": "ping"}));
+    assert_eq!(s.read(), json!({"type": "pong"}));
+    s.send(json!({"type": "chunk", "id": 1, "start": 0, "outgoing": "hi", "state": [null], "context": {}}));
+    let hook = s.read();
+    assert_eq!(hook["outgoing"], "hi!", "{hook}");
+    assert_eq!(s.read()["type"], "result");
+}

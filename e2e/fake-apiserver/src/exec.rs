@@ -162,8 +162,13 @@ async fn bridge<S>(
 {
     let (mut sink, mut source) = ws.split();
     let (out, mut out_rx) = tokio::sync::mpsc::channel::<Message>(64);
+    let (silenced, pod) = (shared.clone(), format!("{ns}/{name}"));
     let writer = tokio::spawn(async move {
         while let Some(m) = out_rx.recv().await {
+            if silenced.is_half_open(&pod) {
+                // Nothing more reaches the client, and the connection is never closed.
+                std::future::pending::<()>().await;
+            }
             if sink.send(m).await.is_err() {
                 return;
             }
@@ -203,6 +208,10 @@ async fn bridge<S>(
     let reader = tokio::spawn(async move {
         let mut stdin = Some(stdin);
         while let Some(msg) = source.next().await {
+            if seen_by.is_half_open(&key) {
+                // Nothing the client sends arrives any more (not even its pings' pongs go back).
+                std::future::pending::<()>().await;
+            }
             match msg {
                 Ok(Message::Binary(b)) if !b.is_empty() => match b[0] {
                     STDIN => {

@@ -16,7 +16,10 @@
 //!   its CLOSE signal, or `v4.channel.k8s.io`; channel 0 stdin, 1 stdout, 2 stderr, 3 a `Status` at
 //!   exit);
 //! - every write counted by verb and resource ([`FakeApiServer::writes`]), the scheduler's and the
-//!   kubelet's included.
+//!   kubelet's included;
+//! - injected faults a real API server cannot be made to produce on demand ([`FakeApiServer::inject`]):
+//!   `429`/`503` with `Retry-After` (API Priority and Fairness, a rollout), and `504` after the write
+//!   took effect (a timeout between the API server and etcd whose write committed anyway).
 //!
 //! A created pod is scheduled and started by stand-ins for the scheduler and the kubelet
 //! (`kubelet.rs`): after a configurable start latency its container is a real local runsc sandbox
@@ -58,6 +61,71 @@ pub enum ExecProtocol {
     V5,
     /// Only v4, as clusters before Kubernetes 1.30 do.
     V4,
+}
+
+/// An answer the fake gives instead of the real one, to requests that match: what API Priority and
+/// Fairness (429), an API server going away (503) or a timed-out write that committed (504) look like.
+#[derive(Clone, Debug)]
+pub struct Fault {
+    method: String,
+    path_contains: String,
+    code: u16,
+    retry_after: Option<u64>,
+    commit: bool,
+    times: Option<usize>,
+}
+
+impl Fault {
+    /// Answers `code` to every `method` request whose path contains `path_contains` (`"/pods/"`,
+    /// `"/exec"`), without doing it.
+    pub fn answer(method: &str, path_contains: &str, code: u16) -> Self {
+        Self {
+            method: method.into(),
+            path_contains: path_contains.into(),
+            code,
+            retry_after: None,
+            commit: false,
+            times: None,
+        }
+    }
+
+    /// With a `Retry-After` header of `secs` seconds (what the real server sends with 429 and 503).
+    pub fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+
+    /// The request takes effect (the write is stored) and only then is answered with the fault.
+    pub fn after_commit(mut self) -> Self {
+        self.commit = true;
+        self
+    }
+
+    /// Only the next `n` matching requests (default: all of them, until `clear_faults`).
+    pub fn times(mut self, n: usize) -> Self {
+        self.times = Some(n);
+        self
+    }
+
+    fn matches(&self, method: &str, path: &str) -> bool {
+        self.method == method && path.contains(&self.path_contains) && self.times != Some(0)
+    }
+
+    fn response(&self) -> Response<Body> {
+        let code = StatusCode::from_u16(self.code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        let reason = match self.code {
+            429 => "TooManyRequests",
+            504 => "Timeout",
+            _ => "ServiceUnavailable",
+        };
+        let mut r = status(code, reason, &format!("injected {} ({reason})", self.code));
+        if let Some(secs) = self.retry_after
+            && let Ok(v) = http::HeaderValue::from_str(&secs.to_string())
+        {
+            r.headers_mut().insert("retry-after", v);
+        }
+        r
+    }
 }
 
 /// One request the server received, for tests that assert what a client sent.
@@ -153,6 +221,8 @@ pub struct FakeApiServer {
     shared: Arc<Shared>,
     server: tokio::task::JoinHandle<()>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Set by `stop`; a fake dropped without it (a test that panicked) cleans up in `Drop`.
+    stopped: bool,
     _state_dir: tempfile::TempDir,
 }
 
@@ -184,6 +254,10 @@ struct Shared {
     stdin_seen: Mutex<HashMap<String, Vec<u8>>>,
     /// Every open connection and exec bridge, so `restart` can drop them all.
     connections: Mutex<Vec<tokio::task::AbortHandle>>,
+    /// Injected faults, the first that matches a request answers it.
+    faults: Mutex<Vec<Fault>>,
+    /// Pods ("namespace/name") whose exec connections went half-open.
+    half_open: Mutex<std::collections::HashSet<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -221,6 +295,8 @@ impl FakeApiServer {
             kubelet_events: Mutex::default(),
             stdin_seen: Mutex::default(),
             connections: Mutex::default(),
+            faults: Mutex::default(),
+            half_open: Mutex::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -252,6 +328,7 @@ impl FakeApiServer {
             shared,
             server,
             tasks: Mutex::default(),
+            stopped: false,
             _state_dir: state_dir,
         })
     }
@@ -401,6 +478,23 @@ impl FakeApiServer {
         }
     }
 
+    /// From now on, requests that match `fault` get its answer instead of the real one.
+    pub fn inject(&self, fault: Fault) {
+        lock(&self.shared.faults).push(fault);
+    }
+
+    /// The exec connections into pod `namespace/name` go half-open, as when the API server's node
+    /// vanishes without a FIN or RST: the connection stays open, but nothing sent on it arrives any
+    /// more (stdin, pings) and nothing comes back from the pod.
+    pub fn half_open(&self, namespace: &str, name: &str) {
+        lock(&self.shared.half_open).insert(format!("{namespace}/{name}"));
+    }
+
+    /// Removes every injected fault: the server answers truly again.
+    pub fn clear_faults(&self) {
+        lock(&self.shared.faults).clear();
+    }
+
     /// Runsc sandboxes of pods that still exist (once those of deleted pods have gone).
     pub async fn live_sandboxes(&self) -> Vec<String> {
         self.shared.settle().await;
@@ -408,7 +502,7 @@ impl FakeApiServer {
     }
 
     /// Stops backfill tasks and the kubelet, destroys every pod's container and stops serving.
-    pub async fn stop(self) {
+    pub async fn stop(mut self) {
         for t in lock(&self.tasks).drain(..) {
             t.abort();
         }
@@ -423,6 +517,39 @@ impl FakeApiServer {
         }
         self.shared.backend.clean_leftovers().await;
         self.server.abort();
+        self.stopped = true;
+    }
+
+    /// Where the fake keeps its pods' sandboxes (their runsc root, bundles).
+    pub fn state_dir(&self) -> &std::path::Path {
+        self._state_dir.path()
+    }
+}
+
+/// A test that fails panics before `stop`: the pods' sandboxes (real runsc containers, their
+/// processes and cgroups) must not outlive it. Nothing can be awaited here, so they are
+/// force-deleted with blocking runsc commands.
+impl Drop for FakeApiServer {
+    fn drop(&mut self) {
+        if self.stopped {
+            return;
+        }
+        for t in lock(&self.tasks).drain(..) {
+            t.abort();
+        }
+        self.server.abort();
+        for (_, rt) in lock(&self.shared.pods).drain() {
+            if let Some(t) = rt.task {
+                t.abort();
+            }
+        }
+        let removed = self.shared.backend.clean_leftovers_blocking();
+        if removed > 0 {
+            tracing::warn!(
+                removed,
+                "the fake API server was dropped without stop(): its pods' sandboxes were force-deleted"
+            );
+        }
     }
 }
 
@@ -687,6 +814,10 @@ impl Shared {
             .map_err(|e| e.to_string())
     }
 
+    pub(crate) fn is_half_open(&self, key: &str) -> bool {
+        lock(&self.half_open).contains(key)
+    }
+
     pub(crate) fn track(&self, task: tokio::task::AbortHandle) {
         let mut open = lock(&self.connections);
         open.retain(|t| !t.is_finished());
@@ -707,12 +838,44 @@ impl Shared {
         let method = req.method().clone();
         let path = req.uri().path().to_string();
         let query = req.uri().query().unwrap_or_default().to_string();
-        let params = store::query_params(&query);
         let client = req
             .headers()
             .get(CLIENT_HEADER)
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
+        let fault = {
+            let mut faults = lock(&self.faults);
+            faults
+                .iter_mut()
+                .find(|f| f.matches(method.as_str(), &path))
+                .map(|f| {
+                    if let Some(n) = f.times.as_mut() {
+                        *n -= 1;
+                    }
+                    f.clone()
+                })
+        };
+        if let Some(f) = fault {
+            if f.commit {
+                // Done as asked, answered as if it had failed.
+                let _ = Box::pin(self.serve(req, method, path, query, client)).await;
+            } else {
+                self.log(&client, method.as_str(), &path, &query, &Value::Null);
+            }
+            return f.response();
+        }
+        self.serve(req, method, path, query, client).await
+    }
+
+    async fn serve(
+        self: &Arc<Self>,
+        req: Request<hyper::body::Incoming>,
+        method: hyper::Method,
+        path: String,
+        query: String,
+        client: Option<String>,
+    ) -> Response<Body> {
+        let params = store::query_params(&query);
         let Some(route) = store::Route::parse(&path) else {
             return status(
                 StatusCode::NOT_FOUND,

@@ -381,3 +381,51 @@ async fn finalizers_hold_a_deleted_object_until_they_are_removed() {
     );
     api.stop().await;
 }
+
+/// The host processes whose command line names sandbox `id` (its runsc, sandbox and gofer).
+fn processes_of(id: &str) -> Vec<String> {
+    let suffix = format!("/{id}");
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let names = cmdline
+                .split(|b| *b == 0)
+                .any(|a| a == id.as_bytes() || a.ends_with(suffix.as_bytes()));
+            names.then(|| String::from_utf8_lossy(&cmdline).replace('\0', " "))
+        })
+        .collect()
+}
+
+/// A test that fails (panics) before `stop` leaves none of its pods' sandboxes behind: no process,
+/// no cgroup.
+#[test]
+fn a_test_that_panics_leaves_no_sandbox_behind() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let record = seen.clone();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rt.block_on(async move {
+            let api = fake().await;
+            api.add_warm_pod(&spec("leak")).await.expect("a Ready pod");
+            let live = api.live_sandboxes().await;
+            *record.lock().unwrap() = Some((api.state_dir().to_path_buf(), live));
+            panic!("the test failed with its fake API server running");
+        })
+    }));
+    assert!(panicked.is_err());
+    let (dir, live) = seen.lock().unwrap().take().expect("the test got that far");
+    assert_eq!(live.len(), 1, "the pod's sandbox ran: {live:?}");
+    for id in &live {
+        let left = processes_of(id);
+        assert!(left.is_empty(), "sandbox {id} outlived its test: {left:?}");
+    }
+    let cgroups = sluice_sandbox_local::leftover_cgroups(&dir);
+    assert!(cgroups.is_empty(), "cgroups left: {cgroups:?}");
+}

@@ -47,6 +47,12 @@ pub struct Limits {
     /// 0, the default, carries none: what a hook prints is the author's debugging, not the
     /// application's business. `sluice test` and `sluice run` show it.
     pub hook_output_bytes: usize,
+    /// A warm sandbox whose supervisor has said nothing for this long is pinged (`ping`, answered
+    /// `pong` within `keepalive_deadline`) and retired if the answer is late: in a cluster the
+    /// kubelet cuts an exec stream idle for 4 h, and a half-open connection is noticed only so.
+    /// None: never (local sandboxes are pipes of this process).
+    pub keepalive: Option<Duration>,
+    pub keepalive_deadline: Duration,
 }
 
 impl Default for Limits {
@@ -70,6 +76,8 @@ impl Default for Limits {
             stream_idle: Duration::from_secs(60),
             idle_retire: Duration::from_secs(60),
             hook_output_bytes: 0,
+            keepalive: None,
+            keepalive_deadline: Duration::from_secs(10),
         }
     }
 }

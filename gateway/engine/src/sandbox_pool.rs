@@ -61,6 +61,8 @@ struct Counts {
     claimed: usize,
     /// Released sandboxes whose cell is being ended and the next one opened.
     recycling: usize,
+    /// Warm sandboxes taken out for a keepalive `ping`.
+    probing: usize,
     tearing_down: usize,
     last_error: Option<String>,
     /// Tickets of claims waiting, oldest first, with the tenant each claims for.
@@ -127,12 +129,17 @@ impl Counts {
     }
 
     fn total(&self) -> usize {
-        self.warm.len() + self.booting + self.claimed + self.recycling + self.tearing_down
+        self.warm.len()
+            + self.booting
+            + self.claimed
+            + self.recycling
+            + self.probing
+            + self.tearing_down
     }
 
     /// Sandboxes that are or will soon be waiting for a claim.
     fn coming(&self) -> usize {
-        self.warm.len() + self.booting + self.recycling
+        self.warm.len() + self.booting + self.recycling + self.probing
     }
 }
 
@@ -260,6 +267,15 @@ impl Pool {
         self.counts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The warm gauge, set from the counts (under their lock) wherever the warm queue changes.
+    fn show_warm(&self, c: &Counts) {
+        self.shared
+            .metrics
+            .pool_warm
+            .with_label_values(&[&self.name])
+            .set(c.warm.len() as i64);
+    }
+
     /// Warm and claimed counts, for status and metrics.
     pub fn sizes(&self) -> (usize, usize) {
         let c = self.lock();
@@ -326,11 +342,7 @@ impl Pool {
                         c.warm.push_back(conn);
                         c.last_error = None;
                         c.failed_boots = 0;
-                        pool.shared
-                            .metrics
-                            .pool_warm
-                            .with_label_values(&[&pool.name])
-                            .set(c.warm.len() as i64);
+                        pool.show_warm(&c);
                         None
                     }
                     Ok(conn) => {
@@ -479,11 +491,7 @@ impl Pool {
                     {
                         c.claimed += 1;
                         c.served(ticket.id);
-                        self.shared
-                            .metrics
-                            .pool_warm
-                            .with_label_values(&[&self.name])
-                            .set(c.warm.len() as i64);
+                        self.show_warm(&c);
                         drop(c);
                         drop(ticket); // the next in line may go
                         let kind = if waited { "cold" } else { "warm" };
@@ -574,11 +582,7 @@ impl Pool {
                         c.recycling -= 1;
                         conn.mark_idle();
                         c.warm.push_back(conn);
-                        pool.shared
-                            .metrics
-                            .pool_warm
-                            .with_label_values(&[&pool.name])
-                            .set(c.warm.len() as i64);
+                        pool.show_warm(&c);
                         drop(c);
                         pool.changed.notify_waiters();
                         pool.backfill();
@@ -652,11 +656,7 @@ impl Pool {
                 }
             }
             if !victims.is_empty() {
-                self.shared
-                    .metrics
-                    .pool_warm
-                    .with_label_values(&[&self.name])
-                    .set(c.warm.len() as i64);
+                self.show_warm(&c);
             }
             victims
         };
@@ -671,6 +671,58 @@ impl Pool {
                 conn.close().await;
                 pool.lock().tearing_down -= 1;
                 pool.changed.notify_waiters();
+            });
+        }
+    }
+
+    /// Pings the warm sandboxes whose supervisor has been silent for `limits.keepalive`, one task
+    /// each, out of the warm queue meanwhile: one that answers in time goes back; one that does not
+    /// (a half-open connection, a stream the kubelet cut) is retired and replaced, so no run is ever
+    /// handed a dead sandbox and left to fail at its deadline.
+    fn keepalive(self: &Arc<Self>) {
+        let Some(every) = self.shared.limits.keepalive else {
+            return;
+        };
+        let due: Vec<SupervisorConn> = {
+            let mut c = self.lock();
+            let (due, keep): (VecDeque<_>, VecDeque<_>) = c
+                .warm
+                .drain(..)
+                .partition(|conn| conn.silent_for() >= every);
+            c.warm = keep;
+            c.probing += due.len();
+            due.into()
+        };
+        for mut conn in due {
+            let pool = self.clone();
+            tokio::spawn(async move {
+                let answered = conn.ping(pool.shared.limits.keepalive_deadline).await;
+                let closed = pool.closed.load(Ordering::Relaxed);
+                {
+                    let mut c = pool.lock();
+                    c.probing -= 1;
+                    if answered.is_ok() && !closed {
+                        // Back where claims look first: it waited longest.
+                        c.warm.push_front(conn);
+                        drop(c);
+                        pool.changed.notify_waiters();
+                        return;
+                    }
+                    c.tearing_down += 1;
+                    pool.show_warm(&c);
+                }
+                if let Err(e) = answered {
+                    tracing::warn!(chain = %Escaped(&pool.name), sandbox = %conn.id, error = %e, "a warm sandbox did not answer its keepalive; replacing it");
+                    pool.shared
+                        .metrics
+                        .sandbox_retirements
+                        .with_label_values(&pool.labels.with(&["broken"]))
+                        .inc();
+                }
+                conn.close().await;
+                pool.lock().tearing_down -= 1;
+                pool.changed.notify_waiters();
+                pool.backfill();
             });
         }
     }
@@ -838,6 +890,7 @@ impl Pools {
                     .collect();
                 for pool in all {
                     pool.shrink();
+                    pool.keepalive();
                 }
             }
         });

@@ -57,6 +57,8 @@ pub struct SupervisorConn {
     uses: u32,
     /// Since when it has waited in its pool for a claim.
     idle_since: Instant,
+    /// When the supervisor last said anything: proof that the stream to it was alive then.
+    heard_at: Instant,
     /// Bytes printed before the open cell's trigger point: output is counted per trigger point.
     printed_before: u64,
 }
@@ -101,6 +103,7 @@ impl SupervisorConn {
             cell: None,
             uses: 0,
             idle_since: Instant::now(),
+            heard_at: Instant::now(),
             printed_before: 0,
         }
     }
@@ -147,7 +150,10 @@ impl SupervisorConn {
     async fn recv(&mut self, budget: Duration) -> Result<FromSupervisor, SandboxFailure> {
         let read = wire::read_message(&mut self.reader, &mut self.buf, self.max_line);
         match tokio::time::timeout(budget, read).await {
-            Ok(Ok(msg)) => Ok(msg),
+            Ok(Ok(msg)) => {
+                self.heard_at = Instant::now();
+                Ok(msg)
+            }
             Ok(Err(e)) => {
                 self.broken = true;
                 Err(died(e))
@@ -205,6 +211,27 @@ impl SupervisorConn {
     /// How long it has waited in its pool.
     pub fn idle_for(&self) -> Duration {
         self.idle_since.elapsed()
+    }
+
+    /// How long since the supervisor last said anything.
+    pub fn silent_for(&self) -> Duration {
+        self.heard_at.elapsed()
+    }
+
+    /// A keepalive over the idle stream: `ping`, and its `pong` within `budget`. An error (no
+    /// answer in time: a half-open connection; the stream ended; anything else said) leaves the
+    /// sandbox unhealthy.
+    pub async fn ping(&mut self, budget: Duration) -> Result<(), SandboxFailure> {
+        self.send(&ToSupervisor::Ping).await?;
+        match self.recv(budget).await? {
+            FromSupervisor::Pong => Ok(()),
+            other => {
+                self.broken = true;
+                Err(SandboxFailure::Protocol(format!(
+                    "expected pong, got {other:?}"
+                )))
+            }
+        }
     }
 
     /// Opens a cell for `chain`'s next trigger point: every hook's process started and its code

@@ -41,6 +41,8 @@ pub(crate) enum ToSupervisor<'a> {
     },
     /// Closes the open cell; answered by `ended`.
     End,
+    /// A keepalive over an idle stream; answered by `pong`.
+    Ping,
     Shutdown,
 }
 
@@ -94,6 +96,8 @@ pub(crate) enum FromSupervisor {
         #[serde(default)]
         reason: Option<String>,
     },
+    /// Answer to `ping`.
+    Pong,
     Error {
         message: String,
     },

@@ -44,6 +44,9 @@ pub struct KubeConfig {
     /// Pods per chain (at most its `pool.warm`) this gateway keeps claimed and attached ahead of
     /// demand, so that a run pays neither the claim PATCH nor the exec handshake. 0: claim per run.
     pub hold: usize,
+    /// How long the exec into a claimed pod may take to open (the kube client would retry a 429 or
+    /// 503 on it for many minutes); past it the pod is given back (deleted) and the boot fails.
+    pub exec_timeout: Duration,
 }
 
 impl KubeConfig {
@@ -69,6 +72,7 @@ impl KubeConfig {
             runtime_class: Some("gvisor".into()),
             heartbeat: Duration::from_secs(60),
             hold: 0,
+            exec_timeout: Duration::from_secs(20),
         }
     }
 }
@@ -158,7 +162,7 @@ impl KubeBackend {
                 runtime_class: self.cfg.runtime_class.as_deref(),
             };
             for (name, rv) in claim::candidates(&pods, &wanted, &lost) {
-                match claim::try_claim(&api, &name, &rv, &self.cfg.identity).await {
+                match claim::try_claim(&api, &name, &rv, &self.cfg.identity, deadline).await {
                     Ok(claim::Outcome::Claimed) => {
                         self.metric("claimed");
                         self.live().insert(format!("{pod_namespace}/{name}"));
@@ -170,8 +174,17 @@ impl KubeBackend {
                     }
                     Err(e) => {
                         self.metric("error");
+                        if e.maybe_ours {
+                            tokio::spawn(give_back_if_ours(
+                                api.clone(),
+                                name.clone(),
+                                self.cfg.identity.clone(),
+                                e.stamp.clone(),
+                            ));
+                        }
                         return Err(StartError::Runtime(format!(
-                            "claiming pod {pod_namespace}/{name}: {e}"
+                            "claiming pod {pod_namespace}/{name} within {} ms: {e}",
+                            self.cfg.claim_timeout.as_millis()
                         )));
                     }
                 }
@@ -214,7 +227,14 @@ impl SandboxBackend for KubeBackend {
             live: self.live.clone(),
             destroyed: AtomicBool::new(false),
         };
-        match exec::start(&api, &pod).await {
+        let exec = tokio::time::timeout(self.cfg.exec_timeout, exec::start(&api, &pod)).await;
+        let exec = exec.unwrap_or_else(|_| {
+            Err(format!(
+                "the exec did not open within {} ms",
+                self.cfg.exec_timeout.as_millis()
+            ))
+        });
+        match exec {
             Ok(e) => {
                 let heartbeat = tokio::spawn(claim::heartbeat(
                     api.clone(),
@@ -308,13 +328,45 @@ impl SandboxBackend for KubeBackend {
     }
 }
 
+/// How long one try of a pod's delete may take.
+const DELETE_TRY: Duration = Duration::from_secs(10);
+
+/// How often, and how far apart at most, a claim whose answer was lost is checked before it is left
+/// to the operator's claim deadline.
+const GIVE_BACK_TRIES: u32 = 10;
+const GIVE_BACK_PAUSE_MAX: Duration = Duration::from_secs(10);
+
+/// A claim PATCH whose answer was lost (no answer by the deadline, a 504, a broken connection) may
+/// have been applied: the pod would be ours and idle, unseen by the operator until its claim
+/// deadline. Read it back (with bounded retries) and delete it if our claim is on it.
+async fn give_back_if_ours(api: Api<Pod>, name: String, identity: String, stamp: String) {
+    let mut pause = Duration::from_millis(200);
+    for _ in 0..GIVE_BACK_TRIES {
+        let by = Instant::now() + Duration::from_secs(5);
+        match claim::claimed_by_us(&api, &name, &identity, &stamp, by).await {
+            Ok(true) => {
+                tracing::warn!(pod = %name, "a claim whose answer was lost took the pod: deleting it");
+                delete_pod(&api, &name).await;
+                return;
+            }
+            Ok(false) => return,
+            Err(why) => tracing::debug!(pod = %name, %why, "checking a lost claim"),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(GIVE_BACK_PAUSE_MAX);
+    }
+    tracing::warn!(pod = %name, "could not tell whether a lost claim took the pod; the operator's claim deadline will");
+}
+
 /// Deletes a pod with its own (1 s) grace: a forced delete would drop it from the API while its
 /// sandbox still runs on the node, uncounted by the operator and the scheduler. True when it is
 /// gone or going (or was gone already).
 async fn delete_pod(api: &Api<Pod>, name: &str) -> bool {
     let params = DeleteParams::default();
     for attempt in 0..3u32 {
-        match api.delete(name, &params).await {
+        // Each try bounded: the kube client would retry a 429 or 503 for many minutes.
+        let deleted = tokio::time::timeout(DELETE_TRY, api.delete(name, &params)).await;
+        match deleted.unwrap_or_else(|_| Err(kube::Error::Service("no answer in time".into()))) {
             Ok(_) => return true,
             Err(kube::Error::Api(s)) if s.code == 404 => return true,
             Err(e) => {

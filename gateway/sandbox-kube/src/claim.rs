@@ -10,6 +10,7 @@ use rand::seq::SliceRandom;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::time::Instant;
 
 /// Field manager of the claim patch, so `managedFields` tell who flipped the label.
 pub(crate) const FIELD_MANAGER: &str = "sluice-gateway";
@@ -145,23 +146,110 @@ pub(crate) enum Outcome {
     Lost,
 }
 
-/// One claim attempt on one pod.
+/// A claim that neither won nor lost by the deadline.
+#[derive(Debug, thiserror::Error)]
+#[error("{why}")]
+pub(crate) struct Unanswered {
+    pub why: String,
+    /// The PATCH may have been applied without our hearing it (no answer, a 504, a broken
+    /// connection): the pod may be ours, stamped `stamp`, and must then be given back.
+    pub maybe_ours: bool,
+    /// The claimed-at value of our PATCH, which tells our claim from anyone else's.
+    pub stamp: String,
+}
+
+/// First pause between two tries of a claim the API server could not take (429, 503, 5xx).
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+/// Longest pause between two tries.
+const RETRY_MAX: Duration = Duration::from_secs(1);
+/// What the ownership check of a claim whose answer was lost may take at least, past the deadline.
+const CHECK_AT_LEAST: Duration = Duration::from_secs(1);
+
+/// One claim of one pod, ended by `deadline` whatever the API server does. The kube client retries
+/// 429, 503 and 504 itself (honouring `Retry-After`, without a bound a claim can afford): the
+/// deadline cuts it. 429 and 503 were not applied and are tried again while time is left; a 504 or
+/// a broken connection may have been, and so may a request the deadline cut. A 409 is checked: it
+/// may answer the client's retry of our own PATCH that was applied (then the pod is ours).
 pub(crate) async fn try_claim(
     api: &Api<Pod>,
     name: &str,
     resource_version: &str,
     identity: &str,
-) -> Result<Outcome, kube::Error> {
-    let now = jiff::Timestamp::now().to_string();
+    deadline: Instant,
+) -> Result<Outcome, Unanswered> {
+    let stamp = jiff::Timestamp::now().to_string();
     let params = PatchParams {
         field_manager: Some(FIELD_MANAGER.into()),
         ..Default::default()
     };
-    let patch = claim_patch(resource_version, identity, &now);
-    match api.patch(name, &params, &Patch::Merge(&patch)).await {
-        Ok(_) => Ok(Outcome::Claimed),
-        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(Outcome::Lost),
-        Err(e) => Err(e),
+    let patch = claim_patch(resource_version, identity, &stamp);
+    let mut maybe_applied = false;
+    let mut pause = RETRY_FIRST;
+    loop {
+        let unanswered = |why: String, maybe_ours: bool| Unanswered {
+            why,
+            maybe_ours,
+            stamp: stamp.clone(),
+        };
+        let why = match tokio::time::timeout_at(
+            deadline,
+            api.patch(name, &params, &Patch::Merge(&patch)),
+        )
+        .await
+        {
+            Ok(Ok(_)) => return Ok(Outcome::Claimed),
+            Ok(Err(kube::Error::Api(s))) if s.code == 404 => return Ok(Outcome::Lost),
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                let check_by = deadline.max(Instant::now() + CHECK_AT_LEAST);
+                return match claimed_by_us(api, name, identity, &stamp, check_by).await {
+                    Ok(true) => Ok(Outcome::Claimed),
+                    Ok(false) => Ok(Outcome::Lost),
+                    Err(why) => Err(unanswered(
+                        format!("a conflict on the claim, then {why}"),
+                        true,
+                    )),
+                };
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 429 || s.code == 503 => {
+                format!("the API server answered {} ({})", s.code, s.message)
+            }
+            Ok(Err(e)) => {
+                maybe_applied = true;
+                e.to_string()
+            }
+            Err(_) => {
+                return Err(unanswered(
+                    "the API server did not answer the claim in time".into(),
+                    true,
+                ));
+            }
+        };
+        if Instant::now() + pause >= deadline {
+            return Err(unanswered(why, maybe_applied));
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(RETRY_MAX);
+    }
+}
+
+/// Whether pod `name` carries our claim (made at `stamp`), as the API server has it now.
+pub(crate) async fn claimed_by_us(
+    api: &Api<Pod>,
+    name: &str,
+    identity: &str,
+    stamp: &str,
+    deadline: Instant,
+) -> Result<bool, String> {
+    match tokio::time::timeout_at(deadline, api.get_opt(name)).await {
+        Err(_) => Err("no answer to reading the pod back".into()),
+        Ok(Err(e)) => Err(format!("reading the pod back failed: {e}")),
+        Ok(Ok(None)) => Ok(false),
+        Ok(Ok(Some(pod))) => {
+            let annotations = pod.metadata.annotations.unwrap_or_default();
+            let annotation = |k: &str| annotations.get(k).map(String::as_str);
+            Ok(annotation(labels::ANNOTATION_CLAIMED_BY) == Some(identity)
+                && annotation(labels::ANNOTATION_CLAIMED_AT) == Some(stamp))
+        }
     }
 }
 

@@ -25,7 +25,7 @@ pub(crate) struct Exec {
 }
 
 /// Attaches to the supervisor waiting in `pod` and starts draining stdout.
-pub(crate) async fn start(api: &Api<Pod>, pod: &str) -> Result<Exec, kube::Error> {
+pub(crate) async fn start(api: &Api<Pod>, pod: &str) -> Result<Exec, String> {
     let params = AttachParams::default()
         .container(labels::CONTAINER)
         .stdin(true)
@@ -35,7 +35,10 @@ pub(crate) async fn start(api: &Api<Pod>, pod: &str) -> Result<Exec, kube::Error
         .max_stdin_buf_size(BUFFER)
         .max_stdout_buf_size(BUFFER)
         .max_stderr_buf_size(BUFFER);
-    let mut process = api.exec(pod, labels::attach_command(), &params).await?;
+    let mut process = api
+        .exec(pod, labels::attach_command(), &params)
+        .await
+        .map_err(|e| e.to_string())?;
     let (Some(stdin), Some(stdout), Some(mut stderr), Some(status)) = (
         process.stdin(),
         process.stdout(),

@@ -606,6 +606,67 @@ impl SandboxBackend for LocalBackend {
 }
 
 impl LocalBackend {
+    /// `clean_leftovers` for where no runtime can be awaited (a `Drop` during a panic): every
+    /// sandbox of this state directory is force-deleted (its processes killed if runsc cannot),
+    /// with its bundle and cgroups. Blocks, at most `RUNSC_COMMAND` per runsc command.
+    pub fn clean_leftovers_blocking(&self) -> usize {
+        let run = |args: &[&str]| {
+            let mut c = std::process::Command::new(&self.cfg.runsc);
+            c.arg("--root")
+                .arg(&self.runsc_root)
+                .args(args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null());
+            let mut child = c.spawn().ok()?;
+            let until = std::time::Instant::now() + RUNSC_COMMAND;
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if std::time::Instant::now() < until => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    _ => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return None;
+                    }
+                }
+            }
+            let mut out = String::new();
+            use std::io::Read;
+            child.stdout.take()?.read_to_string(&mut out).ok()?;
+            Some(out)
+        };
+        let ids: Vec<String> = run(&["list"])
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|id| id.starts_with(self.dir_prefix()))
+            .map(str::to_string)
+            .collect();
+        for id in &ids {
+            let _ = run(&["delete", "--force", id]);
+            // What runsc could not stop (a wedged sandbox), and the `runsc run` and `runsc exec`
+            // processes that served it.
+            if kill_processes_of(id) > 0 {
+                let _ = run(&["delete", "--force", id]);
+            }
+        }
+        for e in std::fs::read_dir(&self.bundles)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+        for dir in leftover_cgroups_with_prefix(self.dir_prefix()) {
+            let _ = std::fs::remove_dir(dir);
+        }
+        ids.len()
+    }
+
     /// The supervisor and cell runtime the sandboxes run.
     pub fn program(&self) -> &SupervisorProgram {
         &self.program

@@ -303,6 +303,9 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     limits.claim_timeout = limits
         .claim_timeout
         .max(opts.kube.claim_timeout + Duration::from_millis(250));
+    // A held pod's exec stream crosses the API server and the kubelet, which cut it after 4 h idle
+    // and may leave it half-open: its supervisor is pinged when silent this long.
+    limits.keepalive.get_or_insert(KUBE_KEEPALIVE);
     // Claims are API calls, not boots: many may be in flight at once.
     let engine = engine(Arc::new(backend), opts.audit, metrics, &limits, 256);
     let mut source = KubeSource::start(
@@ -321,6 +324,9 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     tracing::info!(addr = %running.addr, identity = %opts.kube.identity, "sluice gateway listening (kube mode)");
     Ok(running)
 }
+
+/// How long a held pod's supervisor may stay silent before the gateway pings it.
+const KUBE_KEEPALIVE: Duration = Duration::from_secs(30);
 
 fn engine(
     backend: Arc<dyn SandboxBackend>,
