@@ -71,8 +71,8 @@ struct Counts {
     /// Per tenant with claims held or waiting: how many it holds, and when it was last served.
     tenants: HashMap<Arc<str>, TenantUse>,
     served: u64,
-    /// After a failed boot: no boot for this pool before then.
-    retry_at: Option<Instant>,
+    /// When the last boot failed.
+    failed_at: Option<Instant>,
     /// Boots that failed in a row (reset by one that succeeds).
     failed_boots: u32,
 }
@@ -308,7 +308,15 @@ impl Pool {
             return false;
         }
         let mut c = self.lock();
-        if c.retry_at.is_some_and(|t| Instant::now() < t) || c.total() >= self.max {
+        // After failed boots, warm-up boots back off (0.5 s doubling to 30 s); a boot for a claim
+        // that is waiting is tried again after 0.5 s, as before: in a cluster a failed "boot" is
+        // often only "no warm pod yet" (the node was cordoned), and the run must not wait out the
+        // backoff once pods are there.
+        let wait = match kind {
+            BootFor::Claims => BOOT_RETRY,
+            BootFor::Warm => boot_retry(c.failed_boots),
+        };
+        if c.failed_at.is_some_and(|t| t.elapsed() < wait) || c.total() >= self.max {
             return false;
         }
         let wanted = match kind {
@@ -359,7 +367,7 @@ impl Pool {
                         c.last_error = Some(e.clone());
                         c.failed_boots = c.failed_boots.saturating_add(1);
                         let wait = boot_retry(c.failed_boots);
-                        c.retry_at = Some(Instant::now() + wait);
+                        c.failed_at = Some(Instant::now());
                         Some(Err(wait))
                     }
                 }
@@ -374,8 +382,13 @@ impl Pool {
                 }
                 Some(Err(wait)) => {
                     pool.changed.notify_waiters();
-                    tokio::time::sleep(wait).await;
+                    // Claims that wait may boot again after BOOT_RETRY, warm-ups after `wait`.
+                    tokio::time::sleep(BOOT_RETRY).await;
                     pool.backfill();
+                    if wait > BOOT_RETRY {
+                        tokio::time::sleep(wait - BOOT_RETRY).await;
+                        pool.backfill();
+                    }
                 }
             }
         });
