@@ -31,24 +31,25 @@ pub(crate) struct Pipeline<'e> {
 }
 
 impl<'e> Pipeline<'e> {
-    /// Claims and loads a sandbox for every chain (at the same time, so a baseline adds no claim
-    /// latency of its own). No sandbox in time for either → UNAVAILABLE. The baseline's is handed
-    /// back after each of its walks and claimed again for the next (`walk`).
+    /// Claims and loads a sandbox for every chain: the tenant's first, then the baseline's, whose
+    /// walk comes right after. The baseline's pool serves every tenant, so a run holds one of its
+    /// sandboxes only around the baseline's own walks, never while the tenant's chain waits for a
+    /// sandbox of its own (a boot, under `reuse: None`, with the tenant's module code in it). No
+    /// sandbox in time for either → UNAVAILABLE. The baseline's is handed back after each of its
+    /// walks and claimed again for the next (`walk`).
     pub(crate) async fn open(
         engine: &'e Engine,
         chains: &Chains,
         target: &Target,
         run_id: &str,
     ) -> Result<Self, EngineError> {
-        let opening = chains.ordered().map(|(chain, baseline)| async move {
-            ClaimedChain::open(engine, chain.clone(), target, run_id)
-                .await
-                .map(|claimed| Stage { claimed, baseline })
-        });
-        let stages = futures::future::join_all(opening)
-            .await
-            .into_iter()
-            .collect::<Result<Vec<_>, _>>()?;
+        // `ordered` is baseline first; claim in reverse, then put the stages back in walk order.
+        let mut stages = Vec::new();
+        for (chain, baseline) in chains.ordered().collect::<Vec<_>>().into_iter().rev() {
+            let claimed = ClaimedChain::open(engine, chain.clone(), target, run_id).await?;
+            stages.push(Stage { claimed, baseline });
+        }
+        stages.reverse();
         Ok(Self { stages })
     }
 

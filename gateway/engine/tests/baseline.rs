@@ -323,3 +323,69 @@ async fn a_flooding_tenant_cannot_queue_others_out_of_the_baselines_pool() {
         let _ = f.await;
     }
 }
+
+/// A run holds the baseline's sandbox only around the baseline's walks: a tenant whose own chain is
+/// waiting for a sandbox (`reuse: None`, slow module code, its only sandbox busy) does not sit on
+/// the baseline's meanwhile, keeping every other tenant from it.
+#[tokio::test]
+async fn a_tenant_waiting_for_its_own_sandbox_does_not_hold_the_baselines() {
+    let slow = json!({"name": "slow", "action": "detect", "code":
+        "import time\ntime.sleep(2)\ndef execute(context, settings):\n    return {'action': 'pass'}\n"});
+    let limits = sluice_engine::Limits {
+        claim_timeout: std::time::Duration::from_secs(30),
+        ..common::limits()
+    };
+    let backend = sluice_sandbox_process::ProcessBackend::new().unwrap();
+    let h = Harness::with_backend(
+        std::sync::Arc::new(backend),
+        vec![
+            common::baseline_with(
+                "input",
+                vec![py("mark", "detect", "return {'action': 'pass'}")],
+                json!({"pool": {"warm": 1, "max": 1}}),
+            ),
+            common::chain(
+                "team-a",
+                "a",
+                "bot",
+                "input",
+                vec![slow],
+                json!({"timeoutMs": 8000, "pool": {"warm": 1, "max": 1, "reuse": "None"}}),
+            ),
+        ],
+        limits,
+    )
+    .await;
+    let input = || sluice_engine::RunInput {
+        namespace: "team-a".into(),
+        target: "bot".into(),
+        trigger_point: "input".into(),
+        payload: Some(json!("hi")),
+        ..Default::default()
+    };
+    // Two runs at once: one walks in A's only sandbox (2 s of module code), the other waits for
+    // it to be replaced.
+    let runs: Vec<_> = (0..2)
+        .map(|_| {
+            let engine = h.engine.clone();
+            let i = input();
+            tokio::spawn(async move { engine.run(i).await })
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    let held: usize = h
+        .engine
+        .pools()
+        .sizes()
+        .iter()
+        .filter(|(name, ..)| name.starts_with(common::PLATFORM))
+        .map(|(_, _, claimed)| claimed)
+        .sum();
+    assert_eq!(
+        held, 0,
+        "a run waiting for its own sandbox holds the baseline's"
+    );
+    for r in runs {
+        assert!(r.await.unwrap().is_ok());
+    }
+}
