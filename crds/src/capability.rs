@@ -85,6 +85,12 @@ pub struct Endpoint {
     /// A function built into the gateway.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub builtin: Option<Builtin>,
+    /// What the gateway presents to a grpc or http endpoint: the name of a credential set the
+    /// platform gave the gateway (`--capability-credentials`; the chart's `capabilities.credentials`).
+    /// A set holds a bearer token (`token`), a client certificate (`tls.crt`, `tls.key`) and/or the CA
+    /// that signed the endpoint's certificate (`ca.crt`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<String>,
 }
 
 /// Functions built into the gateway.

@@ -19,6 +19,7 @@ mod capability;
 pub mod code;
 pub mod definition;
 pub mod duration;
+pub mod endpoints;
 #[cfg(feature = "kube")]
 pub mod fields;
 mod hookchain;

@@ -432,21 +432,41 @@ pub fn to_yaml<T: serde::Serialize>(value: &T) -> Result<String, serde_saphyr::S
     )
 }
 
+/// What the platform team decides that judging an object depends on: the namespace whose enforced
+/// chains are baselines, and where capabilities may point.
+#[derive(Clone, Debug)]
+pub struct PlatformRules {
+    pub platform_namespace: String,
+    pub allowed_endpoints: crate::endpoints::AllowedEndpoints,
+}
+
+impl PlatformRules {
+    /// The default platform namespace and `allowed_endpoints`.
+    pub fn new(allowed_endpoints: crate::endpoints::AllowedEndpoints) -> Self {
+        Self {
+            platform_namespace: crate::DEFAULT_PLATFORM_NAMESPACE.to_string(),
+            allowed_endpoints,
+        }
+    }
+}
+
 /// What is wrong with one object that its schema and the semantic rules cannot see alone, worded as
-/// `sluice check` prints it: a Capability's JSON Schema that does not compile, and an enforced
-/// HookChain outside `platform_namespace` (the gateway would not serve it). The admission webhook
-/// refuses on the same findings.
-pub fn object_problems(object: &Object, platform_namespace: &str) -> Vec<String> {
+/// `sluice check` prints it: a Capability's JSON Schema that does not compile or endpoint outside the
+/// allowed ones, and an enforced HookChain outside the platform namespace (the gateway would not
+/// serve it). The admission webhook refuses on the same findings.
+pub fn object_problems(object: &Object, rules: &PlatformRules) -> Vec<String> {
+    let platform_namespace = rules.platform_namespace.as_str();
     let mut out = Vec::new();
     match object {
         Object::Capability(c) => {
+            let name = c.metadata.name.clone().unwrap_or_default();
             if let Some(schema) = &c.spec.schema
                 && let Err(e) = crate::schema::check_schema(schema)
             {
-                out.push(format!(
-                    "Capability {:?}: spec.schema: {e}",
-                    c.metadata.name.clone().unwrap_or_default()
-                ));
+                out.push(format!("Capability {name:?}: spec.schema: {e}"));
+            }
+            if let Some(p) = rules.allowed_endpoints.problem(&c.spec) {
+                out.push(format!("Capability {name:?}: {p}"));
             }
         }
         Object::HookChain(hc) => {

@@ -185,6 +185,21 @@ pub fn capability(name: &str, spec: &CapabilitySpec) -> Vec<Problem> {
             ));
         }
     }
+    if let Some(set) = &spec.endpoint.credentials {
+        if spec.endpoint.builtin.is_some() {
+            out.push(problem(
+                "spec.endpoint.credentials",
+                "a built-in endpoint takes no credentials",
+            ));
+        } else if !valid_name(set) || set.contains('.') {
+            out.push(problem(
+                "spec.endpoint.credentials",
+                format!(
+                    "{set:?} is not a credential set's name: lowercase letters, digits, '-' and '_'"
+                ),
+            ));
+        }
+    }
     if let Some(schema) = &spec.schema
         && !schema.is_object()
     {

@@ -38,6 +38,7 @@ fn start_operator(
         start_deadline: Duration::from_secs(120),
         namespace: None,
         platform_namespace: "sluice-system".into(),
+        allowed_endpoints: Default::default(),
         identity: "operator-e2e".into(),
     };
     let lock = LeaseLock::new(

@@ -194,6 +194,7 @@ async fn the_rules_each_component_needs_are_the_ones_the_chart_is_held_to() {
         start_deadline: Duration::from_secs(120),
         namespace: None,
         platform_namespace: RELEASE.into(),
+        allowed_endpoints: Default::default(),
         identity: "operator-rbac".into(),
     };
     let lock = LeaseLock::new(

@@ -7,6 +7,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
 use serde_json::{Value, json};
+use sluice_crds::manifest::PlatformRules;
 use sluice_operator::metrics::Metrics;
 use sluice_operator::webhook::{CertReloader, Judge, Webhook};
 use std::net::SocketAddr;
@@ -70,7 +71,7 @@ async fn start_with(python: &str) -> Server {
         CertReloader::load(&cert, &key).unwrap(),
         Judge {
             python: python.into(),
-            platform_namespace: "sluice-system".into(),
+            rules: rules(),
         },
     );
     let metrics = Metrics::new();
@@ -191,12 +192,18 @@ async fn judged(server: &Server, uid: &str, operation: &str, object: &Value) -> 
     answer["response"].clone()
 }
 
+/// The platform's rules both the webhook and `sluice check` judge by here: the default platform
+/// namespace, and capabilities may point at the Service `ledger` of `billing` only.
+fn rules() -> PlatformRules {
+    PlatformRules::new("billing/ledger".parse().unwrap())
+}
+
 /// What `sluice check` prints for `object` written to a file: its messages, without file:line.
 fn check_messages(object: &Value) -> Vec<String> {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("object.yaml");
     std::fs::write(&file, serde_saphyr::to_string(object).unwrap()).unwrap();
-    sluice_cli::check(&[file], Path::new(PYTHON))
+    sluice_cli::check(&[file], Path::new(PYTHON), &rules())
         .findings
         .into_iter()
         .map(|f| f.message)
@@ -381,6 +388,38 @@ async fn a_capability_with_a_bad_schema_is_refused_and_a_good_one_admitted() {
     );
 }
 
+/// One message everywhere: the webhook refuses what `sluice check` reports, worded as the operator's
+/// status and the gateway word it (`AllowedEndpoints::check`).
+#[tokio::test]
+async fn a_capability_pointing_outside_the_allowed_endpoints_is_refused_as_check_says() {
+    let server = start().await;
+    let mut object = capability(json!({"type": "object"}));
+    object["spec"]["endpoint"] = json!({"http": "http://ledger.billing.svc:8080/execute"});
+    let response = judged(&server, "uid-endpoint-ok", "CREATE", &object).await;
+    assert_eq!(response["allowed"], true, "{response}");
+
+    for (i, url) in [
+        "http://collector.attacker.example/steal",
+        "http://ledger.team-b.svc/execute",
+        "http://169.254.169.254/latest/meta-data",
+    ]
+    .iter()
+    .enumerate()
+    {
+        object["spec"]["endpoint"] = json!({"http": url});
+        let response = judged(&server, &format!("uid-endpoint-{i}"), "CREATE", &object).await;
+        let said = assert_refused_as_check_says(&response, &object);
+        let reason = rules()
+            .allowed_endpoints
+            .check(&serde_json::from_value(object["spec"]["endpoint"].clone()).unwrap())
+            .unwrap_err();
+        assert!(
+            said.iter().any(|m| m.ends_with(&reason)),
+            "{said:?} lacks {reason}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn an_enforced_chain_outside_the_platform_namespace_is_refused() {
     let server = start().await;
@@ -516,7 +555,7 @@ async fn a_check_that_does_not_finish_in_time_is_refused_with_the_uid() {
         CertReloader::load(&cert, &key).unwrap(),
         Judge {
             python: python.clone(),
-            platform_namespace: "sluice-system".into(),
+            rules: rules(),
         },
     )
     .with_review_timeout(std::time::Duration::from_millis(300));

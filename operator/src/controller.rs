@@ -42,6 +42,8 @@ pub struct RunConfig {
     /// The namespace whose enforced chains are platform baselines (the gateway's
     /// `--platform-namespace`): watched as well when `namespace` is another one.
     pub platform_namespace: String,
+    /// Where Capabilities may point (`--allowed-endpoints`); others are not Ready.
+    pub allowed_endpoints: sluice_crds::endpoints::AllowedEndpoints,
     /// This replica's name, recorded in Events.
     pub identity: String,
 }
@@ -149,7 +151,8 @@ async fn run_namespace(
             recorder,
             metrics,
         )
-        .with_start_deadline(config.start_deadline),
+        .with_start_deadline(config.start_deadline)
+        .with_allowed_endpoints(config.allowed_endpoints.clone()),
     );
 
     let forget_ctx = ctx.clone();

@@ -3,6 +3,8 @@
 use clap::{Args, Parser, Subcommand};
 use kube::{Api, Client};
 use sluice_crds::duration::parse_duration;
+use sluice_crds::endpoints::AllowedEndpoints;
+use sluice_crds::manifest::PlatformRules;
 use sluice_operator::build::{Settings, default_supervisor_image};
 use sluice_operator::controller::{self, LeaseTiming, RunConfig};
 use sluice_operator::leader::{self, LeaseLock};
@@ -85,14 +87,14 @@ struct WebhookArgs {
 }
 
 impl WebhookArgs {
-    fn config(&self, platform_namespace: &str) -> Option<WebhookConfig> {
+    fn config(&self, rules: &PlatformRules) -> Option<WebhookConfig> {
         Some(WebhookConfig {
             listen: self.webhook_listen?,
             cert: self.webhook_cert.clone()?,
             key: self.webhook_key.clone()?,
             judge: Judge {
                 python: self.webhook_python.clone(),
-                platform_namespace: platform_namespace.to_string(),
+                rules: rules.clone(),
             },
             review_timeout: self.webhook_review_timeout,
         })
@@ -128,6 +130,12 @@ struct RunArgs {
     /// with --namespace, its chains, Capabilities and pods are kept as well.
     #[arg(long, default_value = sluice_crds::DEFAULT_PLATFORM_NAMESPACE)]
     platform_namespace: String,
+    /// Where Capabilities may point, comma-separated: `<namespace>/<service>` (either may be `*`),
+    /// `host`, `*.domain`, each with an optional `:port`. Others are refused by the webhook and
+    /// marked Ready=False (EndpointNotAllowed). Empty: built-in endpoints only. Give the gateway
+    /// the same list.
+    #[arg(long, env = "SLUICE_ALLOWED_ENDPOINTS", default_value = "")]
+    allowed_endpoints: AllowedEndpoints,
     /// This replica's identity in the Lease and in Events.
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
@@ -164,7 +172,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     // Every replica answers admission reviews; only the leader reconciles. Bound before /healthz
     // answers, so a replica is never ready (in the webhook Service) without its webhook.
-    if let Some(webhook) = args.webhook.config(&args.platform_namespace) {
+    let rules = PlatformRules {
+        platform_namespace: args.platform_namespace.clone(),
+        allowed_endpoints: args.allowed_endpoints.clone(),
+    };
+    if let Some(webhook) = args.webhook.config(&rules) {
         let webhook = Webhook::bind(webhook).await?.with_metrics(metrics.clone());
         tokio::spawn(webhook.serve(stop_rx.clone()));
     }
@@ -179,6 +191,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         start_deadline: args.start_deadline,
         namespace: args.namespace,
         platform_namespace: args.platform_namespace,
+        allowed_endpoints: args.allowed_endpoints,
         identity: identity(args.identity),
     };
     tracing::info!(identity = %config.identity, runtime_class = %config.settings.runtime_class,
@@ -280,7 +293,9 @@ mod tests {
     fn the_webhook_is_off_by_default_and_needs_its_certificate() {
         let run = |args: &[&str]| {
             Cli::try_parse_from(args).map(|c| match c.command {
-                Command::Run(args) => args.webhook.config("sluice-system"),
+                Command::Run(args) => args
+                    .webhook
+                    .config(&PlatformRules::new(AllowedEndpoints::default())),
                 Command::Render { .. } => unreachable!(),
             })
         };
@@ -300,7 +315,7 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(on.listen.port(), 9443);
-        assert_eq!(on.judge.platform_namespace, "sluice-system");
+        assert_eq!(on.judge.rules.platform_namespace, "sluice-system");
     }
 
     #[test]

@@ -51,6 +51,7 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
         start_deadline: Duration::from_secs(120),
         namespace: None,
         platform_namespace: "sluice-system".into(),
+        allowed_endpoints: Default::default(),
         identity: "operator-test".into(),
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -190,6 +191,7 @@ fn the_platform_namespace_is_watched_beside_a_single_namespace_only() {
         start_deadline: Duration::from_secs(120),
         namespace: namespace.map(Into::into),
         platform_namespace: "sluice-system".into(),
+        allowed_endpoints: Default::default(),
         identity: "operator-test".into(),
     };
     assert_eq!(config(None).watched_namespaces(), vec![None]);
@@ -214,6 +216,7 @@ async fn a_single_namespace_operator_keeps_the_platform_baselines_too() {
         start_deadline: Duration::from_secs(120),
         namespace: Some("team".into()),
         platform_namespace: "sluice-system".into(),
+        allowed_endpoints: Default::default(),
         identity: "operator-test".into(),
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -386,6 +389,7 @@ fn operator_a(client: &kube::Client) -> (sluice_operator::leader::LeaseLock, Run
         start_deadline: Duration::from_secs(120),
         namespace: Some("team-a".into()),
         platform_namespace: "sluice-system".into(),
+        allowed_endpoints: Default::default(),
         identity: "operator-a".into(),
     };
     (lock, config)
@@ -607,6 +611,7 @@ async fn with_a_sandbox_namespace_pods_are_watched_and_made_there_only() {
         start_deadline: Duration::from_secs(120),
         namespace: Some("team".into()),
         platform_namespace: "sluice-system".into(),
+        allowed_endpoints: Default::default(),
         identity: "operator-test".into(),
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

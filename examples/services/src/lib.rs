@@ -9,6 +9,11 @@
 //!   settlement the gateway tries again is applied once.
 //!
 //! Both record every call they receive, so tests can assert the order of gate, execute and dispatch.
+//!
+//! Both can insist on the gateway's credentials ([`Guard`]): a bearer token, and a client
+//! certificate signed by a given CA (then both speak TLS). A call without them is refused (HTTP 401,
+//! gRPC `UNAUTHENTICATED`, or the TLS handshake fails) and never reaches the ledger or the model,
+//! so the `caller` a request carries can be believed: only the gateway could have sent it.
 
 use serde_json::{Value, json};
 use sluice_proto::convert::{from_proto, to_proto};
@@ -49,6 +54,60 @@ pub fn llm_cost(payload: &Value) -> i64 {
         .map(|p| p.chars().count())
         .unwrap_or(0);
     1 + chars as i64 / 100
+}
+
+// ---------------------------------------------------------------- the gateway's credentials
+
+/// What a caller must present before either service answers.
+#[derive(Clone, Debug, Default)]
+pub struct Guard {
+    /// The bearer token the gateway sends (`authorization: Bearer <token>`).
+    pub token: Option<String>,
+    /// Serve TLS and require a client certificate signed by its `client_ca`.
+    pub tls: Option<ServerTls>,
+}
+
+/// PEM: the services' certificate chain and key, and the CA client certificates must chain to.
+#[derive(Clone, Debug)]
+pub struct ServerTls {
+    pub cert: Vec<u8>,
+    pub key: Vec<u8>,
+    pub client_ca: Vec<u8>,
+}
+
+impl Guard {
+    /// Whether an `authorization` header value is the one the gateway sends.
+    fn admits(&self, authorization: Option<&[u8]>) -> bool {
+        match &self.token {
+            None => true,
+            Some(token) => authorization == Some(format!("Bearer {token}").as_bytes()),
+        }
+    }
+
+    fn acceptor(&self) -> anyhow::Result<Option<tokio_rustls::TlsAcceptor>> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        let Some(tls) = &self.tls else {
+            return Ok(None);
+        };
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        for ca in CertificateDer::pem_slice_iter(&tls.client_ca) {
+            roots.add(ca?)?;
+        }
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider.clone(),
+        )
+        .build()?;
+        let chain = CertificateDer::pem_slice_iter(&tls.cert).collect::<Result<Vec<_>, _>>()?;
+        let key = PrivateKeyDer::from_pem_slice(&tls.key)?;
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain, key)?;
+        Ok(Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))))
+    }
 }
 
 // ---------------------------------------------------------------- fake LLM (gRPC)
@@ -225,17 +284,27 @@ impl Credit {
     }
 }
 
-async fn serve_credit(credit: Credit, listener: tokio::net::TcpListener) {
+async fn serve_credit(
+    credit: Credit,
+    listener: tokio::net::TcpListener,
+    guard: Guard,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
+) {
     use http_body_util::{BodyExt, Full};
     use hyper::{Response, StatusCode, body::Bytes, service::service_fn};
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let credit = credit.clone();
+        let (credit, guard, acceptor) = (credit.clone(), guard.clone(), acceptor.clone());
         tokio::spawn(async move {
             let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                 let credit = credit.clone();
+                let admitted = guard.admits(
+                    req.headers()
+                        .get(hyper::header::AUTHORIZATION)
+                        .map(|v| v.as_bytes()),
+                );
                 async move {
                     let body = match http_body_util::Limited::new(req.into_body(), 1 << 20)
                         .collect()
@@ -244,21 +313,41 @@ async fn serve_credit(credit: Credit, listener: tokio::net::TcpListener) {
                         Ok(b) => b.to_bytes(),
                         Err(_) => Bytes::new(),
                     };
-                    let (status, answer) = match serde_json::from_slice::<Value>(&body) {
-                        Ok(v) => match credit.handle(&v) {
-                            Ok(a) => (StatusCode::OK, a),
-                            Err(e) => (StatusCode::BAD_REQUEST, json!({"error": e})),
-                        },
-                        Err(e) => (StatusCode::BAD_REQUEST, json!({"error": e.to_string()})),
+                    let (status, answer) = if !admitted {
+                        (
+                            StatusCode::UNAUTHORIZED,
+                            json!({"error": "the gateway's bearer token is missing or wrong"}),
+                        )
+                    } else {
+                        match serde_json::from_slice::<Value>(&body) {
+                            Ok(v) => match credit.handle(&v) {
+                                Ok(a) => (StatusCode::OK, a),
+                                Err(e) => (StatusCode::BAD_REQUEST, json!({"error": e})),
+                            },
+                            Err(e) => (StatusCode::BAD_REQUEST, json!({"error": e.to_string()})),
+                        }
                     };
                     let mut resp = Response::new(Full::new(Bytes::from(answer.to_string())));
                     *resp.status_mut() = status;
                     Ok::<_, std::convert::Infallible>(resp)
                 }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                .await;
+            let http = hyper::server::conn::http1::Builder::new();
+            match acceptor {
+                None => {
+                    let _ = http
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                        .await;
+                }
+                // Without a client certificate the CA signed, the handshake fails: nothing is read.
+                Some(acceptor) => {
+                    if let Ok(tls) = acceptor.accept(stream).await {
+                        let _ = http
+                            .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
+                            .await;
+                    }
+                }
+            }
         });
     }
 }
@@ -274,7 +363,18 @@ pub struct Services {
 }
 
 impl Services {
+    /// Both services, open to any caller.
     pub async fn start(llm: SocketAddr, credit_addr: SocketAddr) -> anyhow::Result<Self> {
+        Self::start_guarded(llm, credit_addr, Guard::default()).await
+    }
+
+    /// Both services, answering only callers that present what `guard` asks for.
+    pub async fn start_guarded(
+        llm: SocketAddr,
+        credit_addr: SocketAddr,
+        guard: Guard,
+    ) -> anyhow::Result<Self> {
+        let acceptor = guard.acceptor()?;
         let llm_listener = tokio::net::TcpListener::bind(llm).await?;
         let credit_listener = tokio::net::TcpListener::bind(credit_addr).await?;
         let (llm_addr, credit_addr) = (llm_listener.local_addr()?, credit_listener.local_addr()?);
@@ -283,12 +383,32 @@ impl Services {
             log: log.clone(),
             ..Credit::default()
         };
-        let llm_service = proto::capability_service_server::CapabilityServiceServer::new(FakeLlm {
-            log: log.clone(),
-        });
+        let token_guard = guard.clone();
+        let llm_service =
+            proto::capability_service_server::CapabilityServiceServer::with_interceptor(
+                FakeLlm { log: log.clone() },
+                move |req: tonic::Request<()>| {
+                    let authorization = req.metadata().get("authorization").map(|v| v.as_bytes());
+                    if token_guard.admits(authorization) {
+                        Ok(req)
+                    } else {
+                        Err(tonic::Status::unauthenticated(
+                            "the gateway's bearer token is missing or wrong",
+                        ))
+                    }
+                },
+            );
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = &guard.tls {
+            server = server.tls_config(
+                tonic::transport::ServerTlsConfig::new()
+                    .identity(tonic::transport::Identity::from_pem(&tls.cert, &tls.key))
+                    .client_ca_root(tonic::transport::Certificate::from_pem(&tls.client_ca)),
+            )?;
+        }
         let grpc = tokio::spawn(async move {
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(llm_listener);
-            if let Err(e) = tonic::transport::Server::builder()
+            if let Err(e) = server
                 .add_service(llm_service)
                 .serve_with_incoming(incoming)
                 .await
@@ -296,7 +416,12 @@ impl Services {
                 tracing::error!(error = %e, "fake LLM stopped");
             }
         });
-        let http = tokio::spawn(serve_credit(credit.clone(), credit_listener));
+        let http = tokio::spawn(serve_credit(
+            credit.clone(),
+            credit_listener,
+            guard,
+            acceptor,
+        ));
         Ok(Self {
             llm_addr,
             credit_addr,

@@ -1,8 +1,11 @@
 //! `sluice-example-services`: the fake LLM (gRPC) and the credit ledger (HTTP) behind
 //! `examples/capabilities.yaml`. Every user starts with `--balance` credits.
 
+use anyhow::Context as _;
 use clap::Parser;
+use sluice_example_services::{Guard, ServerTls};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 #[derive(Parser)]
 #[command(about = "Example services behind the example Capabilities")]
@@ -14,6 +17,19 @@ struct Args {
     /// Starting balance of the example users (user-1, user-2, user-3).
     #[arg(long, default_value_t = 20)]
     balance: i64,
+    /// Refuse calls without this bearer token (a file holding it, as the gateway's credential
+    /// set's `token`).
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+    /// Serve TLS with this PEM certificate chain (with --tls-key and --client-ca).
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "client_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Refuse callers without a client certificate signed by this PEM CA (the gateway's).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    client_ca: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -22,7 +38,24 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let services = sluice_example_services::Services::start(args.llm, args.credit).await?;
+    let read =
+        |path: &PathBuf| std::fs::read(path).with_context(|| format!("reading {}", path.display()));
+    let guard = Guard {
+        token: match &args.token_file {
+            Some(f) => Some(String::from_utf8(read(f)?)?.trim().to_string()),
+            None => None,
+        },
+        tls: match (&args.tls_cert, &args.tls_key, &args.client_ca) {
+            (Some(cert), Some(key), Some(ca)) => Some(ServerTls {
+                cert: read(cert)?,
+                key: read(key)?,
+                client_ca: read(ca)?,
+            }),
+            _ => None,
+        },
+    };
+    let services =
+        sluice_example_services::Services::start_guarded(args.llm, args.credit, guard).await?;
     for user in ["user-1", "user-2", "user-3"] {
         services.credit.set_balance(user, args.balance);
     }

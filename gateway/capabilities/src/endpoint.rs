@@ -2,17 +2,14 @@
 //! or a built-in. Connections are reused across calls; nothing is retried, so a call that may have
 //! charged credit is never made twice.
 
+use crate::trust::{CredentialError, CredentialSet, Credentials, HttpClient};
 use serde_json::{Value, json};
 use sluice_crds::{Builtin, Endpoint};
 use sluice_engine::Caller;
 use sluice_proto::convert::{from_proto, to_proto};
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-
-type HttpClient = hyper_util::client::legacy::Client<
-    hyper_util::client::legacy::connect::HttpConnector,
-    http_body_util::Full<bytes::Bytes>,
->;
 
 /// Why an endpoint gave no answer; the runner reports it as the capability having failed.
 #[derive(Debug, thiserror::Error)]
@@ -41,26 +38,79 @@ pub(crate) enum EndpointError {
     },
     #[error("{0}")]
     Encode(#[from] serde_json::Error),
+    #[error("{0}")]
+    Credentials(#[from] CredentialError),
+    #[error(
+        "{url}: credentials go over https only (or to a loopback address), never over plain http"
+    )]
+    Insecure { url: String },
 }
 
 /// Clients of every endpoint kind, shared by all runs.
 #[derive(Clone)]
 pub(crate) struct Transport {
+    /// HTTPS (system roots) or plain HTTP, for endpoints that name no credentials.
     http: HttpClient,
     grpc: Arc<Mutex<HashMap<String, tonic::transport::Channel>>>,
+    credentials: Arc<Credentials>,
 }
 
-impl Default for Transport {
-    fn default() -> Self {
-        let http =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .pool_idle_timeout(std::time::Duration::from_secs(30))
-                .build_http();
+impl Transport {
+    pub(crate) fn new(credentials: Option<PathBuf>) -> Self {
+        let config = crate::trust::tls_config(None, None)
+            .expect("the system's roots and no client certificate always make a configuration");
         Self {
-            http,
+            http: crate::trust::https_client(config),
             grpc: Arc::default(),
+            credentials: Arc::new(Credentials::new(credentials)),
         }
     }
+}
+
+/// Whether `url` names this machine: the one place a credential may go over plain http.
+fn is_loopback(url: &str) -> bool {
+    let Ok(uri) = url.parse::<http::Uri>() else {
+        return false;
+    };
+    match uri.host() {
+        Some("localhost") | Some("[::1]") => true,
+        Some(h) => h
+            .parse::<std::net::Ipv4Addr>()
+            .is_ok_and(|ip| ip.is_loopback()),
+        None => false,
+    }
+}
+
+/// A channel to `url` from `cache`, made (lazily connecting) when missing, with TLS for https.
+fn channel(
+    cache: &Mutex<HashMap<String, tonic::transport::Channel>>,
+    url: &str,
+    set: Option<&CredentialSet>,
+) -> Result<tonic::transport::Channel, EndpointError> {
+    let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = cache.get(url) {
+        return Ok(c.clone());
+    }
+    let bad = |reason: String| EndpointError::BadUrl {
+        url: url.to_string(),
+        reason,
+    };
+    let mut endpoint =
+        tonic::transport::Endpoint::from_shared(url.to_string()).map_err(|e| bad(e.to_string()))?;
+    if url.starts_with("https://") {
+        let mut tls = tonic::transport::ClientTlsConfig::new();
+        match set.and_then(|s| s.ca.as_ref()) {
+            Some(ca) => tls = tls.ca_certificate(tonic::transport::Certificate::from_pem(ca)),
+            None => tls = tls.with_native_roots(),
+        }
+        if let Some((cert, key)) = set.and_then(|s| s.identity.as_ref()) {
+            tls = tls.identity(tonic::transport::Identity::from_pem(cert, key));
+        }
+        endpoint = endpoint.tls_config(tls).map_err(|e| bad(e.to_string()))?;
+    }
+    let c = endpoint.connect_lazy();
+    cache.insert(url.to_string(), c.clone());
+    Ok(c)
 }
 
 impl Transport {
@@ -88,11 +138,25 @@ impl Transport {
                 }
             });
         }
+        let set = match &endpoint.credentials {
+            Some(name) => Some(self.credentials.get(name).await?),
+            None => None,
+        };
+        let url = endpoint.http.as_deref().or(endpoint.grpc.as_deref());
+        if let (Some(set), Some(url)) = (&set, url)
+            && set.token.is_some()
+            && !url.starts_with("https://")
+            && !is_loopback(url)
+        {
+            return Err(EndpointError::Insecure {
+                url: url.to_string(),
+            });
+        }
         if let Some(url) = &endpoint.http {
-            return self.http(url, name, payload, caller).await;
+            return self.http(url, name, payload, caller, set.as_deref()).await;
         }
         if let Some(url) = &endpoint.grpc {
-            return self.grpc(url, name, payload, caller).await;
+            return self.grpc(url, name, payload, caller, set.as_deref()).await;
         }
         Err(EndpointError::NoEndpoint)
     }
@@ -103,6 +167,7 @@ impl Transport {
         name: &str,
         payload: Value,
         caller: &Caller,
+        set: Option<&CredentialSet>,
     ) -> Result<(Value, Option<Value>), EndpointError> {
         use http_body_util::BodyExt;
         let at = |reason: &dyn std::fmt::Display| (url.to_string(), reason.to_string());
@@ -117,7 +182,11 @@ impl Transport {
                 EndpointError::BadUrl { url, reason }
             })?;
         crate::propagation::inject_http(req.headers_mut());
-        let resp = self.http.request(req).await.map_err(|e| {
+        if let Some(token) = set.and_then(|s| s.token.clone()) {
+            req.headers_mut().insert(http::header::AUTHORIZATION, token);
+        }
+        let client = set.map_or(&self.http, |s| &s.http);
+        let resp = client.request(req).await.map_err(|e| {
             let (url, reason) = at(&e);
             EndpointError::Unreachable { url, reason }
         })?;
@@ -153,23 +222,9 @@ impl Transport {
         name: &str,
         payload: Value,
         caller: &Caller,
+        set: Option<&CredentialSet>,
     ) -> Result<(Value, Option<Value>), EndpointError> {
-        let channel = {
-            let mut cache = self.grpc.lock().unwrap_or_else(|p| p.into_inner());
-            match cache.get(url) {
-                Some(c) => c.clone(),
-                None => {
-                    let c = tonic::transport::Endpoint::from_shared(url.to_string())
-                        .map_err(|e| EndpointError::BadUrl {
-                            url: url.to_string(),
-                            reason: e.to_string(),
-                        })?
-                        .connect_lazy();
-                    cache.insert(url.to_string(), c.clone());
-                    c
-                }
-            }
-        };
+        let channel = channel(set.map_or(&*self.grpc, |s| &s.channels), url, set)?;
         let mut client =
             sluice_proto::capability_service_client::CapabilityServiceClient::new(channel);
         let mut req = tonic::Request::new(sluice_proto::ExecuteRequest {
@@ -178,6 +233,12 @@ impl Transport {
             caller: caller.0.clone().into_iter().collect(),
         });
         crate::propagation::inject_grpc(req.metadata_mut());
+        if let Some(token) = set.and_then(|s| s.token.as_ref())
+            && let Ok(value) = token.to_str()
+            && let Ok(value) = value.parse()
+        {
+            req.metadata_mut().insert("authorization", value);
+        }
         let resp = client
             .execute(req)
             .await
@@ -193,5 +254,29 @@ impl Transport {
             .map(|v| from_proto(&v))
             .filter(|c| !c.is_null());
         Ok((result, consumed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback;
+
+    #[test]
+    fn only_this_machine_counts_as_loopback() {
+        for url in [
+            "http://127.0.0.1:7002/x",
+            "http://localhost/",
+            "http://[::1]:9/",
+        ] {
+            assert!(is_loopback(url), "{url}");
+        }
+        for url in [
+            "http://ledger.billing.svc/",
+            "http://10.0.0.1/",
+            "http://127.0.0.1.nip.io/",
+            "http://localhost.evil.example/",
+        ] {
+            assert!(!is_loopback(url), "{url}");
+        }
     }
 }

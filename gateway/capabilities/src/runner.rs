@@ -5,8 +5,10 @@
 //! change it.
 
 use crate::endpoint::Transport;
+use crate::trust::Trust;
 use async_trait::async_trait;
 use serde_json::{Value, json};
+use sluice_crds::endpoints::AllowedEndpoints;
 use sluice_crds::log_text::Escaped;
 use sluice_engine::{
     AuditGate, AuditHostCall, Caller, Capabilities, CapabilityEntry, Chain, HostCallCode,
@@ -32,6 +34,9 @@ pub enum CallError {
         role: &'static str,
         of: String,
     },
+    /// The capability, or a gate or dispatch step of it, points where the platform does not allow.
+    #[error("{name:?} is refused: {reason}")]
+    EndpointNotAllowed { name: String, reason: String },
     #[error("payload for {name:?} does not match its schema: {reason}")]
     Schema { name: String, reason: String },
     #[error("{name:?} denied by gate {gate:?}: {reason}")]
@@ -60,9 +65,10 @@ impl CallError {
     /// What the hook's `HostCallError.code` says.
     pub fn code(&self) -> HostCallCode {
         match self {
-            Self::Unknown(..) | Self::NotAllowed { .. } | Self::NotCallable { .. } => {
-                HostCallCode::Forbidden
-            }
+            Self::Unknown(..)
+            | Self::NotAllowed { .. }
+            | Self::NotCallable { .. }
+            | Self::EndpointNotAllowed { .. } => HostCallCode::Forbidden,
             Self::Schema { .. } => HostCallCode::Invalid,
             Self::Denied { .. } => HostCallCode::Denied,
             Self::GateFailed { source, .. } => source.code(),
@@ -83,14 +89,16 @@ pub struct Runner {
     metrics: Metrics,
     limits: Limits,
     transport: Transport,
+    allowed: Arc<AllowedEndpoints>,
 }
 
 impl Runner {
-    pub fn new(metrics: Metrics, limits: Limits) -> Self {
+    pub fn new(metrics: Metrics, limits: Limits, trust: Trust) -> Self {
         Self {
             metrics,
             limits,
-            transport: Transport::default(),
+            transport: Transport::new(trust.credentials),
+            allowed: Arc::new(trust.allowed),
         }
     }
 }
@@ -109,6 +117,7 @@ impl Capabilities for Runner {
             caller,
             metrics: self.metrics.clone(),
             transport: self.transport.clone(),
+            allowed: self.allowed.clone(),
             max_result_bytes: self.limits.payload_bytes,
             audit: Mutex::default(),
             calls: AtomicU64::new(0),
@@ -123,6 +132,7 @@ struct RunHostCalls {
     caller: Caller,
     metrics: Metrics,
     transport: Transport,
+    allowed: Arc<AllowedEndpoints>,
     max_result_bytes: usize,
     audit: Mutex<Vec<AuditHostCall>>,
     /// host_calls of this run so far: each gets its own `call_id` (`<run id>.<n>`).
@@ -244,6 +254,21 @@ impl RunHostCalls {
                 hook: hook_spec.name.clone(),
                 name: name.into(),
             });
+        }
+        // trust: the capability and every gate and dispatch step of it point where the platform
+        // allows, checked before any gate can reserve.
+        for step in std::iter::once(name)
+            .chain(cap.spec.gates.iter().map(String::as_str))
+            .chain(cap.spec.dispatch.iter().map(String::as_str))
+        {
+            if let Some(c) = self.registry.capability(&self.chain.namespace, step)
+                && let Err(reason) = self.allowed.check(&c.spec.endpoint)
+            {
+                return Err(CallError::EndpointNotAllowed {
+                    name: step.into(),
+                    reason,
+                });
+            }
         }
         // schema
         if let Some(schema) = &cap.spec.schema {

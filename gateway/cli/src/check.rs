@@ -3,7 +3,7 @@
 //! `sluice_crds::code`), never executed on the host.
 
 use sluice_crds::definition::Definition;
-use sluice_crds::manifest::{self, Located, Object};
+use sluice_crds::manifest::{self, Located, Object, PlatformRules};
 use std::path::{Path, PathBuf};
 
 /// One finding, with the file line it concerns.
@@ -35,7 +35,7 @@ pub const DEFAULT_PYTHON: &str = "/usr/bin/python3";
 /// hook code is analysed by `python` (also in documents whose schema is wrong), the settings keys the
 /// code reads must be declared, capabilities hooks list must be defined in one of the files, and
 /// two chains must not serve the same target at the same trigger point.
-pub fn check(files: &[PathBuf], python: &Path) -> Report {
+pub fn check(files: &[PathBuf], python: &Path, rules: &PlatformRules) -> Report {
     let mut report = Report::default();
     let mut objects: Vec<Located<Object>> = Vec::new();
     for file in files {
@@ -102,8 +102,7 @@ pub fn check(files: &[PathBuf], python: &Path) -> Report {
         .collect();
     for o in &objects {
         // What the admission webhook refuses as well: the same rules, worded once.
-        for message in manifest::object_problems(&o.value, sluice_crds::DEFAULT_PLATFORM_NAMESPACE)
-        {
+        for message in manifest::object_problems(&o.value, rules) {
             report.findings.push(Finding {
                 file: o.file.clone(),
                 line: o.line,

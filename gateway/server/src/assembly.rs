@@ -8,7 +8,7 @@ use crate::service::GatewayService;
 use crate::tls::{ReloadingTls, TlsFiles, TlsMetrics};
 use crate::{dir_watch, local_dir};
 use anyhow::Context as _;
-use sluice_capabilities::Runner;
+use sluice_capabilities::{Runner, Trust};
 use sluice_engine::{Audit, Engine, Limits, Metrics, Pools, SandboxBackend};
 use sluice_proto::gateway_server::GatewayServer;
 use sluice_sandbox_kube::{KubeBackend, KubeConfig, KubeSource};
@@ -108,6 +108,8 @@ pub struct LocalOptions {
     /// process and hooks are walled in by its WebAssembly instances alone (an author's machine
     /// without runsc or root, for `sluice test` and `sluice run`).
     pub gvisor: bool,
+    /// Where capabilities may point (loopback by default) and the credentials they may name.
+    pub trust: Trust,
 }
 
 impl LocalOptions {
@@ -126,6 +128,7 @@ impl LocalOptions {
             platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
             python: PathBuf::from("/usr/bin/python3"),
             gvisor: true,
+            trust: Trust::local(),
         }
     }
 }
@@ -210,6 +213,7 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         metrics,
         &opts.limits,
         opts.boot_concurrency,
+        opts.trust,
     );
     let mut source = local_dir::LocalSource::new(&opts.dir, &opts.platform_namespace, &opts.python);
     // Reading checks hook code with python: kept off the async workers, each file bounded in time.
@@ -251,6 +255,8 @@ pub struct KubeOptions {
     /// The interpreter that checks each HookChain generation's code: the sandbox image's Python
     /// (`python3` on `PATH` by default, as in the gateway image).
     pub python: PathBuf,
+    /// Where capabilities may point (built-ins only by default) and the credentials they may name.
+    pub trust: Trust,
 }
 
 impl KubeOptions {
@@ -266,6 +272,7 @@ impl KubeOptions {
             sync_timeout: Duration::from_secs(30),
             platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
             python: PathBuf::from("python3"),
+            trust: Trust::cluster(),
         }
     }
 }
@@ -307,7 +314,14 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     // and may leave it half-open: its supervisor is pinged when silent this long.
     limits.keepalive.get_or_insert(KUBE_KEEPALIVE);
     // Claims are API calls, not boots: many may be in flight at once.
-    let engine = engine(Arc::new(backend), opts.audit, metrics, &limits, 256);
+    let engine = engine(
+        Arc::new(backend),
+        opts.audit,
+        metrics,
+        &limits,
+        256,
+        opts.trust.clone(),
+    );
     let mut source = KubeSource::start(
         opts.client.clone(),
         &opts.kube.namespaces,
@@ -334,9 +348,11 @@ fn engine(
     metrics: Metrics,
     limits: &Limits,
     boot_concurrency: usize,
+    trust: Trust,
 ) -> Arc<Engine> {
+    tracing::info!(allowed_endpoints = %trust.allowed, credentials = ?trust.credentials, "capability trust");
     let pools = Pools::new(backend, limits.clone(), metrics.clone(), boot_concurrency);
-    let capabilities = Arc::new(Runner::new(metrics.clone(), limits.clone()));
+    let capabilities = Arc::new(Runner::new(metrics.clone(), limits.clone(), trust));
     Arc::new(Engine::new(
         pools,
         audit,

@@ -22,4 +22,5 @@ pub use assembly::{
 };
 pub use callers::PolicyError;
 pub use local_dir::{LocalSource, load, load_for};
+pub use sluice_capabilities::Trust;
 pub use tls::{TlsError, TlsFiles};

@@ -14,10 +14,14 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
+use sluice_crds::endpoints::AllowedEndpoints;
 use sluice_crds::{Capability, CapabilityStatus};
 
 /// The Capability's spec and its JSON Schema are usable.
 pub const SCHEMA_VALID: &str = "SchemaValid";
+
+/// `Ready=False` reason of a Capability whose endpoint the platform does not allow.
+pub(crate) const ENDPOINT_NOT_ALLOWED: &str = "EndpointNotAllowed";
 
 type Guarded = DeserializeGuard<Capability>;
 
@@ -35,8 +39,14 @@ pub async fn check_namespace(ctx: &Context, namespace: &str) {
     }
 }
 
-/// The conditions of `cap`, judged against the Capabilities `others` (its namespace's).
-fn judge(cap: &Guarded, others: &[std::sync::Arc<Guarded>], now: Timestamp) -> Vec<Condition> {
+/// The conditions of `cap`, judged against the Capabilities `others` (its namespace's) and where
+/// the platform lets capabilities point.
+fn judge(
+    cap: &Guarded,
+    others: &[std::sync::Arc<Guarded>],
+    allowed: &AllowedEndpoints,
+    now: Timestamp,
+) -> Vec<Condition> {
     let meta = cap.meta();
     let previous: &[Condition] = match &cap.0 {
         Ok(c) => c
@@ -74,6 +84,9 @@ fn judge(cap: &Guarded, others: &[std::sync::Arc<Guarded>], now: Timestamp) -> V
         "Valid",
         "spec and JSON Schema are usable".into(),
     );
+    if let Err(why) = allowed.check(&spec.endpoint) {
+        return vec![valid, cond(READY, "False", ENDPOINT_NOT_ALLOWED, why)];
+    }
     let mut missing = Vec::new();
     let mut invalid = Vec::new();
     for (role, name) in spec
@@ -86,7 +99,10 @@ fn judge(cap: &Guarded, others: &[std::sync::Arc<Guarded>], now: Timestamp) -> V
             None => missing.push(format!("{role} {name:?}")),
             Some(o) => {
                 let usable = match &o.0 {
-                    Ok(c) => crate::validate::capability_problems(name, &c.spec).is_empty(),
+                    Ok(c) => {
+                        crate::validate::capability_problems(name, &c.spec).is_empty()
+                            && allowed.check(&c.spec.endpoint).is_ok()
+                    }
                     Err(_) => false,
                 };
                 if !usable {
@@ -151,7 +167,7 @@ async fn check(ctx: &Context, cap: &Guarded) {
     let others = ctx
         .capabilities
         .state_filter(|c| c.namespace().as_deref() == Some(namespace.as_str()));
-    let conditions = judge(cap, &others, Timestamp::now());
+    let conditions = judge(cap, &others, &ctx.allowed_endpoints, Timestamp::now());
     let current: Vec<Condition> = match &cap.0 {
         Ok(c) => c
             .status
@@ -223,6 +239,10 @@ mod tests {
         Arc::new(DeserializeGuard(Ok(c)))
     }
 
+    fn none() -> AllowedEndpoints {
+        AllowedEndpoints::default()
+    }
+
     fn of<'a>(conditions: &'a [Condition], type_: &str) -> (&'a str, &'a str) {
         let c = conditions.iter().find(|c| c.type_ == type_).unwrap();
         (c.status.as_str(), c.reason.as_str())
@@ -240,13 +260,13 @@ mod tests {
                                "schema": {"type": "object"}}),
         );
         let all = vec![check.clone(), llm.clone()];
-        let c = judge(&llm, &all, Timestamp::now());
+        let c = judge(&llm, &all, &none(), Timestamp::now());
         assert_eq!(of(&c, SCHEMA_VALID), ("True", "Valid"));
         assert_eq!(of(&c, READY), ("True", "Ready"));
         assert_eq!(c[0].observed_generation, Some(2));
 
         // Its gate missing: schema valid, not ready, and the message names the gate.
-        let c = judge(&llm, std::slice::from_ref(&llm), Timestamp::now());
+        let c = judge(&llm, std::slice::from_ref(&llm), &none(), Timestamp::now());
         assert_eq!(of(&c, SCHEMA_VALID), ("True", "Valid"));
         assert_eq!(of(&c, READY), ("False", "UnknownCapability"));
         assert!(
@@ -260,7 +280,50 @@ mod tests {
             "credit.check",
             serde_json::json!({"endpoint": {"http": "ftp://x"}}),
         );
-        let c = judge(&llm, &[llm.clone(), broken], Timestamp::now());
+        let c = judge(&llm, &[llm.clone(), broken], &none(), Timestamp::now());
+        assert_eq!(of(&c, READY), ("False", "InvalidCapability"));
+    }
+
+    /// The same refusal as the webhook's and `sluice check`'s, as the reason `EndpointNotAllowed`;
+    /// a chain's capability gated by it is not usable either.
+    #[test]
+    fn an_endpoint_outside_the_allowed_ones_is_not_ready() {
+        let allowed: AllowedEndpoints = "billing/ledger".parse().unwrap();
+        let ledger = cap(
+            "credit.check",
+            serde_json::json!({"endpoint": {"http": "http://ledger.billing.svc/check"}}),
+        );
+        let c = judge(
+            &ledger,
+            std::slice::from_ref(&ledger),
+            &allowed,
+            Timestamp::now(),
+        );
+        assert_eq!(of(&c, READY), ("True", "Ready"));
+        let elsewhere = cap(
+            "credit.check",
+            serde_json::json!({"endpoint": {"http": "http://collector.evil.example/"}}),
+        );
+        let c = judge(
+            &elsewhere,
+            std::slice::from_ref(&elsewhere),
+            &allowed,
+            Timestamp::now(),
+        );
+        assert_eq!(of(&c, SCHEMA_VALID), ("True", "Valid"));
+        assert_eq!(of(&c, READY), ("False", ENDPOINT_NOT_ALLOWED));
+        let expected = allowed
+            .check(&sluice_crds::Endpoint {
+                http: Some("http://collector.evil.example/".into()),
+                ..Default::default()
+            })
+            .unwrap_err();
+        assert_eq!(c[1].message, expected);
+        let llm = cap(
+            "llm.run",
+            serde_json::json!({"endpoint": {"builtin": "echo"}, "gates": ["credit.check"]}),
+        );
+        let c = judge(&llm, &[llm.clone(), elsewhere], &allowed, Timestamp::now());
         assert_eq!(of(&c, READY), ("False", "InvalidCapability"));
     }
 
@@ -270,7 +333,7 @@ mod tests {
             "llm.run",
             serde_json::json!({"endpoint": {"builtin": "echo"}, "schema": {"type": "no-such-type"}}),
         );
-        let c = judge(&bad, std::slice::from_ref(&bad), Timestamp::now());
+        let c = judge(&bad, std::slice::from_ref(&bad), &none(), Timestamp::now());
         assert_eq!(of(&c, SCHEMA_VALID), ("False", "InvalidSpec"));
         assert_eq!(of(&c, READY), ("False", "InvalidSpec"));
         assert!(c[0].message.contains("spec.schema"), "{}", c[0].message);
@@ -279,17 +342,18 @@ mod tests {
             error: "spec.timeoutMs: invalid type".into(),
             metadata: Default::default(),
         }));
-        let c = judge(&unreadable, &[], Timestamp::now());
+        let c = judge(&unreadable, &[], &none(), Timestamp::now());
         assert_eq!(of(&c, SCHEMA_VALID), ("False", "InvalidObject"));
     }
 
     #[test]
     fn an_unchanged_judgement_is_not_written_again() {
         let c = cap("echo", serde_json::json!({"endpoint": {"builtin": "echo"}}));
-        let first = judge(&c, std::slice::from_ref(&c), Timestamp::now());
+        let first = judge(&c, std::slice::from_ref(&c), &none(), Timestamp::now());
         let later = judge(
             &c,
             std::slice::from_ref(&c),
+            &none(),
             Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_secs(60),
         );
         assert!(same(&first, &later));
@@ -299,7 +363,12 @@ mod tests {
         );
         assert!(!same(
             &first,
-            &judge(&other, std::slice::from_ref(&other), Timestamp::now())
+            &judge(
+                &other,
+                std::slice::from_ref(&other),
+                &none(),
+                Timestamp::now()
+            )
         ));
     }
 }

@@ -36,6 +36,9 @@ pub struct Context {
     pub start_deadline: Duration,
     pub pods: Store<Pod>,
     pub capabilities: Store<DeserializeGuard<Capability>>,
+    /// Where Capabilities may point; others are `Ready=False` (`EndpointNotAllowed`), and so are
+    /// the chains whose hooks call them.
+    pub allowed_endpoints: sluice_crds::endpoints::AllowedEndpoints,
     pub expectations: Expectations,
     pub recorder: Recorder,
     pub metrics: Metrics,
@@ -69,6 +72,7 @@ impl Context {
             start_deadline: DEFAULT_START_DEADLINE,
             pods,
             capabilities,
+            allowed_endpoints: Default::default(),
             expectations,
             recorder,
             metrics,
@@ -77,6 +81,15 @@ impl Context {
             start_failures: Mutex::default(),
             status_written: Mutex::default(),
         }
+    }
+
+    /// Sets where Capabilities may point (none but built-ins by default).
+    pub fn with_allowed_endpoints(
+        mut self,
+        allowed: sluice_crds::endpoints::AllowedEndpoints,
+    ) -> Self {
+        self.allowed_endpoints = allowed;
+        self
     }
 
     /// Sets how long a new pod may take to become ready before it is replaced.

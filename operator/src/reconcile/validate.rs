@@ -51,7 +51,8 @@ fn capability_state(ctx: &Context, namespace: &str, name: &str) -> CapabilitySta
             CapabilityState::Invalid(format!("does not match the Capability schema: {}", e.error))
         }
         Some(DeserializeGuard(Ok(cap))) => {
-            let problems = validate::capability_problems(name, &cap.spec);
+            let mut problems = validate::capability_problems(name, &cap.spec);
+            problems.extend(ctx.allowed_endpoints.check(&cap.spec.endpoint).err());
             if problems.is_empty() {
                 CapabilityState::Valid
             } else {

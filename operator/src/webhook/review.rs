@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 pub struct Judge {
     /// The interpreter that parses hook code (the operator image's python3).
     pub python: PathBuf,
-    /// Where enforced (baseline) chains are honoured.
-    pub platform_namespace: String,
+    /// Where enforced (baseline) chains are honoured and capabilities may point.
+    pub rules: manifest::PlatformRules,
 }
 
 /// A body that is not an AdmissionReview at all: answered with HTTP 400, as there is no request
@@ -167,10 +167,7 @@ pub fn judge_object(object: &Value, judge: &Judge) -> Verdict {
                 match loaded {
                     Err(e) => problems.push(e.message),
                     Ok(o) => {
-                        problems.extend(manifest::object_problems(
-                            &o.value,
-                            &judge.platform_namespace,
-                        ));
+                        problems.extend(manifest::object_problems(&o.value, &judge.rules));
                         if let Object::HookChain(hc) = &o.value
                             && let Some(p) = hc
                                 .metadata
@@ -249,7 +246,7 @@ mod tests {
     fn allowed(body: &[u8]) -> bool {
         let judge = Judge {
             python: "python3".into(),
-            platform_namespace: "sluice-system".into(),
+            rules: manifest::PlatformRules::new("billing/ledger".parse().unwrap()),
         };
         let answer = review(body, &judge).expect("a review");
         let response = answer.response.expect("a response");

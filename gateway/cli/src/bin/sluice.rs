@@ -8,6 +8,7 @@
 
 use clap::{Parser, Subcommand};
 use serde_json::{Value, json};
+use sluice_crds::manifest::PlatformRules;
 use sluice_proto as proto;
 use sluice_proto::convert::to_proto;
 use std::process::ExitCode;
@@ -34,6 +35,11 @@ enum Command {
         /// PATH, so that syntax the sandbox would refuse is refused here.
         #[arg(long, default_value = sluice_cli::DEFAULT_PYTHON)]
         python: std::path::PathBuf,
+        /// The platform's allowed endpoints (the gateway's and operator's --allowed-endpoints):
+        /// Capabilities pointing elsewhere are reported. Default: loopback addresses, as local
+        /// mode allows.
+        #[arg(long, env = "SLUICE_ALLOWED_ENDPOINTS", value_name = "LIST")]
+        allowed_endpoints: Option<sluice_crds::endpoints::AllowedEndpoints>,
     },
     /// Run declarative test cases (YAML) against their chains in local gVisor sandboxes.
     ///
@@ -212,7 +218,15 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Call(a) => call(a).await,
-        Command::Check { files, python } => return check(&files, &python),
+        Command::Check {
+            files,
+            python,
+            allowed_endpoints,
+        } => {
+            let allowed = allowed_endpoints
+                .unwrap_or_else(sluice_crds::endpoints::AllowedEndpoints::loopback);
+            return check(&files, &python, &PlatformRules::new(allowed));
+        }
         Command::Test {
             files,
             run,
@@ -253,9 +267,13 @@ fn parse_context(pairs: &[String]) -> Result<std::collections::BTreeMap<String, 
         .collect()
 }
 
-fn check(files: &[std::path::PathBuf], python: &std::path::Path) -> ExitCode {
+fn check(
+    files: &[std::path::PathBuf],
+    python: &std::path::Path,
+    rules: &PlatformRules,
+) -> ExitCode {
     let files = sluice_cli::expand(files, false);
-    let report = sluice_cli::check(&files, python);
+    let report = sluice_cli::check(&files, python, rules);
     for f in &report.findings {
         println!("{f}");
     }

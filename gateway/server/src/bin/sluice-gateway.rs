@@ -3,6 +3,7 @@
 
 use anyhow::Context as _;
 use clap::Parser;
+use sluice_crds::endpoints::AllowedEndpoints;
 use sluice_engine::Audit;
 use sluice_gateway::observability::{self, TracingConfig};
 use sluice_gateway::{KubeOptions, LocalOptions, Security, TlsFiles, start_kube, start_local};
@@ -110,6 +111,16 @@ struct Args {
     /// every tenant's chain at their trigger point and cannot be bypassed.
     #[arg(long, default_value = sluice_crds::DEFAULT_PLATFORM_NAMESPACE)]
     platform_namespace: String,
+    /// Where Capabilities may point, comma-separated: `<namespace>/<service>` (either may be `*`),
+    /// `host`, `*.domain`, each with an optional `:port` (docs/capabilities.md). Others are refused
+    /// at every call. Default: loopback addresses in local mode, built-in endpoints only in kube
+    /// mode; given, it replaces the default. The operator takes the same list.
+    #[arg(long, env = "SLUICE_ALLOWED_ENDPOINTS", value_name = "LIST")]
+    allowed_endpoints: Option<AllowedEndpoints>,
+    /// Directory of the credential sets Capabilities may name (`spec.endpoint.credentials`): one
+    /// subdirectory per set, holding `token`, `tls.crt` and `tls.key`, and/or `ca.crt`.
+    #[arg(long, value_name = "DIR")]
+    capability_credentials: Option<PathBuf>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -157,6 +168,10 @@ async fn main() -> anyhow::Result<()> {
             }
             opts.sandbox.platform = args.platform;
             opts.platform_namespace = args.platform_namespace;
+            if let Some(allowed) = args.allowed_endpoints {
+                opts.trust.allowed = allowed;
+            }
+            opts.trust.credentials = args.capability_credentials;
             opts.audit = audit;
             opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
             opts.limits.hook_output_bytes = args.hook_output_bytes as usize;
@@ -182,6 +197,10 @@ async fn main() -> anyhow::Result<()> {
             opts.metrics = args.metrics;
             opts.audit = audit;
             opts.platform_namespace = args.platform_namespace;
+            if let Some(allowed) = args.allowed_endpoints {
+                opts.trust.allowed = allowed;
+            }
+            opts.trust.credentials = args.capability_credentials;
             if let Some(python) = args.python {
                 opts.python = python;
             }

@@ -1,0 +1,378 @@
+//! Where capabilities may point: the platform's allowed endpoints. Whoever may write a Capability
+//! decides where the gateway sends a hook's payload and the caller's identity, so the platform team
+//! lists the places that may receive them, and everything else is refused: by `sluice check`, the
+//! webhook, the operator's status and the gateway (at load and again at every call), all with the
+//! message of [`AllowedEndpoints::check`].
+//!
+//! An entry is one of:
+//! - `<namespace>/<service>`: a Service of the cluster, reached as `<service>.<namespace>`,
+//!   `<service>.<namespace>.svc` or `<service>.<namespace>.svc.<cluster domain>`. Either part may be
+//!   `*` (`billing/*`: every Service of `billing`).
+//! - a host: `ledger.example.com`, `*.example.com` (any name below `example.com`, not itself),
+//!   `127.0.0.1`, `[::1]`.
+//!
+//! Either may end in `:<port>` to allow that port only. Built-in endpoints need no entry. With no
+//! entries nothing but built-ins is allowed: the default of the operator, the gateway in a cluster
+//! and the chart. Local mode and `sluice check` allow loopback addresses by default
+//! ([`AllowedEndpoints::loopback`]), where the example services listen.
+
+use crate::validate::Problem;
+use crate::{CapabilitySpec, Endpoint};
+
+/// The platform's list; see the module documentation for what an entry means.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AllowedEndpoints {
+    entries: Vec<Entry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Entry {
+    place: Place,
+    port: Option<u16>,
+    text: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Place {
+    Service {
+        namespace: Part,
+        name: Part,
+    },
+    Host(String),
+    /// `*.<suffix>`: any name ending in `.<suffix>`.
+    Below(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Part {
+    Any,
+    Is(String),
+}
+
+impl Part {
+    fn matches(&self, s: &str) -> bool {
+        match self {
+            Self::Any => true,
+            Self::Is(p) => p == s,
+        }
+    }
+}
+
+/// An entry the platform wrote that cannot be read.
+#[derive(Debug, thiserror::Error)]
+#[error("allowed endpoint {entry:?}: {reason}")]
+pub struct BadEntry {
+    entry: String,
+    reason: String,
+}
+
+/// Hosts are compared without case and without the root's trailing dot.
+fn normal_host(host: &str) -> String {
+    host.trim_end_matches('.').to_ascii_lowercase()
+}
+
+fn dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+impl std::str::FromStr for AllowedEndpoints {
+    type Err = BadEntry;
+
+    /// A comma-separated list, as flags and environment variables carry it.
+    fn from_str(s: &str) -> Result<Self, BadEntry> {
+        Self::parse(s.split(',').map(str::trim).filter(|e| !e.is_empty()))
+    }
+}
+
+impl AllowedEndpoints {
+    pub fn parse<'a>(entries: impl IntoIterator<Item = &'a str>) -> Result<Self, BadEntry> {
+        let entries = entries
+            .into_iter()
+            .map(Entry::parse)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { entries })
+    }
+
+    /// `localhost`, `127.0.0.1` and `[::1]`, any port: what local mode and `sluice check` allow
+    /// when given no list.
+    pub fn loopback() -> Self {
+        Self::parse(["localhost", "127.0.0.1", "[::1]"]).expect("the loopback entries parse")
+    }
+
+    /// This list with `other`'s entries added.
+    pub fn with(mut self, other: Self) -> Self {
+        self.entries.extend(other.entries);
+        self
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Whether a Capability may use `endpoint`; the refusal says why and what to do. A Service
+    /// counts only by its full name: a short one resolves in the gateway's namespace.
+    pub fn check(&self, endpoint: &Endpoint) -> Result<(), String> {
+        let Some(url) = endpoint.grpc.as_deref().or(endpoint.http.as_deref()) else {
+            return Ok(());
+        };
+        let (host, port) = host_and_port(url)?;
+        if self.entries.iter().any(|e| e.allows(&host, port)) {
+            return Ok(());
+        }
+        let listed = if self.entries.is_empty() {
+            "none are: the platform team lists them with --allowed-endpoints or the chart's \
+             capabilities.allowedEndpoints"
+                .to_string()
+        } else {
+            let texts: Vec<&str> = self.entries.iter().map(|e| e.text.as_str()).collect();
+            format!("allowed: {}", texts.join(", "))
+        };
+        let hint = if host.contains('.') || host.starts_with('[') || host == "localhost" {
+            ""
+        } else {
+            "; name a Service as <service>.<namespace>.svc"
+        };
+        Err(format!(
+            "endpoint {url:?} is not among the platform's allowed endpoints ({listed}){hint}"
+        ))
+    }
+
+    /// [`Self::check`] as a problem of a Capability's spec, for the places that list problems.
+    pub fn problem(&self, spec: &CapabilitySpec) -> Option<Problem> {
+        let field = if spec.endpoint.grpc.is_some() {
+            "spec.endpoint.grpc"
+        } else {
+            "spec.endpoint.http"
+        };
+        self.check(&spec.endpoint).err().map(|message| Problem {
+            field: field.into(),
+            message,
+        })
+    }
+}
+
+impl std::fmt::Display for AllowedEndpoints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.entries.is_empty() {
+            return f.write_str("(built-in endpoints only)");
+        }
+        let texts: Vec<&str> = self.entries.iter().map(|e| e.text.as_str()).collect();
+        f.write_str(&texts.join(", "))
+    }
+}
+
+/// The host (normalised) and port (explicit or the scheme's) of an endpoint URL.
+fn host_and_port(url: &str) -> Result<(String, u16), String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| format!("endpoint {url:?} is not a URL: {e}"))?;
+    let default_port = match uri.scheme_str() {
+        Some("http") => 80,
+        Some("https") => 443,
+        _ => {
+            return Err(format!(
+                "endpoint {url:?} must start with http:// or https://"
+            ));
+        }
+    };
+    let authority = uri
+        .authority()
+        .ok_or_else(|| format!("endpoint {url:?} names no host"))?;
+    if authority.as_str().contains('@') {
+        return Err(format!(
+            "endpoint {url:?} carries user information: name the credentials in spec.endpoint.credentials"
+        ));
+    }
+    let host = normal_host(authority.host());
+    if host.is_empty() {
+        return Err(format!("endpoint {url:?} names no host"));
+    }
+    Ok((host, authority.port_u16().unwrap_or(default_port)))
+}
+
+impl Entry {
+    fn parse(text: &str) -> Result<Self, BadEntry> {
+        let bad = |reason: &str| BadEntry {
+            entry: text.to_string(),
+            reason: reason.to_string(),
+        };
+        let lowered = text.trim().to_ascii_lowercase();
+        // The port: after the last ':' that is not inside an IPv6 literal's brackets.
+        let (place, port) = match lowered.rsplit_once(':') {
+            Some((place, port)) if !port.contains(']') && !place.ends_with(':') => {
+                let port = port
+                    .parse::<u16>()
+                    .ok()
+                    .filter(|p| *p > 0)
+                    .ok_or_else(|| bad("the port must be a number from 1 to 65535"))?;
+                (place.to_string(), Some(port))
+            }
+            _ => (lowered.clone(), None),
+        };
+        let place = if let Some((namespace, name)) = place.split_once('/') {
+            let part = |s: &str| -> Result<Part, BadEntry> {
+                match s {
+                    "*" => Ok(Part::Any),
+                    s if dns_label(s) => Ok(Part::Is(s.to_string())),
+                    _ => Err(bad(
+                        "write a Service as <namespace>/<service>, each a DNS label or *",
+                    )),
+                }
+            };
+            Place::Service {
+                namespace: part(namespace)?,
+                name: part(name)?,
+            }
+        } else if let Some(suffix) = place.strip_prefix("*.") {
+            let suffix = normal_host(suffix);
+            if suffix.is_empty() || !suffix.split('.').all(dns_label) {
+                return Err(bad("write a host pattern as *.<domain>"));
+            }
+            Place::Below(suffix)
+        } else {
+            let host = normal_host(&place);
+            let ipv6 = host.starts_with('[') && host.ends_with(']');
+            if host.is_empty() || !(ipv6 || host.split('.').all(dns_label)) {
+                return Err(bad(
+                    "write a host as a DNS name, *.<domain>, an IPv4 address or [IPv6]",
+                ));
+            }
+            Place::Host(host)
+        };
+        Ok(Self {
+            place,
+            port,
+            text: text.trim().to_string(),
+        })
+    }
+
+    fn allows(&self, host: &str, port: u16) -> bool {
+        if self.port.is_some_and(|p| p != port) {
+            return false;
+        }
+        match &self.place {
+            Place::Host(h) => h == host,
+            Place::Below(suffix) => host
+                .strip_suffix(suffix.as_str())
+                .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
+            Place::Service { namespace, name } => {
+                let labels: Vec<&str> = host.split('.').collect();
+                let service = match labels.as_slice() {
+                    [svc, ns] => Some((svc, ns)),
+                    [svc, ns, "svc", ..] => Some((svc, ns)),
+                    _ => None,
+                };
+                service.is_some_and(|(svc, ns)| namespace.matches(ns) && name.matches(svc))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn http(url: &str) -> Endpoint {
+        Endpoint {
+            http: Some(url.into()),
+            ..Default::default()
+        }
+    }
+
+    fn allowed(list: &str, url: &str) -> bool {
+        list.parse::<AllowedEndpoints>()
+            .unwrap()
+            .check(&http(url))
+            .is_ok()
+    }
+
+    #[test]
+    fn a_service_entry_allows_every_name_of_that_service_only() {
+        let list = "billing/ledger";
+        for url in [
+            "http://ledger.billing:8080/x",
+            "http://ledger.billing.svc/x",
+            "https://ledger.billing.svc.cluster.local.:8443/x",
+            "http://LEDGER.Billing.svc/x",
+        ] {
+            assert!(allowed(list, url), "{url}");
+        }
+        for url in [
+            "http://ledger/x",
+            "http://other.billing.svc/x",
+            "http://ledger.team-a.svc/x",
+            "http://ledger.billing.example.com/x",
+            "http://ledger.billing.svc@evil.example.com/x",
+        ] {
+            assert!(!allowed(list, url), "{url}");
+        }
+        assert!(allowed("billing/*", "http://anything.billing.svc/"));
+        assert!(!allowed("billing/*", "http://anything.other.svc/"));
+    }
+
+    #[test]
+    fn host_entries_match_exactly_or_below_a_domain_and_ports_narrow() {
+        assert!(allowed("api.example.com", "https://api.example.com/v1"));
+        assert!(!allowed(
+            "api.example.com",
+            "https://api.example.com.evil.io/"
+        ));
+        assert!(allowed("*.example.com", "https://a.b.example.com/"));
+        assert!(!allowed("*.example.com", "https://example.com/"));
+        assert!(!allowed("*.example.com", "https://badexample.com/"));
+        assert!(allowed("api.example.com:443", "https://api.example.com/"));
+        assert!(!allowed("api.example.com:443", "http://api.example.com/"));
+        assert!(allowed("127.0.0.1:8081", "http://127.0.0.1:8081/"));
+        assert!(!allowed("127.0.0.1:8081", "http://127.0.0.1:8082/"));
+        assert!(allowed("[::1]", "http://[::1]:9/"));
+    }
+
+    #[test]
+    fn nothing_but_builtins_without_entries_and_the_refusal_says_what_to_do() {
+        let none = AllowedEndpoints::default();
+        let builtin = Endpoint {
+            builtin: Some(crate::Builtin::Echo),
+            ..Default::default()
+        };
+        assert!(none.check(&builtin).is_ok());
+        let err = none.check(&http("http://ledger.billing.svc/")).unwrap_err();
+        assert!(err.contains("--allowed-endpoints"), "{err}");
+        let err = "billing/ledger"
+            .parse::<AllowedEndpoints>()
+            .unwrap()
+            .check(&http("http://ledger:80/"))
+            .unwrap_err();
+        assert!(
+            err.contains("allowed: billing/ledger") && err.contains("<service>.<namespace>.svc"),
+            "{err}"
+        );
+        assert!(
+            AllowedEndpoints::loopback()
+                .check(&http("http://127.0.0.1:9/"))
+                .is_ok()
+        );
+        assert!(
+            AllowedEndpoints::loopback()
+                .check(&http("http://10.0.0.1:9/"))
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn unreadable_entries_are_refused() {
+        for entry in [
+            "billing/",
+            "a/b/c",
+            "*.",
+            "host:0",
+            "host:http",
+            "bad host",
+            "*",
+        ] {
+            assert!(entry.parse::<AllowedEndpoints>().is_err(), "{entry}");
+        }
+    }
+}
