@@ -523,6 +523,49 @@ async fn a_run_whose_client_disconnects_is_finished_settled_and_audited() {
     s.services.stop();
 }
 
+/// The gateway is told to stop while a run waits on a capability whose gate has reserved: the
+/// shutdown lets the run finish (execute times out), and the reservation is settled before the
+/// gateway is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_shutting_down_mid_call_still_settles() {
+    let (s, _hung) = setup_hung(|_| {}).await;
+    s.services.credit.set_balance("cy", 10);
+    let client = s.h.client.clone();
+    let ask = json!({"name": "llm.run", "payload": {"prompt": "Summarise: a fox."}});
+    let request = proto::RunRequest {
+        namespace: "default".into(),
+        target: "t-cap".into(),
+        trigger_point: "input".into(),
+        payload: Some(proto::run_request::Payload::Text(ask.to_string())),
+        context: [("user_id".to_string(), "cy".to_string())].into(),
+        session_id: "s-shutdown".into(),
+    };
+    let pending = tokio::spawn(async move { client.clone().run(request).await });
+    let began = Instant::now();
+    while !s.services.calls().iter().any(|c| c.name == "credit.check") {
+        assert!(
+            began.elapsed() < Duration::from_secs(60),
+            "the gate was never called"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(s.services.credit.balance("cy").1, 1, "the gate reserved");
+    let Setup { h, services } = s;
+    h.stop_and_check_leaks().await;
+    let answer = pending.await.unwrap();
+    assert!(answer.is_ok(), "the run in flight was finished: {answer:?}");
+    let consumed = services.calls().iter().any(|c| {
+        c.name == "credit.consume" && c.caller.get("user_id").map(String::as_str) == Some("cy")
+    });
+    assert!(consumed, "no settlement: {:?}", services.calls());
+    assert_eq!(
+        services.credit.balance("cy"),
+        (10, 0),
+        "released, not leaked"
+    );
+    services.stop();
+}
+
 /// "No credit" and "the ledger is down" read differently to a hook: `denied` with the gate's reason,
 /// `unavailable` when the gate could not say. And a hook that calls a gate itself is refused (it
 /// would reserve what nothing settles), saying what to call instead.
