@@ -1,9 +1,12 @@
 //! Static analysis of hook code, shared by `sluice check` and the operator's `CodeValid` condition:
 //! the host's python3 parses each hook with `ast` (never executes it) and reports what would fail at
-//! load or call time: a syntax error, no `execute(context, settings)`, imports outside the standard
-//! library or not available in the sandbox, returned actions other than the declared one or `pass`, an `execute` that never returns
-//! a value. It also lists the settings keys the code reads (`settings["k"]`, `settings.get("k")`), so
-//! `sluice check` can compare them with the keys the hook declares.
+//! load or call time: what Python's compiler refuses, no `execute(context, settings)`, imports outside
+//! the standard library or not available in the sandbox, a path through `execute` that returns
+//! nothing, a result that is not a dict or has keys the gateway does not read, returned actions
+//! other than the declared one or `pass` (in the result itself, not in dicts nested in it), and
+//! `host_call`s of capabilities the hook does not list. It also lists the settings keys the code
+//! reads (`settings["k"]`, `settings.get("k")`), so `sluice check` can compare them with the keys
+//! the hook declares.
 
 use crate::HookSpec;
 
@@ -117,19 +120,97 @@ pub const SANDBOX_MODULES: &[&str] = &[
 
 /// Static analysis of hook code, run by the host's python3 on the code as text.
 const ANALYSER: &str = r#"
-import ast, json, sys
+import ast, difflib, json, sys
 ACTIONS = ("modify", "block", "skip", "detect")
+KEYS = ("action", "outgoing", "message", "findings", "state")
+SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+TRY = (ast.Try,) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())
 out = []
 data = json.load(sys.stdin)
 SANDBOX = set(data["sandbox"])
+
+def own(f):
+    """The nodes of f's body, not those of functions, lambdas or classes inside it."""
+    stack = list(f.body)
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(c for c in ast.iter_child_nodes(n) if not isinstance(c, SCOPES))
+
+def breaks(stmts):
+    """Whether a break in stmts leaves the loop they are the body of."""
+    stack = list(stmts)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, ast.Break):
+            return True
+        if not isinstance(n, SCOPES + (ast.For, ast.AsyncFor, ast.While)):
+            stack.extend(ast.iter_child_nodes(n))
+    return False
+
+def completes(stmts):
+    """Whether running stmts can reach their end (a loop may run no times, except while True)."""
+    return all(passes(s) for s in stmts)
+
+def passes(s):
+    if isinstance(s, (ast.Return, ast.Raise)):
+        return False
+    if isinstance(s, ast.If):
+        return completes(s.body) or completes(s.orelse)
+    if isinstance(s, ast.While) and isinstance(s.test, ast.Constant) and s.test.value:
+        return breaks(s.body)
+    if isinstance(s, (ast.With, ast.AsyncWith)):
+        return completes(s.body)
+    if isinstance(s, TRY):
+        if not completes(s.finalbody):
+            return False
+        return (completes(s.body) and completes(s.orelse)) or any(completes(h.body) for h in s.handlers)
+    if hasattr(ast, "Match") and isinstance(s, ast.Match):
+        total = any(isinstance(c.pattern, ast.MatchAs) and c.pattern.pattern is None and c.guard is None for c in s.cases)
+        return not total or any(completes(c.body) for c in s.cases)
+    return True
+
+KINDS = {str: "a string", int: "a number", float: "a number", bool: "True or False", bytes: "bytes"}
+
+def result_problems(value, hook, problems):
+    """What is wrong with one value execute returns (a literal, or a dict)."""
+    line = value.lineno
+    if isinstance(value, ast.Constant) and value.value is None:
+        problems.append({"line": line, "message": "returns None, which is a hook error; return a dict, e.g. return {\"action\": \"pass\"}"})
+    elif isinstance(value, ast.Constant) and type(value.value) in KINDS:
+        said = value.value if isinstance(value.value, str) else None
+        example = "{\"action\": %r}" % said if said in ("pass",) + ACTIONS else "{\"action\": \"pass\"}"
+        problems.append({"line": line, "message": "returns %s, not a dict: the gateway needs a dict with an \"action\", e.g. return %s" % (KINDS[type(value.value)], example)})
+    elif isinstance(value, (ast.List, ast.Tuple, ast.Set, ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.JoinedStr)):
+        problems.append({"line": line, "message": "returns a %s, not a dict: the gateway needs a dict with an \"action\", e.g. return {\"action\": \"pass\"}" % {ast.List: "list", ast.ListComp: "list", ast.Tuple: "tuple", ast.Set: "set", ast.SetComp: "set", ast.GeneratorExp: "generator", ast.JoinedStr: "string"}[type(value)]})
+    elif isinstance(value, ast.Dict):
+        for k, v in zip(value.keys, value.values):
+            if not (isinstance(k, ast.Constant) and isinstance(k.value, str)):
+                continue
+            if k.value not in KEYS:
+                meant = difflib.get_close_matches(k.value, KEYS, n=1, cutoff=0.5)
+                hint = "; did you mean %r?" % meant[0] if meant else ""
+                problems.append({"line": k.lineno, "message": "returns the key %r, which the gateway does not read (it reads %s)%s" % (k.value, ", ".join(KEYS), hint)})
+            elif k.value == "action" and isinstance(v, ast.Constant) and isinstance(v.value, str):
+                if v.value not in ("pass",) + ACTIONS:
+                    problems.append({"line": v.lineno, "message": "returns action %r, which is not one of pass, %s" % (v.value, ", ".join(ACTIONS))})
+                elif v.value not in ("pass", hook["action"]):
+                    problems.append({"line": v.lineno, "message": "returns action %r but the hook declares %r (a hook may return only its declared action or pass)" % (v.value, hook["action"])})
+
 for hook in data["hooks"]:
     problems = []
     reads = []
     hints = []
     try:
         tree = ast.parse(hook["code"], filename="<hook>")
+        # What the parser lets through and the compiler does not ('return' outside function,
+        # 'break' outside loop, nonlocal at module level...).
+        compile(tree, "<hook>", "exec")
     except SyntaxError as e:
         out.append({"problems": [{"line": e.lineno or 1, "message": "SyntaxError: %s" % e.msg}], "reads": [], "hints": []})
+        continue
+    except ValueError as e:
+        out.append({"problems": [{"line": 1, "message": "the code cannot be compiled: %s" % e}], "reads": [], "hints": []})
         continue
     execute = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "execute"]
     if not execute:
@@ -141,8 +222,26 @@ for hook in data["hooks"]:
         n = len(f.args.posonlyargs) + len(f.args.args)
         if n < 2 and f.args.vararg is None:
             problems.append({"line": f.lineno, "message": "execute takes %d argument(s); it is called as execute(context, settings)" % n})
-        if not any(isinstance(r, ast.Return) and r.value is not None for r in ast.walk(f)):
+        returns = [r for r in own(f) if isinstance(r, ast.Return)]
+        if not any(r.value is not None for r in returns):
             hints.append({"line": f.lineno, "message": "execute never returns a value, so it returns None, which is a hook error; end it with a return, e.g. return {\"action\": \"pass\"}"})
+        else:
+            if completes(f.body):
+                last = f.body[-1]
+                problems.append({"line": getattr(last, "end_lineno", None) or last.lineno, "message": "execute can end here without returning, which gives None, a hook error (under failurePolicy Closed the message is blocked); end every path with a return, e.g. return {\"action\": \"pass\"}"})
+            for r in returns:
+                if r.value is None:
+                    problems.append({"line": r.lineno, "message": "a bare return gives None, which is a hook error; return a dict, e.g. return {\"action\": \"pass\"}"})
+        # What execute returns: literals in its return statements, and dicts assigned to a name it
+        # returns (result = {...}; return result). Only the top level of a result is read: a dict
+        # nested in findings may have any keys.
+        returned = {r.value.id for r in returns if isinstance(r.value, ast.Name)}
+        for r in returns:
+            if r.value is not None:
+                result_problems(r.value, hook, problems)
+        for a in own(f):
+            if isinstance(a, ast.Assign) and isinstance(a.value, ast.Dict) and any(isinstance(t, ast.Name) and t.id in returned for t in a.targets):
+                result_problems(a.value, hook, problems)
         params = f.args.posonlyargs + f.args.args
         settings = params[1].arg if len(params) >= 2 else None
         for node in ast.walk(tree) if settings else ():
@@ -150,6 +249,7 @@ for hook in data["hooks"]:
                 reads.append({"line": node.lineno, "key": node.slice.value, "subscript": True})
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id == settings and node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
                 reads.append({"line": node.lineno, "key": node.args[0].value, "subscript": False})
+    listed = hook.get("capabilities") or []
     for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.Import):
@@ -162,13 +262,14 @@ for hook in data["hooks"]:
                 problems.append({"line": node.lineno, "message": "imports %r, which is not in Python's standard library (hooks can use only the standard library modules docs/hooks.md lists)" % top})
             elif name not in SANDBOX and not any(part.startswith("_") for part in name.split(".")):
                 problems.append({"line": node.lineno, "message": "imports %r, which is not available in the sandbox (hooks have no files, network, processes or threads; docs/hooks.md lists the modules they can use)" % name})
-        if isinstance(node, ast.Dict):
-            for k, v in zip(node.keys, node.values):
-                if isinstance(k, ast.Constant) and k.value == "action" and isinstance(v, ast.Constant) and isinstance(v.value, str):
-                    if v.value not in ("pass",) + ACTIONS:
-                        problems.append({"line": v.lineno, "message": "returns action %r, which is not one of pass, %s" % (v.value, ", ".join(ACTIONS))})
-                    elif v.value not in ("pass", hook["action"]):
-                        problems.append({"line": v.lineno, "message": "returns action %r but the hook declares %r (a hook may return only its declared action or pass)" % (v.value, hook["action"])})
+        # context.host_call("name", ...) with a name the hook does not list: refused at run time.
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "host_call" and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            name = node.args[0].value
+            if name not in listed:
+                meant = difflib.get_close_matches(name, listed, n=1, cutoff=0.6)
+                hint = "; did you mean %r?" % meant[0] if meant else ""
+                where = "they list %s" % ", ".join(listed) if listed else "it lists none"
+                problems.append({"line": node.lineno, "message": "calls host_call(%r), which the hook's capabilities do not list (%s), so the gateway refuses the call as forbidden; add it under the hook's capabilities%s" % (name, where, hint)})
     out.append({"problems": problems, "reads": reads, "hints": hints})
 print(json.dumps(out))
 "#;
@@ -225,26 +326,40 @@ pub fn analyse_with(
     python: &std::path::Path,
     hooks: &[HookSpec],
 ) -> Result<Vec<Vec<CodeProblem>>, CodeCheckError> {
-    let pairs: Vec<(&str, &str)> = hooks
+    let texts: Vec<HookText<'_>> = hooks
         .iter()
-        .map(|h| (h.action.as_str(), h.code.as_str()))
+        .map(|h| HookText {
+            action: h.action.as_str(),
+            code: &h.code,
+            capabilities: h.capabilities.iter().map(String::as_str).collect(),
+        })
         .collect();
-    Ok(analyse_code(python, &pairs)?
+    Ok(analyse_code(python, &texts)?
         .into_iter()
         .map(|a| a.problems)
         .collect())
 }
 
-/// Per `(declared action, code)`, in order, everything the analyser finds, as `python` parses it.
-/// Works on raw text, so a document whose schema is wrong still has its code checked.
+/// One hook as the analyser reads it: as text, so that a document whose schema is wrong still has
+/// its code checked.
+#[derive(Clone, Debug, Default)]
+pub struct HookText<'a> {
+    /// The declared action.
+    pub action: &'a str,
+    pub code: &'a str,
+    /// The capabilities it lists (the only names its `host_call`s may use).
+    pub capabilities: Vec<&'a str>,
+}
+
+/// Per hook, in order, everything the analyser finds, as `python` parses it.
 pub fn analyse_code(
     python: &std::path::Path,
-    hooks: &[(&str, &str)],
+    hooks: &[HookText<'_>],
 ) -> Result<Vec<HookAnalysis>, CodeCheckError> {
     use std::io::Write;
     let hooks: Vec<serde_json::Value> = hooks
         .iter()
-        .map(|(action, code)| serde_json::json!({"action": action, "code": code}))
+        .map(|h| serde_json::json!({"action": h.action, "code": h.code, "capabilities": h.capabilities}))
         .collect();
     let input = serde_json::json!({"sandbox": SANDBOX_MODULES, "hooks": hooks});
     let mut child = std::process::Command::new(python)
@@ -335,17 +450,19 @@ pub fn document_findings(
     if hooks.is_empty() {
         return Ok(Vec::new());
     }
-    let pairs: Vec<(&str, &str)> = hooks
+    let texts: Vec<HookText<'_>> = hooks
         .iter()
-        .map(|h| {
-            (
-                h["action"].as_str().unwrap_or_default(),
-                h["code"].as_str().unwrap_or_default(),
-            )
+        .map(|h| HookText {
+            action: h["action"].as_str().unwrap_or_default(),
+            code: h["code"].as_str().unwrap_or_default(),
+            capabilities: h["capabilities"]
+                .as_array()
+                .map(|c| c.iter().filter_map(|c| c.as_str()).collect())
+                .unwrap_or_default(),
         })
         .collect();
     let mut out = Vec::new();
-    for (hook, found) in hooks.iter().zip(analyse_code(python, &pairs)?) {
+    for (hook, found) in hooks.iter().zip(analyse_code(python, &texts)?) {
         let name = hook["name"].as_str().unwrap_or_default();
         let finding = |line: usize, kind: FindingKind, message: String| HookFinding {
             hook: name.to_string(),

@@ -385,6 +385,7 @@ impl Harness {
                 trigger_point: trigger_point.into(),
                 context: Default::default(),
                 session_id: "s-1".into(),
+                chunk_by_chunk: false,
             })),
         }];
         msgs.extend(chunks.iter().map(|c| proto::StreamRequest {

@@ -322,6 +322,7 @@ impl Cluster {
                 trigger_point: "output".into(),
                 context: Default::default(),
                 session_id: "e2e".into(),
+                chunk_by_chunk: false,
             })),
         }];
         msgs.extend(chunks.iter().map(|c| proto::StreamRequest {

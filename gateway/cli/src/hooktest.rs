@@ -321,6 +321,9 @@ impl Local {
             trigger_point: case.trigger_point.clone(),
             context: case.context.clone().into_iter().collect(),
             session_id: "sluice-test".into(),
+            // Each chunk is handled as if it came on its own, as a slow model's reply does: a
+            // pattern split across chunks meets the window's lookback, not one joined batch.
+            chunk_by_chunk: true,
         };
         let mut msgs = vec![proto::StreamRequest {
             msg: Some(proto::stream_request::Msg::Open(open)),

@@ -665,3 +665,115 @@ spec:
         other => panic!("the chain's own endpoint was called: {other:?}"),
     }
 }
+
+/// What a support-operations author writes on a bad day: each hook here passed `sluice check` before
+/// and then failed at run time (or, the last one, was refused though right).
+const AUTHORING: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: authoring}
+spec:
+  target: bot
+  triggerPoint: input
+  hooks:
+    - name: dedented-return
+      action: block
+      code: |
+        def execute(context, settings):
+            found = "rival" in context["outgoing"]
+        return {"action": "pass"}  # dedented
+    - name: some-path-returns-nothing
+      action: block
+      code: |
+        def execute(context, settings):
+            if "rival" in context["outgoing"]:
+                return {"action": "block", "message": "We cannot discuss that."}
+    - name: returns-a-word
+      action: block
+      code: |
+        def execute(context, settings):
+            return "block"
+    - name: misspelt-key
+      action: block
+      code: |
+        def execute(context, settings):
+            result = {"action": "block", "msg": "We cannot discuss that."}
+            return result
+    - name: undeclared-call
+      action: block
+      capabilities: [credit.charge]
+      code: |
+        def execute(context, settings):
+            context.host_call("credit.chrage", {"credits": 1})
+            return {"action": "pass"}
+    - name: nested-action-is-fine
+      action: detect
+      code: |
+        def execute(context, settings):
+            if context["outgoing"]:
+                return {"action": "detect", "findings": {"action": "block", "rule": "rival"}}
+            while True:
+                return {"action": "pass"}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: Capability
+metadata: {name: credit.charge}
+spec: {endpoint: {builtin: charge}}
+"#;
+
+/// `check` refuses what Python's compiler refuses and what the gateway would fail on, each at its
+/// YAML line, and no longer refuses a nested `"action"` key. The gateway uses the same analyser:
+/// `sluice run` refuses the chain.
+#[test]
+fn check_catches_what_the_compiler_and_the_gateway_would_refuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "authoring.yaml", AUTHORING);
+    let (code, out) = sluice(&["check", &file]);
+    assert_eq!(code, 1, "{out}");
+    let at = |needle: &str| {
+        let n = AUTHORING
+            .lines()
+            .position(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("{needle:?} not in the fixture"));
+        format!("authoring.yaml:{}:", n + 1)
+    };
+    let line = |hook: &str| {
+        out.lines()
+            .find(|l| l.contains(&format!("hook \"{hook}\"")))
+            .unwrap_or_else(|| panic!("nothing about {hook:?} in:\n{out}"))
+            .to_string()
+    };
+    let l = line("dedented-return");
+    assert!(
+        l.contains(&at("# dedented")) && l.contains("'return' outside function"),
+        "{l}"
+    );
+    let l = line("some-path-returns-nothing");
+    assert!(
+        l.contains(&at("\"message\": \"We cannot discuss that.\"}"))
+            && l.contains("can end here without returning"),
+        "{l}"
+    );
+    let l = line("returns-a-word");
+    assert!(
+        l.contains(&at("return \"block\"")) && l.contains("return {\"action\": 'block'}"),
+        "{l}"
+    );
+    let l = line("misspelt-key");
+    assert!(
+        l.contains(&at("\"msg\"")) && l.contains("'msg'") && l.contains("did you mean 'message'"),
+        "{l}"
+    );
+    let l = line("undeclared-call");
+    assert!(
+        l.contains(&at("credit.chrage"))
+            && l.contains("forbidden")
+            && l.contains("did you mean 'credit.charge'"),
+        "{l}"
+    );
+    assert!(!out.contains("nested-action-is-fine"), "{out}");
+    assert!(out.contains("5 problem(s) found"), "{out}");
+
+    let (code, out) = sluice(&["run", &file, "--text", "hello"]);
+    assert_ne!(code, 0, "the gateway serves nothing check refuses:\n{out}");
+    assert!(out.contains("can end here without returning"), "{out}");
+}

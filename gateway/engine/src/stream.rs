@@ -46,6 +46,9 @@ pub struct StreamOpen {
     pub trigger_point: String,
     pub context: BTreeMap<String, String>,
     pub session_id: String,
+    /// Flush as each chunk fills the window, never taking chunks already received in one batch,
+    /// as if each came long after the one before (for tests of patterns split across chunks).
+    pub chunk_by_chunk: bool,
     pub auth: CallerAuth,
 }
 
@@ -254,6 +257,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
         &open.session_id,
     );
     audit.caller = open.auth.name().map(str::to_string);
+    let chunk_by_chunk = open.chunk_by_chunk;
     let prepared = (|| {
         let target = Target::check(
             engine.limits(),
@@ -299,6 +303,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
         run_id: &run_id,
         began,
         tx: &tx,
+        chunk_by_chunk,
     };
     run.serve(&target, &mut inputs, audit)
         .instrument(span)
@@ -312,6 +317,7 @@ struct Run<'a> {
     run_id: &'a str,
     began: Instant,
     tx: &'a Tx,
+    chunk_by_chunk: bool,
 }
 
 impl Run<'_> {
@@ -423,7 +429,7 @@ impl Run<'_> {
                         )));
                     }
                 }
-                if last || !ready || window.pending_len() >= COALESCE_BYTES {
+                if last || !ready || self.chunk_by_chunk || window.pending_len() >= COALESCE_BYTES {
                     break;
                 }
                 match futures::FutureExt::now_or_never(inputs.next()) {

@@ -116,3 +116,35 @@ proptest! {
         prop_assert_eq!(final_, redact(&text));
     }
 }
+
+/// `chunk_by_chunk` (what `sluice test` asks for): chunks the client sent at once are still handled
+/// one by one, each flushed as it fills the window, as a slow model's reply would be; without it
+/// the gateway takes them in one batch. A pattern split across chunks thus meets the lookback.
+#[test]
+fn chunk_by_chunk_flushes_each_chunk_even_when_all_are_waiting() {
+    let (rt, h) = engine();
+    let chunks = ["call 010-", "1234 now ", "and again"];
+    let run = |chunk_by_chunk: bool| {
+        let mut inputs = vec![StreamInput::Open(StreamOpen {
+            namespace: common::NS.into(),
+            target: "f1".into(),
+            trigger_point: "output".into(),
+            chunk_by_chunk,
+            ..Default::default()
+        })];
+        inputs.extend(chunks.iter().map(|c| StreamInput::Chunk(c.to_string())));
+        inputs.push(StreamInput::Finish);
+        let s = rt.block_on(h.stream_all_at_once(inputs));
+        assert!(s.error.is_none(), "{:?}", s.error);
+        s.commits
+    };
+    let joined = run(false);
+    let each = run(true);
+    assert_eq!(joined.concat(), each.concat());
+    assert!(!each.concat().contains("010-1234"), "{each:?}");
+    // Text of the first chunk beyond the lookback is shown before the second chunk is taken.
+    assert!(
+        each.len() >= chunks.len() && joined.len() < each.len(),
+        "each chunk on its own: {each:?}; at once: {joined:?}"
+    );
+}

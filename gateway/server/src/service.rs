@@ -77,6 +77,7 @@ fn stream_input(
                 trigger_point: o.trigger_point,
                 context: o.context.into_iter().collect(),
                 session_id: o.session_id,
+                chunk_by_chunk: o.chunk_by_chunk,
                 auth: auth.clone(),
             }),
             Msg::Chunk(text) => StreamInput::Chunk(text),

@@ -125,9 +125,14 @@ struct CallArgs {
     context: Vec<String>,
     #[arg(long, default_value = "")]
     session_id: String,
-    /// Stream the text through Gateway.Stream in chunks of this many characters.
+    /// Stream the text through Gateway.Stream in chunks of this many characters, each handled as
+    /// if it came on its own (a pattern split across chunks meets the window's lookback).
     #[arg(long, value_name = "CHARS")]
     stream: Option<usize>,
+    /// With --stream: wait this long between chunks, as a model streaming its reply does (5ms,
+    /// 100ms).
+    #[arg(long, requires = "stream", value_parser = sluice_crds::duration::parse_duration)]
+    pace: Option<std::time::Duration>,
     /// How to reach a secured gateway (the same options as the reference agent loop).
     #[command(flatten)]
     auth: proto::client::ClientAuth,
@@ -156,6 +161,7 @@ async fn call(a: CallArgs) -> Result<Value, String> {
                 trigger_point: a.trigger_point,
                 context,
                 session_id: a.session_id,
+                chunk_by_chunk: true,
             })),
         }];
         for piece in chars.chunks(size.max(1)) {
@@ -166,8 +172,15 @@ async fn call(a: CallArgs) -> Result<Value, String> {
         msgs.push(proto::StreamRequest {
             msg: Some(proto::stream_request::Msg::Finish(proto::StreamFinish {})),
         });
+        let pace = a.pace.unwrap_or_default();
+        let paced = futures::StreamExt::then(futures::stream::iter(msgs), move |m| async move {
+            if matches!(m.msg, Some(proto::stream_request::Msg::Chunk(_))) && !pace.is_zero() {
+                tokio::time::sleep(pace).await;
+            }
+            m
+        });
         let mut out = client
-            .stream(futures::stream::iter(msgs))
+            .stream(paced)
             .await
             .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
             .into_inner();
