@@ -802,7 +802,7 @@ class CapabilitiesChartTest(ManifestCase):
                                           "/etc/sluice/capability-credentials/llm_api"])
         for path, secret in (("ledger", "ledger-credentials"), ("llm_api", "llm-token")):
             mount = mounts[f"/etc/sluice/capability-credentials/{path}"]
-            self.assertTrue(mount["readOnly"])
+            self.assertTrue(mount.get("readOnly"), path)
             self.assertNotIn("subPath", mount, "a subPath mount would never see a renewed Secret")
             self.assertEqual(volumes[mount["name"]]["secret"]["secretName"], secret)
         self.assertValid(helm_template(values=self.ENDPOINTS), "helm template with capabilities set")
