@@ -11,10 +11,12 @@
 
 deploy/tests/invalid/ holds broken manifests: each must fail, or the validator proves nothing."""
 
+import atexit
 import copy
 import filecmp
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,23 @@ OPERATOR = os.path.join(ROOT, "target", "debug", "sluice-operator")
 KUBE_VERSIONS = ("1.27.0", "1.33.0")  # the chart's kubeVersion floor; the k8s-openapi feature (v1_33)
 CHART = os.path.join(ROOT, "charts", "sluice")
 NAMESPACE = "sluice-system"
+# The NetworkPolicies need the API server's addresses, which the chart looks up only when it installs
+# into a cluster: every render here gives one, as any render without a cluster must.
+API_SERVER = "192.0.2.1/32"
+
+
+VALUES_DIR = tempfile.mkdtemp(prefix="sluice-values-")
+atexit.register(shutil.rmtree, VALUES_DIR, True)
+
+
+def values_file(values):
+    """A file of Helm values (a later -f overrides an earlier one; every --set overrides them all)."""
+    with tempfile.NamedTemporaryFile("w", dir=VALUES_DIR, suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(values, f)
+    return f.name
+
+
+CLUSTER_VALUES = ("-f", values_file({"networkPolicy": {"apiServer": {"cidrs": [API_SERVER]}}}))
 
 # The rules each component needs, by where (chains, sandboxes, release): derived from the requests
 # the real operator and gateway make by e2e/tests/kube_rbac.rs. The chart must grant exactly these.
@@ -93,11 +112,54 @@ def load_file(path):
         return load_all(f.read())
 
 
-def helm_template(*values):
-    args = [HELM, "template", "sluice", CHART, "--namespace", NAMESPACE, "--include-crds"]
-    for v in values:
-        args += ["--set", v]
-    return load_all(run(*args))
+def helm_args(sets=(), values=None):
+    """`--set` for each of `sets`, and `-f` of a file holding `values` (lists of strings that --set
+    would split or misread)."""
+    args = list(CLUSTER_VALUES)
+    if values is not None:
+        args += ["-f", values_file(values)]
+    return args + [a for v in sets for a in ("--set", v)]
+
+
+def helm_template(*sets, values=None, release="sluice"):
+    return load_all(run(HELM, "template", release, CHART, "--namespace", NAMESPACE, "--include-crds",
+                        *helm_args(sets, values)))
+
+
+def helm_refusal(*sets, values=None):
+    """The error of a render that must fail."""
+    proc = subprocess.run([HELM, "template", "sluice", CHART, "--namespace", NAMESPACE, *helm_args(sets, values)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, f"rendered: {sets} {values}"
+    return proc.stderr
+
+
+# The egress every NetworkPolicy of the operator and the gateway starts with.
+DNS_RULE = {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+            "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+API_SERVER_RULE = {"to": [{"ipBlock": {"cidr": API_SERVER}}],
+                   "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}
+# The ClusterRoles for people (templates/roles.yaml) of release "sluice", by default.
+USER_ROLES = ("sluice-hookchain-edit", "sluice-view", "sluice-platform")
+
+
+def open_egress(policy):
+    """What lets a NetworkPolicy's pods reach more than named places: an egress rule without `to`
+    (every destination), a peer selecting every namespace (`namespaceSelector: {}`), a peer with no
+    selector, an ipBlock of /0."""
+    found = []
+    for i, rule in enumerate(policy["spec"].get("egress") or []):
+        if not rule.get("to"):
+            found.append(f"egress[{i}] has no `to`")
+        for peer in rule.get("to") or []:
+            if not peer or ("namespaceSelector" in peer and not peer["namespaceSelector"]):
+                found.append(f"egress[{i}] selects every namespace: {peer}")
+            if peer.get("ipBlock", {}).get("cidr", "").endswith("/0"):
+                found.append(f"egress[{i}] allows every address: {peer}")
+    if "Egress" not in policy["spec"].get("policyTypes", []):
+        found.append("egress is not restricted (no Egress in policyTypes)")
+    return found
 
 
 def kustomize(path):
@@ -275,12 +337,17 @@ class ChartTest(ManifestCase):
                                        "gateway.tls.certManager.issuerRef.kind=ClusterIssuer",
                                        "gateway.tls.certManager.dnsNames[0]=sluice.example.com"],
         "gateway plain (insecure)": ["gateway.tls.mode=none", "gateway.callers.enabled=false", "gateway.insecure=true"],
+        "capabilities": ["capabilities.allowedEndpoints={billing/ledger:7002,llm/*,api.example.com:443,10.1.2.3}",
+                         "capabilities.egressCIDRs={203.0.113.0/24}", "capabilities.credentials[0].name=ledger",
+                         "capabilities.credentials[0].secretName=ledger-credentials",
+                         "networkPolicy.gateway.otlpCollector.namespace=observability",
+                         "rbac.aggregateCapabilitiesToAdmin=true"],
     }
 
     def test_helm_lint_strict(self):
         for name, values in self.VARIANTS.items():
             with self.subTest(name):
-                run(HELM, "lint", "--strict", CHART, *[a for v in values for a in ("--set", v)])
+                run(HELM, "lint", "--strict", CHART, *helm_args(values))
 
     def test_values_schema_refuses_typos_and_wrong_types(self):
         for bad in ("gateway.tls.mode=plain", "gateway.callers.callers[0].name=x", "gateway.tls.clientCA.enabled=yes",
@@ -288,7 +355,8 @@ class ChartTest(ManifestCase):
                     "networkPolicy.apiServer.ports[0]=https",
                     "webhook.failurePolicy=Sometimes", "webhook.timeoutSeconds=60", "webhook.certificate.source=vault",
                     "webhook.certificat.source=secret"):
-            proc = subprocess.run([HELM, "template", "sluice", CHART, "--set", bad], capture_output=True, text=True, timeout=120)
+            proc = subprocess.run([HELM, "template", "sluice", CHART, *CLUSTER_VALUES, "--set", bad],
+                                  capture_output=True, text=True, timeout=120)
             self.assertNotEqual(proc.returncode, 0, f"--set {bad} was accepted")
             self.assertIn("schema", proc.stderr, bad)
 
@@ -321,7 +389,10 @@ class ChartTest(ManifestCase):
                     if sandboxes:
                         self.assertEqual(pod_rules, {sandboxes}, f"{shape}: {who}")
                 if watch:
-                    self.assertFalse([o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")], shape)
+                    # Cluster-wide: only the roles for people, which bind nobody.
+                    self.assertFalse([o for o in objs if o["kind"] == "ClusterRoleBinding"], shape)
+                    self.assertEqual({o["metadata"]["name"] for o in objs if o["kind"] == "ClusterRole"},
+                                     set(USER_ROLES), shape)
                 self.assertEqual([o for o in objs if o["kind"] == "Namespace"] != [], bool(sandboxes), shape)
 
     def test_the_rbac_check_fails_on_a_missing_or_extra_rule(self):
@@ -337,8 +408,8 @@ class ChartTest(ManifestCase):
         for bad, why in ((["sandboxNamespace.name="], "watchNamespace"),
                          (["sandboxNamespace.name=sluice-system"], "namespace of its own"),
                          (["sandboxNamespace.name=team-a", "watchNamespace=team-a"], "namespace of its own")):
-            proc = subprocess.run([HELM, "template", "sluice", CHART, "--namespace", NAMESPACE,
-                                   *[a for v in bad for a in ("--set", v)]], capture_output=True, text=True, timeout=120)
+            proc = subprocess.run([HELM, "template", "sluice", CHART, "--namespace", NAMESPACE, *helm_args(bad)],
+                                  capture_output=True, text=True, timeout=120)
             self.assertNotEqual(proc.returncode, 0, f"{bad} rendered")
             self.assertIn(why, proc.stderr, bad)
 
@@ -354,12 +425,12 @@ class ChartTest(ManifestCase):
                          "no namespace-wide deny-all where the operator and tenants live")
 
     def test_notes_point_at_what_a_user_can_run(self):
-        out = run(HELM, "install", "--dry-run=client", "sluice", CHART, "--namespace", NAMESPACE)
+        out = run(HELM, "install", "--dry-run=client", "sluice", CHART, "--namespace", NAMESPACE, *CLUSTER_VALUES)
         notes = out[out.index("NOTES:"):]
         self.assertNotIn("sluice call", notes, "no sluice binary ships with the chart")
         self.assertIn("grpcurl -cacert ca.crt -servername sluice-gateway.sluice-system.svc", notes)
         self.assertNotIn("-plaintext", notes, "the gateway serves TLS by default")
-        plain = run(HELM, "install", "--dry-run=client", "sluice", CHART, "--namespace", NAMESPACE,
+        plain = run(HELM, "install", "--dry-run=client", "sluice", CHART, "--namespace", NAMESPACE, *CLUSTER_VALUES,
                     "--set", "gateway.tls.mode=none", "--set", "gateway.callers.enabled=false",
                     "--set", "gateway.insecure=true")
         self.assertIn("grpcurl -plaintext", plain[plain.index("NOTES:"):])
@@ -457,7 +528,7 @@ class ChartTest(ManifestCase):
         self.assertIn("--client-ca=/etc/sluice/client-ca/ca.crt", args)
         # Plain gRPC or no caller policy only with gateway.insecure, which the gateway then gets.
         for plain in (["gateway.tls.mode=none"], ["gateway.callers.enabled=false"]):
-            proc = subprocess.run([HELM, "template", "sluice", CHART, *[a for v in plain for a in ("--set", v)]],
+            proc = subprocess.run([HELM, "template", "sluice", CHART, *helm_args(plain)],
                                   capture_output=True, text=True, timeout=120)
             self.assertNotEqual(proc.returncode, 0, plain)
             self.assertIn("gateway.insecure=true", proc.stderr)
@@ -468,13 +539,14 @@ class ChartTest(ManifestCase):
         self.assertEqual([v["name"] for v in pod["volumes"]], ["tmp"])
         self.assertFalse([o for o in plain if o["kind"] in ("Certificate", "Issuer", "ConfigMap")])
 
-    def test_gateway_network_policy_allows_clients_api_server_and_capabilities_only(self):
-        policy = self.find(helm_template(), "NetworkPolicy", "sluice-gateway")["spec"]
+    def test_gateway_network_policy_allows_clients_api_server_and_dns_only_by_default(self):
+        objs = helm_template()
+        policy = self.find(objs, "NetworkPolicy", "sluice-gateway")["spec"]
         self.assertEqual(policy["policyTypes"], ["Ingress", "Egress"])
         self.assertEqual([p["port"] for rule in policy["ingress"] for p in rule["ports"]], [50051, 9464])
-        egress_ports = sorted({p["port"] for rule in policy["egress"] for p in rule.get("ports", [])})
-        self.assertEqual(egress_ports, [53, 443, 6443])
-        self.assertEqual(policy["egress"][-1], {"to": [{"namespaceSelector": {}}]}, "capability endpoints")
+        # No capability endpoint is allowed by default (built-ins need no network).
+        self.assertEqual(policy["egress"], [DNS_RULE, API_SERVER_RULE])
+        self.assertEqual(self.find(objs, "NetworkPolicy", "sluice-operator")["spec"]["egress"], [DNS_RULE, API_SERVER_RULE])
         self.assertFalse([o for o in helm_template("networkPolicy.enabled=false") if o["kind"] == "NetworkPolicy"])
 
     WEBHOOK_KINDS = ("ValidatingWebhookConfiguration", "Certificate", "Issuer")
@@ -547,7 +619,7 @@ class ChartTest(ManifestCase):
         # The API server (matched by address, it is not a pod) may reach the webhook port.
         policy = self.find(objs, "NetworkPolicy", "sluice-operator")["spec"]
         webhook_rules = [r for r in policy["ingress"] if any(p["port"] == 9443 for p in r["ports"])]
-        self.assertEqual(webhook_rules, [{"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}},
+        self.assertEqual(webhook_rules, [{"from": [{"ipBlock": {"cidr": API_SERVER}},
                                                    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
                                                     "podSelector": {"matchLabels": {"k8s-app": "konnectivity-agent"}}}],
                                           "ports": [{"protocol": "TCP", "port": 9443}]}])
@@ -568,7 +640,7 @@ class ChartTest(ManifestCase):
         self.assertIn("--webhook-review-timeout=3s", pod["containers"][0]["args"], "2 s under timeoutSeconds")
         short = self.find(helm_template("webhook.enabled=true", "webhook.timeoutSeconds=2"), "Deployment", "sluice-operator")
         self.assertIn("--webhook-review-timeout=1s", short["spec"]["template"]["spec"]["containers"][0]["args"])
-        proc = subprocess.run([HELM, "template", "sluice", CHART, "--set", "webhook.enabled=true",
+        proc = subprocess.run([HELM, "template", "sluice", CHART, *CLUSTER_VALUES, "--set", "webhook.enabled=true",
                                "--set", "webhook.certificate.source=secret"], capture_output=True, text=True, timeout=120)
         self.assertNotEqual(proc.returncode, 0)
         self.assertIn("needs webhook.certificate.secretName and webhook.certificate.caBundle", proc.stderr)
@@ -591,6 +663,194 @@ class ChartTest(ManifestCase):
         self.assertEqual(kinds(o for o in on if o["kind"] in ("ServiceMonitor", "PodDisruptionBudget")),
                          ["PodDisruptionBudget"] * 2 + ["ServiceMonitor"] * 2)
         self.assertNotIn("RuntimeClass", kinds(helm_template("runtimeClass.create=false")))
+
+
+class CapabilitiesChartTest(ManifestCase):
+    """capabilities.* and the narrowed NetworkPolicies (issue 26): the gateway and the operator reach
+    the API server, DNS and, for the gateway, the allowed endpoints and the OTLP collector; nothing
+    else. Roles for people."""
+
+    ENDPOINTS = {"capabilities": {
+        "allowedEndpoints": ["billing/ledger:7002", "llm/*", "api.example.com:443", "*.example.org",
+                             "10.1.2.3:8443", "[fd00::1]", "Billing/Ledger:7002"],
+        "egressCIDRs": ["203.0.113.0/24"],
+        "credentials": [{"name": "ledger", "secretName": "ledger-credentials"},
+                        {"name": "llm_api", "secretName": "llm-token"}]}}
+
+    def policies(self, objs):
+        return {o["metadata"]["name"]: o for o in objs if o["kind"] == "NetworkPolicy"}
+
+    def test_no_policy_opens_egress_in_any_variant(self):
+        variants = {name: (values, None) for name, values in ChartTest.VARIANTS.items()}
+        variants["endpoints, CIDRs, credentials"] = ([], self.ENDPOINTS)
+        variants["tracing"] = (["networkPolicy.gateway.otlpCollector.namespace=observability",
+                                "networkPolicy.gateway.otlpCollector.cidrs={198.51.100.7/32}"], None)
+        for name, (sets, values) in variants.items():
+            with self.subTest(name):
+                objs = helm_template(*sets, values=values)
+                for policy in self.policies(objs).values():
+                    self.assertEqual(open_egress(policy), [], f"{name}: NetworkPolicy {policy['metadata']['name']}")
+                self.assertNotIn("0.0.0.0/0", yaml.safe_dump_all(objs), name)
+
+    def test_the_open_egress_check_finds_what_the_old_chart_allowed(self):
+        policy = self.find(helm_template(), "NetworkPolicy", "sluice-gateway")
+        self.assertEqual(open_egress(policy), [])
+        for rule in ({"to": [{"namespaceSelector": {}}]}, {"ports": [{"port": 443}]},
+                     {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 443}]}):
+            broken = copy.deepcopy(policy)
+            broken["spec"]["egress"].append(rule)
+            self.assertTrue(open_egress(broken), f"{rule} went unnoticed")
+
+    def test_gateway_egress_follows_the_allowed_endpoints(self):
+        objs = helm_template(values=self.ENDPOINTS)
+        namespace = lambda ns: {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}  # noqa: E731
+        self.assertEqual(self.policies(objs)["sluice-gateway"]["spec"]["egress"], [
+            DNS_RULE, API_SERVER_RULE,
+            # A Service: its namespace, on the entry's port (the same entry in capitals is one rule).
+            {"to": [namespace("billing")], "ports": [{"protocol": "TCP", "port": 7002}]},
+            {"to": [namespace("llm")]},
+            # Host names are not matched (egressCIDRs are their addresses); addresses are.
+            {"to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}], "ports": [{"protocol": "TCP", "port": 8443}]},
+            {"to": [{"ipBlock": {"cidr": "fd00::1/128"}}]},
+            {"to": [{"ipBlock": {"cidr": "203.0.113.0/24"}}]},
+        ])
+        # The operator only checks the list: it calls no endpoint.
+        self.assertEqual(self.policies(objs)["sluice-operator"]["spec"]["egress"], [DNS_RULE, API_SERVER_RULE])
+
+    def test_otlp_collector_egress_and_a_collector_the_policy_would_cut_off(self):
+        collector = {"namespace": "observability", "podSelector": {"matchLabels": {"app": "otel-collector"}},
+                     "cidrs": ["198.51.100.7/32"]}
+        objs = helm_template(values={"networkPolicy": {"gateway": {"otlpCollector": collector}}})
+        self.assertEqual(self.policies(objs)["sluice-gateway"]["spec"]["egress"][2:], [
+            {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}},
+                     "podSelector": {"matchLabels": {"app": "otel-collector"}}},
+                    {"ipBlock": {"cidr": "198.51.100.7/32"}}],
+             "ports": [{"protocol": "TCP", "port": 4317}, {"protocol": "TCP", "port": 4318}]}])
+        env = [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel-collector.observability:4318"}]
+        err = helm_refusal(values={"gateway": {"extraEnv": env}})
+        self.assertIn("set networkPolicy.gateway.otlpCollector.namespace", err)
+        helm_template(values={"gateway": {"extraEnv": env}, "networkPolicy": {"gateway": {"otlpCollector": collector}}})
+        helm_template("networkPolicy.enabled=false", values={"gateway": {"extraEnv": env}})
+        # A collector beside the gateway (localhost) needs no rule.
+        local = [{"name": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "value": "http://127.0.0.1:4318/v1/traces"}]
+        objs = helm_template(values={"gateway": {"extraEnv": local}})
+        self.assertEqual(self.policies(objs)["sluice-gateway"]["spec"]["egress"], [DNS_RULE, API_SERVER_RULE])
+
+    def test_what_would_open_every_pod_or_address_is_refused(self):
+        for values, why in (
+                ({"capabilities": {"allowedEndpoints": ["*/ledger"]}}, "name the namespaces"),
+                ({"capabilities": {"allowedEndpoints": ["*/*:80"]}}, "name the namespaces"),
+                ({"capabilities": {"allowedEndpoints": ["billing/ledger:70000"]}}, "from 1 to 65535"),
+                ({"capabilities": {"egressCIDRs": ["0.0.0.0/0"]}}, "schema"),
+                ({"networkPolicy": {"apiServer": {"cidrs": ["::/0"]}}}, "schema"),
+                ({"networkPolicy": {"gateway": {"capabilityEgress": [{"to": [{"namespaceSelector": {}}]}]}}},
+                 "selects every namespace"),
+                ({"networkPolicy": {"gateway": {"capabilityEgress": [{"ports": [{"port": 80}]}]}}}, "needs a `to`"),
+                ({"networkPolicy": {"gateway": {"capabilityEgress": [{"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}]}}},
+                 "every address"),
+                ({"capabilities": {"credentials": [{"name": "a", "secretName": "s"}, {"name": "a", "secretName": "t"}]}},
+                 "listed twice"),
+                ({"capabilities": {"credentials": [{"name": "Ledger.v1", "secretName": "s"}]}}, "schema")):
+            with self.subTest(values):
+                self.assertIn(why, helm_refusal(values=values))
+        # Without NetworkPolicies nothing has to follow a `*` namespace.
+        helm_template("networkPolicy.enabled=false", values={"capabilities": {"allowedEndpoints": ["*/ledger"]}})
+        # User rules that name their places are kept as they are.
+        rule = {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "billing"}},
+                        "podSelector": {"matchLabels": {"app": "ledger"}}}], "ports": [{"protocol": "TCP", "port": 8080}]}
+        objs = helm_template(values={"networkPolicy": {"gateway": {"capabilityEgress": [rule]}}})
+        self.assertEqual(self.policies(objs)["sluice-gateway"]["spec"]["egress"][-1], rule)
+
+    def test_the_api_server_address_is_required_and_looked_up_only_in_a_cluster(self):
+        # No cluster to look it up in and no value: the render says what to set.
+        proc = subprocess.run([HELM, "template", "sluice", CHART, "--namespace", NAMESPACE],
+                              capture_output=True, text=True, timeout=120)
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("set networkPolicy.apiServer.cidrs", proc.stderr)
+        proc = subprocess.run([HELM, "template", "sluice", CHART, "--namespace", NAMESPACE, "--set", "networkPolicy.enabled=false"],
+                              capture_output=True, text=True, timeout=120)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        objs = helm_template("networkPolicy.apiServer.cidrs={10.0.0.10/32,10.0.0.11/32}", "webhook.enabled=true")
+        operator = self.policies(objs)["sluice-operator"]["spec"]
+        cidrs = [{"ipBlock": {"cidr": "10.0.0.10/32"}}, {"ipBlock": {"cidr": "10.0.0.11/32"}}]
+        self.assertEqual(operator["egress"][1]["to"], cidrs)
+        self.assertEqual([p for p in operator["ingress"][1]["from"] if "ipBlock" in p], cidrs, "the webhook's callers")
+
+    def test_allowed_endpoints_and_credentials_reach_the_components_only_when_set(self):
+        def containers(objs):
+            return {name: self.find(objs, "Deployment", f"sluice-{name}")["spec"]["template"]["spec"]
+                    for name in ("operator", "gateway")}
+
+        for pod in containers(helm_template()).values():
+            args = pod["containers"][0]["args"]
+            self.assertFalse([a for a in args if a.startswith(("--allowed-endpoints", "--capability-credentials"))])
+            self.assertFalse([v for v in pod["volumes"] if v["name"].startswith("capability-credentials")])
+
+        pods = containers(helm_template(values=self.ENDPOINTS))
+        listed = "--allowed-endpoints=" + ",".join(self.ENDPOINTS["capabilities"]["allowedEndpoints"])
+        for name, pod in pods.items():
+            self.assertEqual([a for a in pod["containers"][0]["args"] if a.startswith("--allowed-endpoints")], [listed], name)
+        self.assertNotIn("--capability-credentials=/etc/sluice/capability-credentials", pods["operator"]["containers"][0]["args"])
+        self.assertEqual([v["name"] for v in pods["operator"]["volumes"]], ["tmp"])
+
+        gateway = pods["gateway"]
+        (c,) = gateway["containers"]
+        self.assertIn("--capability-credentials=/etc/sluice/capability-credentials", c["args"])
+        volumes = {v["name"]: v for v in gateway["volumes"]}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"] if m["mountPath"].startswith("/etc/sluice/capability-credentials")}
+        self.assertEqual(sorted(mounts), ["/etc/sluice/capability-credentials/ledger",
+                                          "/etc/sluice/capability-credentials/llm_api"])
+        for path, secret in (("ledger", "ledger-credentials"), ("llm_api", "llm-token")):
+            mount = mounts[f"/etc/sluice/capability-credentials/{path}"]
+            self.assertTrue(mount.get("readOnly"), path)
+            self.assertNotIn("subPath", mount, "a subPath mount would never see a renewed Secret")
+            self.assertEqual(volumes[mount["name"]]["secret"]["secretName"], secret)
+        self.assertValid(helm_template(values=self.ENDPOINTS), "helm template with capabilities set")
+
+    def role_rules(self, role):
+        return {(g, r): sorted(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+
+    def test_roles_for_people(self):
+        objs = helm_template()
+        roles = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ClusterRole" and o["metadata"]["name"] in USER_ROLES}
+        self.assertEqual(sorted(roles), sorted(USER_ROLES))
+        aggregate = lambda role: sorted(k.rsplit("-", 1)[1] for k, v in role["metadata"]["labels"].items()  # noqa: E731
+                                        if k.startswith("rbac.authorization.k8s.io/aggregate-to-") and v == "true")
+        read, write = ["get", "list", "watch"], sorted(["get", "list", "watch", "create", "update", "patch", "delete"])
+        edit = roles["sluice-hookchain-edit"]
+        self.assertEqual(aggregate(edit), ["admin", "edit"])
+        self.assertEqual(self.role_rules(edit), {("sluice.dev", "hookchains"): write, ("sluice.dev", "capabilities"): read})
+        view = roles["sluice-view"]
+        self.assertIn("view", aggregate(view))
+        self.assertEqual(self.role_rules(view), {("sluice.dev", "hookchains"): read, ("sluice.dev", "capabilities"): read,
+                                                 ("sluice.dev", "hookchains/status"): ["get"],
+                                                 ("sluice.dev", "capabilities/status"): ["get"]})
+        platform = roles["sluice-platform"]
+        self.assertEqual(aggregate(platform), [], "bound by hand, never aggregated")
+        self.assertEqual(self.role_rules(platform), {("sluice.dev", "hookchains"): sorted(write + ["deletecollection"]),
+                                                     ("sluice.dev", "capabilities"): sorted(write + ["deletecollection"]),
+                                                     ("sluice.dev", "hookchains/status"): ["get"],
+                                                     ("sluice.dev", "capabilities/status"): ["get"]})
+        # Nothing aggregated to edit or admin writes Capabilities by default.
+        for role in roles.values():
+            if set(aggregate(role)) & {"edit", "admin"}:
+                self.assertNotIn("create", self.role_rules(role).get(("sluice.dev", "capabilities"), []), role["metadata"]["name"])
+        # The roles bind nobody: people get them through the built-in roles or a binding of their own.
+        bound = {b["roleRef"]["name"] for b in objs if b["kind"] in ("RoleBinding", "ClusterRoleBinding")}
+        self.assertFalse(bound & set(USER_ROLES))
+        self.assertValid([o for o in objs if o["kind"] == "ClusterRole"], "the ClusterRoles")
+
+        opted = helm_template("rbac.aggregateCapabilitiesToAdmin=true")
+        admin = self.find(opted, "ClusterRole", "sluice-capability-admin")
+        self.assertEqual(aggregate(admin), ["admin"])
+        self.assertEqual(self.role_rules(admin), {("sluice.dev", "capabilities"): write})
+        self.assertFalse([o for o in objs if o["metadata"]["name"] == "sluice-capability-admin"])
+
+        # One set per release: two releases in a cluster do not fight over the names.
+        other = {o["metadata"]["name"] for o in helm_template(release="tenants") if o["kind"] == "ClusterRole"}
+        self.assertLessEqual({"tenants-hookchain-edit", "tenants-view", "tenants-platform"}, other)
+        for off in ("rbac.userRoles=false", "rbac.create=false"):
+            self.assertFalse([o for o in helm_template(off) if o["metadata"]["name"] in USER_ROLES], off)
 
 
 class KustomizeTest(ManifestCase):

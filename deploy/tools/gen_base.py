@@ -2,7 +2,10 @@
 `make deploy-base` runs it, and deploy/tests/test_manifests.py fails when deploy/base is stale.
 
 Usage: gen_base.py HELM OUT_DIR. Helm-only labels (helm.sh/chart, managed-by: Helm) are dropped;
-the CRDs are copied from crds/ as they are; a Namespace with the restricted Pod Security level is added."""
+the CRDs are copied from crds/ as they are; a Namespace with the restricted Pod Security level is added.
+The chart needs the API server's addresses for its NetworkPolicies and kustomize cannot look them up:
+the base holds API_SERVER, an address of the documentation range that matches no API server, for
+every install to patch with its own (deploy/README.md; the example overlay shows the patch)."""
 
 import os
 import shutil
@@ -24,6 +27,11 @@ FILES = {  # kind -> file of deploy/base
     "NetworkPolicy": "networkpolicies.yaml",
 }
 HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
+API_SERVER = "192.0.2.1/32"  # RFC 5737 TEST-NET-1: never a real API server
+NOTES = {  # file of deploy/base -> what its reader must do
+    "networkpolicies.yaml": f"# The API server's address {API_SERVER} is a placeholder that matches nothing: patch in yours\n"
+                            "# (kubectl get endpointslice kubernetes -n default), as deploy/overlays/example does.\n",
+}
 
 
 def strip_helm_labels(obj):
@@ -46,7 +54,8 @@ def file_for(obj):
 
 
 def render(helm):
-    out = subprocess.run([helm, "template", "sluice", os.path.join(ROOT, "charts", "sluice"), "--namespace", NAMESPACE],
+    out = subprocess.run([helm, "template", "sluice", os.path.join(ROOT, "charts", "sluice"), "--namespace", NAMESPACE,
+                          "--set", f"networkPolicy.apiServer.cidrs={{{API_SERVER}}}"],
                          check=True, capture_output=True, text=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
@@ -67,6 +76,7 @@ def main(helm, out_dir):
     for name, objs in files.items():
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(HEADER)
+            f.write(NOTES.get(name, ""))
             f.write(yaml.safe_dump_all(objs, sort_keys=False, width=120))
     resources = [f"crds/{c}" for c in crds] + sorted(files)
     with open(os.path.join(out_dir, "kustomization.yaml"), "w") as f:

@@ -87,6 +87,11 @@ gateway:
       - name: e2e
         match: {tokenSha256: "$token_sha"}
         namespaces: ["*"]
+# The API server, for the NetworkPolicies (this cluster enforces none, but they must render):
+# helm install would look it up, helm template and helm lint with this file cannot.
+networkPolicy:
+  apiServer:
+    cidrs: ["$NODE_IP/32"]
 webhook:
   enabled: true
   certificate:

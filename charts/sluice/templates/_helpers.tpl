@@ -91,3 +91,185 @@ seccompProfile:
 - --insecure
 {{- end }}
 {{- end -}}
+
+{{/* Roles for people (templates/roles.yaml): unique per release, as ClusterRoles are cluster-wide. */}}
+{{- define "sluice.role.hookchainEdit" -}}{{ .Release.Name }}-hookchain-edit{{- end -}}
+{{- define "sluice.role.view" -}}{{ .Release.Name }}-view{{- end -}}
+{{- define "sluice.role.platform" -}}{{ .Release.Name }}-platform{{- end -}}
+{{- define "sluice.role.capabilityAdmin" -}}{{ .Release.Name }}-capability-admin{{- end -}}
+
+{{/* --allowed-endpoints, for the operator and the gateway alike; nothing when the list is empty. */}}
+{{- define "sluice.allowedEndpointsArg" -}}
+{{- with .Values.capabilities.allowedEndpoints -}}
+- {{ printf "--allowed-endpoints=%s" (join "," .) | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the gateway mounts the credential sets of capabilities.credentials, one directory each. */}}
+{{- define "sluice.gateway.credentialsDir" -}}/etc/sluice/capability-credentials{{- end -}}
+
+{{/*
+The API server's addresses, as a JSON list of CIDRs: networkPolicy.apiServer.cidrs or, when that is
+empty, the addresses of the `kubernetes` EndpointSlice (else Endpoints) in `default`, looked up in the
+cluster being installed into. Empty under `helm template` and `--dry-run=client` (no cluster).
+*/}}
+{{- define "sluice.apiServerCIDRs" -}}
+{{- $cidrs := .Values.networkPolicy.apiServer.cidrs -}}
+{{- if not $cidrs -}}
+{{- $ips := list -}}
+{{- $slice := lookup "discovery.k8s.io/v1" "EndpointSlice" "default" "kubernetes" -}}
+{{- range (dig "endpoints" list $slice) -}}
+{{- $ips = concat $ips (dig "addresses" list .) -}}
+{{- end -}}
+{{- if not $ips -}}
+{{- $endpoints := lookup "v1" "Endpoints" "default" "kubernetes" -}}
+{{- range (dig "subsets" list $endpoints) -}}
+{{- range (dig "addresses" list .) -}}
+{{- $ips = append $ips (get . "ip") -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range uniq $ips -}}
+{{- $cidrs = append $cidrs (printf "%s/%s" . (ternary "128" "32" (contains ":" .))) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $cidrs -}}
+{{- end -}}
+
+{{/* Fails on a CIDR that is every address: no NetworkPolicy of the chart may open the whole network. */}}
+{{- define "sluice.checkCIDR" -}}
+{{- if hasSuffix "/0" .cidr -}}
+{{- fail (printf "%s: %s is every address; list the addresses that are needed" .what .cidr) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+One entry of capabilities.allowedEndpoints as a NetworkPolicy sees it, as JSON: {kind, port, namespace,
+cidr}. kind: service (<namespace>/<service>), address (an IPv4 or [IPv6] literal) or host (a name or
+*.<domain>, which no NetworkPolicy can match). The port follows the last ':' outside an IPv6
+literal's brackets, as the components read it.
+*/}}
+{{- define "sluice.endpointEntry" -}}
+{{- $entry := lower (trim .) -}}
+{{- $place := $entry -}}
+{{- $out := dict "kind" "host" -}}
+{{- if regexMatch "^.*[^:]:[0-9]+$" $entry -}}
+{{- $place = regexReplaceAll ":[0-9]+$" $entry "" -}}
+{{- $port := regexReplaceAll "^.*:" $entry "" | atoi -}}
+{{- if or (lt $port 1) (gt $port 65535) -}}
+{{- fail (printf "capabilities.allowedEndpoints: %q: the port must be a number from 1 to 65535" .) -}}
+{{- end -}}
+{{- $_ := set $out "port" $port -}}
+{{- end -}}
+{{- if contains "/" $place -}}
+{{- $_ := set $out "kind" "service" -}}
+{{- $_ := set $out "namespace" (regexReplaceAll "/.*$" $place "") -}}
+{{- else if regexMatch "^[0-9]{1,3}(\\.[0-9]{1,3}){3}$" $place -}}
+{{- $_ := set $out "kind" "address" -}}
+{{- $_ := set $out "cidr" (printf "%s/32" $place) -}}
+{{- else if regexMatch "^\\[[0-9a-f:.]+\\]$" $place -}}
+{{- $_ := set $out "kind" "address" -}}
+{{- $_ := set $out "cidr" (printf "%s/128" (trimAll "[]" $place)) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/*
+The gateway's egress beyond DNS and the API server, as a YAML list of NetworkPolicy egress rules:
+the capability endpoints of capabilities.allowedEndpoints that a NetworkPolicy can match (a Service's
+namespace, an address), capabilities.egressCIDRs, the OTLP collector and
+networkPolicy.gateway.capabilityEgress. Nothing that selects every namespace or every address.
+*/}}
+{{- define "sluice.gateway.egress" -}}
+{{- $rules := list -}}
+{{- range .Values.capabilities.allowedEndpoints -}}
+{{- $e := include "sluice.endpointEntry" . | fromJson -}}
+{{- $rule := dict -}}
+{{- if eq $e.kind "service" -}}
+{{- if eq $e.namespace "*" -}}
+{{- fail (printf "capabilities.allowedEndpoints: %q allows a Service in every namespace, which the gateway's NetworkPolicy could only follow by letting it reach every pod of the cluster: name the namespaces (team-a/ledger, team-b/ledger), or set networkPolicy.enabled=false and control the gateway's egress yourself" .) -}}
+{{- end -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$" $e.namespace) -}}
+{{- fail (printf "capabilities.allowedEndpoints: %q: write a Service as <namespace>/<service>" .) -}}
+{{- end -}}
+{{- $_ := set $rule "to" (list (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" $e.namespace)))) -}}
+{{- else if eq $e.kind "address" -}}
+{{- $_ := set $rule "to" (list (dict "ipBlock" (dict "cidr" $e.cidr))) -}}
+{{- end -}}
+{{- /* A host name: its addresses come from capabilities.egressCIDRs. */ -}}
+{{- if and (hasKey $rule "to") (hasKey $e "port") -}}
+{{- $_ := set $rule "ports" (list (dict "protocol" "TCP" "port" (int $e.port))) -}}
+{{- end -}}
+{{- if and (hasKey $rule "to") (not (has $rule $rules)) -}}
+{{- $rules = append $rules $rule -}}
+{{- end -}}
+{{- end -}}
+{{- with .Values.capabilities.egressCIDRs -}}
+{{- $to := list -}}
+{{- range . -}}
+{{- include "sluice.checkCIDR" (dict "what" "capabilities.egressCIDRs" "cidr" .) -}}
+{{- $to = append $to (dict "ipBlock" (dict "cidr" .)) -}}
+{{- end -}}
+{{- $rules = append $rules (dict "to" $to) -}}
+{{- end -}}
+{{- with .Values.networkPolicy.gateway.otlpCollector -}}
+{{- $to := list -}}
+{{- if .namespace -}}
+{{- $peer := dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .namespace)) -}}
+{{- with .podSelector -}}
+{{- $_ := set $peer "podSelector" . -}}
+{{- end -}}
+{{- $to = append $to $peer -}}
+{{- end -}}
+{{- range .cidrs -}}
+{{- include "sluice.checkCIDR" (dict "what" "networkPolicy.gateway.otlpCollector.cidrs" "cidr" .) -}}
+{{- $to = append $to (dict "ipBlock" (dict "cidr" .)) -}}
+{{- end -}}
+{{- if $to -}}
+{{- $ports := list -}}
+{{- range .ports -}}
+{{- $ports = append $ports (dict "protocol" "TCP" "port" .) -}}
+{{- end -}}
+{{- $rules = append $rules (dict "to" $to "ports" $ports) -}}
+{{- end -}}
+{{- end -}}
+{{- range .Values.networkPolicy.gateway.capabilityEgress -}}
+{{- $to := get . "to" -}}
+{{- if not $to -}}
+{{- fail "networkPolicy.gateway.capabilityEgress: every rule needs a `to` (a rule without one allows every destination)" -}}
+{{- end -}}
+{{- range $to -}}
+{{- if and (hasKey . "namespaceSelector") (not (get . "namespaceSelector")) -}}
+{{- fail "networkPolicy.gateway.capabilityEgress: `namespaceSelector: {}` selects every namespace; name the namespaces (matchLabels kubernetes.io/metadata.name)" -}}
+{{- end -}}
+{{- with (get . "ipBlock") -}}
+{{- include "sluice.checkCIDR" (dict "what" "networkPolicy.gateway.capabilityEgress" "cidr" (get . "cidr")) -}}
+{{- end -}}
+{{- end -}}
+{{- $rules = append $rules . -}}
+{{- end -}}
+{{- with $rules -}}
+{{- toYaml . -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Fails when the gateway exports traces to a collector its NetworkPolicy does not let it reach: an OTLP
+endpoint in gateway.extraEnv that is not on localhost (a sidecar needs no rule), with no
+networkPolicy.gateway.otlpCollector. Endpoints given through valueFrom cannot be read here.
+*/}}
+{{- define "sluice.gateway.checkOtlp" -}}
+{{- $collector := .Values.networkPolicy.gateway.otlpCollector -}}
+{{- if not (or $collector.namespace $collector.cidrs) -}}
+{{- range .Values.gateway.extraEnv -}}
+{{- $name := get . "name" -}}
+{{- $value := get . "value" -}}
+{{- if and $value (has $name (list "OTEL_EXPORTER_OTLP_ENDPOINT" "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) -}}
+{{- $host := get (urlParse $value) "hostname" -}}
+{{- if and $host (not (has $host (list "localhost" "127.0.0.1" "::1"))) -}}
+{{- fail (printf "gateway.extraEnv sends traces to %s=%s, which the gateway's NetworkPolicy does not let it reach: set networkPolicy.gateway.otlpCollector.namespace (and .podSelector) or .cidrs" $name $value) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
