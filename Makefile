@@ -12,7 +12,7 @@ REGISTRY ?= ghcr.io/sluice-dev
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 DOCKER ?= docker
 
-.PHONY: deps cell cell-release build run test test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
+.PHONY: deps cell cell-release build install dist test-dist run test test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
 	cluster-deps cluster-build cluster-up cluster-down cluster-images cluster-install test-cluster bench-cluster
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
@@ -44,6 +44,43 @@ cell-release: deps
 build: deps cell-release
 	$(CARGO) build --release --workspace --bins
 
+# `sluice` for hook authors, installed into $(PREFIX)/bin with what it runs hooks with beside it: the
+# local gateway, the supervisor and the cell runtime (`sluice test` and `sluice run` find them there;
+# root and runsc are used when present, else hooks run in WebAssembly cells alone). PROFILE=debug
+# installs the debug build (what `make test-dist` checks).
+PREFIX ?= $(HOME)/.local
+PROFILE ?= release
+INSTALL_BINS := sluice sluice-gateway sluice-supervisor
+CELL_release := cell-release
+CELL_debug := cell
+install: $(CELL_$(PROFILE))
+	$(CARGO) build $(if $(filter release,$(PROFILE)),--release) -p sluice-cli -p sluice-gateway -p sluice-supervisor --bins
+	install -d $(PREFIX)/bin
+	for b in $(INSTALL_BINS); do install -m 0755 target/$(PROFILE)/$$b $(PREFIX)/bin/; done
+	install -m 0644 target/$(PROFILE)/sluice-cell.cwasm target/$(PROFILE)/sluice-cell.cwasm.sha256 $(PREFIX)/bin/
+	@echo "installed $(INSTALL_BINS) and the cell runtime into $(PREFIX)/bin (put it on PATH)"
+
+# A tarball for machines without Rust: dist/sluice-<version>-linux-<arch>.tar.gz, unpacked anywhere
+# (bin/sluice and what it needs beside it).
+DIST_NAME := sluice-$(TAG)-linux-$(shell uname -m)
+dist:
+	rm -rf dist/$(DIST_NAME)
+	$(MAKE) install PREFIX=$(CURDIR)/dist/$(DIST_NAME) PROFILE=$(PROFILE)
+	cp README.md docs/hooks.md dist/$(DIST_NAME)/
+	tar -C dist -czf dist/$(DIST_NAME).tar.gz $(DIST_NAME)
+	@echo "wrote dist/$(DIST_NAME).tar.gz"
+
+# The tarball as an author uses it: unpacked into a fresh directory, its `sluice` checks and tests the
+# examples with nothing else on PATH.
+test-dist:
+	$(MAKE) dist PROFILE=debug
+	rm -rf target/test-dist && mkdir -p target/test-dist
+	tar -C target/test-dist -xzf dist/$(DIST_NAME).tar.gz
+	cd target/test-dist && env -i PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=$$HOME \
+		./$(DIST_NAME)/bin/sluice check $(CURDIR)/examples/ \
+		&& env -i PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=$$HOME \
+		./$(DIST_NAME)/bin/sluice test $(CURDIR)/examples/tests/pii-redaction.test.yaml
+
 # The example services (fake LLM on :7001, credit ledger on :7002) run beside the gateway and stop with it.
 run: build
 	./target/release/sluice-example-services & services=$$!; \
@@ -53,7 +90,7 @@ run: build
 # test-manifests validates what the built `sluice-operator render` prints; test-cluster brings up a
 # real single-node Kubernetes (root; Go for its first build, cached per version), runs the cluster
 # suite on it with no test skipped, and takes it down again.
-test: deps test-rust test-clients test-manifests test-cluster
+test: deps test-rust test-clients test-dist test-manifests test-cluster
 
 # The Python client, installed into $(CLIENTS_VENV) as an application would (with its `test` extra),
 # tested against a real local gateway (runsc sandboxes; those tests skip, saying so, without runsc).

@@ -135,7 +135,8 @@ def own(f):
     while stack:
         n = stack.pop()
         yield n
-        stack.extend(c for c in ast.iter_child_nodes(n) if not isinstance(c, SCOPES))
+        if not isinstance(n, SCOPES):
+            stack.extend(ast.iter_child_nodes(n))
 
 def breaks(stmts):
     """Whether a break in stmts leaves the loop they are the body of."""

@@ -140,7 +140,8 @@ fn failing_hooks() -> Vec<(&'static str, &'static str, &'static str)> {
         (
             "malformed",
             "modify",
-            "def execute(c, s):\n    return ['not', 'a', 'dict']\n",
+            // Built at run time too: `sluice check` refuses a literal list.
+            "def execute(c, s):\n    return list(('not', 'a', 'dict'))\n",
         ),
         ("up", "modify", UPPER),
     ]
@@ -200,25 +201,57 @@ async fn hook_errors_under_both_failure_policies() {
     h.stop_and_check_leaks().await;
 }
 
+/// Code Python's compiler refuses (`break` outside a loop parses, but does not compile) is never
+/// served: the chain is refused when read, with the reason. Code compiled while a hook runs and
+/// refused then is that hook's error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn compile_errors_are_hook_errors() {
+async fn compile_errors_are_refused_when_read_and_hook_errors_at_run_time() {
     let bad = chain_yaml(
         "bad",
         "t-bad",
         "input",
         "failurePolicy: Open",
         &[
-            // Parses (so the static check passes it) but does not compile: `break` outside a loop.
             (
                 "broken",
                 "modify",
-                "def execute(c, s):\n    return {}\nbreak\n",
+                "def execute(c, s):\n    return {'action': 'pass'}\nbreak\n",
             ),
             ("up", "modify", UPPER),
         ],
     );
-    let h = Harness::start(&[("bad.yaml", &bad)]).await;
-    let r = h.run_text("t-bad", "input", "x").await.unwrap();
+    let late = chain_yaml(
+        "late",
+        "t-late",
+        "input",
+        "failurePolicy: Open",
+        &[
+            (
+                "broken",
+                "modify",
+                "def execute(c, s):\n    exec(compile('break', '<late>', 'exec'))\n    return {'action': 'pass'}\n",
+            ),
+            ("up", "modify", UPPER),
+        ],
+    );
+    let h = Harness::start(&[("bad.yaml", &bad), ("late.yaml", &late)]).await;
+    let refused = h.run_text("t-bad", "input", "x").await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
+    let errors: Vec<String> = h
+        .gateway()
+        .engine
+        .registry()
+        .errors()
+        .iter()
+        .map(|e| e.to_string())
+        .collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("bad.yaml") && e.contains("'break' outside loop")),
+        "{errors:?}"
+    );
+    let r = h.run_text("t-late", "input", "x").await.unwrap();
     assert!(r.hooks[0].error.contains("SyntaxError"), "{:?}", r.hooks[0]);
     assert_eq!(text(&r), "X");
     h.stop_and_check_leaks().await;

@@ -230,6 +230,10 @@ mod tests {
             "{}",
             v.message
         );
+        let s = spec("def execute(c, s):\n    return {'action': 'block'}\n", &[]);
+        let v = verdict("chain", &s, "ns", &check_code(&s), |_| {
+            CapabilityState::Valid
+        });
         assert!(
             v.message
                 .contains("returns action 'block' but the hook declares 'modify'"),

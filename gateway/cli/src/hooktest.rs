@@ -10,6 +10,7 @@
 //! capabilities:                          # stubs: a canned result, or an error the hook sees
 //!   llm.run: {result: {text: "Summary."}}
 //!   credit.check: {error: "no credit"}
+//!   credit.charge: {denied: "no credit left"}   # a gate says no: HostCallError code "denied"
 //! cases:
 //!   - name: redacts a phone number
 //!     target: support-bot
@@ -53,8 +54,19 @@ pub struct TestFile {
 pub struct Stub {
     #[serde(default)]
     pub result: Value,
+    /// The call fails (`HostCallError` code `unavailable`) with this text.
     #[serde(default)]
     pub error: Option<String>,
+    /// A gate refuses the call with this reason (`HostCallError` code `denied`): no credit, say.
+    #[serde(default)]
+    pub denied: Option<String>,
+}
+
+impl Stub {
+    /// The gate a `denied` stub is given: a capability of its own whose answer is the refusal.
+    fn gate(name: &str) -> String {
+        format!("{name}.stub-gate")
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -219,7 +231,7 @@ impl Local {
             // still points into the file the author edits.
             for (j, (line, doc)) in sluice_crds::manifest::documents(&text).iter().enumerate() {
                 let copy = dir.path().join(format!("{i:03}-{j:03}.yaml"));
-                let stubbed = |name: &str| stubs.contains_key(name);
+                let stubbed = |name: &str| stubs.get(name).cloned();
                 let routed = |name: &str| answers.route(addr, name, stubs);
                 let served = match stubbed_capability(doc, stubbed, routed) {
                     Some(json) => format!("{}{json}\n", "\n".repeat(line.saturating_sub(1))),
@@ -229,17 +241,40 @@ impl Local {
                 copies.push((copy, f.clone()));
             }
         }
-        // Stubs of capabilities the files do not define are served as capabilities of their own.
+        // Stubs of capabilities the files do not define are served as capabilities of their own,
+        // and a `denied` stub's gate as one more, answering with the refusal.
         let mut yaml = String::new();
-        for name in stubs.keys() {
+        let capability = |name: &str, url: &str, gates: &str| {
+            format!(
+                "---\napiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {{name: {name:?}, namespace: default}}\nspec: {{endpoint: {{http: {url:?}}}, timeoutMs: 5000{gates}}}\n"
+            )
+        };
+        for (name, stub) in stubs {
+            let gates = match stub.denied {
+                Some(_) => format!(", gates: [{:?}]", Stub::gate(name)),
+                None => String::new(),
+            };
             if !answers.defines(name) {
                 let url = answers.route(addr, name, stubs);
-                yaml.push_str(&format!(
-                    "---\napiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {{name: {name:?}, namespace: default}}\nspec: {{endpoint: {{http: {url:?}}}, timeoutMs: 5000}}\n"
-                ));
+                yaml.push_str(&capability(name, &url, &gates));
+            }
+            if let Some(reason) = &stub.denied {
+                let gate = Stub::gate(name);
+                let refusal = Stub {
+                    result: json!({"allow": false, "reason": reason}),
+                    error: None,
+                    denied: None,
+                };
+                let url = answers.route(addr, &gate, &BTreeMap::from([(gate.clone(), refusal)]));
+                yaml.push_str(&capability(&gate, &url, ""));
             }
         }
-        std::fs::write(dir.path().join("zz-stubs.yaml"), yaml)?;
+        let stubs_file = dir.path().join("zz-stubs.yaml");
+        std::fs::write(&stubs_file, yaml)?;
+        copies.push((
+            stubs_file,
+            PathBuf::from("(the stubs under the test file's capabilities:)"),
+        ));
         let stub_task = Some(tokio::spawn(serve_stubs(listener, Arc::new(answers))));
         let state = tempfile::Builder::new()
             .prefix("sluice-cli")
@@ -415,26 +450,31 @@ impl StubAnswers {
 /// dispatch steps go; an unstubbed one keeps them (each answers its own "no stub" error).
 fn stubbed_capability(
     doc: &str,
-    stubbed: impl Fn(&str) -> bool,
+    stubbed: impl Fn(&str) -> Option<Stub>,
     route: impl FnOnce(&str) -> String,
 ) -> Option<String> {
     let mut v: Value = serde_saphyr::from_str(doc).ok()?;
     if v.get("kind").and_then(Value::as_str) != Some("Capability") {
         return None;
     }
+    let name = v.get("metadata")?.get("name")?.as_str()?.to_string();
     let endpoint = v.get("spec")?.get("endpoint");
+    // A built-in reaches nothing outside: it stays, unless the test file stubs it.
     if endpoint.is_some_and(|e| {
         e.get("builtin").is_some() && e.get("http").is_none() && e.get("grpc").is_none()
-    }) {
+    }) && stubbed(&name).is_none()
+    {
         return None;
     }
-    let name = v.get("metadata")?.get("name")?.as_str()?.to_string();
     v["spec"]["endpoint"] = json!({"http": route(&name)});
-    if stubbed(&name)
+    if let Some(stub) = stubbed(&name)
         && let Some(spec) = v["spec"].as_object_mut()
     {
         spec.remove("gates");
         spec.remove("dispatch");
+        if stub.denied.is_some() {
+            spec.insert("gates".into(), json!([Stub::gate(&name)]));
+        }
     }
     Some(v.to_string())
 }
@@ -592,6 +632,19 @@ fn hook_failures(got: Option<&Value>, streamed: bool) -> Vec<String> {
         && let Some(m) = result["message"].as_str().filter(|m| !m.is_empty())
     {
         out.push(format!("message: {m:?}"));
+    } else if out.is_empty() {
+        // No hook failed: the hook that ended the walk (block or skip) and what it said.
+        let ended = result["terminal_index"]
+            .as_u64()
+            .and_then(|i| result["hooks"].get(i as usize));
+        if let Some(h) = ended {
+            let message = result["message"].as_str().unwrap_or_default();
+            out.push(format!(
+                "hook {} returned {} with message {message:?}",
+                h["name"],
+                h["action"].as_str().unwrap_or("?")
+            ));
+        }
     }
     out
 }

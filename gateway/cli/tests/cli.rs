@@ -713,6 +713,13 @@ spec:
                 return {"action": "detect", "findings": {"action": "block", "rule": "rival"}}
             while True:
                 return {"action": "pass"}
+    - name: a-helpers-return-is-not-executes
+      action: detect
+      code: |
+        def execute(context, settings):
+            def helper():
+                return "block"
+            helper()
 ---
 apiVersion: sluice.dev/v1alpha1
 kind: Capability
@@ -771,9 +778,110 @@ fn check_catches_what_the_compiler_and_the_gateway_would_refuse() {
         "{l}"
     );
     assert!(!out.contains("nested-action-is-fine"), "{out}");
-    assert!(out.contains("5 problem(s) found"), "{out}");
+    // Only a hint: an `execute` that never returns may mean to always raise.
+    assert!(
+        line("a-helpers-return-is-not-executes").contains("never returns a value"),
+        "{out}"
+    );
+    assert!(out.contains("6 problem(s) found"), "{out}");
 
     let (code, out) = sluice(&["run", &file, "--text", "hello"]);
     assert_ne!(code, 0, "the gateway serves nothing check refuses:\n{out}");
     assert!(out.contains("can end here without returning"), "{out}");
+}
+
+/// Each recipe `sluice init --example` writes checks clean and passes its own tests, and its tests
+/// can fail: broken on purpose (the card recipe's lookback cut to 4, the competitor list emptied,
+/// the charge hook no longer blocking on `denied`), each fails.
+#[test]
+fn every_recipe_checks_and_tests_clean_and_its_tests_catch_a_broken_recipe() {
+    let dir = tempfile::tempdir().unwrap();
+    let breakages = [
+        ("card-numbers", "lookbackChars: 24", "lookbackChars: 4", 3),
+        ("competitors", "[Acme Corp, Globex, Initech]", "[]", 3),
+        (
+            "charge-per-message",
+            "e.code == \"denied\"",
+            "e.code == \"never\"",
+            2,
+        ),
+    ];
+    for (name, good, bad, cases) in breakages {
+        let target = dir.path().join(name);
+        let target = target.to_string_lossy();
+        let (code, out) = sluice(&["init", &target, "--example", name]);
+        assert_eq!(code, 0, "{out}");
+        let (code, out) = sluice(&["check", &target]);
+        assert_eq!(code, 0, "{name}: {out}");
+        let (code, out) = sluice(&["test", &target]);
+        assert_eq!(code, 0, "{name}: {out}");
+        assert!(
+            out.contains(&format!("{cases} passed, 0 failed")),
+            "{name}: {out}"
+        );
+        let chain = dir.path().join(name).join(format!("{name}.yaml"));
+        let text = std::fs::read_to_string(&chain).unwrap();
+        assert!(text.contains(good), "{name}");
+        std::fs::write(&chain, text.replace(good, bad)).unwrap();
+        let (code, out) = sluice(&["test", &target]);
+        assert_eq!(code, 1, "{name} broken still passes: {out}");
+    }
+    let (code, out) = sluice(&["init", "x", "--example", "no-such-recipe"]);
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("card-numbers"), "lists the recipes: {out}");
+}
+
+/// A failing case says why without `-v`: the hook that ended the walk and its message, or the hook
+/// that failed and its error. Nothing in the output names a temporary file, and no colour codes
+/// reach a pipe.
+#[test]
+fn a_failing_case_says_why_without_verbose_and_names_only_the_authors_files() {
+    // The author's files live outside /tmp, so any /tmp path in the output is one of sluice's own.
+    let dir = tempfile::Builder::new()
+        .prefix("author")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap();
+    write(
+        dir.path(),
+        "chain.yaml",
+        r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: rivals}
+spec:
+  target: bot
+  triggerPoint: input
+  hooks:
+    - name: block-rivals
+      action: block
+      code: |
+        def execute(context, settings):
+            if "boom" in context["outgoing"]:
+                raise ValueError("cannot read " + context["outgoing"])
+            if "rival" in context["outgoing"]:
+                return {"action": "block", "message": "We cannot discuss rivals."}
+            return {"action": "pass"}
+"#,
+    );
+    let tests = write(
+        dir.path(),
+        "chain.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: rival\n    target: bot\n    text: tell me about rival\n    expect: {action: pass}\n  - name: boom\n    target: bot\n    text: boom\n    expect: {action: pass}\n",
+    );
+    let (code, out) = sluice(&["test", &tests]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(
+            "hook \"block-rivals\" returned block with message \"We cannot discuss rivals.\""
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("ValueError: cannot read boom") && out.contains("chain.yaml:13"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("/tmp/.tmp") && !out.contains("/tmp/sluice-cli"),
+        "{out}"
+    );
+    assert!(!out.contains('\u{1b}'), "colour codes in a pipe: {out:?}");
 }

@@ -220,7 +220,25 @@ pub(crate) fn explain(chain: &Chain, index: usize, error: &str) -> String {
             format!("  line {n}{at}, in {func}: {source}")
         })
         .collect();
+    // The line that raised: the last traceback line. A hint names the dict that line reads, never
+    // another one (a `context["plan"]` KeyError is no reason to list the settings).
+    let raised = out
+        .iter()
+        .rev()
+        .find(|l| l.starts_with("  line "))
+        .cloned()
+        .unwrap_or_default();
     if let Some(key) = out
+        .first()
+        .and_then(|l| l.strip_prefix("KeyError: "))
+        .map(|k| k.trim().trim_matches(['\'', '"']).to_string())
+        && raised.contains("context")
+        && !raised.contains("settings")
+    {
+        out.push(format!(
+            "  (if this is context[{key:?}]: context has outgoing, state, caller, target, trigger_point, namespace, session_id, run_id, hook and host_call; what the application sent is in context[\"caller\"], e.g. context[\"caller\"].get({key:?}))"
+        ));
+    } else if let Some(key) = out
         .first()
         .and_then(|l| l.strip_prefix("KeyError: "))
         .map(|k| k.trim().trim_matches(['\'', '"']).to_string())
@@ -244,6 +262,25 @@ pub(crate) fn explain(chain: &Chain, index: usize, error: &str) -> String {
             });
         }
     }
+    // No network in a cell: say so, and where the way out is.
+    if out.first().is_some_and(|l| {
+        [
+            "urllib.request",
+            "http.client",
+            "socket",
+            "ssl",
+            "requests",
+            "Errno -3",
+            "Name or service not known",
+        ]
+        .iter()
+        .any(|n| l.contains(n))
+    }) {
+        out.push(
+            "  (hooks have no network: reach an application service through a capability, context.host_call(name, payload); docs/hooks.md §6)"
+                .into(),
+        );
+    }
     out.join("\n")
 }
 
@@ -252,7 +289,7 @@ fn failure_text(chain: &Chain, failure: &SandboxFailure) -> (String, u64) {
     match failure {
         SandboxFailure::Timeout(ms) => (
             format!(
-                "timed out after {ms} ms: the chain's spec.timeoutMs is {} ms (time in host_calls not counted); make the hook faster or raise spec.timeoutMs",
+                "timed out after {ms} ms: an endless loop or slow code (the chain's spec.timeoutMs is {} ms, time in host_calls not counted); fix the loop, make the hook faster or raise spec.timeoutMs",
                 chain.spec.timeout_ms
             ),
             ms.saturating_mul(1000),
@@ -469,6 +506,22 @@ mod tests {
             said,
             "KeyError: 'mask_text'\n  line 2 (chains/mask.yaml:22), in execute: m = settings['mask_text']\n  (if this is settings[\"mask_text\"]: hook \"mask\"'s settings have limit, mask)"
         );
+        // A context key read is no settings mistake: the hint is about context.
+        let said = explain(
+            &chain,
+            0,
+            "KeyError: 'plan'\n  line 2, in execute: p = context['plan']",
+        );
+        assert!(
+            said.contains("if this is context[\"plan\"]") && !said.contains("settings have"),
+            "{said}"
+        );
+        let said = explain(
+            &chain,
+            0,
+            "ModuleNotFoundError: No module named 'urllib.request'\n  line 1, in <module>: x",
+        );
+        assert!(said.contains("hooks have no network"), "{said}");
         // A key the settings have is someone else's KeyError: nothing is added.
         let said = explain(&chain, 0, "KeyError: 'mask'\n  line 2, in execute: x");
         assert!(!said.contains("settings have"), "{said}");
@@ -607,7 +660,7 @@ mod tests {
         );
         let error = w.hooks[1].error.as_deref().unwrap_or_default();
         assert!(
-            error.starts_with("timed out after 2000 ms: the chain's spec.timeoutMs is 2000 ms"),
+            error.starts_with("timed out after 2000 ms: an endless loop or slow code (the chain's spec.timeoutMs is 2000 ms"),
             "{error}"
         );
         assert_eq!(w.hooks[1].latency_us, 2_000_000, "the time spent is stated");

@@ -246,7 +246,7 @@ async fn a_hook_past_its_deadline_is_killed_and_closed_blocks() {
     );
     let error = r.walk.hooks[1].error.as_deref().unwrap_or_default();
     assert!(
-        error.starts_with("timed out after 300 ms: the chain's spec.timeoutMs is 300 ms"),
+        error.starts_with("timed out after 300 ms: an endless loop or slow code (the chain's spec.timeoutMs is 300 ms"),
         "{error}"
     );
 }
@@ -285,7 +285,7 @@ async fn under_open_a_walk_resumes_after_a_killed_hook_in_a_fresh_sandbox() {
     assert_eq!(names, ["up", "slow", "exclaim"]);
     let error = r.walk.hooks[1].error.as_deref().unwrap_or_default();
     assert!(
-        error.starts_with("timed out after 300 ms: the chain's spec.timeoutMs is 300 ms"),
+        error.starts_with("timed out after 300 ms: an endless loop or slow code (the chain's spec.timeoutMs is 300 ms"),
         "{error}"
     );
     // The killed sandbox is never reused: the resumed walk (and the retry before it) booted others.

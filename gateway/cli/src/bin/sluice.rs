@@ -69,6 +69,11 @@ enum Command {
     Init {
         /// Directory to write into (created if missing); existing files are never overwritten.
         dir: std::path::PathBuf,
+        /// Start from a recipe instead of the starter: card-numbers (masked in streamed replies,
+        /// Luhn-checked), competitors (blocked, the list in settings), charge-per-message (a
+        /// credit per message through the ledger, blocked without credit).
+        #[arg(long, value_name = "NAME", value_parser = RECIPES.iter().map(|r| r.name).collect::<Vec<_>>())]
+        example: Option<String>,
     },
     /// Run the chains in FILE(s) once in local gVisor sandboxes and print the result as JSON.
     Run(RunArgs),
@@ -254,7 +259,7 @@ async fn main() -> ExitCode {
             };
             return test(&files, &opts, junit.as_deref(), watch).await;
         }
-        Command::Init { dir } => return init(&dir),
+        Command::Init { dir, example } => return init(&dir, example.as_deref()),
         Command::Run(a) => run(a).await,
     };
     match result {
@@ -517,14 +522,66 @@ cases:
     expect: {action: pass, text: "where is my order?"}
 "#;
 
-fn init(dir: &std::path::Path) -> ExitCode {
-    let files = [
-        (dir.join("redact-customer-ids.yaml"), STARTER_CHAIN),
-        (
-            dir.join("tests").join("redact-customer-ids.test.yaml"),
-            STARTER_TESTS,
-        ),
-    ];
+/// A recipe `sluice init --example` writes: its chain file and test files (in `tests/`).
+struct Recipe {
+    name: &'static str,
+    chain: &'static str,
+    tests: &'static [(&'static str, &'static str)],
+}
+
+const RECIPES: &[Recipe] = &[
+    Recipe {
+        name: "card-numbers",
+        chain: include_str!("../../recipes/card-numbers.yaml"),
+        tests: &[(
+            "card-numbers.test.yaml",
+            include_str!("../../recipes/card-numbers.test.yaml"),
+        )],
+    },
+    Recipe {
+        name: "competitors",
+        chain: include_str!("../../recipes/competitors.yaml"),
+        tests: &[(
+            "competitors.test.yaml",
+            include_str!("../../recipes/competitors.test.yaml"),
+        )],
+    },
+    Recipe {
+        name: "charge-per-message",
+        chain: include_str!("../../recipes/charge-per-message.yaml"),
+        tests: &[
+            (
+                "charge-per-message.test.yaml",
+                include_str!("../../recipes/charge-per-message.test.yaml"),
+            ),
+            (
+                "charge-per-message-no-credit.test.yaml",
+                include_str!("../../recipes/charge-per-message-no-credit.test.yaml"),
+            ),
+        ],
+    },
+];
+
+fn init(dir: &std::path::Path, example: Option<&str>) -> ExitCode {
+    let files: Vec<(std::path::PathBuf, &str)> = match example
+        .and_then(|name| RECIPES.iter().find(|r| r.name == name))
+    {
+        Some(recipe) => std::iter::once((dir.join(format!("{}.yaml", recipe.name)), recipe.chain))
+            .chain(
+                recipe
+                    .tests
+                    .iter()
+                    .map(|(file, text)| (dir.join("tests").join(file), *text)),
+            )
+            .collect(),
+        None => vec![
+            (dir.join("redact-customer-ids.yaml"), STARTER_CHAIN),
+            (
+                dir.join("tests").join("redact-customer-ids.test.yaml"),
+                STARTER_TESTS,
+            ),
+        ],
+    };
     if let Some((existing, _)) = files.iter().find(|(p, _)| p.exists()) {
         eprintln!(
             "sluice init: {} already exists; nothing written",
@@ -551,9 +608,12 @@ fn init(dir: &std::path::Path) -> ExitCode {
 fn quiet_logs() {
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    use std::io::IsTerminal;
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .try_init();
 }
 
@@ -615,6 +675,7 @@ async fn run(a: RunArgs) -> Result<Value, String> {
             sluice_cli::Stub {
                 result,
                 error: None,
+                denied: None,
             },
         );
     }
