@@ -328,8 +328,20 @@ pub fn yaml_hint(doc: &str, at: usize, error: &str) -> Option<(usize, String)> {
             let end = (at + 2).min(lines.len());
             let dedented =
                 (m + 1..end).find(|&i| !lines[i].trim().is_empty() && indent_of(lines[i]) < c);
+            // What a YAML key of the hook looks like (`settings:`, `- name: x`): a line that is
+            // not one, where the parser stopped, is code that fell out too (often the last line).
+            let yaml_key = |line: &str| {
+                let t = line.trim_start();
+                let t = t.strip_prefix("- ").unwrap_or(t);
+                t.split_once(':').is_some_and(|(k, rest)| {
+                    !k.is_empty()
+                        && k.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_')
+                        && (rest.is_empty() || rest.starts_with(' '))
+                })
+            };
             if let Some(x) = dedented
-                && (x + 1..end).any(|j| !lines[j].trim().is_empty() && indent_of(lines[j]) >= c)
+                && ((x + 1..end).any(|j| !lines[j].trim().is_empty() && indent_of(lines[j]) >= c)
+                    || (x + 1 >= at && x <= at + 1 && !yaml_key(lines[x])))
             {
                 return Some((
                     x,

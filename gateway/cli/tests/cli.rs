@@ -370,8 +370,22 @@ fn check_says_yaml_mistakes_in_plain_words() {
         "dedent.yaml",
         &CHAIN.replace("            return", "    x = 1\n            return"),
     );
-    let (code, out) = sluice(&["check", &tab, &colon, &dedent]);
+    // The hook's last line falls out of its block: nothing follows it to show it was code.
+    let last = write(
+        dir.path(),
+        "last.yaml",
+        &CHAIN.replace(
+            "            return {\"action\": \"modify\", \"outgoing\": context[\"outgoing\"].upper()}",
+            "            return {\"action\": \"modify\",\n      \"outgoing\": \"X\"}",
+        ),
+    );
+    let (code, out) = sluice(&["check", &tab, &colon, &dedent, &last]);
     assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("last.yaml:14: line 14 is indented less than the code above it")
+            && out.contains("indent every line of the hook's code"),
+        "{out}"
+    );
     assert!(
         out.contains("tab.yaml:7: line 7 is indented with a tab"),
         "{out}"
