@@ -115,7 +115,8 @@ class MonitoringTest(unittest.TestCase):
         alerts = {r["alert"] for g in self.rules[0]["spec"]["groups"] for r in g["rules"]}
         for wanted in ("SluiceGatewayErrorRate", "SluiceHookErrorRate", "SluiceUnavailable", "SluiceClaimWaitHigh",
                        "SluiceOperatorReconcileErrors", "SluiceWebhookErrors", "SluiceWebhookReviewFailures",
-                       "SluiceGatewayCertificateExpiresSoon"):
+                       "SluiceGatewayCertificateExpiresSoon", "SluiceHookBlockRateSpike", "SluiceHookLatencyHigh",
+                       "SluicePoolEmpty"):
             self.assertIn(wanted, alerts)
 
     def test_rules_read_only_metrics_the_code_has(self):
@@ -185,6 +186,63 @@ class MonitoringTest(unittest.TestCase):
                                   text=True, timeout=120)
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
 
+    def test_hook_alerts_fire_on_synthetic_series(self):
+        """promtool test rules for the per-hook and pool alerts: a hook whose block rate jumps above its
+        own baseline fires, one that always blocks as much does not; a slow hook fires, a fast one not;
+        a chain with no warm pod fires, one with pods not."""
+        bot = 'chain="team/bot", namespace="team", target="bot", trigger_point="input"'
+        # 5-minute samples over 31 h: "redact" blocks 1 in 101 for 29 h, then 10 in 110; "steady"
+        # blocks 10 in 110 all along.
+        series = [
+            {"series": f'sluice_gateway_hook_actions_total{{{bot}, hook="redact", action="pass"}}', "values": "0+100x372"},
+            {"series": f'sluice_gateway_hook_actions_total{{{bot}, hook="redact", action="block"}}',
+             "values": "0+1x348 358+10x23"},
+            {"series": f'sluice_gateway_hook_actions_total{{{bot}, hook="steady", action="pass"}}', "values": "0+100x372"},
+            {"series": f'sluice_gateway_hook_actions_total{{{bot}, hook="steady", action="block"}}', "values": "0+10x372"},
+            # "slow" takes 0.5-1 s; "steady" under 5 ms.
+            *[{"series": f'sluice_gateway_hook_duration_seconds_bucket{{{bot}, hook="slow", le="{le}"}}', "values": v}
+              for le, v in (("0.25", "0x372"), ("0.5", "0+5x372"), ("1", "0+10x372"), ("+Inf", "0+10x372"))],
+            *[{"series": f'sluice_gateway_hook_duration_seconds_bucket{{{bot}, hook="steady", le="{le}"}}', "values": "0+10x372"}
+              for le in ("0.005", "0.25", "1", "+Inf")],
+            {"series": 'sluice_operator_pool_warm_pods{namespace="team", chain="bot"}', "values": "2x10 0x362"},
+            {"series": 'sluice_operator_pool_warm_pods{namespace="team", chain="ok"}', "values": "2x372"},
+        ]
+        rules = {r["alert"]: r for g in self.rules[0]["spec"]["groups"] for r in g["rules"] if "alert" in r}
+
+        def fired(alert, labels, summary):
+            annotations = {"summary": summary, "description": rules[alert]["annotations"]["description"]}
+            return [{"exp_labels": {**labels, "severity": "warning"}, "exp_annotations": annotations}]
+
+        tests = {
+            "rule_files": ["rules.yaml"],
+            "evaluation_interval": "5m",
+            "tests": [{
+                "interval": "5m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"eval_time": "30h30m", "alertname": "SluiceHookBlockRateSpike",
+                     "exp_alerts": fired("SluiceHookBlockRateSpike", {"chain": "team/bot", "hook": "redact"},
+                                         "Hook redact of Sluice chain team/bot ends 9.091% of its runs (block or skip)")},
+                    # Before the jump: quiet, for both hooks.
+                    {"eval_time": "28h", "alertname": "SluiceHookBlockRateSpike", "exp_alerts": []},
+                    {"eval_time": "30h30m", "alertname": "SluiceHookLatencyHigh",
+                     "exp_alerts": fired("SluiceHookLatencyHigh", {"chain": "team/bot", "hook": "slow"},
+                                         "Hook slow of Sluice chain team/bot takes 990ms (p99)")},
+                    {"eval_time": "2h", "alertname": "SluicePoolEmpty",
+                     "exp_alerts": fired("SluicePoolEmpty", {"namespace": "team", "chain": "bot"},
+                                         "Sluice chain team/bot has no warm sandbox pod")},
+                ],
+            }],
+        }
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "rules.yaml"), "w") as f:
+                yaml.safe_dump({"groups": self.rules[0]["spec"]["groups"]}, f)
+            with open(os.path.join(tmp, "test.yaml"), "w") as f:
+                yaml.safe_dump(tests, f)
+            proc = subprocess.run([PROMTOOL, "test", "rules", "test.yaml"], cwd=tmp, capture_output=True,
+                                  text=True, timeout=120)
+            self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+
     def test_dashboard_configmap_has_the_sidecar_label_and_parses(self):
         cm = self.dashboards[0]
         self.assertEqual(cm["metadata"]["labels"].get("grafana_dashboard"), "1")
@@ -203,7 +261,8 @@ class MonitoringTest(unittest.TestCase):
             self.assertEqual(unknown_metrics(expr, self.known), [], where)
         used = {n for _, e in exprs for n in re.findall(r"\bsluice_[a-z0-9_]+", e)}
         for wanted in ("sluice_gateway_run_duration_seconds_bucket", "sluice_gateway_claim_wait_seconds_bucket",
-                       "sluice_gateway_sandboxes", "sluice_gateway_hook_errors_total", "sluice_gateway_cells_prepared_total"):
+                       "sluice_gateway_sandboxes", "sluice_gateway_hook_errors_total", "sluice_gateway_cells_prepared_total",
+                       "sluice_gateway_hook_actions_total", "sluice_gateway_hook_duration_seconds_bucket"):
             self.assertIn(wanted, used, "the dashboard shows it")
 
     def test_every_metric_is_documented_in_operations_md(self):

@@ -177,7 +177,7 @@ impl Engine {
                 findings: h.findings.clone(),
             })
             .collect();
-        self.count_hook_errors(chains, walk);
+        self.count_hooks(chains, walk);
         audit.action = walk.action.as_str();
         audit.terminal_index = walk.terminal_index;
         audit.latency_us = began.elapsed().as_micros() as u64;
@@ -217,9 +217,10 @@ impl Engine {
         span.record("code", "ok");
     }
 
-    /// Counts a walk's hook errors against the chain each hook belongs to, by the hook's own name.
-    pub(crate) fn count_hook_errors(&self, chains: &Chains, walk: &Walk) {
-        for h in walk.hooks.iter().filter(|h| h.error.is_some()) {
+    /// Counts what each hook of a walk did (its action, or `error`), how long it took, and its
+    /// errors, against the chain it belongs to, by the hook's own name.
+    pub(crate) fn count_hooks(&self, chains: &Chains, walk: &Walk) {
+        for h in &walk.hooks {
             let (name, baseline) = match h
                 .name
                 .strip_prefix(BASELINE_PREFIX)
@@ -232,16 +233,32 @@ impl Engine {
                 continue;
             };
             let labels = ChainLabels::of(chain);
+            let qualified = chain.qualified_name();
+            let hook = [
+                qualified.as_str(),
+                &labels.namespace,
+                &labels.target,
+                &labels.trigger_point,
+                name,
+            ];
+            let action = if h.error.is_some() {
+                "error"
+            } else {
+                h.action.as_str()
+            };
+            let mut with_action = hook.to_vec();
+            with_action.push(action);
             self.metrics
-                .hook_errors
-                .with_label_values(&[
-                    &chain.qualified_name(),
-                    &labels.namespace,
-                    &labels.target,
-                    &labels.trigger_point,
-                    name,
-                ])
+                .hook_actions
+                .with_label_values(&with_action)
                 .inc();
+            self.metrics
+                .hook_seconds
+                .with_label_values(&hook)
+                .observe(h.latency_us as f64 / 1e6);
+            if h.error.is_some() {
+                self.metrics.hook_errors.with_label_values(&hook).inc();
+            }
         }
     }
 }

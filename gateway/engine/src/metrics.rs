@@ -76,6 +76,8 @@ pub struct Metrics {
     /// Every request, per chain (unknown ones together) and gRPC code.
     pub requests: IntCounterVec,
     pub hook_errors: IntCounterVec,
+    pub hook_actions: IntCounterVec,
+    pub hook_seconds: HistogramVec,
     pub sandboxes_started: IntCounterVec,
     pub sandbox_boot_failures: IntCounterVec,
     pub sandbox_boot_seconds: HistogramVec,
@@ -143,6 +145,26 @@ impl Metrics {
             "sluice_gateway_hook_errors_total",
             "Hook errors (exceptions, timeouts, bad results), by the chain (namespace/name and its namespace, target, trigger point) and hook",
             &["chain", "namespace", "target", "trigger_point", "hook"],
+        );
+        // Per hook: its chain's labels and its own name. Bounded: hooks are bounded per chain.
+        let hook_labels = ["chain", "namespace", "target", "trigger_point", "hook"];
+        let hook_actions = counter_vec(
+            "sluice_gateway_hook_actions_total",
+            "What each hook did, by the chain (namespace/name and its namespace, target, trigger point), hook and action (pass, modify, block, skip, detect, or error when it failed)",
+            &[
+                "chain",
+                "namespace",
+                "target",
+                "trigger_point",
+                "hook",
+                "action",
+            ],
+        );
+        let hook_seconds = histogram_vec(
+            "sluice_gateway_hook_duration_seconds",
+            "Time one hook took in its cell (its time budget's share; host_calls not counted), by chain and hook",
+            &hook_labels,
+            &buckets,
         );
         let sandboxes_started = counter_vec(
             "sluice_gateway_sandboxes_started_total",
@@ -239,6 +261,8 @@ impl Metrics {
             Box::new(run_seconds.clone()),
             Box::new(requests.clone()),
             Box::new(hook_errors.clone()),
+            Box::new(hook_actions.clone()),
+            Box::new(hook_seconds.clone()),
             Box::new(sandboxes_started.clone()),
             Box::new(sandbox_boot_failures.clone()),
             Box::new(sandbox_boot_seconds.clone()),
@@ -270,6 +294,8 @@ impl Metrics {
             run_seconds,
             requests,
             hook_errors,
+            hook_actions,
+            hook_seconds,
             sandboxes_started,
             sandbox_boot_failures,
             sandbox_boot_seconds,

@@ -469,7 +469,7 @@ impl Run<'_> {
                         }
                         return End::Stopped(walk);
                     }
-                    self.engine.count_hook_errors(self.chains, &walk);
+                    self.engine.count_hooks(self.chains, &walk);
                     let text = walk.payload.as_str().unwrap_or_default().to_string();
                     window.settle(&text, last)
                 }

@@ -77,6 +77,10 @@ async fn the_audit_says_why_a_run_was_blocked_and_what_the_policy_did() {
         r#"sluice_gateway_hook_errors_total{chain="team/open",hook="crash",namespace="team",target="open-bot",trigger_point="input"} 1"#,
         r#"sluice_gateway_runs_total{action="block",mode="run",namespace="team",target="open-bot",trigger_point="input"} 1"#,
         r#"sluice_gateway_requests_total{code="ok",namespace="team",target="bot",trigger_point="input"} 1"#,
+        // Per hook: what each did (a failure is `error`), and how long it took.
+        r#"sluice_gateway_hook_actions_total{action="error",chain="team/open",hook="crash",namespace="team",target="open-bot",trigger_point="input"} 1"#,
+        r#"sluice_gateway_hook_actions_total{action="block",chain="team/open",hook="stop",namespace="team",target="open-bot",trigger_point="input"} 1"#,
+        r#"sluice_gateway_hook_duration_seconds_count{chain="team/open",hook="stop",namespace="team",target="open-bot",trigger_point="input"} 1"#,
     ] {
         assert!(text.contains(series), "missing {series}:\n{text}");
     }
