@@ -80,6 +80,7 @@ test-dist:
 		./$(DIST_NAME)/bin/sluice check $(CURDIR)/examples/ \
 		&& env -i PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=$$HOME \
 		./$(DIST_NAME)/bin/sluice test $(CURDIR)/examples/tests/pii-redaction.test.yaml
+	rm -rf target/test-dist dist/$(DIST_NAME) dist/$(DIST_NAME).tar.gz
 
 # The example services (fake LLM on :7001, credit ledger on :7002) run beside the gateway and stop with it.
 run: build

@@ -53,6 +53,27 @@ class SandboxFinder:
         )
 
 
+def stop_at_line_after(filename, seconds):
+    """Authoring tools' mode (`sluice test`, `sluice run`): trace the hook's lines and, once
+    `seconds` have passed, raise where it is, so the error names the line an endless loop or slow
+    code is on (the supervisor's hard deadline, a little later, names none). Never in a gateway
+    that serves: tracing every line is slow."""
+    import time
+
+    end = time.monotonic() + seconds
+
+    def line(frame, event, arg):
+        if event == "line" and time.monotonic() > end:
+            sys.settrace(None)
+            raise TimeoutError(
+                f"ran out of time at line {frame.f_lineno}: an endless loop or slow code there "
+                "(the chain's spec.timeoutMs is the time all its hooks share)"
+            )
+        return line
+
+    sys.settrace(lambda frame, event, arg: line if frame.f_code.co_filename == filename else None)
+
+
 class HostCallError(Exception):
     """Raised inside a hook when a host_call is denied or fails; `code` says which way (`denied`,
     `invalid`, `unavailable`, `timeout`, `limit`, `forbidden`, `error`) and the message why."""
@@ -157,6 +178,8 @@ class WitWorld(wit_world.WitWorld):
         random.seed()
         request = json.loads(request_json)
         try:
+            if request.get("trace_s"):
+                stop_at_line_after(filename, request["trace_s"])
             execute = run_module(name, marshal.loads(code))
             ctx = Context(request.get("context") or {})
             ctx["outgoing"] = request.get("outgoing")

@@ -29,7 +29,7 @@ use runtime::Runtime;
 use supervisor::Supervisor;
 
 const USAGE: &str = "usage:
-  sluice-supervisor --runtime CWASM [--runtime-sha256 HEX] [--memory-bytes BYTES]            serve the protocol on stdin/stderr
+  sluice-supervisor --runtime CWASM [--runtime-sha256 HEX] [--memory-bytes BYTES] [--trace-lines]   serve the protocol on stdin/stderr
   sluice-supervisor --listen --runtime CWASM [--runtime-sha256 HEX] [--memory-bytes BYTES]   a warm pod's main process: wait for one attach
   sluice-supervisor --probe --runtime CWASM [--runtime-sha256 HEX] [--memory-bytes BYTES]    self-test: one hook through a real instance
   sluice-supervisor attach [--probe]                                                         the relay a claimed pod's exec runs (or its readiness probe)
@@ -52,6 +52,9 @@ struct Options {
     runtime: PathBuf,
     runtime_sha256: String,
     memory_bytes: usize,
+    /// Authoring tools (`sluice test`, `sluice run`): a hook that runs out of time stops at the
+    /// line it is on, and its error names that line (each call traces its lines; slower).
+    trace_lines: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options, String> {
@@ -59,6 +62,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
     let mut runtime = None;
     let mut runtime_sha256 = None;
     let mut memory_bytes = DEFAULT_MEMORY_BYTES;
+    let mut trace_lines = false;
     let mut args = args.iter();
     while let Some(arg) = args.next() {
         let (flag, inline) = match arg.split_once('=') {
@@ -82,6 +86,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
                     Mode::Listen
                 };
             }
+            "--trace-lines" => trace_lines = true,
             "--runtime" => runtime = Some(PathBuf::from(value("--runtime")?)),
             "--runtime-sha256" => runtime_sha256 = Some(value("--runtime-sha256")?),
             "--memory-bytes" => {
@@ -117,6 +122,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
         runtime,
         runtime_sha256,
         memory_bytes,
+        trace_lines,
     })
 }
 
@@ -174,7 +180,9 @@ fn serve(opts: &Options) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    Supervisor::new(runtime, channel).serve();
+    Supervisor::new(runtime, channel)
+        .with_trace_lines(opts.trace_lines)
+        .serve();
     ExitCode::SUCCESS
 }
 

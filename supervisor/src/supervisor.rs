@@ -54,12 +54,18 @@ struct OpenCell {
 
 type Loaded = Result<Arc<Vec<u8>>, (String, Option<u64>)>;
 
+/// Under `--trace-lines`, how long after its time is up a hook that did not stop itself is stopped:
+/// within the gateway's own grace (500 ms), so the gateway hears the hook's answer.
+const TRACE_GRACE: Duration = Duration::from_millis(300);
+
 pub(crate) struct Supervisor {
     runtime: Runtime,
     channel: Arc<Mutex<Channel>>,
     cell: Option<OpenCell>,
     loaded: HashMap<[u8; 32], Loaded>,
     next_host_call: Arc<AtomicU64>,
+    /// Each call stops itself at the line it is on shortly before its deadline (`--trace-lines`).
+    trace_lines: bool,
 }
 
 impl Supervisor {
@@ -70,7 +76,16 @@ impl Supervisor {
             cell: None,
             loaded: HashMap::new(),
             next_host_call: Arc::new(AtomicU64::new(0)),
+            trace_lines: false,
         }
+    }
+
+    /// Authoring tools' mode: a hook that runs out of time is stopped by its own instance just
+    /// before the deadline, at the line it is on, so that its error names the line (an endless
+    /// loop at line N). Tracing every line makes hooks slower: never in a gateway that serves.
+    pub(crate) fn with_trace_lines(mut self, on: bool) -> Self {
+        self.trace_lines = on;
+        self
     }
 
     fn send(&self, msg: &Value) {
@@ -353,10 +368,19 @@ impl Supervisor {
             .code
             .as_ref()
             .ok_or_else(|| HookError("the hook's code did not load".into()))?;
-        let request = json!({"outgoing": payload, "state": state, "context": context, "settings": hook.settings}).to_string();
+        let mut request = json!({"outgoing": payload, "state": state, "context": context, "settings": hook.settings});
+        // Under `--trace-lines` the instance stops itself when the time left is up, at the line it
+        // is on; the hard deadline comes `TRACE_GRACE` later, for a hook that does not stop.
+        let grace = if self.trace_lines {
+            request["trace_s"] = json!(left.as_secs_f64());
+            TRACE_GRACE
+        } else {
+            Duration::ZERO
+        };
+        let request = request.to_string();
         let called = self
             .runtime
-            .call_hook(&hook.name, code, &request, relay, *left);
+            .call_hook(&hook.name, code, &request, relay, *left + grace);
         if let Some(text) = called.output {
             output.insert("output".into(), json!(text));
         }
@@ -365,7 +389,7 @@ impl Supervisor {
         *left = if matches!(called.answer, Err(CallError::Deadline)) {
             cell.timeout
         } else {
-            called.left
+            called.left.saturating_sub(grace)
         };
         let answer = called.answer.map_err(|e| match e {
             CallError::Deadline => HookError(format!(

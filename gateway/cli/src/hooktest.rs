@@ -285,6 +285,14 @@ impl Local {
         // case of `sluice test`.
         opts.limits.hook_output_bytes = HOOK_OUTPUT_BYTES;
         opts.gvisor = gvisor;
+        // An author's hook that runs out of time is stopped at the line it is on, and says so.
+        opts.sandbox.program = Some(
+            match opts.sandbox.program.take() {
+                Some(p) => p,
+                None => sluice_engine::SupervisorProgram::locate()?,
+            }
+            .with_trace_lines(),
+        );
         let gateway = start_local(opts).await?;
         for e in gateway.engine.registry().errors() {
             if !e.message.contains("will fail until it does") {

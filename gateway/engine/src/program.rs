@@ -13,6 +13,9 @@ pub struct SupervisorProgram {
     pub binary: PathBuf,
     pub runtime: PathBuf,
     pub runtime_sha256: String,
+    /// Authoring tools' mode (`sluice test`, `sluice run`): a hook that runs out of time stops at
+    /// the line it is on and its error names it. Tracing lines is slow: never for serving.
+    pub trace_lines: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +67,14 @@ impl SupervisorProgram {
             binary,
             runtime,
             runtime_sha256,
+            trace_lines: false,
         })
+    }
+
+    /// This program in authoring tools' mode (see `trace_lines`).
+    pub fn with_trace_lines(mut self) -> Self {
+        self.trace_lines = true;
+        self
     }
 
     /// `SLUICE_SUPERVISOR` and `SLUICE_CELL_RUNTIME` when set; otherwise both beside this
@@ -100,7 +110,7 @@ impl SupervisorProgram {
     /// The supervisor's command line as a sandbox runs it, with the binary and the runtime at the
     /// given paths inside the sandbox. Settings are flags, never the environment.
     pub fn args(&self, binary: &str, runtime: &str, memory_bytes: u64) -> Vec<String> {
-        vec![
+        let mut args = vec![
             binary.to_string(),
             "--runtime".into(),
             runtime.into(),
@@ -108,7 +118,11 @@ impl SupervisorProgram {
             self.runtime_sha256.clone(),
             "--memory-bytes".into(),
             memory_bytes.to_string(),
-        ]
+        ];
+        if self.trace_lines {
+            args.push("--trace-lines".into());
+        }
+        args
     }
 }
 
