@@ -66,9 +66,10 @@ REQUIRED_RBAC = load_required()
 SANDBOXES = "sluice-sandboxes"
 
 
-def granted(objs):
-    """What the rendered RBAC grants each of the two ServiceAccounts, as a set of
-    (namespace or "*" for cluster-wide, apiGroup, resource, verb)."""
+def granted(objs, namespace=NAMESPACE):
+    """What the rendered RBAC grants each of the two ServiceAccounts of the release in `namespace`,
+    as a set of (namespace or "*" for cluster-wide, apiGroup, resource, verb). A binding to anyone
+    else fails."""
     roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
              for o in objs if o["kind"] in ("Role", "ClusterRole")}
     out = {}
@@ -80,7 +81,7 @@ def granted(objs):
         role = roles[(ref["kind"], role_ns, ref["name"])]
         where = b["metadata"].get("namespace") if b["kind"] == "RoleBinding" else "*"
         for subject in b["subjects"]:
-            assert subject["kind"] == "ServiceAccount" and subject["namespace"] == NAMESPACE, subject
+            assert subject["kind"] == "ServiceAccount" and subject["namespace"] == namespace, subject
             who = subject["name"].removeprefix("sluice-")
             for rule in role["rules"]:
                 out.setdefault(who, set()).update(
@@ -88,10 +89,11 @@ def granted(objs):
     return out
 
 
-def expected_rbac(watch_namespace, sandbox_namespace, platform_namespace=NAMESPACE):
+def expected_rbac(watch_namespace, sandbox_namespace, platform_namespace=NAMESPACE, release_namespace=NAMESPACE):
     """REQUIRED_RBAC placed in the namespaces an install shape puts each scope in."""
     chains = {"*"} if not watch_namespace else {watch_namespace, platform_namespace}
-    where = {"chains": chains, "sandboxes": {sandbox_namespace} if sandbox_namespace else chains, "release": {NAMESPACE}}
+    where = {"chains": chains, "sandboxes": {sandbox_namespace} if sandbox_namespace else chains,
+             "release": {release_namespace}}
     return {who: {(ns, *rule) for scope, rules in scopes.items() for ns in where[scope] for rule in rules}
             for who, scopes in REQUIRED_RBAC.items()}
 
@@ -121,14 +123,14 @@ def helm_args(sets=(), values=None):
     return args + [a for v in sets for a in ("--set", v)]
 
 
-def helm_template(*sets, values=None, release="sluice"):
-    return load_all(run(HELM, "template", release, CHART, "--namespace", NAMESPACE, "--include-crds",
+def helm_template(*sets, values=None, release="sluice", namespace=NAMESPACE):
+    return load_all(run(HELM, "template", release, CHART, "--namespace", namespace, "--include-crds",
                         *helm_args(sets, values)))
 
 
-def helm_refusal(*sets, values=None):
+def helm_refusal(*sets, values=None, release="sluice"):
     """The error of a render that must fail."""
-    proc = subprocess.run([HELM, "template", "sluice", CHART, "--namespace", NAMESPACE, *helm_args(sets, values)],
+    proc = subprocess.run([HELM, "template", release, CHART, "--namespace", NAMESPACE, *helm_args(sets, values)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0, f"rendered: {sets} {values}"
     return proc.stderr
@@ -342,6 +344,8 @@ class ChartTest(ManifestCase):
                          "capabilities.credentials[0].secretName=ledger-credentials",
                          "networkPolicy.gateway.otlpCollector.namespace=observability",
                          "rbac.aggregateCapabilitiesToAdmin=true"],
+        "names of a second release": ["fullnameOverride=sluice-canary", "runtimeClass.create=false",
+                                      "webhook.enabled=true", "grafanaDashboard.enabled=true"],
     }
 
     def test_helm_lint_strict(self):
@@ -851,6 +855,128 @@ class CapabilitiesChartTest(ManifestCase):
         self.assertLessEqual({"tenants-hookchain-edit", "tenants-view", "tenants-platform"}, other)
         for off in ("rbac.userRoles=false", "rbac.create=false"):
             self.assertFalse([o for o in helm_template(off) if o["metadata"]["name"] in USER_ROLES], off)
+
+
+def args_of(objs, deployment):
+    """The container arguments of one of the release's Deployments."""
+    (d,) = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == deployment]
+    return d["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def cluster_shared(objs):
+    """The cluster-scoped objects of a render (the CRDs aside, which every release shares), as
+    (kind, name)."""
+    return sorted((o["kind"], o["metadata"]["name"]) for o in objs
+                  if o["kind"] != "CustomResourceDefinition" and "namespace" not in o["metadata"])
+
+
+class ReleasesTest(ManifestCase):
+    """Several releases in one cluster (issue 29): every cluster-scoped name, the sandbox namespace,
+    the webhook configuration and the Lease follow the release, and the release `sluice` keeps the
+    names a single install has always had."""
+
+    # Everything optional on, so that every object the chart can make is rendered.
+    EVERYTHING = ["webhook.enabled=true", "prometheusRule.enabled=true", "grafanaDashboard.enabled=true",
+                  "grafanaDashboard.namespace=monitoring", "serviceMonitor.enabled=true",
+                  "podDisruptionBudget.enabled=true", "operator.replicas=2", "networkPolicy.cilium.enabled=true",
+                  "rbac.aggregateCapabilitiesToAdmin=true"]
+    # Production as installed today, and staging beside it: its own namespace, release name and sandbox
+    # namespace; the RuntimeClass is production's (one object per cluster). Each watches namespaces of
+    # its own: two operators watching the same chains would both keep pools for them (docs/kubernetes.md).
+    PRODUCTION = ("sluice", NAMESPACE, ["watchNamespace=team-a"])
+    STAGING = ("staging", "sluice-staging", ["watchNamespace=team-a-staging", "runtimeClass.create=false"])
+
+    def render(self, release, namespace, sets, *more):
+        return helm_template(*self.EVERYTHING, *sets, *more, release=release, namespace=namespace)
+
+    def test_the_release_sluice_keeps_the_names_of_a_single_install(self):
+        objs = self.render("sluice", NAMESPACE, [])
+        self.assertEqual(cluster_shared(objs), sorted([
+            ("ClusterRole", "sluice-operator"), ("ClusterRoleBinding", "sluice-operator"),
+            ("ClusterRole", "sluice-gateway"), ("ClusterRoleBinding", "sluice-gateway"),
+            ("ClusterRole", "sluice-hookchain-edit"), ("ClusterRole", "sluice-view"), ("ClusterRole", "sluice-platform"),
+            ("ClusterRole", "sluice-capability-admin"), ("Namespace", SANDBOXES), ("RuntimeClass", "gvisor"),
+            ("ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")]))
+        names = lambda kind: sorted(o["metadata"]["name"] for o in objs if o["kind"] == kind)  # noqa: E731
+        self.assertEqual(names("Role"), ["sluice-gateway-sandboxes", "sluice-operator-leader-election",
+                                         "sluice-operator-sandboxes"])
+        self.assertEqual(names("PrometheusRule"), ["sluice"])
+        self.assertIn("sluice-grafana-dashboard", names("ConfigMap"))
+        self.assertIn("--lease-name=sluice-operator", args_of(objs, "sluice-operator"))
+        # A release whose name says sluice is that name; any other is <release>-sluice.
+        for release, fullname in (("sluice-staging", "sluice-staging"), ("staging", "staging-sluice")):
+            objs = self.render(release, "sluice-staging", [])
+            self.assertIn(("ClusterRole", f"{fullname}-operator"), cluster_shared(objs), release)
+            self.assertIn(("Namespace", f"{fullname}-sandboxes"), cluster_shared(objs), release)
+            self.assertIn(f"--lease-name={fullname}-operator", args_of(objs, "sluice-operator"), release)
+
+    def test_overrides(self):
+        objs = self.render("staging", "sluice-staging", ["fullnameOverride=sluice-canary"])
+        self.assertIn(("ClusterRole", "sluice-canary-gateway"), cluster_shared(objs))
+        self.assertIn(("ValidatingWebhookConfiguration", "sluice-canary-validate-sluice-staging"), cluster_shared(objs))
+        self.assertIn("--sandbox-namespace=sluice-canary-sandboxes", args_of(objs, "sluice-gateway"))
+        objs = self.render("staging", "sluice-staging", ["sandboxNamespace.name=canary-pods", "operator.leaseName=canary"])
+        for deployment in ("sluice-operator", "sluice-gateway"):
+            self.assertIn("--sandbox-namespace=canary-pods", args_of(objs, deployment))
+        self.assertIn("--lease-name=canary", args_of(objs, "sluice-operator"))
+        self.assertIn(("Namespace", "canary-pods"), cluster_shared(objs))
+        # Empty still means beside the chains (with one watched namespace).
+        objs = self.render("staging", "sluice-staging", ["watchNamespace=team-b", "sandboxNamespace.name="])
+        self.assertFalse([o for o in objs if o["kind"] == "Namespace"])
+        self.assertFalse([a for a in args_of(objs, "sluice-gateway") if a.startswith("--sandbox-namespace")])
+        # A derived sandbox namespace too long for a namespace name is refused, not cut short.
+        self.assertIn("longer than 63 characters", helm_refusal(release="a" * 50))
+        self.assertIn("schema", helm_refusal("fullnameOverride=Not_A_Name"))
+
+    def test_two_releases_side_by_side(self):
+        layouts = {
+            "each watching its namespaces": (self.PRODUCTION, self.STAGING),
+            # Cluster-wide releases would both serve every chain; their names must still not collide.
+            "both cluster-wide (names only)": (("sluice", NAMESPACE, []),
+                                               ("staging", "sluice-staging", ["runtimeClass.create=false"])),
+        }
+        for layout, releases in layouts.items():
+            with self.subTest(layout):
+                renders = {release: (namespace, self.render(release, namespace, sets))
+                           for release, namespace, sets in releases}
+                combined = [o for _, objs in renders.values() for o in objs]
+                self.assertValid(combined, f"{layout}: both releases")
+                # The CRDs are the cluster's, installed once (Helm skips the second copy): the same text.
+                crds = [o for o in combined if o["kind"] == "CustomResourceDefinition"]
+                self.assertEqual(len({yaml.safe_dump(o) for o in crds}), 2, layout)
+                keys = [(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])
+                        for o in combined if o["kind"] != "CustomResourceDefinition"]
+                self.assertEqual(sorted({k for k in keys if keys.count(k) > 1}), [], f"{layout}: objects in both releases")
+                for release, (namespace, objs) in renders.items():
+                    self.assert_own_rbac(release, namespace, objs)
+
+    def assert_own_rbac(self, release, namespace, objs):
+        """Each release binds its own roles to its own ServiceAccounts, and grants them what they use
+        where its values put them."""
+        accounts = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in objs if o["kind"] == "ServiceAccount"}
+        roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objs
+                 if o["kind"] in ("Role", "ClusterRole")}
+        for b in objs:
+            if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+                continue
+            ref = b["roleRef"]
+            role = (ref["kind"], b["metadata"].get("namespace") if ref["kind"] == "Role" else None, ref["name"])
+            self.assertIn(role, roles, f"{release}: {b['metadata']['name']} binds a role it does not make")
+            for subject in b["subjects"]:
+                self.assertIn((subject["namespace"], subject["name"]), accounts,
+                              f"{release}: {b['metadata']['name']} binds {subject}")
+        args = args_of(objs, "sluice-operator")
+        value = lambda flag: next((a.split("=", 1)[1] for a in args if a.startswith(flag + "=")), "")  # noqa: E731
+        watch, sandboxes = value("--namespace"), value("--sandbox-namespace")
+        self.assertEqual(granted(objs, namespace), expected_rbac(watch, sandboxes, namespace, namespace), release)
+        self.assertEqual(value("--sandbox-namespace"), next(a.split("=", 1)[1] for a in args_of(objs, "sluice-gateway")
+                                                            if a.startswith("--sandbox-namespace=")), release)
+        self.assertIn(("Namespace", sandboxes), cluster_shared(objs), release)
+        # The webhook calls this release's operator, with the CA cert-manager keeps for it.
+        (config,) = [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration"]
+        (hook,) = config["webhooks"]
+        self.assertEqual(hook["clientConfig"]["service"]["namespace"], namespace, release)
+        self.assertTrue(config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].startswith(f"{namespace}/"))
 
 
 class KustomizeTest(ManifestCase):

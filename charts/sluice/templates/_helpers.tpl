@@ -2,9 +2,48 @@
 
 {{- define "sluice.name" -}}sluice{{- end -}}
 
-{{/* Object names: sluice-operator, sluice-gateway (fixed: the contract and the docs use them). */}}
+{{/*
+The release's name for what it shares with the cluster: every cluster-scoped object (the components'
+ClusterRoles, the webhook configuration), the sandbox namespace, the Lease and the monitoring objects
+carry it, so several releases live in one cluster. fullnameOverride; else the release name when it
+says sluice (release `sluice`: `sluice`, the names of a single install); else <release>-sluice.
+*/}}
+{{- define "sluice.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride -}}
+{{- else if contains "sluice" .Release.Name -}}
+{{- .Release.Name -}}
+{{- else -}}
+{{- printf "%s-sluice" .Release.Name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Objects inside the release namespace: sluice-operator, sluice-gateway (fixed: the contract and the
+docs use them, and a namespace holds one release).
+*/}}
 {{- define "sluice.operator.name" -}}sluice-operator{{- end -}}
 {{- define "sluice.gateway.name" -}}sluice-gateway{{- end -}}
+
+{{/*
+Where sandbox pods live: sandboxNamespace.name when given (empty: beside their chains), else
+<fullname>-sandboxes.
+*/}}
+{{- define "sluice.sandboxNamespace" -}}
+{{- $name := .Values.sandboxNamespace.name -}}
+{{- if not (kindIs "string" $name) -}}
+{{- $name = printf "%s-sandboxes" (include "sluice.fullname" .) -}}
+{{- if gt (len $name) 63 -}}
+{{- fail (printf "the sandbox namespace %q is longer than 63 characters: set sandboxNamespace.name, or a shorter fullnameOverride" $name) -}}
+{{- end -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{/* The operator's leader-election Lease, in the release namespace. */}}
+{{- define "sluice.leaseName" -}}
+{{- .Values.operator.leaseName | default (printf "%s-operator" (include "sluice.fullname" .)) -}}
+{{- end -}}
 
 {{- define "sluice.labels" -}}
 app.kubernetes.io/name: {{ include "sluice.name" . }}
