@@ -344,6 +344,7 @@ class ChartTest(ManifestCase):
                          "capabilities.credentials[0].secretName=ledger-credentials",
                          "networkPolicy.gateway.otlpCollector.namespace=observability",
                          "rbac.aggregateCapabilitiesToAdmin=true"],
+        "GKE DNS": ["networkPolicy.dns.resolvers={cloudDNS,nodeLocalDNSCache}", "networkPolicy.dns.cidrs={10.96.0.10/32}"],
         "names of a second release": ["fullnameOverride=sluice-canary", "runtimeClass.create=false",
                                       "webhook.enabled=true", "grafanaDashboard.enabled=true"],
     }
@@ -977,6 +978,57 @@ class ReleasesTest(ManifestCase):
         (hook,) = config["webhooks"]
         self.assertEqual(hook["clientConfig"]["service"]["namespace"], namespace, release)
         self.assertTrue(config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].startswith(f"{namespace}/"))
+
+
+class DnsTest(ManifestCase):
+    """networkPolicy.dns (issue 29): the resolvers the operator and the gateway may ask, on UDP and
+    TCP 53: the DNS pods by default, GKE's Cloud DNS, NodeLocal DNSCache, addresses of one's own."""
+
+    PORTS = DNS_RULE["ports"]
+    KUBE_DNS = DNS_RULE["to"][0]
+    CLOUD_DNS = {"ipBlock": {"cidr": "169.254.169.254/32"}}
+    NODE_LOCAL = [{"ipBlock": {"cidr": "169.254.20.10/32"}},
+                  {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                   "podSelector": {"matchLabels": {"k8s-app": "node-local-dns"}}}]
+    PRESETS = {
+        "kube-dns (default)": ({}, [KUBE_DNS]),
+        "Cloud DNS": ({"resolvers": ["cloudDNS"]}, [CLOUD_DNS]),
+        "NodeLocal DNSCache": ({"resolvers": ["nodeLocalDNSCache"]}, NODE_LOCAL),
+        "Cloud DNS and NodeLocal DNSCache": ({"resolvers": ["cloudDNS", "nodeLocalDNSCache"]}, [CLOUD_DNS, *NODE_LOCAL]),
+        "all three": ({"resolvers": ["kubeDNS", "cloudDNS", "nodeLocalDNSCache"]}, [KUBE_DNS, CLOUD_DNS, *NODE_LOCAL]),
+        "another cache address": ({"resolvers": ["nodeLocalDNSCache"], "nodeLocalDNSCache": {"address": "169.254.0.53/32"}},
+                                  [{"ipBlock": {"cidr": "169.254.0.53/32"}}, NODE_LOCAL[1]]),
+        "CoreDNS and the kube-dns Service address": (
+            {"podSelector": {"matchLabels": {"k8s-app": "coredns"}}, "cidrs": ["10.96.0.10/32"]},
+            [{**KUBE_DNS, "podSelector": {"matchLabels": {"k8s-app": "coredns"}}}, {"ipBlock": {"cidr": "10.96.0.10/32"}}]),
+        "addresses only": ({"resolvers": [], "cidrs": ["10.96.0.10/32", "fd00::a/128"]},
+                           [{"ipBlock": {"cidr": "10.96.0.10/32"}}, {"ipBlock": {"cidr": "fd00::a/128"}}]),
+    }
+
+    def test_each_preset_renders_its_egress_and_nothing_more(self):
+        for name, (dns, peers) in self.PRESETS.items():
+            with self.subTest(name):
+                objs = helm_template(values={"networkPolicy": {"dns": dns}})
+                self.assertValid(objs, name)
+                for component in ("operator", "gateway"):
+                    policy = self.find(objs, "NetworkPolicy", f"sluice-{component}")
+                    self.assertEqual(policy["spec"]["egress"][:2],
+                                     [{"to": peers, "ports": self.PORTS}, API_SERVER_RULE], f"{name}: {component}")
+                    self.assertEqual(open_egress(policy), [], f"{name}: {component}")
+                self.assertNotIn("0.0.0.0/0", yaml.safe_dump_all(objs), name)
+                run(HELM, "lint", "--strict", CHART, *helm_args(values={"networkPolicy": {"dns": dns}}))
+
+    def test_what_would_leave_no_resolver_or_open_one_is_refused(self):
+        for dns, why in (({"resolvers": []}, "no resolver is allowed"),
+                         ({"resolvers": ["coreDNS"]}, "schema"),
+                         ({"resolvers": ["cloudDNS", "cloudDNS"]}, "schema"),
+                         ({"cidrs": ["0.0.0.0/0"]}, "schema"),
+                         ({"resolvers": ["nodeLocalDNSCache"], "nodeLocalDNSCache": {"address": "::/0"}}, "schema"),
+                         ({"namespaceSelector": None}, "namespaceSelector is empty"),
+                         ({"resolvers": ["nodeLocalDNSCache"], "nodeLocalDNSCache": {"namespaceSelector": None}},
+                          "namespaceSelector is empty")):
+            with self.subTest(dns):
+                self.assertIn(why, helm_refusal(values={"networkPolicy": {"dns": dns}}))
 
 
 class KustomizeTest(ManifestCase):

@@ -175,6 +175,41 @@ cluster being installed into. Empty under `helm template` and `--dry-run=client`
 {{- toJson $cidrs -}}
 {{- end -}}
 
+{{/*
+The resolvers of networkPolicy.dns as NetworkPolicy peers (a YAML list): the DNS pods (kubeDNS), the
+metadata server (cloudDNS), NodeLocal DNSCache's address and pods, and networkPolicy.dns.cidrs.
+*/}}
+{{- define "sluice.dnsPeers" -}}
+{{- $dns := .Values.networkPolicy.dns -}}
+{{- $peers := list -}}
+{{- range $dns.resolvers -}}
+{{- if eq . "kubeDNS" -}}
+{{- $peers = append $peers (dict "namespaceSelector" $dns.namespaceSelector "podSelector" $dns.podSelector) -}}
+{{- else if eq . "cloudDNS" -}}
+{{- $peers = append $peers (dict "ipBlock" (dict "cidr" "169.254.169.254/32")) -}}
+{{- else if eq . "nodeLocalDNSCache" -}}
+{{- with $dns.nodeLocalDNSCache -}}
+{{- include "sluice.checkCIDR" (dict "what" "networkPolicy.dns.nodeLocalDNSCache.address" "cidr" .address) -}}
+{{- $peers = append $peers (dict "ipBlock" (dict "cidr" .address)) -}}
+{{- $peers = append $peers (dict "namespaceSelector" .namespaceSelector "podSelector" .podSelector) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $dns.cidrs -}}
+{{- include "sluice.checkCIDR" (dict "what" "networkPolicy.dns.cidrs" "cidr" .) -}}
+{{- $peers = append $peers (dict "ipBlock" (dict "cidr" .)) -}}
+{{- end -}}
+{{- range $peers -}}
+{{- if and (hasKey . "namespaceSelector") (not .namespaceSelector) -}}
+{{- fail "networkPolicy.dns: a resolver's namespaceSelector is empty; name the namespace of the DNS pods (matchLabels kubernetes.io/metadata.name)" -}}
+{{- end -}}
+{{- end -}}
+{{- if not $peers -}}
+{{- fail "networkPolicy.dns: no resolver is allowed (resolvers and cidrs are empty): the components could not resolve a name; list the resolvers your pods ask (docs/gke-sandbox.md, \"3. DNS\")" -}}
+{{- end -}}
+{{- toYaml $peers -}}
+{{- end -}}
+
 {{/* Fails on a CIDR that is every address: no NetworkPolicy of the chart may open the whole network. */}}
 {{- define "sluice.checkCIDR" -}}
 {{- if hasSuffix "/0" .cidr -}}
