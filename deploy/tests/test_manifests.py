@@ -667,6 +667,10 @@ class ChartTest(ManifestCase):
         on = helm_template("serviceMonitor.enabled=true", "podDisruptionBudget.enabled=true", "operator.replicas=2")
         self.assertEqual(kinds(o for o in on if o["kind"] in ("ServiceMonitor", "PodDisruptionBudget")),
                          ["PodDisruptionBudget"] * 2 + ["ServiceMonitor"] * 2)
+        # The chain's `namespace` label survives scraping (the alerts group by it).
+        for monitor in (o for o in on if o["kind"] == "ServiceMonitor"):
+            self.assertTrue(all(e.get("honorLabels") is True for e in monitor["spec"]["endpoints"]),
+                            monitor["metadata"]["name"])
         self.assertNotIn("RuntimeClass", kinds(helm_template("runtimeClass.create=false")))
 
 
