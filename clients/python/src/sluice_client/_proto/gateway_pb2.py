@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17sluice/v1/gateway.proto\x12\tsluice.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x83\x02\n\nRunRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x15\n\rtrigger_point\x18\x03 \x01(\t\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12\'\n\x05value\x18\x05 \x01(\x0b\x32\x16.google.protobuf.ValueH\x00\x12\x33\n\x07\x63ontext\x18\x06 \x03(\x0b\x32\".sluice.v1.RunRequest.ContextEntry\x12\x12\n\nsession_id\x18\x07 \x01(\t\x1a.\n\x0c\x43ontextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07payload\"\xac\x01\n\x0bHookOutcome\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x11.sluice.v1.Action\x12\x0f\n\x07message\x18\x03 \x01(\t\x12(\n\x08\x66indings\x18\x04 \x01(\x0b\x32\x16.google.protobuf.Value\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x12\n\nlatency_us\x18\x06 \x01(\x04\x12\x0e\n\x06output\x18\x07 \x01(\t\"\xec\x01\n\x0bRunResponse\x12!\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x11.sluice.v1.Action\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x05value\x18\x03 \x01(\x0b\x32\x16.google.protobuf.ValueH\x00\x12\x0f\n\x07message\x18\x04 \x01(\t\x12%\n\x05hooks\x18\x05 \x03(\x0b\x32\x16.sluice.v1.HookOutcome\x12\x1b\n\x0eterminal_index\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x0e\n\x06run_id\x18\x07 \x01(\tB\t\n\x07payloadB\x11\n\x0f_terminal_index\"\xbf\x01\n\nStreamOpen\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x15\n\rtrigger_point\x18\x03 \x01(\t\x12\x33\n\x07\x63ontext\x18\x04 \x03(\x0b\x32\".sluice.v1.StreamOpen.ContextEntry\x12\x12\n\nsession_id\x18\x05 \x01(\t\x1a.\n\x0c\x43ontextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x0e\n\x0cStreamFinish\"y\n\rStreamRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.sluice.v1.StreamOpenH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\tH\x00\x12)\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x17.sluice.v1.StreamFinishH\x00\x42\x05\n\x03msg\".\n\rStreamBlocked\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x0c\n\x04hook\x18\x02 \x01(\t\"\x7f\n\x0eStreamResponse\x12\x10\n\x06\x63ommit\x18\x01 \x01(\tH\x00\x12+\n\x07\x62locked\x18\x02 \x01(\x0b\x32\x18.sluice.v1.StreamBlockedH\x00\x12\'\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x16.sluice.v1.RunResponseH\x00\x42\x05\n\x03msg\"\xad\x01\n\x0e\x45xecuteRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x07payload\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x35\n\x06\x63\x61ller\x18\x03 \x03(\x0b\x32%.sluice.v1.ExecuteRequest.CallerEntry\x1a-\n\x0b\x43\x61llerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"c\n\x0f\x45xecuteResponse\x12&\n\x06result\x18\x01 \x01(\x0b\x32\x16.google.protobuf.Value\x12(\n\x08\x63onsumed\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value*?\n\x06\x41\x63tion\x12\x08\n\x04PASS\x10\x00\x12\n\n\x06MODIFY\x10\x01\x12\t\n\x05\x42LOCK\x10\x02\x12\x08\n\x04SKIP\x10\x03\x12\n\n\x06\x44\x45TECT\x10\x04\x32\x82\x01\n\x07Gateway\x12\x34\n\x03Run\x12\x15.sluice.v1.RunRequest\x1a\x16.sluice.v1.RunResponse\x12\x41\n\x06Stream\x12\x18.sluice.v1.StreamRequest\x1a\x19.sluice.v1.StreamResponse(\x01\x30\x01\x32U\n\x11\x43\x61pabilityService\x12@\n\x07\x45xecute\x12\x19.sluice.v1.ExecuteRequest\x1a\x1a.sluice.v1.ExecuteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17sluice/v1/gateway.proto\x12\tsluice.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x83\x02\n\nRunRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x15\n\rtrigger_point\x18\x03 \x01(\t\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12\'\n\x05value\x18\x05 \x01(\x0b\x32\x16.google.protobuf.ValueH\x00\x12\x33\n\x07\x63ontext\x18\x06 \x03(\x0b\x32\".sluice.v1.RunRequest.ContextEntry\x12\x12\n\nsession_id\x18\x07 \x01(\t\x1a.\n\x0c\x43ontextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07payload\"\xac\x01\n\x0bHookOutcome\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x11.sluice.v1.Action\x12\x0f\n\x07message\x18\x03 \x01(\t\x12(\n\x08\x66indings\x18\x04 \x01(\x0b\x32\x16.google.protobuf.Value\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x12\n\nlatency_us\x18\x06 \x01(\x04\x12\x0e\n\x06output\x18\x07 \x01(\t\"\xec\x01\n\x0bRunResponse\x12!\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x11.sluice.v1.Action\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x05value\x18\x03 \x01(\x0b\x32\x16.google.protobuf.ValueH\x00\x12\x0f\n\x07message\x18\x04 \x01(\t\x12%\n\x05hooks\x18\x05 \x03(\x0b\x32\x16.sluice.v1.HookOutcome\x12\x1b\n\x0eterminal_index\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x0e\n\x06run_id\x18\x07 \x01(\tB\t\n\x07payloadB\x11\n\x0f_terminal_index\"\xd7\x01\n\nStreamOpen\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x15\n\rtrigger_point\x18\x03 \x01(\t\x12\x33\n\x07\x63ontext\x18\x04 \x03(\x0b\x32\".sluice.v1.StreamOpen.ContextEntry\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x16\n\x0e\x63hunk_by_chunk\x18\x06 \x01(\x08\x1a.\n\x0c\x43ontextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x0e\n\x0cStreamFinish\"y\n\rStreamRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.sluice.v1.StreamOpenH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\tH\x00\x12)\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x17.sluice.v1.StreamFinishH\x00\x42\x05\n\x03msg\".\n\rStreamBlocked\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x0c\n\x04hook\x18\x02 \x01(\t\"\x7f\n\x0eStreamResponse\x12\x10\n\x06\x63ommit\x18\x01 \x01(\tH\x00\x12+\n\x07\x62locked\x18\x02 \x01(\x0b\x32\x18.sluice.v1.StreamBlockedH\x00\x12\'\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x16.sluice.v1.RunResponseH\x00\x42\x05\n\x03msg\"\xad\x01\n\x0e\x45xecuteRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x07payload\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x35\n\x06\x63\x61ller\x18\x03 \x03(\x0b\x32%.sluice.v1.ExecuteRequest.CallerEntry\x1a-\n\x0b\x43\x61llerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"c\n\x0f\x45xecuteResponse\x12&\n\x06result\x18\x01 \x01(\x0b\x32\x16.google.protobuf.Value\x12(\n\x08\x63onsumed\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value*?\n\x06\x41\x63tion\x12\x08\n\x04PASS\x10\x00\x12\n\n\x06MODIFY\x10\x01\x12\t\n\x05\x42LOCK\x10\x02\x12\x08\n\x04SKIP\x10\x03\x12\n\n\x06\x44\x45TECT\x10\x04\x32\x82\x01\n\x07Gateway\x12\x34\n\x03Run\x12\x15.sluice.v1.RunRequest\x1a\x16.sluice.v1.RunResponse\x12\x41\n\x06Stream\x12\x18.sluice.v1.StreamRequest\x1a\x19.sluice.v1.StreamResponse(\x01\x30\x01\x32U\n\x11\x43\x61pabilityService\x12@\n\x07\x45xecute\x12\x19.sluice.v1.ExecuteRequest\x1a\x1a.sluice.v1.ExecuteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,8 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMOPEN_CONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_EXECUTEREQUEST_CALLERENTRY']._loaded_options = None
   _globals['_EXECUTEREQUEST_CALLERENTRY']._serialized_options = b'8\001'
-  _globals['_ACTION']._serialized_start=1531
-  _globals['_ACTION']._serialized_end=1594
+  _globals['_ACTION']._serialized_start=1555
+  _globals['_ACTION']._serialized_end=1618
   _globals['_RUNREQUEST']._serialized_start=69
   _globals['_RUNREQUEST']._serialized_end=328
   _globals['_RUNREQUEST_CONTEXTENTRY']._serialized_start=271
@@ -49,25 +49,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNRESPONSE']._serialized_start=506
   _globals['_RUNRESPONSE']._serialized_end=742
   _globals['_STREAMOPEN']._serialized_start=745
-  _globals['_STREAMOPEN']._serialized_end=936
+  _globals['_STREAMOPEN']._serialized_end=960
   _globals['_STREAMOPEN_CONTEXTENTRY']._serialized_start=271
   _globals['_STREAMOPEN_CONTEXTENTRY']._serialized_end=317
-  _globals['_STREAMFINISH']._serialized_start=938
-  _globals['_STREAMFINISH']._serialized_end=952
-  _globals['_STREAMREQUEST']._serialized_start=954
-  _globals['_STREAMREQUEST']._serialized_end=1075
-  _globals['_STREAMBLOCKED']._serialized_start=1077
-  _globals['_STREAMBLOCKED']._serialized_end=1123
-  _globals['_STREAMRESPONSE']._serialized_start=1125
-  _globals['_STREAMRESPONSE']._serialized_end=1252
-  _globals['_EXECUTEREQUEST']._serialized_start=1255
-  _globals['_EXECUTEREQUEST']._serialized_end=1428
-  _globals['_EXECUTEREQUEST_CALLERENTRY']._serialized_start=1383
-  _globals['_EXECUTEREQUEST_CALLERENTRY']._serialized_end=1428
-  _globals['_EXECUTERESPONSE']._serialized_start=1430
-  _globals['_EXECUTERESPONSE']._serialized_end=1529
-  _globals['_GATEWAY']._serialized_start=1597
-  _globals['_GATEWAY']._serialized_end=1727
-  _globals['_CAPABILITYSERVICE']._serialized_start=1729
-  _globals['_CAPABILITYSERVICE']._serialized_end=1814
+  _globals['_STREAMFINISH']._serialized_start=962
+  _globals['_STREAMFINISH']._serialized_end=976
+  _globals['_STREAMREQUEST']._serialized_start=978
+  _globals['_STREAMREQUEST']._serialized_end=1099
+  _globals['_STREAMBLOCKED']._serialized_start=1101
+  _globals['_STREAMBLOCKED']._serialized_end=1147
+  _globals['_STREAMRESPONSE']._serialized_start=1149
+  _globals['_STREAMRESPONSE']._serialized_end=1276
+  _globals['_EXECUTEREQUEST']._serialized_start=1279
+  _globals['_EXECUTEREQUEST']._serialized_end=1452
+  _globals['_EXECUTEREQUEST_CALLERENTRY']._serialized_start=1407
+  _globals['_EXECUTEREQUEST_CALLERENTRY']._serialized_end=1452
+  _globals['_EXECUTERESPONSE']._serialized_start=1454
+  _globals['_EXECUTERESPONSE']._serialized_end=1553
+  _globals['_GATEWAY']._serialized_start=1621
+  _globals['_GATEWAY']._serialized_end=1751
+  _globals['_CAPABILITYSERVICE']._serialized_start=1753
+  _globals['_CAPABILITYSERVICE']._serialized_end=1838
 # @@protoc_insertion_point(module_scope)

@@ -83,7 +83,7 @@ class RunResponse(_message.Message):
     def __init__(self, action: _Optional[_Union[Action, str]] = ..., text: _Optional[str] = ..., value: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., message: _Optional[str] = ..., hooks: _Optional[_Iterable[_Union[HookOutcome, _Mapping]]] = ..., terminal_index: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class StreamOpen(_message.Message):
-    __slots__ = ("namespace", "target", "trigger_point", "context", "session_id")
+    __slots__ = ("namespace", "target", "trigger_point", "context", "session_id", "chunk_by_chunk")
     class ContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,12 +96,14 @@ class StreamOpen(_message.Message):
     TRIGGER_POINT_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BY_CHUNK_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     target: str
     trigger_point: str
     context: _containers.ScalarMap[str, str]
     session_id: str
-    def __init__(self, namespace: _Optional[str] = ..., target: _Optional[str] = ..., trigger_point: _Optional[str] = ..., context: _Optional[_Mapping[str, str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    chunk_by_chunk: bool
+    def __init__(self, namespace: _Optional[str] = ..., target: _Optional[str] = ..., trigger_point: _Optional[str] = ..., context: _Optional[_Mapping[str, str]] = ..., session_id: _Optional[str] = ..., chunk_by_chunk: _Optional[bool] = ...) -> None: ...
 
 class StreamFinish(_message.Message):
     __slots__ = ()
