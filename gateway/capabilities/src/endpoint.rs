@@ -67,20 +67,6 @@ impl Transport {
     }
 }
 
-/// Whether `url` names this machine: the one place a credential may go over plain http.
-fn is_loopback(url: &str) -> bool {
-    let Ok(uri) = url.parse::<http::Uri>() else {
-        return false;
-    };
-    match uri.host() {
-        Some("localhost") | Some("[::1]") => true,
-        Some(h) => h
-            .parse::<std::net::Ipv4Addr>()
-            .is_ok_and(|ip| ip.is_loopback()),
-        None => false,
-    }
-}
-
 /// A channel to `url` from `cache`, made (lazily connecting) when missing, with TLS for https.
 fn channel(
     cache: &Mutex<HashMap<String, tonic::transport::Channel>>,
@@ -146,7 +132,7 @@ impl Transport {
         if let (Some(set), Some(url)) = (&set, url)
             && set.token.is_some()
             && !url.starts_with("https://")
-            && !is_loopback(url)
+            && !sluice_proto::client::is_loopback(url)
         {
             return Err(EndpointError::Insecure {
                 url: url.to_string(),
@@ -259,7 +245,7 @@ impl Transport {
 
 #[cfg(test)]
 mod tests {
-    use super::is_loopback;
+    use sluice_proto::client::is_loopback;
 
     #[test]
     fn only_this_machine_counts_as_loopback() {

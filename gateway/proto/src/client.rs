@@ -185,8 +185,9 @@ impl ClientAuth {
 }
 
 /// Whether `addr` (http://HOST:PORT) names this machine: `localhost` or a loopback IP. Decided on
-/// the address as written, so nothing is resolved or sent to find out.
-fn is_loopback(addr: &str) -> bool {
+/// the address as written, so nothing is resolved or sent to find out. The one place a bearer token
+/// may go over plain http (the gateway's own clients and its calls to capabilities alike).
+pub fn is_loopback(addr: &str) -> bool {
     let Ok(uri) = addr.parse::<tonic::codegen::http::Uri>() else {
         return false;
     };
