@@ -46,6 +46,11 @@ pub struct CapabilitySpec {
     pub dispatch: Vec<String>,
     /// Where execute goes: exactly one of grpc, http or builtin.
     pub endpoint: Endpoint,
+    /// Whether a call may be made again with the same payload without effect beyond the first (a
+    /// lookup, a classifier): only such capabilities are called by hooks running in shadow during
+    /// a rollout; others answer those hooks an error.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub safe_to_repeat: bool,
     /// Most milliseconds one call may take, gates and dispatch excluded.
     #[serde(default = "default_timeout_ms")]
     #[schemars(range(min = 1, max = 600000))]

@@ -41,6 +41,41 @@ pub struct Definition {
     /// Per hook, where its code sits in `origin.file`: code line n is file line `code_lines[i] + n`.
     /// Empty where unknown (a cluster object).
     pub code_lines: Vec<Option<usize>>,
+    /// What the object's annotations order of a rollout in progress (`sluice.dev/promote`,
+    /// `sluice.dev/rollback`).
+    pub orders: RolloutOrders,
+}
+
+/// The annotation that promotes a rollout's candidate, naming it (a prefix of its revision, as
+/// status and the audit show it): an annotation left over from an earlier rollout names a revision
+/// that is not the candidate and does nothing.
+pub const PROMOTE_ANNOTATION: &str = "sluice.dev/promote";
+/// The annotation that rolls a rollout's candidate back, naming it likewise.
+pub const ROLLBACK_ANNOTATION: &str = "sluice.dev/rollback";
+
+/// Promotion and rollback ordered by hand, each naming the revision it is for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RolloutOrders {
+    pub promote: Option<String>,
+    pub rollback: Option<String>,
+}
+
+impl RolloutOrders {
+    /// Reads the two annotations; blank values are no order.
+    pub fn from_annotations(
+        annotations: Option<&std::collections::BTreeMap<String, String>>,
+    ) -> Self {
+        let get = |key: &str| {
+            annotations
+                .and_then(|a| a.get(key))
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+        Self {
+            promote: get(PROMOTE_ANNOTATION),
+            rollback: get(ROLLBACK_ANNOTATION),
+        }
+    }
 }
 
 /// A resource that is not served, with where it came from and why.
@@ -69,6 +104,7 @@ mod from_manifest {
             Self {
                 origin,
                 namespace: namespace_of(&meta),
+                orders: RolloutOrders::from_annotations(meta.annotations.as_ref()),
                 name: meta.name.unwrap_or_default(),
                 spec,
                 superseded: None,

@@ -197,6 +197,93 @@ pub struct HookChainSpec {
     /// The hooks, run in this order.
     #[schemars(length(min = 1, max = 32))]
     pub hooks: Vec<HookSpec>,
+    /// How a change to the hooks reaches traffic. Absent: at once, for every session (a rollout in
+    /// progress is then promoted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutSpec>,
+    /// Versions of the hooks kept as revisions (the live one, a candidate and those before), so a
+    /// rollback can name one.
+    #[serde(default = "default_revision_history_limit")]
+    #[schemars(range(min = 1, max = 100))]
+    pub revision_history_limit: u32,
+}
+
+fn default_revision_history_limit() -> u32 {
+    10
+}
+
+/// How new hooks are rolled out: beside the live ones (Shadow) or to a growing share of sessions
+/// (Canary). The hooks in `spec.hooks` are the candidate; the revision served before stays live
+/// until the candidate is promoted.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutSpec {
+    /// Shadow: the candidate runs beside the live hooks on live traffic; its results are compared
+    /// and recorded, never applied; promote by hand. Canary: a share of sessions (`steps`) is
+    /// served by the candidate, stepping up while it stays within bounds of the live hooks, then
+    /// promoted; out of bounds, it is rolled back.
+    pub strategy: RolloutStrategy,
+    /// Canary: percent of sessions served by the candidate at each step, ascending, each 1..100.
+    #[serde(default = "default_steps")]
+    #[schemars(length(min = 1, max = 20))]
+    pub steps: Vec<u32>,
+    /// Canary: how long each step lasts while the candidate stays within bounds (500ms, 30s, 5m, 1h).
+    #[serde(default = "default_step_duration")]
+    pub step_duration: String,
+    /// Canary: trigger points the candidate must have served in a step before the step may end or
+    /// the candidate be judged.
+    #[serde(default = "default_min_runs")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub min_runs: u32,
+    /// Canary: most percentage points the candidate's hook-error rate may exceed the live hooks'
+    /// (same step) before it is rolled back.
+    #[serde(default = "default_max_error_increase")]
+    #[schemars(range(max = 100))]
+    pub max_error_rate_increase: u32,
+    /// Canary: most percentage points the candidate's block rate may exceed the live hooks'.
+    #[serde(default = "default_max_block_increase")]
+    #[schemars(range(max = 100))]
+    pub max_block_rate_increase: u32,
+    /// Shadow: most shadow runs of this chain in flight at once per gateway; past it, a shadow run
+    /// is dropped (and counted), never queued behind live traffic.
+    #[serde(default = "default_shadow_concurrency")]
+    #[schemars(range(min = 1, max = 64))]
+    pub shadow_concurrency: u32,
+}
+
+/// How a candidate revision meets traffic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum RolloutStrategy {
+    Shadow,
+    Canary,
+}
+
+impl RolloutStrategy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Shadow => "Shadow",
+            Self::Canary => "Canary",
+        }
+    }
+}
+
+fn default_steps() -> Vec<u32> {
+    vec![10, 50]
+}
+fn default_step_duration() -> String {
+    "1m".into()
+}
+fn default_min_runs() -> u32 {
+    20
+}
+fn default_max_error_increase() -> u32 {
+    5
+}
+fn default_max_block_increase() -> u32 {
+    10
+}
+fn default_shadow_concurrency() -> u32 {
+    4
 }
 
 /// The target an enforced baseline chain names: every target.

@@ -37,7 +37,8 @@ pub use capability::{Builtin, CapabilitySpec, Endpoint};
 pub use capability::{Capability, CapabilityStatus};
 pub use hookchain::{
     ALL_TARGETS, Action, DEFAULT_PLATFORM_NAMESPACE, FailurePolicy, HookChainSpec, HookSpec,
-    MAX_CHAIN_CODE_BYTES, PoolSpec, ResourceSpec, Reuse, StreamingSpec, TriggerPoint,
+    MAX_CHAIN_CODE_BYTES, PoolSpec, ResourceSpec, Reuse, RolloutSpec, RolloutStrategy,
+    StreamingSpec, TriggerPoint,
 };
 #[cfg(feature = "kube")]
 pub use hookchain::{HookChain, HookChainStatus};

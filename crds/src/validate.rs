@@ -121,6 +121,15 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
             ));
         }
     }
+    if let Some(rollout) = &spec.rollout {
+        rollout_rules(rollout, &mut out);
+    }
+    if spec.revision_history_limit == 0 {
+        out.push(problem(
+            "spec.revisionHistoryLimit",
+            "must be at least 1 (the live revision is always kept)",
+        ));
+    }
     let code_bytes: usize = spec.hooks.iter().map(|h| h.code.len()).sum();
     if code_bytes > crate::MAX_CHAIN_CODE_BYTES {
         out.push(problem(
@@ -132,6 +141,59 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
         ));
     }
     out
+}
+
+/// `spec.rollout`: canary steps that climb within 1..100, a readable step duration.
+fn rollout_rules(rollout: &crate::RolloutSpec, out: &mut Vec<Problem>) {
+    if rollout.steps.is_empty() {
+        out.push(problem(
+            "spec.rollout.steps",
+            "needs at least one step (percent of sessions, like [10, 50])",
+        ));
+    }
+    let mut last = 0;
+    for (i, step) in rollout.steps.iter().enumerate() {
+        if !(1..=100).contains(step) {
+            out.push(problem(
+                format!("spec.rollout.steps[{i}]"),
+                format!("{step} is not a percent of sessions in 1..100"),
+            ));
+        } else if *step <= last {
+            out.push(problem(
+                format!("spec.rollout.steps[{i}]"),
+                format!("{step} does not climb: each step serves more sessions than the one before ({last})"),
+            ));
+        }
+        last = last.max(*step);
+    }
+    match crate::duration::parse_duration(&rollout.step_duration) {
+        Ok(d) if d.is_zero() => out.push(problem(
+            "spec.rollout.stepDuration",
+            "must be longer than zero",
+        )),
+        Ok(_) => {}
+        Err(e) => out.push(problem("spec.rollout.stepDuration", e.to_string())),
+    }
+    for (field, value) in [
+        ("maxErrorRateIncrease", rollout.max_error_rate_increase),
+        ("maxBlockRateIncrease", rollout.max_block_rate_increase),
+    ] {
+        if value > 100 {
+            out.push(problem(
+                format!("spec.rollout.{field}"),
+                format!("{value} percentage points is more than 100"),
+            ));
+        }
+    }
+    if rollout.min_runs == 0 {
+        out.push(problem("spec.rollout.minRuns", "must be at least 1"));
+    }
+    if rollout.shadow_concurrency == 0 {
+        out.push(problem(
+            "spec.rollout.shadowConcurrency",
+            "must be at least 1",
+        ));
+    }
 }
 
 /// `spec.resources`' Kubernetes quantities: readable, CPU above zero, enough memory for Python.

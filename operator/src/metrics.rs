@@ -157,6 +157,6 @@ impl Metrics {
     }
 
     pub async fn serve_on(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-        sluice_telemetry::serve_endpoint(listener, self.registry.clone(), None).await
+        sluice_telemetry::serve_endpoint(listener, self.registry.clone(), None, Vec::new()).await
     }
 }

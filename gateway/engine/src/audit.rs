@@ -122,6 +122,32 @@ pub struct AuditEvent {
     pub error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stream: Option<Value>,
+    /// When a chain of the run is being rolled out: which version answered, and what became of
+    /// the shadow run (`docs/rollout.md`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rollout: Vec<AuditRollout>,
+    /// On a shadow run's own event (mode `shadow`, the live run's `run_id`): how it compared with
+    /// the live answer (agreed, action_differs, output_differs, error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shadow_verdict: Option<&'static str>,
+}
+
+/// One chain of a run that is being rolled out.
+#[derive(Clone, Debug, Serialize)]
+pub struct AuditRollout {
+    pub chain: String,
+    /// Shadow or Canary.
+    pub strategy: &'static str,
+    /// `live` or `candidate`: which version answered.
+    pub answered_by: &'static str,
+    /// The revision that answered.
+    pub revision: String,
+    /// Shadow only: the candidate's revision and whether its run was made (`started`) or not
+    /// (`dropped`); its verdict is in the shadow run's own event.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shadow_revision: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<&'static str>,
 }
 
 impl AuditEvent {
@@ -154,6 +180,8 @@ impl AuditEvent {
             not_found_unwritten: None,
             error: None,
             stream: None,
+            rollout: Vec::new(),
+            shadow_verdict: None,
         }
     }
 

@@ -21,6 +21,8 @@ pub struct Chain {
     /// file line `code_lines[i] + n`), so errors can point at the file people edit.
     pub origin: sluice_crds::definition::Origin,
     pub code_lines: Vec<Option<usize>>,
+    /// Promotion or rollback ordered by the object's annotations.
+    pub orders: sluice_crds::definition::RolloutOrders,
 }
 
 /// Why a HookChain cannot be served.
@@ -70,6 +72,7 @@ impl Chain {
             superseded: None,
             origin: Default::default(),
             code_lines: Vec::new(),
+            orders: Default::default(),
         })
     }
 
@@ -88,6 +91,14 @@ impl Chain {
             || (self.spec.hooks == other.spec.hooks
                 && self.spec.trigger_point == other.spec.trigger_point
                 && self.spec.failure_policy == other.spec.failure_policy)
+    }
+
+    /// The revision of the hooks: the code hash's digits, as status, annotations and the audit
+    /// name it.
+    pub fn revision(&self) -> &str {
+        self.code_hash
+            .strip_prefix("sha256:")
+            .unwrap_or(&self.code_hash)
     }
 
     /// "namespace/name", as chains are named in logs, metrics and the audit.

@@ -6,7 +6,7 @@
 use crate::chain::Chain;
 use crate::engine::Engine;
 use crate::host_call_guard::{HostCallGuard, HostCallReport};
-use crate::host_calls::Caller;
+use crate::host_calls::{Caller, ShadowHostCalls};
 use crate::log_text::Escaped;
 use crate::outcome::{self, Walk};
 use crate::request::{EngineError, Target};
@@ -32,15 +32,23 @@ pub(crate) struct ClaimedChain<'e> {
     pending: Option<SandboxFailure>,
     /// The namespace the run is for: tenants take turns in a pool they share.
     tenant: String,
+    /// Set for a rollout's candidate in shadow: sandboxes only when one is free at once, and
+    /// host_calls only to capabilities safe to repeat (counted here when refused).
+    shadow: Option<Arc<ShadowHostCalls>>,
 }
 
+/// How long a shadow run waits for a sandbox that no run is waiting for, before it is dropped.
+const SHADOW_CLAIM_PATIENCE: Duration = Duration::from_millis(250);
+
 impl<'e> ClaimedChain<'e> {
-    /// Claims a sandbox and loads the chain into it. No sandbox in time → UNAVAILABLE.
+    /// Claims a sandbox and loads the chain into it. No sandbox in time → UNAVAILABLE. `shadow`:
+    /// for a rollout's shadow run (see the field).
     pub(crate) async fn open(
         engine: &'e Engine,
         chain: Arc<Chain>,
         target: &Target,
         run_id: &str,
+        shadow: bool,
     ) -> Result<Self, EngineError> {
         let app_context = target.caller_context();
         let caller = Caller::new(&target.key, &target.session_id, &app_context, run_id);
@@ -53,13 +61,20 @@ impl<'e> ClaimedChain<'e> {
             "caller": app_context,
         });
         let registry = engine.registry();
-        let host = Arc::new(HostCallGuard::new(
-            engine
-                .capabilities()
-                .for_run(registry, chain.clone(), caller),
-            chain.clone(),
-            engine.limits(),
-        ));
+        let mut calls = engine
+            .capabilities()
+            .for_run(registry.clone(), chain.clone(), caller);
+        let shadow = shadow.then(|| {
+            Arc::new(ShadowHostCalls::new(
+                calls.clone(),
+                registry,
+                &chain.namespace,
+            ))
+        });
+        if let Some(s) = &shadow {
+            calls = s.clone() as Arc<dyn crate::host_calls::HostCalls>;
+        }
+        let host = Arc::new(HostCallGuard::new(calls, chain.clone(), engine.limits()));
         let mut claimed = Self {
             engine,
             chain,
@@ -69,6 +84,7 @@ impl<'e> ClaimedChain<'e> {
             sandbox_id: String::new(),
             pending: None,
             tenant: target.key.namespace.clone(),
+            shadow,
         };
         match claimed.claim().await {
             Ok(()) => Ok(claimed),
@@ -82,17 +98,23 @@ impl<'e> ClaimedChain<'e> {
     }
 
     async fn claim(&mut self) -> Result<(), ClaimOrInit> {
-        let pool = self.engine.pools().pool_for(&self.chain);
+        let pool = self.engine.pools().pool_serving(&self.chain);
         let span = tracing::info_span!(
             "claim",
             chain = %Escaped(&self.chain.qualified_name()),
             sandbox = tracing::field::Empty,
         );
-        let mut claimed = pool
-            .claim(&self.tenant, self.engine.limits().claim_timeout)
-            .instrument(span.clone())
-            .await
-            .map_err(|e| ClaimOrInit::Claim(e.to_string()))?;
+        let mut claimed = if self.shadow.is_some() {
+            pool.try_claim(&self.tenant, SHADOW_CLAIM_PATIENCE)
+                .instrument(span.clone())
+                .await
+                .ok_or_else(|| ClaimOrInit::Claim("no sandbox free for a shadow run".to_string()))?
+        } else {
+            pool.claim(&self.tenant, self.engine.limits().claim_timeout)
+                .instrument(span.clone())
+                .await
+                .map_err(|e| ClaimOrInit::Claim(e.to_string()))?
+        };
         self.sandbox_id = claimed.conn().id.clone();
         span.record("sandbox", self.sandbox_id.as_str());
         let conn = claimed.conn();
@@ -191,6 +213,11 @@ impl<'e> ClaimedChain<'e> {
     /// holds its sandbox while other chains run.
     pub(crate) fn release(&mut self) {
         self.claimed = None;
+    }
+
+    /// host_calls refused because the run is a shadow run and the capability not safe to repeat.
+    pub(crate) fn shadow_refused(&self) -> u64 {
+        self.shadow.as_ref().map_or(0, |s| s.refused())
     }
 
     /// The host_calls made so far, for the audit.

@@ -10,12 +10,15 @@ use crate::limits::Limits;
 use crate::log_text::Escaped;
 use crate::metrics::{ChainLabels, Metrics};
 use crate::outcome::Walk;
+use crate::pipeline::Pipeline;
 use crate::registry::Registry;
-use crate::request::EngineError;
+use crate::request::{EngineError, Target};
+use crate::rollout::{RolloutStatus, Rollouts, Selection};
 use crate::sandbox_pool::Pools;
 use arc_swap::ArcSwap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 /// At most one audit event of a NOT_FOUND request is written per this interval; it says how many
 /// were left out before it (a caller probing made-up targets cannot flood the audit).
@@ -31,6 +34,9 @@ pub struct Engine {
     /// Flips to true when the gateway starts shutting down: open streams end with UNAVAILABLE.
     stopping: tokio::sync::watch::Sender<bool>,
     not_found: Mutex<NotFoundSample>,
+    rollouts: Rollouts,
+    /// The engine itself, for the work a run leaves behind it (shadow runs).
+    me: Weak<Engine>,
 }
 
 /// When the last NOT_FOUND audit event was written, and how many were left out since.
@@ -48,17 +54,19 @@ impl Engine {
         metrics: Metrics,
         limits: Limits,
         capabilities: Arc<dyn Capabilities>,
-    ) -> Self {
-        Self {
+    ) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
             registry: ArcSwap::from_pointee(Registry::default()),
             pools,
             audit,
+            rollouts: Rollouts::new(metrics.clone()),
             metrics,
             limits,
             capabilities,
             stopping: tokio::sync::watch::channel(false).0,
             not_found: Mutex::default(),
-        }
+            me: me.clone(),
+        })
     }
 
     pub fn pools(&self) -> &Pools {
@@ -106,7 +114,106 @@ impl Engine {
             .chains_superseded
             .set(registry.superseded() as i64);
         self.registry.store(registry.clone());
-        self.pools.sync(registry.all_chains()).await;
+        let live = self.rollouts.follow(registry.all_chains());
+        let candidates = self.rollouts.candidates();
+        self.pools.sync(&live, &candidates).await;
+    }
+
+    /// Keeps rollout state in `path` across restarts (local mode: the state directory), and picks up
+    /// what an earlier gateway left there. Call before the first `set_registry`.
+    pub fn keep_rollouts_in(&self, path: std::path::PathBuf) {
+        self.rollouts.keep_in(path);
+    }
+
+    /// Every chain's rollout: live revision, candidate, phase, comparisons, history.
+    pub fn rollouts(&self) -> Vec<RolloutStatus> {
+        self.rollouts.status()
+    }
+
+    /// The versions that serve one trigger point (`rollout.rs`); a candidate promoted on the way has
+    /// its pool open cells for it from now on.
+    pub(crate) fn select(&self, chains: &Chains, session: &str) -> Selection {
+        let mut promoted = Vec::new();
+        let selection = self.rollouts.select(chains, session, &mut promoted);
+        for chain in &promoted {
+            self.pools.pool_for(chain);
+        }
+        selection
+    }
+
+    /// Counts a finished run against the canaries that served it (which may promote one).
+    pub(crate) fn record_rollout(&self, selection: &Selection, walk: &Walk) {
+        let mut promoted = Vec::new();
+        self.rollouts.record(&selection.served, walk, &mut promoted);
+        for chain in &promoted {
+            self.pools.pool_for(chain);
+        }
+    }
+
+    /// Starts the selection's shadow runs on `payload` (what the live run walked), each in the
+    /// background with its own permit: the live answer is never held for them. Each is compared
+    /// with `live` and audited as its own event (mode `shadow`, the live run's id).
+    pub(crate) fn start_shadows(
+        &self,
+        selection: Selection,
+        target: &Target,
+        payload: &serde_json::Value,
+        live: &Walk,
+        run_id: &str,
+    ) {
+        let Some(engine) = self.me.upgrade() else {
+            return;
+        };
+        for job in selection.shadows {
+            let (engine, target, payload, live, run_id) = (
+                engine.clone(),
+                target.clone(),
+                payload.clone(),
+                live.clone(),
+                run_id.to_string(),
+            );
+            let span = tracing::info_span!("shadow", run_id = %run_id, chain = %Escaped(&job.candidate.qualified_name()));
+            tokio::spawn(
+                async move {
+                    let began = Instant::now();
+                    let mut audit = AuditEvent::new(&run_id, "shadow");
+                    audit.requested(
+                        &target.key.namespace,
+                        &target.key.target,
+                        target.key.trigger_point.as_str(),
+                        &target.session_id,
+                    );
+                    job.chains.describe(&mut audit);
+                    let mut pipeline =
+                        match Pipeline::open(&engine, &job.chains, &target, &run_id, true).await {
+                            Ok(p) => p,
+                            Err(e) => {
+                                tracing::debug!(error = %e, "shadow run dropped");
+                                engine.rollouts.shadow_dropped(&job.candidate);
+                                return;
+                            }
+                        };
+                    pipeline.record_sandboxes(&mut audit);
+                    let mut states = job.chains.fresh_states();
+                    let walk = pipeline.walk(payload, &mut states).await;
+                    let refused = pipeline.shadow_refused();
+                    pipeline.record_host_calls(&mut audit, engine.limits().audit_host_calls);
+                    drop(pipeline);
+                    let verdict =
+                        engine
+                            .rollouts
+                            .record_shadow(&job.candidate, &live, &walk, refused);
+                    audit.hooks = audit_hooks(&walk);
+                    audit.action = walk.action.as_str();
+                    audit.terminal_index = walk.terminal_index;
+                    audit.message = (!walk.message.is_empty()).then(|| walk.message.clone());
+                    audit.latency_us = began.elapsed().as_micros() as u64;
+                    audit.shadow_verdict = Some(verdict);
+                    engine.audit.write(&audit);
+                }
+                .instrument(span),
+            );
+        }
     }
 
     /// Records a refused request (audit, metrics) and hands the error back. `chains`: the chains
@@ -166,17 +273,7 @@ impl Engine {
         began: Instant,
         mode: &'static str,
     ) {
-        audit.hooks = walk
-            .hooks
-            .iter()
-            .map(|h| AuditHook {
-                name: h.name.clone(),
-                action: h.action.as_str(),
-                latency_us: h.latency_us,
-                error: h.error.clone(),
-                findings: h.findings.clone(),
-            })
-            .collect();
+        audit.hooks = audit_hooks(walk);
         self.count_hooks(chains, walk);
         audit.action = walk.action.as_str();
         audit.terminal_index = walk.terminal_index;
@@ -261,4 +358,18 @@ impl Engine {
             }
         }
     }
+}
+
+/// A walk's hooks as the audit lists them.
+fn audit_hooks(walk: &Walk) -> Vec<AuditHook> {
+    walk.hooks
+        .iter()
+        .map(|h| AuditHook {
+            name: h.name.clone(),
+            action: h.action.as_str(),
+            latency_us: h.latency_us,
+            error: h.error.clone(),
+            findings: h.findings.clone(),
+        })
+        .collect()
 }

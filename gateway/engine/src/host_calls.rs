@@ -159,3 +159,57 @@ impl Capabilities for NoHostCalls {
         Arc::new(NoHostCalls)
     }
 }
+
+/// The host_calls of a rollout's candidate running in shadow: only capabilities marked
+/// `safeToRepeat` are called (the live run already made whatever calls the trigger point needed);
+/// the others answer the hook `forbidden`, and are counted.
+pub(crate) struct ShadowHostCalls {
+    inner: Arc<dyn HostCalls>,
+    registry: Arc<Registry>,
+    namespace: String,
+    refused: std::sync::atomic::AtomicU64,
+}
+
+impl ShadowHostCalls {
+    pub(crate) fn new(inner: Arc<dyn HostCalls>, registry: Arc<Registry>, namespace: &str) -> Self {
+        Self {
+            inner,
+            registry,
+            namespace: namespace.to_string(),
+            refused: Default::default(),
+        }
+    }
+
+    pub(crate) fn refused(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "capability {0:?} is not called in shadow: only capabilities with safeToRepeat: true are (this hook is a rollout's candidate; its answers are compared, not used)"
+)]
+struct NotInShadow(String);
+
+#[async_trait]
+impl HostCalls for ShadowHostCalls {
+    async fn call(&self, hook: usize, name: &str, payload: Value) -> Result<Value, HostCallError> {
+        let repeatable = self
+            .registry
+            .capability(&self.namespace, name)
+            .is_some_and(|c| c.spec.safe_to_repeat);
+        if !repeatable {
+            self.refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(HostCallError::Refused {
+                code: HostCallCode::Forbidden,
+                error: Box::new(NotInShadow(name.to_string())),
+            });
+        }
+        self.inner.call(hook, name, payload).await
+    }
+
+    fn audit(&self) -> Vec<AuditHostCall> {
+        self.inner.audit()
+    }
+}

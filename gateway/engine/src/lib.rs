@@ -34,6 +34,7 @@ mod pipeline;
 mod program;
 mod registry;
 mod request;
+mod rollout;
 mod run;
 mod sandbox;
 mod sandbox_pool;
@@ -43,7 +44,9 @@ mod supervisor;
 mod window;
 mod wire;
 
-pub use audit::{Audit, AuditGate, AuditHostCall, AuditHostCallCount, AuditHostCallSummary};
+pub use audit::{
+    Audit, AuditGate, AuditHostCall, AuditHostCallCount, AuditHostCallSummary, AuditRollout,
+};
 pub use chain::{Chain, ChainError, ChainKey};
 pub use engine::Engine;
 pub use host_calls::{Caller, Capabilities, HostCallCode, HostCallError, HostCalls, NoHostCalls};
@@ -53,6 +56,7 @@ pub use outcome::{HookOutcome, Walk};
 pub use program::{CELL_RUNTIME, ProgramError, SUPERVISOR_BINARY, SupervisorProgram};
 pub use registry::{CapabilityEntry, Registry};
 pub use request::{CallerAuth, EngineError, Identity, RunInput};
+pub use rollout::{RevisionStatus, Role, RolloutStatus, ShadowHook, ShadowSummary, Tally};
 pub use run::RunResult;
 pub use sandbox::{
     OUTPUT_LIMIT, Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, Writer,

@@ -91,6 +91,15 @@ pub struct Metrics {
     /// Audit events of NOT_FOUND runs left out by sampling (`docs/operations.md`).
     pub audit_sampled_out: IntCounter,
     pub pod_claims: IntCounterVec,
+    /// Runs of chains in a canary rollout, by version (live, candidate) and outcome.
+    pub rollout_runs: IntCounterVec,
+    /// Rollouts started, stepped up, promoted and rolled back.
+    pub rollout_events: IntCounterVec,
+    /// Shadow runs by verdict against the live answer.
+    pub shadow_runs: IntCounterVec,
+    pub shadow_hooks: IntCounterVec,
+    pub shadow_hook_seconds: HistogramVec,
+    pub shadow_host_calls_refused: IntCounterVec,
     /// Definitions (files' documents, cluster objects) that fail their checks and are not served.
     pub definitions_invalid: IntGauge,
     /// Chains served from their last valid version because the newest fails its checks.
@@ -194,7 +203,7 @@ impl Metrics {
         );
         let claims = counter_vec(
             "sluice_gateway_claims_total",
-            "Sandbox claims by chain and result: warm (one was waiting), cold (waited for a boot or a recycle), timeout",
+            "Sandbox claims by chain and result: warm (one was waiting), cold (waited for a boot or a recycle), timeout, shadow (a rollout's shadow run took one no run was waiting for)",
             &labels(&["result"]),
         );
         let claim_wait_seconds = histogram_vec(
@@ -231,6 +240,37 @@ impl Metrics {
             "kube backend claim attempts: claimed, conflict (another gateway won), none (no warm pod in time), error",
             &["result"],
         );
+        let rollout_runs = counter_vec(
+            "sluice_gateway_rollout_runs_total",
+            "Runs of chains in a canary rollout, by chain (namespace/name), the version that served (live, candidate) and outcome (ok, block, error)",
+            &labels(&["chain", "role", "outcome"]),
+        );
+        let rollout_events = counter_vec(
+            "sluice_gateway_rollout_events_total",
+            "Rollouts by chain and event: started, step (a canary grew), promoted, rolled_back",
+            &labels(&["chain", "event"]),
+        );
+        let shadow_runs = counter_vec(
+            "sluice_gateway_shadow_runs_total",
+            "Shadow runs of a rollout's candidate by chain and verdict against the live answer: agreed, action_differs, output_differs, error, dropped (no budget or sandbox)",
+            &labels(&["chain", "verdict"]),
+        );
+        let shadow_hooks = counter_vec(
+            "sluice_gateway_shadow_hook_runs_total",
+            "Hooks of a candidate in shadow by chain, hook and verdict against the live hook of the same name: agreed, differs (another action, or new), error",
+            &labels(&["chain", "hook", "verdict"]),
+        );
+        let shadow_hook_seconds = histogram_vec(
+            "sluice_gateway_shadow_hook_duration_seconds",
+            "Time one hook of a candidate took in shadow, by chain and hook",
+            &labels(&["chain", "hook"]),
+            &buckets,
+        );
+        let shadow_host_calls_refused = counter_vec(
+            "sluice_gateway_shadow_host_calls_refused_total",
+            "host_calls refused to a candidate in shadow because the capability is not safeToRepeat, by chain",
+            &labels(&["chain"]),
+        );
         let definitions_invalid = IntGauge::new(
             "sluice_gateway_definitions_invalid",
             "Problems found in the newest HookChain and Capability definitions (not served; a chain with a last valid version keeps serving it)",
@@ -255,6 +295,12 @@ impl Metrics {
         let states: StatesSource = Arc::default();
         for c in [
             Box::new(pod_claims.clone()) as Box<dyn Collector>,
+            Box::new(rollout_runs.clone()),
+            Box::new(rollout_events.clone()),
+            Box::new(shadow_runs.clone()),
+            Box::new(shadow_hooks.clone()),
+            Box::new(shadow_hook_seconds.clone()),
+            Box::new(shadow_host_calls_refused.clone()),
             Box::new(definitions_invalid.clone()),
             Box::new(chains_superseded.clone()),
             Box::new(runs.clone()),
@@ -308,6 +354,12 @@ impl Metrics {
             rejected,
             audit_sampled_out,
             pod_claims,
+            rollout_runs,
+            rollout_events,
+            shadow_runs,
+            shadow_hooks,
+            shadow_hook_seconds,
+            shadow_host_calls_refused,
             definitions_invalid,
             chains_superseded,
             ready: Default::default(),

@@ -42,11 +42,12 @@ impl<'e> Pipeline<'e> {
         chains: &Chains,
         target: &Target,
         run_id: &str,
+        shadow: bool,
     ) -> Result<Self, EngineError> {
         // `ordered` is baseline first; claim in reverse, then put the stages back in walk order.
         let mut stages = Vec::new();
         for (chain, baseline) in chains.ordered().collect::<Vec<_>>().into_iter().rev() {
-            let claimed = ClaimedChain::open(engine, chain.clone(), target, run_id).await?;
+            let claimed = ClaimedChain::open(engine, chain.clone(), target, run_id, shadow).await?;
             stages.push(Stage { claimed, baseline });
         }
         stages.reverse();
@@ -160,6 +161,11 @@ impl<'e> Pipeline<'e> {
     }
 
     /// Sandbox ids for the audit: the tenant chain's (if any) and the baseline's (if any).
+    /// host_calls refused to shadow runs (capabilities not safe to repeat).
+    pub(crate) fn shadow_refused(&self) -> u64 {
+        self.stages.iter().map(|s| s.claimed.shadow_refused()).sum()
+    }
+
     pub(crate) fn record_sandboxes(&self, audit: &mut AuditEvent) {
         for stage in &self.stages {
             if stage.baseline {

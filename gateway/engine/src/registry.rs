@@ -57,6 +57,7 @@ impl Registry {
                         c.superseded = d.superseded.clone();
                         c.origin = d.origin.clone();
                         c.code_lines = d.code_lines.clone();
+                        c.orders = d.orders.clone();
                         c
                     }) {
                         Ok(chain) if chain.spec.enforced => {
@@ -252,6 +253,7 @@ mod tests {
             )),
             superseded: None,
             code_lines: Vec::new(),
+            orders: Default::default(),
         }
     }
 

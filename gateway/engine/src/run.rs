@@ -62,21 +62,30 @@ impl Engine {
                 Ok(p) => p,
                 Err(e) => return Err(self.refuse(&mut audit, e, began, None)),
             };
+            // During a rollout, the version that serves this session (and a candidate in shadow).
+            let selection = self.select(&chains, &target.session_id);
+            let chains = selection.chains.clone();
             chains.describe(&mut audit);
+            selection.describe(&mut audit);
             tracing::Span::current().record(
                 "chain",
                 tracing::field::display(Escaped(&chains.main().qualified_name())),
             );
-            let mut pipeline = match Pipeline::open(self, &chains, &target, &run_id).await {
+            let mut pipeline = match Pipeline::open(self, &chains, &target, &run_id, false).await {
                 Ok(p) => p,
                 Err(e) => return Err(self.refuse(&mut audit, e, began, Some(&chains))),
             };
             pipeline.record_sandboxes(&mut audit);
             let mut states = chains.fresh_states();
+            let shadow_payload = (!selection.shadows.is_empty()).then(|| payload.clone());
             let walk = pipeline.walk(payload, &mut states).await;
             pipeline.record_host_calls(&mut audit, self.limits().audit_host_calls);
             drop(pipeline);
             self.finish(&mut audit, &chains, &walk, began, "run");
+            self.record_rollout(&selection, &walk);
+            if let Some(payload) = shadow_payload {
+                self.start_shadows(selection, &target, &payload, &walk, &run_id);
+            }
             Ok(RunResult {
                 run_id: run_id.clone(),
                 walk,

@@ -555,6 +555,57 @@ impl Pool {
         }
     }
 
+    /// A warm sandbox for work that must never make a run wait (a rollout's shadow runs): taken
+    /// only while no claim waits, within `patience`; None when none came free. Never boots one.
+    pub(crate) async fn try_claim(
+        self: &Arc<Self>,
+        tenant: &str,
+        patience: Duration,
+    ) -> Option<Claimed> {
+        let tenant: Arc<str> = Arc::from(tenant);
+        let deadline = Instant::now() + patience;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut c = self.lock();
+                let alive = c.warm.front_mut().is_some_and(|f| f.still_waiting());
+                if c.waiting.is_empty()
+                    && alive
+                    && let Some(conn) = c.warm.pop_front()
+                {
+                    c.claimed += 1;
+                    c.served += 1;
+                    let served = c.served;
+                    let t = c.tenants.entry(tenant.clone()).or_default();
+                    t.held += 1;
+                    t.last_served = served;
+                    self.show_warm(&c);
+                    drop(c);
+                    self.shared
+                        .metrics
+                        .claims
+                        .with_label_values(&self.labels.with(&["shadow"]))
+                        .inc();
+                    let pool = self.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(BACKFILL_DELAY).await;
+                        pool.backfill();
+                    });
+                    return Some(Claimed {
+                        conn: Some(conn),
+                        pool: self.clone(),
+                        tenant,
+                    });
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return None;
+            }
+        }
+    }
+
     /// The trigger point is over: recycle the sandbox for the next one, or retire it.
     fn release(self: &Arc<Self>, mut conn: SupervisorConn) {
         let retire = if !conn.healthy() {
@@ -941,9 +992,18 @@ impl Pools {
     /// The pool for a chain, created (and filled) on first use. New cells of an existing pool are
     /// opened for this version of the chain from now on.
     pub fn pool_for(&self, chain: &Arc<Chain>) -> Arc<Pool> {
+        let pool = self.pool_serving(chain);
+        pool.set_chain(chain);
+        pool
+    }
+
+    /// The pool a claim for this version of the chain takes from, created on first use. An existing
+    /// pool keeps opening cells for the version it has (during a rollout, the live one); a claim for
+    /// another version has its cell replaced (`ClaimedChain::claim`).
+    pub(crate) fn pool_serving(&self, chain: &Arc<Chain>) -> Arc<Pool> {
         let key = self.key(chain);
         let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
-        let pool = pools
+        pools
             .entry(key.clone())
             .or_insert_with(|| {
                 let pool = Arc::new(Pool {
@@ -969,16 +1029,29 @@ impl Pools {
                 pool.backfill();
                 pool
             })
-            .clone();
-        pool.set_chain(chain);
-        pool
+            .clone()
     }
 
-    /// Makes the pools match `chains`: new chains get a filling pool, chains that are gone or whose
-    /// sandbox shape changed have their pool closed (runs in flight finish on their claimed sandbox).
-    pub async fn sync<'a>(&self, chains: impl IntoIterator<Item = &'a Arc<Chain>>) {
-        let wanted: HashMap<PoolKey, &Arc<Chain>> =
-            chains.into_iter().map(|c| (self.key(c), c)).collect();
+    /// Makes the pools match `live` (the version of each chain that serves by default) and
+    /// `candidates` (rollouts' new versions): new chains get a filling pool, chains that are gone or
+    /// whose sandbox shape changed have their pool closed (runs in flight finish on their claimed
+    /// sandbox). A candidate of the same sandbox shape shares its chain's pool, whose cells stay
+    /// opened for the live version.
+    pub async fn sync<'a>(
+        &self,
+        live: impl IntoIterator<Item = &'a Arc<Chain>>,
+        candidates: impl IntoIterator<Item = &'a Arc<Chain>>,
+    ) {
+        let mut wanted: HashMap<PoolKey, &Arc<Chain>> =
+            live.into_iter().map(|c| (self.key(c), c)).collect();
+        let mut own = Vec::new();
+        for c in candidates {
+            let key = self.key(c);
+            if let std::collections::hash_map::Entry::Vacant(e) = wanted.entry(key) {
+                own.push(c);
+                e.insert(c);
+            }
+        }
         let stale: Vec<Arc<Pool>> = {
             let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
             let gone: Vec<PoolKey> = pools
@@ -989,7 +1062,11 @@ impl Pools {
             gone.into_iter().filter_map(|k| pools.remove(&k)).collect()
         };
         for chain in wanted.values() {
-            self.pool_for(chain);
+            if own.iter().any(|c| Arc::ptr_eq(c, chain)) {
+                self.pool_serving(chain);
+            } else {
+                self.pool_for(chain);
+            }
         }
         for pool in &stale {
             pool.close().await;

@@ -16,6 +16,7 @@ use crate::metrics::ChainLabels;
 use crate::outcome::Walk;
 use crate::pipeline::Pipeline;
 use crate::request::{CallerAuth, EngineError, Target};
+use crate::rollout::Selection;
 use crate::run::RunResult;
 use crate::window::Window;
 use futures::{Stream, StreamExt};
@@ -286,7 +287,12 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
             return;
         }
     };
+    // During a rollout, the version that serves this session (and a candidate in shadow, run on the
+    // whole text once the stream is over).
+    let selection = engine.select(&chains, &target.session_id);
+    let chains = selection.chains.clone();
     chains.describe(&mut audit);
+    selection.describe(&mut audit);
     let span = tracing::info_span!(
         "stream",
         run_id = %run_id,
@@ -305,7 +311,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
         tx: &tx,
         chunk_by_chunk,
     };
-    run.serve(&target, &mut inputs, audit)
+    run.serve(&target, &mut inputs, audit, selection)
         .instrument(span)
         .await;
 }
@@ -322,26 +328,34 @@ struct Run<'a> {
 
 impl Run<'_> {
     /// Claims the sandboxes, runs the stream path, then the final path, and audits the whole.
-    async fn serve(&self, target: &Target, inputs: &mut Inputs, mut audit: AuditEvent) {
+    async fn serve(
+        &self,
+        target: &Target,
+        inputs: &mut Inputs,
+        mut audit: AuditEvent,
+        selection: Selection,
+    ) {
         let engine = self.engine;
-        let mut pipeline = match Pipeline::open(engine, self.chains, target, self.run_id).await {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = self
-                    .tx
-                    .send(Err(engine
-                        .refuse(&mut audit, e, self.began, Some(self.chains))
-                        .into()))
-                    .await;
-                return;
-            }
-        };
+        let mut pipeline =
+            match Pipeline::open(engine, self.chains, target, self.run_id, false).await {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = self
+                        .tx
+                        .send(Err(engine
+                            .refuse(&mut audit, e, self.began, Some(self.chains))
+                            .into()))
+                        .await;
+                    return;
+                }
+            };
         pipeline.record_sandboxes(&mut audit);
         let mut stats = Stats::default();
         let mut raw = String::new();
         let end = self
             .stream_path(&mut pipeline, inputs, &mut raw, &mut stats)
             .await;
+        let shadow_payload = (!selection.shadows.is_empty()).then(|| Value::String(raw.clone()));
         let final_walk = match end {
             End::Finished => {
                 let mut fresh = self.chains.fresh_states();
@@ -377,6 +391,10 @@ impl Run<'_> {
         stats.passed_over(&mut audit);
         audit.stream = Some(stream_json(&stats, stopped));
         engine.finish(&mut audit, self.chains, &final_walk, self.began, "stream");
+        engine.record_rollout(&selection, &final_walk);
+        if let Some(payload) = shadow_payload {
+            engine.start_shadows(selection, target, &payload, &final_walk, self.run_id);
+        }
         let result = RunResult {
             run_id: self.run_id.to_string(),
             walk: final_walk,

@@ -183,6 +183,7 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
     // certificate or "address in use" must not wait for the backend's checks or any boot.
     let secured = opts.security.prepare(opts.listen)?;
     let listener = bind(opts.listen).await?;
+    let rollouts_file = opts.sandbox.state_dir.join("rollouts.json");
     let backend: Arc<dyn SandboxBackend> = if opts.gvisor {
         Arc::new(
             LocalBackend::new(opts.sandbox.clone())
@@ -215,6 +216,9 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         opts.boot_concurrency,
         opts.trust,
     );
+    // A restart in the middle of a rollout goes on with the live hooks it had, not the chain
+    // file's candidate.
+    engine.keep_rollouts_in(rollouts_file);
     let mut source = local_dir::LocalSource::new(&opts.dir, &opts.platform_namespace, &opts.python);
     // Reading checks hook code with python: kept off the async workers, each file bounded in time.
     let (source, registry) = tokio::task::spawn_blocking(move || {
@@ -353,13 +357,7 @@ fn engine(
     tracing::info!(allowed_endpoints = %trust.allowed, credentials = ?trust.credentials, "capability trust");
     let pools = Pools::new(backend, limits.clone(), metrics.clone(), boot_concurrency);
     let capabilities = Arc::new(Runner::new(metrics.clone(), limits.clone(), trust));
-    Arc::new(Engine::new(
-        pools,
-        audit,
-        metrics,
-        limits.clone(),
-        capabilities,
-    ))
+    Engine::new(pools, audit, metrics, limits.clone(), capabilities)
 }
 
 /// Answers go out as soon as they are written: without TCP_NODELAY, a reply written in two pieces
@@ -486,8 +484,9 @@ async fn serve(
     tasks.push(ready);
     if let Some(maddr) = metrics_addr {
         let m = engine.metrics().clone();
+        let weak = Arc::downgrade(&engine);
         tasks.push(tokio::spawn(async move {
-            if let Err(e) = serve_metrics(m, maddr).await {
+            if let Err(e) = serve_metrics(m, weak, maddr).await {
                 tracing::error!(error = %e, "metrics endpoint failed");
             }
         }));
@@ -522,15 +521,30 @@ fn oversized_is_invalid_argument<B>(
     resp
 }
 
-/// Serves `GET /metrics`, `/healthz` (the process answers) and `/readyz` (ready to serve runs) on
-/// `addr` until the process ends.
-async fn serve_metrics(metrics: Metrics, addr: SocketAddr) -> std::io::Result<()> {
+/// Serves `GET /metrics`, `/healthz` (the process answers), `/readyz` (ready to serve runs) and
+/// `/rollouts` (every chain's rollout as JSON, `docs/rollout.md`) on `addr` until the process ends.
+async fn serve_metrics(
+    metrics: Metrics,
+    engine: std::sync::Weak<Engine>,
+    addr: SocketAddr,
+) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(%addr, "metrics listening");
+    let rollouts: sluice_telemetry::Page = (
+        "/rollouts",
+        Arc::new(move || {
+            let status = engine.upgrade().map(|e| e.rollouts()).unwrap_or_default();
+            let mut body = serde_json::to_vec_pretty(&serde_json::json!({ "rollouts": status }))
+                .unwrap_or_default();
+            body.push(b'\n');
+            body
+        }),
+    );
     sluice_telemetry::serve_endpoint(
         listener,
         metrics.registry.clone(),
         Some(metrics.ready.clone()),
+        vec![rollouts],
     )
     .await
 }

@@ -89,6 +89,7 @@ pub(crate) fn chain(
         )),
         superseded: None,
         code_lines: Vec::new(),
+        orders: Default::default(),
     }
 }
 
@@ -254,13 +255,13 @@ impl Harness {
         let audit = AuditLines::default();
         let capabilities = FakeCapabilities::default();
         let pools = Pools::new(backend, limits.clone(), metrics.clone(), boot_concurrency);
-        let engine = Arc::new(Engine::new(
+        let engine = Engine::new(
             pools,
             Audit::new(Box::new(audit.clone())),
             metrics,
             limits,
             Arc::new(capabilities.clone()),
-        ));
+        );
         let registry = Registry::build_for(PLATFORM, definitions, vec![]);
         // Capabilities are the fake's, not the registry's: hooks listing them are reported, and served.
         let errors: Vec<_> = registry
@@ -284,6 +285,31 @@ impl Harness {
         payload: Value,
     ) -> Result<RunResult, EngineError> {
         self.run_at(TARGET, trigger_point, payload).await
+    }
+
+    /// Serves `definitions` from now on, as a changed chain directory or cluster would.
+    pub(crate) async fn apply(&self, definitions: Vec<Definition>) {
+        let registry = Registry::build_for(PLATFORM, definitions, vec![]);
+        self.engine.set_registry(registry).await;
+    }
+
+    /// Runs `payload` through the tenant target at `trigger_point`, for `session`.
+    pub(crate) async fn run_session(
+        &self,
+        trigger_point: &str,
+        payload: Value,
+        session: &str,
+    ) -> Result<RunResult, EngineError> {
+        self.engine
+            .run(RunInput {
+                namespace: NS.into(),
+                target: TARGET.into(),
+                trigger_point: trigger_point.into(),
+                payload: Some(payload),
+                session_id: session.into(),
+                ..Default::default()
+            })
+            .await
     }
 
     /// Runs `payload` through `target` of `NS` at `trigger_point`.
