@@ -1,6 +1,6 @@
 //! `make bench`: every number an issue asks for, printed as a table beside baselines measured in the
 //! same run on the same machine. `sluice-bench [SECTION...]` runs some sections only
-//! (cells, cpu, run, stream, host_call, load, tenants, kube; kube-recycle runs the kube section's
+//! (cells, cpu, run, stream, host_call, load, tenants, rollout, kube; kube-recycle runs the kube section's
 //! recycled-pod rows alone; kube-cluster measures a real cluster, `make bench-cluster`).
 
 use anyhow::Context as _;
@@ -14,6 +14,7 @@ mod kube;
 mod load;
 mod naive;
 mod report;
+mod rollout;
 mod stream;
 
 use report::{Row, Table, percentile};
@@ -59,7 +60,7 @@ pub fn text_1k() -> String {
 pub struct Bench {
     pub gateway: RunningGateway,
     pub client: GatewayClient<tonic::transport::Channel>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     _state: tempfile::TempDir,
 }
 
@@ -92,9 +93,17 @@ impl Bench {
         Ok(Self {
             gateway,
             client,
-            _dir: dir,
+            dir,
             _state: state,
         })
+    }
+
+    /// Writes a file of the chain directory as an editor would (atomically).
+    pub fn write(&self, name: &str, text: &str) -> anyhow::Result<()> {
+        let tmp = self.dir.path().join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, self.dir.path().join(name))?;
+        Ok(())
     }
 
     /// One run timed from the moment a warm sandbox is waiting for it (paced below the backfill
@@ -233,6 +242,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if on("tenants") {
         load::two_tenants(&mut table).await.context("two tenants")?;
+    }
+    if on("rollout") {
+        rollout::bench(&mut table).await.context("rollout")?;
     }
     if on("host_call") {
         stream::host_call(&mut table).await.context("host_call")?;
