@@ -44,6 +44,19 @@ pub struct Definition {
     /// What the object's annotations order of a rollout in progress (`sluice.dev/promote`,
     /// `sluice.dev/rollback`).
     pub orders: RolloutOrders,
+    /// In a cluster: the rollout as the operator keeps it (`status.rollout`) and, when the live
+    /// revision is not the spec's, the live revision's spec (from its ControllerRevision). None in
+    /// local mode, where the gateway keeps the rollout itself.
+    pub directed: Option<Directed>,
+}
+
+/// A rollout directed by the cluster's operator.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Directed {
+    pub state: crate::rollout::RolloutState,
+    /// The live revision's spec, when it is not the spec's own; None when it could not be read
+    /// (then the gateway serves what it served before, or the spec).
+    pub live: Option<Box<HookChainSpec>>,
 }
 
 /// The annotation that promotes a rollout's candidate, naming it (a prefix of its revision, as
@@ -105,6 +118,7 @@ mod from_manifest {
                 origin,
                 namespace: namespace_of(&meta),
                 orders: RolloutOrders::from_annotations(meta.annotations.as_ref()),
+                directed: None,
                 name: meta.name.unwrap_or_default(),
                 spec,
                 superseded: None,

@@ -163,6 +163,9 @@ pub enum Reuse {
         printcolumn = r#"{"name":"Claimed","type":"integer","jsonPath":".status.claimed"}"#,
         printcolumn = r#"{"name":"Trigger","type":"string","jsonPath":".spec.triggerPoint"}"#,
         printcolumn = r#"{"name":"Target","type":"string","jsonPath":".spec.target"}"#,
+        printcolumn = r#"{"name":"Rollout","type":"string","jsonPath":".status.rollout.phase"}"#,
+        printcolumn = r#"{"name":"Canary","type":"integer","priority":1,"jsonPath":".status.rollout.canaryPercent"}"#,
+        printcolumn = r#"{"name":"Revision","type":"string","priority":1,"jsonPath":".status.rollout.liveRevision"}"#,
         printcolumn = r#"{"name":"Enforced","type":"boolean","priority":1,"jsonPath":".spec.enforced"}"#,
         printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
     )
@@ -448,9 +451,13 @@ pub struct HookChainStatus {
     /// SHA-256 of the chain's hooks (names, actions, settings, code), as recorded in the audit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code_hash: Option<String>,
-    /// Ready, CodeValid and PoolReady, with reasons a platform engineer can act on.
+    /// Ready, CodeValid, PoolReady and RolledOut, with reasons a platform engineer can act on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+    /// Which revision of the hooks is live, which is being rolled out and how far
+    /// (`spec.rollout`; docs/rollout.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<crate::rollout::RolloutState>,
 }
 
 impl HookChainSpec {

@@ -28,6 +28,7 @@ pub mod log_text;
 pub mod manifest;
 #[cfg(feature = "kube")]
 pub mod quantity;
+pub mod rollout;
 pub mod sandbox_pod;
 pub mod schema;
 pub mod validate;

@@ -1550,3 +1550,135 @@ impl Drop for Uncordon {
         let _ = done.join();
     }
 }
+
+/// `kubectl <args>` against the test cluster (the one `KUBECONFIG` names): its output, or a panic
+/// with what it said.
+fn kubectl(args: &[&str]) -> String {
+    let out = std::process::Command::new("kubectl")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("run kubectl {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "kubectl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Rolling out new hook code as docs/rollout.md shows it, with kubectl: a shadow candidate never
+/// changes an answer; `kubectl annotate` rolls it back; `kubectl patch` removing spec.rollout
+/// promotes it; `kubectl wait --for=condition=RolledOut` and `kubectl get hc` tell where it stands;
+/// each revision is a ControllerRevision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_through_kubectl_shadow_rollback_and_promotion() {
+    let Some(c) = cluster("rollout-kubectl").await else {
+        return;
+    };
+    let ns = c.ns.clone();
+    c.apply_chain(
+        "rollout",
+        "rollout-bot",
+        "input",
+        json!({}),
+        &[("case", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("rollout").await;
+    kubectl(&[
+        "wait",
+        "--for=condition=RolledOut",
+        "hc/rollout",
+        "-n",
+        &ns,
+        "--timeout=60s",
+    ]);
+    assert_eq!(
+        text(&c.run("rollout-bot", "Mixed Case").await.expect("Run v1")),
+        "MIXED CASE"
+    );
+
+    c.apply_chain(
+        "rollout",
+        "rollout-bot",
+        "input",
+        json!({"rollout": {"strategy": "Shadow"}}),
+        &[("case", "modify", LOWER)],
+    )
+    .await;
+    let api = c.chains();
+    let candidate = poll(Duration::from_secs(60), "the rollout Shadowing", || {
+        let api = api.clone();
+        async move {
+            let r = api.get("rollout").await.ok()?.status?.rollout?;
+            (r.phase == "Shadowing").then_some(r.candidate_revision?)
+        }
+    })
+    .await;
+    let table = kubectl(&["get", "hc", "rollout", "-n", &ns]);
+    assert!(
+        table.contains("ROLLOUT") && table.contains("Shadowing"),
+        "{table}"
+    );
+    for _ in 0..4 {
+        let r = c
+            .run("rollout-bot", "Mixed Case")
+            .await
+            .expect("Run in shadow");
+        assert_eq!(text(&r), "MIXED CASE", "a shadow candidate answered");
+    }
+
+    kubectl(&[
+        "annotate",
+        "hc/rollout",
+        "-n",
+        &ns,
+        &format!("sluice.dev/rollback={}", &candidate[..10]),
+    ]);
+    poll(Duration::from_secs(60), "the rollout RolledBack", || {
+        let api = api.clone();
+        async move {
+            let r = api.get("rollout").await.ok()?.status?.rollout?;
+            (r.phase == "RolledBack").then_some(())
+        }
+    })
+    .await;
+
+    kubectl(&[
+        "patch",
+        "hc/rollout",
+        "-n",
+        &ns,
+        "--type=json",
+        "-p",
+        r#"[{"op": "remove", "path": "/spec/rollout"}]"#,
+    ]);
+    kubectl(&[
+        "wait",
+        "--for=condition=RolledOut",
+        "hc/rollout",
+        "-n",
+        &ns,
+        "--timeout=60s",
+    ]);
+    poll(
+        Duration::from_secs(30),
+        "Run with the promoted code",
+        || async {
+            let r = c.run("rollout-bot", "Mixed Case").await.ok()?;
+            (text(&r) == "mixed case").then_some(())
+        },
+    )
+    .await;
+    let revisions = kubectl(&[
+        "get",
+        "controllerrevisions",
+        "-n",
+        &ns,
+        "-l",
+        "sluice.dev/hookchain=rollout",
+        "-o",
+        "name",
+    ]);
+    assert_eq!(revisions.lines().count(), 2, "{revisions}");
+}

@@ -250,6 +250,43 @@ async fn the_rules_each_component_needs_are_the_ones_the_chart_is_held_to() {
     .await;
     let r = h.run_text("bot", "input", "call 555").await.expect("run");
     assert_eq!(action(&r), Action::Modify, "{r:?}");
+
+    // A canary that fails: the operator keeps both revisions, the gateway reads the live one's
+    // hooks from its ControllerRevision and rolls the canary back for the cluster (the chain's
+    // sluice.dev/rollback annotation), which the operator follows.
+    let mut hc = api
+        .get(Resource::HookChains, TENANT, "rbac")
+        .expect("the chain");
+    hc["spec"]["failurePolicy"] = serde_json::json!("Open");
+    hc["spec"]["hooks"][0]["code"] =
+        serde_json::json!("def execute(context, settings):\n    raise ValueError('broken')\n");
+    hc["spec"]["rollout"] = serde_json::json!({"strategy": "Canary", "steps": [100], "minRuns": 1, "stepDuration": "1h"});
+    api.apply(Resource::HookChains, hc);
+    let rolled_back = || {
+        api.get(Resource::HookChains, TENANT, "rbac")
+            .is_some_and(|hc| hc["status"]["rollout"]["phase"] == "RolledBack")
+    };
+    for _ in 0..600 {
+        if rolled_back() {
+            break;
+        }
+        h.run_text("bot", "input", "call 555").await.expect("run");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(rolled_back(), "the failing canary was never rolled back");
+    // New hooks at once, keeping one revision: the operator prunes the others.
+    let mut hc = api
+        .get(Resource::HookChains, TENANT, "rbac")
+        .expect("the chain");
+    hc["spec"]["hooks"][0]["code"] = serde_json::json!(REDACT);
+    hc["spec"]["hooks"][0]["name"] = serde_json::json!("digits2");
+    hc["spec"]["revisionHistoryLimit"] = serde_json::json!(1);
+    hc["spec"].as_object_mut().map(|s| s.remove("rollout"));
+    api.apply(Resource::HookChains, hc);
+    until(&api, "one revision kept", || {
+        api.list(Resource::ControllerRevisions, TENANT).len() == 1
+    })
+    .await;
     h.stop_kube_and_check(&api).await;
 
     // Deleting the chain: the finalizer deletes its pods and policy in the sandbox namespace.

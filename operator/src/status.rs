@@ -10,6 +10,7 @@ use sluice_crds::{HookChain, HookChainStatus};
 pub const CODE_VALID: &str = "CodeValid";
 pub const POOL_READY: &str = "PoolReady";
 pub const READY: &str = "Ready";
+pub const ROLLED_OUT: &str = "RolledOut";
 
 /// The verdict on a chain's spec, hook code and capabilities.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -107,6 +108,7 @@ pub fn status(
     chain: &HookChain,
     verdict: &Verdict,
     plan: &Plan,
+    rollout: Option<sluice_crds::rollout::RolloutState>,
     now: Timestamp,
 ) -> HookChainStatus {
     let previous = chain
@@ -138,12 +140,36 @@ pub fn status(
         )
     };
     let ready = condition(previous, READY, rs, rr, rm, generation, now);
+    let mut conditions = vec![ready, code, pool];
+    // `kubectl wait --for=condition=RolledOut`: true once spec.hooks are what serves everyone.
+    if let Some(r) = &rollout {
+        let current = r.phase == "RolledOut"
+            && r.live_revision == sluice_crds::rollout::revision_of(&chain.spec);
+        let (status, reason) = if current {
+            ("True", "RolledOut")
+        } else if r.phase == "RolledOut" {
+            // The newest hooks fail their checks: the live ones keep serving (CodeValid says why).
+            ("False", "NotValid")
+        } else {
+            ("False", r.phase.as_str())
+        };
+        conditions.push(condition(
+            previous,
+            ROLLED_OUT,
+            status,
+            reason,
+            r.message.clone(),
+            generation,
+            now,
+        ));
+    }
     HookChainStatus {
         observed_generation: generation,
         warm: plan.counts.warm,
         claimed: plan.counts.claimed,
         code_hash: Some(chain.spec.code_hash()),
-        conditions: vec![ready, code, pool],
+        conditions,
+        rollout,
     }
 }
 

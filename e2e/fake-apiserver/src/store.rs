@@ -24,10 +24,12 @@ pub enum Resource {
     EventsV1,
     Leases,
     NetworkPolicies,
+    /// apps/v1 ControllerRevisions (a chain's revisions of its hooks).
+    ControllerRevisions,
 }
 
 impl Resource {
-    pub const ALL: [Resource; 7] = [
+    pub const ALL: [Resource; 8] = [
         Resource::Pods,
         Resource::HookChains,
         Resource::Capabilities,
@@ -35,6 +37,7 @@ impl Resource {
         Resource::EventsV1,
         Resource::Leases,
         Resource::NetworkPolicies,
+        Resource::ControllerRevisions,
     ];
 
     pub fn plural(self) -> &'static str {
@@ -45,6 +48,7 @@ impl Resource {
             Resource::Events | Resource::EventsV1 => "events",
             Resource::Leases => "leases",
             Resource::NetworkPolicies => "networkpolicies",
+            Resource::ControllerRevisions => "controllerrevisions",
         }
     }
 
@@ -56,6 +60,7 @@ impl Resource {
             Resource::EventsV1 => "events.k8s.io/v1",
             Resource::Leases => "coordination.k8s.io/v1",
             Resource::NetworkPolicies => "networking.k8s.io/v1",
+            Resource::ControllerRevisions => "apps/v1",
         }
     }
 
@@ -67,6 +72,7 @@ impl Resource {
             Resource::Events | Resource::EventsV1 => "Event",
             Resource::Leases => "Lease",
             Resource::NetworkPolicies => "NetworkPolicy",
+            Resource::ControllerRevisions => "ControllerRevision",
         }
     }
 

@@ -23,6 +23,8 @@ pub struct Chain {
     pub code_lines: Vec<Option<usize>>,
     /// Promotion or rollback ordered by the object's annotations.
     pub orders: sluice_crds::definition::RolloutOrders,
+    /// In a cluster: the rollout as the operator directs it.
+    pub directed: Option<sluice_crds::definition::Directed>,
 }
 
 /// Why a HookChain cannot be served.
@@ -73,6 +75,7 @@ impl Chain {
             origin: Default::default(),
             code_lines: Vec::new(),
             orders: Default::default(),
+            directed: None,
         })
     }
 

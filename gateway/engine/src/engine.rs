@@ -125,6 +125,12 @@ impl Engine {
         self.rollouts.keep_in(path);
     }
 
+    /// Where this gateway reports a canary it rolled back on its own (in a cluster: the chain's
+    /// `sluice.dev/rollback` annotation, which the operator and every other gateway follow).
+    pub fn report_rollbacks_to(&self, sink: Arc<dyn crate::rollout::RolloutSink>) {
+        self.rollouts.report_to(sink);
+    }
+
     /// Every chain's rollout: live revision, candidate, phase, comparisons, history.
     pub fn rollouts(&self) -> Vec<RolloutStatus> {
         self.rollouts.status()

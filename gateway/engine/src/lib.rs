@@ -56,7 +56,9 @@ pub use outcome::{HookOutcome, Walk};
 pub use program::{CELL_RUNTIME, ProgramError, SUPERVISOR_BINARY, SupervisorProgram};
 pub use registry::{CapabilityEntry, Registry};
 pub use request::{CallerAuth, EngineError, Identity, RunInput};
-pub use rollout::{RevisionStatus, Role, RolloutStatus, ShadowHook, ShadowSummary, Tally};
+pub use rollout::{
+    RevisionStatus, Role, RolloutSink, RolloutStatus, ShadowHook, ShadowSummary, Tally,
+};
 pub use run::RunResult;
 pub use sandbox::{
     OUTPUT_LIMIT, Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, Writer,

@@ -58,6 +58,7 @@ impl Registry {
                         c.origin = d.origin.clone();
                         c.code_lines = d.code_lines.clone();
                         c.orders = d.orders.clone();
+                        c.directed = d.directed.clone();
                         c
                     }) {
                         Ok(chain) if chain.spec.enforced => {
@@ -254,6 +255,7 @@ mod tests {
             superseded: None,
             code_lines: Vec::new(),
             orders: Default::default(),
+            directed: None,
         }
     }
 

@@ -228,6 +228,7 @@ pub(crate) struct Rollouts {
     /// Set when a rollout changed on its own (a step, a promotion, a rollback): saved once the
     /// change is done.
     dirty: std::sync::atomic::AtomicBool,
+    sink: Mutex<Option<Arc<dyn RolloutSink>>>,
 }
 
 struct Store {
@@ -269,6 +270,15 @@ struct Candidate {
     shadow_slots: Arc<Semaphore>,
     /// Per hook name: candidate latencies, live latencies (ms).
     latencies: HashMap<String, (VecDeque<f64>, VecDeque<f64>)>,
+    /// In a cluster the operator steps and promotes (`status.rollout`): the gateway serves the
+    /// share it is told and judges only the bounds, whose breach it reports (`RolloutSink`).
+    directed: Option<u32>,
+}
+
+/// Where a gateway reports a candidate it rolled back on its own, so that the rest of the cluster
+/// follows (the kube assembly sets the chain's `sluice.dev/rollback` annotation).
+pub trait RolloutSink: Send + Sync {
+    fn rolled_back(&self, namespace: &str, name: &str, revision: &str, why: &str);
 }
 
 /// What a rollout did on its own or by order, for the log and the metrics.
@@ -294,6 +304,7 @@ impl Candidate {
             candidate_tally: Tally::default(),
             shadow: ShadowSummary::default(),
             latencies: HashMap::new(),
+            directed: None,
         }
     }
 
@@ -303,6 +314,9 @@ impl Candidate {
 
     /// Percent of sessions the candidate serves now.
     fn percent(&self) -> u32 {
+        if let Some(p) = self.directed {
+            return p;
+        }
         match self.spec.strategy {
             RolloutStrategy::Shadow => 0,
             RolloutStrategy::Canary => self.spec.steps.get(self.step).copied().unwrap_or(100),
@@ -340,7 +354,9 @@ impl Candidate {
                     )));
                 }
             }
-            if now.duration_since(self.step_started) >= self.step_duration {
+            if self.directed.is_none()
+                && now.duration_since(self.step_started) >= self.step_duration
+            {
                 if self.step + 1 >= self.spec.steps.len() {
                     return Some(Event::Promoted("its last canary step passed"));
                 }
@@ -451,8 +467,82 @@ impl ChainRollout {
         }
     }
 
+    /// Follows the rollout the cluster's operator directs: its live revision, its candidate and
+    /// share. The live revision's hooks come with the chain (from its ControllerRevision).
+    fn follow_directed(
+        &mut self,
+        chain: &Arc<Chain>,
+        d: &sluice_crds::definition::Directed,
+    ) -> Option<Event> {
+        let state = &d.state;
+        let live = if state.live_revision == chain.revision() {
+            Some(chain.clone())
+        } else if state.live_revision == self.live.revision() {
+            Some(self.live.clone())
+        } else {
+            d.live
+                .as_ref()
+                .and_then(|spec| Chain::new(&chain.namespace, &chain.name, spec).ok())
+                .map(Arc::new)
+        };
+        let Some(live) = live else {
+            tracing::warn!(chain = %Escaped(&chain.qualified_name()), live = %short(&state.live_revision), "the live revision's hooks cannot be read; serving the ones served before");
+            return None;
+        };
+        self.remember(&live);
+        self.remember(chain);
+        let promoted = live.revision() != self.live.revision();
+        self.live = live;
+        // A candidate this gateway rolled back stays out while the operator catches up.
+        let rolled_back_here = |r: &str| self.rolled_back.as_ref().is_some_and(|(x, _)| x == r);
+        let candidate = state
+            .candidate_revision
+            .as_deref()
+            .filter(|r| *r == chain.revision() && state.phase != "RolledBack")
+            .filter(|r| !rolled_back_here(r));
+        let mut event =
+            promoted.then_some(Event::Promoted("the operator's status.rollout says so"));
+        match (candidate, chain.spec.rollout.clone()) {
+            (Some(_), Some(spec)) => {
+                let keep = self
+                    .candidate
+                    .as_ref()
+                    .is_some_and(|c| c.chain.same_hooks(chain) && c.spec.strategy == spec.strategy);
+                if !keep {
+                    self.candidate = Some(Candidate::new(chain.clone(), spec.clone()));
+                    event = Some(Event::Started(spec.strategy));
+                }
+                if let Some(c) = self.candidate.as_mut() {
+                    if c.directed.is_some_and(|p| p != state.canary_percent) {
+                        // A new step: its counts start afresh, as the operator's step does.
+                        c.live_tally = Tally::default();
+                        c.candidate_tally = Tally::default();
+                        event = Some(Event::Step(state.canary_percent));
+                    }
+                    c.chain = chain.clone();
+                    c.spec = spec;
+                    c.step = state.step.unwrap_or(0) as usize;
+                    c.directed = Some(state.canary_percent);
+                }
+                self.rolled_back = None;
+            }
+            _ => {
+                self.candidate = None;
+                if let Some(r) = &state.rolled_back_revision {
+                    self.rolled_back = Some((r.clone(), state.message.clone()));
+                } else if state.candidate_revision.is_none() {
+                    self.rolled_back = None;
+                }
+            }
+        }
+        event
+    }
+
     /// Follows a new version of the chain from the registry; what happened, if anything.
     fn follow(&mut self, chain: &Arc<Chain>) -> Option<Event> {
+        if let Some(d) = &chain.directed {
+            return self.follow_directed(chain, d);
+        }
         if chain.same_hooks(&self.live) {
             // The same hooks (perhaps other pool or timeout settings): they stay live; a candidate
             // that was in progress is gone (the spec went back to the live hooks).
@@ -595,7 +685,13 @@ impl Rollouts {
             metrics,
             store: Mutex::default(),
             dirty: Default::default(),
+            sink: Mutex::default(),
         }
+    }
+
+    /// Where rollbacks this gateway decides on its own are reported (in a cluster).
+    pub(crate) fn report_to(&self, sink: Arc<dyn RolloutSink>) {
+        *self.sink.lock().unwrap_or_else(|p| p.into_inner()) = Some(sink);
     }
 
     /// Keeps the state in `path` from now on, and takes what an earlier gateway left there for the
@@ -696,9 +792,14 @@ impl Rollouts {
             seen.insert(name.clone());
             match all.get_mut(&name) {
                 None => {
-                    let r = self
-                        .restore(chain)
-                        .unwrap_or_else(|| ChainRollout::new(chain.clone()));
+                    let r = self.restore(chain).unwrap_or_else(|| {
+                        let mut r = ChainRollout::new(chain.clone());
+                        // In a cluster the operator says what is live, not the spec.
+                        if chain.directed.is_some() {
+                            r.follow(chain);
+                        }
+                        r
+                    });
                     all.insert(name, r);
                 }
                 Some(r) => {
@@ -997,6 +1098,17 @@ impl Rollouts {
             Event::RolledBack(why) => {
                 if let Some(c) = r.candidate.take() {
                     r.rolled_back = Some((c.chain.revision().to_string(), why.clone()));
+                    if c.directed.is_some()
+                        && let Some(sink) =
+                            self.sink.lock().unwrap_or_else(|p| p.into_inner()).clone()
+                    {
+                        sink.rolled_back(
+                            &c.chain.namespace,
+                            &c.chain.name,
+                            c.chain.revision(),
+                            why,
+                        );
+                    }
                 }
             }
             Event::Started(_) | Event::Step(_) => {}

@@ -452,6 +452,7 @@ async fn hooks_in_shadow_call_only_capabilities_safe_to_repeat() {
         superseded: None,
         code_lines: Vec::new(),
         orders: Default::default(),
+        directed: None,
     };
     let calling = |tag: &str| {
         let mut hook = py(

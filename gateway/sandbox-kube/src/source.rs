@@ -9,14 +9,16 @@
 
 use crate::watch::{Tasks, apis};
 use futures::StreamExt;
+use k8s_openapi::api::apps::v1::ControllerRevision;
 use kube::api::Api;
 use kube::core::DeserializeGuard;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource as _, ResourceExt};
-use sluice_crds::definition::{Definition, NotServed, Origin};
+use sluice_crds::definition::{Definition, Directed, NotServed, Origin};
 use sluice_crds::manifest::{Located, Object};
-use sluice_crds::{Capability, HookChain};
+use sluice_crds::rollout;
+use sluice_crds::{Capability, HookChain, HookChainSpec};
 use sluice_engine::{Engine, Registry};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -41,6 +43,10 @@ pub struct KubeSource {
     verdicts: HashMap<(String, i64), Vec<String>>,
     /// Per `namespace/name`: the last generation that passed its checks.
     last_valid: HashMap<String, HookChain>,
+    client: kube::Client,
+    /// Live revisions' specs read from their ControllerRevisions, by `namespace/object name`
+    /// (immutable: read once).
+    revisions: HashMap<String, HookChainSpec>,
     _tasks: Tasks,
 }
 
@@ -94,6 +100,7 @@ fn watch_into<K>(
     api: Api<Guarded<K>>,
     what: &'static str,
     changed: Arc<Notify>,
+    served_status: fn(&Guarded<K>) -> Option<String>,
 ) -> (Store<Guarded<K>>, tokio::task::JoinHandle<()>)
 where
     K: kube::Resource<DynamicType = ()>
@@ -112,13 +119,15 @@ where
     let task = tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         // The operator writes status (warm and claimed counts) on nearly every claim; only a change
-        // of spec (its generation), an object coming or going, or a relist is worth a rebuild.
-        let mut generations: HashMap<String, Option<i64>> = HashMap::new();
+        // of spec (its generation), of the part of status that decides what serves (a rollout's),
+        // an object coming or going, or a relist is worth a rebuild.
+        let mut generations: HashMap<String, (Option<i64>, Option<String>)> = HashMap::new();
         while let Some(event) = stream.next().await {
             let relevant = match &event {
                 Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
                     let key = format!("{}/{}", o.namespace().unwrap_or_default(), o.name_any());
-                    generations.insert(key, o.meta().generation) != Some(o.meta().generation)
+                    let version = (o.meta().generation, served_status(o));
+                    generations.insert(key, version.clone()) != Some(version)
                 }
                 Ok(watcher::Event::Delete(o)) => {
                     let key = format!("{}/{}", o.namespace().unwrap_or_default(), o.name_any());
@@ -175,13 +184,16 @@ impl KubeSource {
         let mut tasks = Vec::new();
         let mut chains = Vec::new();
         for api in apis::<Guarded<HookChain>>(&client, namespaces) {
-            let (store, task) = watch_into(api, "hookchains", changed.clone());
+            let (store, task) = watch_into(api, "hookchains", changed.clone(), |g| {
+                let rollout = g.0.as_ref().ok()?.status.as_ref()?.rollout.as_ref()?;
+                serde_json::to_string(rollout).ok()
+            });
             chains.push(store);
             tasks.push(task);
         }
         let mut capabilities = Vec::new();
         for api in apis::<Guarded<Capability>>(&client, namespaces) {
-            let (store, task) = watch_into(api, "capabilities", changed.clone());
+            let (store, task) = watch_into(api, "capabilities", changed.clone(), |_| None);
             capabilities.push(store);
             tasks.push(task);
         }
@@ -193,6 +205,8 @@ impl KubeSource {
             python,
             verdicts: HashMap::new(),
             last_valid: HashMap::new(),
+            client: client.clone(),
+            revisions: HashMap::new(),
             _tasks: Tasks(tasks),
         };
         let synced = async {
@@ -256,10 +270,12 @@ impl KubeSource {
                     if problems.is_empty() {
                         self.last_valid.insert(key_of(&hc.metadata), hc.clone());
                         present.insert(key_of(&hc.metadata));
-                        objects.push(definition(
+                        let mut d = definition(
                             origin("HookChain", &hc.metadata),
                             Object::HookChain(Box::new(hc.clone())),
-                        ));
+                        );
+                        d.directed = self.directed(hc).await;
+                        objects.push(d);
                         continue;
                     }
                     (&hc.metadata, problems)
@@ -275,14 +291,21 @@ impl KubeSource {
             let kept = self
                 .last_valid
                 .get(&key)
-                .filter(|kept| kept.metadata.uid == meta.uid);
-            let message = match kept {
+                .filter(|kept| kept.metadata.uid == meta.uid)
+                .cloned();
+            let message = match kept.as_ref() {
                 Some(kept) => {
                     let kept_generation = kept.metadata.generation.unwrap_or_default();
                     let mut d = definition(
                         origin("HookChain", &kept.metadata),
                         Object::HookChain(Box::new(kept.clone())),
                     );
+                    // The rollout as the operator keeps it now, with the hooks that serve.
+                    let mut now = kept.clone();
+                    if let Ok(current) = &guarded.0 {
+                        now.status = current.status.clone();
+                    }
+                    d.directed = self.directed(&now).await;
                     d.superseded = Some(format!(
                         "serving generation {kept_generation} of HookChain {key}; generation {generation} fails its checks: {}",
                         problems.join("; ")
@@ -333,6 +356,42 @@ impl KubeSource {
         Registry::build_for(&self.platform_namespace, objects, errors)
     }
 
+    /// The rollout the operator directs for a chain (`status.rollout`), with the live revision's
+    /// spec when it is not the chain's own (read once from its ControllerRevision). None before the
+    /// operator has written one: the gateway then keeps the rollout itself.
+    async fn directed(&mut self, hc: &HookChain) -> Option<Directed> {
+        let state = hc.status.as_ref()?.rollout.clone()?;
+        let namespace = hc.metadata.namespace.clone().unwrap_or_default();
+        let name = hc.metadata.name.clone().unwrap_or_default();
+        if state.live_revision == rollout::revision_of(&hc.spec) {
+            return Some(Directed { state, live: None });
+        }
+        let object = rollout::revision_object_name(&name, &state.live_revision);
+        let key = format!("{namespace}/{object}");
+        if !self.revisions.contains_key(&key) {
+            let api: kube::Api<ControllerRevision> =
+                kube::Api::namespaced(self.client.clone(), &namespace);
+            match api.get(&object).await {
+                Ok(r) => match r
+                    .data
+                    .and_then(|d| serde_json::from_value::<HookChainSpec>(d.0["spec"].clone()).ok())
+                {
+                    Some(spec) if rollout::revision_of(&spec) == state.live_revision => {
+                        self.revisions.insert(key.clone(), spec);
+                    }
+                    _ => {
+                        tracing::warn!(chain = %key_of(&hc.metadata), revision = %object, "the live revision's ControllerRevision does not hold its hooks")
+                    }
+                },
+                Err(e) => {
+                    tracing::warn!(chain = %key_of(&hc.metadata), revision = %object, error = %e, "cannot read the live revision's ControllerRevision")
+                }
+            }
+        }
+        let live = self.revisions.get(&key).cloned().map(Box::new);
+        Some(Directed { state, live })
+    }
+
     /// Swaps the engine's registry whenever the caches change, until the task is dropped.
     pub async fn feed(mut self, engine: Arc<Engine>) {
         loop {
@@ -342,5 +401,47 @@ impl KubeSource {
             registry.log_summary();
             engine.set_registry(registry).await;
         }
+    }
+}
+
+/// Reports a canary a gateway rolled back on its own by setting the chain's `sluice.dev/rollback`
+/// annotation to the candidate's revision: the operator then moves `status.rollout` to RolledBack
+/// and every gateway follows. A merge patch of the annotation alone: the chain's spec is untouched,
+/// and a failed patch is logged (this gateway has rolled back already; the others judge for
+/// themselves).
+pub struct AnnotateRollback {
+    client: kube::Client,
+}
+
+impl AnnotateRollback {
+    pub fn new(client: kube::Client) -> Self {
+        Self { client }
+    }
+}
+
+impl sluice_engine::RolloutSink for AnnotateRollback {
+    fn rolled_back(&self, namespace: &str, name: &str, revision: &str, why: &str) {
+        let api: Api<HookChain> = Api::namespaced(self.client.clone(), namespace);
+        let (name, revision, why) = (name.to_string(), revision.to_string(), why.to_string());
+        tokio::spawn(async move {
+            let patch = serde_json::json!({"metadata": {"annotations": {
+                sluice_crds::definition::ROLLBACK_ANNOTATION: revision,
+            }}});
+            match api
+                .patch(
+                    &name,
+                    &kube::api::PatchParams::default(),
+                    &kube::api::Patch::Merge(&patch),
+                )
+                .await
+            {
+                Ok(_) => {
+                    tracing::warn!(chain = %name, revision = %revision, why = %sluice_crds::log_text::Escaped(&why), "canary rolled back for the cluster (sluice.dev/rollback set)")
+                }
+                Err(e) => {
+                    tracing::error!(chain = %name, revision = %revision, error = %e, "could not set sluice.dev/rollback; this gateway has rolled back, the others judge for themselves")
+                }
+            }
+        });
     }
 }

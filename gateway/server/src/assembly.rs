@@ -326,6 +326,11 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
         256,
         opts.trust.clone(),
     );
+    // A canary this gateway finds out of bounds is rolled back for the whole cluster: the
+    // operator and the other gateways follow the annotation as they would a person's.
+    engine.report_rollbacks_to(Arc::new(sluice_sandbox_kube::AnnotateRollback::new(
+        opts.client.clone(),
+    )));
     let mut source = KubeSource::start(
         opts.client.clone(),
         &opts.kube.namespaces,

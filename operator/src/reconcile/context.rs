@@ -51,6 +51,8 @@ pub struct Context {
     /// When each chain's (`ns/name`) status was last written, so that counts alone are written
     /// at most every `status::COUNTS_EVERY`.
     pub(super) status_written: Mutex<HashMap<String, Instant>>,
+    /// Revisions (`uid/revision`) already kept as ControllerRevisions: listed and created once.
+    pub(super) revisions_kept: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Context {
@@ -77,6 +79,7 @@ impl Context {
             recorder,
             metrics,
             code_checks: Mutex::default(),
+            revisions_kept: Mutex::default(),
             netpol_applied: Mutex::default(),
             start_failures: Mutex::default(),
             status_written: Mutex::default(),

@@ -21,6 +21,7 @@ mod capability;
 mod context;
 mod decide;
 mod read;
+mod rollout;
 mod status;
 mod validate;
 
@@ -28,6 +29,7 @@ pub use apply::ApplyError;
 pub use capability::{SCHEMA_VALID, check_namespace as check_capabilities};
 pub use context::{Context, DEFAULT_START_DEADLINE};
 pub use read::ReadError;
+pub use rollout::RolloutError;
 pub use status::StatusError;
 
 use crate::build::{FIELD_MANAGER, FINALIZER};
@@ -64,6 +66,8 @@ pub enum Error {
     Apply(#[from] ApplyError),
     #[error(transparent)]
     Status(#[from] StatusError),
+    #[error(transparent)]
+    Rollout(#[from] RolloutError),
 }
 
 pub async fn reconcile(
@@ -193,10 +197,14 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
     // The status tells what exists now, the pods just created included.
     plan.counts.starting += created;
     plan.counts.total += created;
-    let status_due = status::write(chain, &read, &verdict, &plan, now, ctx).await?;
+    let rolled = rollout::rollout(chain, &read, &verdict, now, ctx).await?;
+    let status_due = status::write(chain, &read, &verdict, &plan, rolled.state, now, ctx).await?;
 
     // Pod events requeue the chain; the timers cover what no event announces.
     let mut next = RESYNC;
+    if let Some(step_ends) = rolled.next {
+        next = next.min(step_ends);
+    }
     if let Some(due) = status_due {
         next = next.min(due);
     }

@@ -33,10 +33,11 @@ pub(crate) async fn write(
     read: &Snapshot,
     verdict: &Verdict,
     plan: &Plan,
+    rollout: Option<sluice_crds::rollout::RolloutState>,
     now: Timestamp,
     ctx: &Context,
 ) -> Result<Option<Duration>, StatusError> {
-    let status = status::status(chain, verdict, plan, now);
+    let status = status::status(chain, verdict, plan, rollout, now);
     let mut deferred = None;
     let due = match chain.status.as_ref() {
         Some(current) if current == &status => false,

@@ -90,6 +90,7 @@ pub(crate) fn chain(
         superseded: None,
         code_lines: Vec::new(),
         orders: Default::default(),
+        directed: None,
     }
 }
 

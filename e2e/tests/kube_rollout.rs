@@ -1,0 +1,278 @@
+//! Rollouts in a cluster: the real operator keeps the revisions (ControllerRevisions) and
+//! `status.rollout`, the real gateway serves what they say, a restarted gateway serves the live
+//! revision (not the candidate in the spec), and a canary the gateway finds failing is rolled back
+//! for everyone through the `sluice.dev/rollback` annotation. Against the fake API server, whose
+//! pods are local runsc sandboxes.
+
+use serde_json::{Value, json};
+use sluice_crds::HookChainSpec;
+use sluice_crds::rollout::revision_of;
+use sluice_e2e::{Harness, chain_yaml, manifest_json, text};
+use sluice_fake_apiserver::{FakeApiServer, Resource};
+use sluice_operator::build::Settings;
+use sluice_operator::controller::{self, LeaseTiming, RunConfig};
+use sluice_operator::leader::{self, LeaseLock};
+use sluice_operator::metrics::Metrics;
+use sluice_proto as proto;
+use std::time::{Duration, Instant};
+
+const CHAIN: &str = "bot-input";
+
+fn tagging(tag: &str) -> String {
+    format!(
+        "def execute(context, settings):\n    return {{'action': 'modify', 'outgoing': context['outgoing'] + ' {tag}'}}\n"
+    )
+}
+
+const FAILING: &str = "def execute(context, settings):\n    raise ValueError('broken')\n";
+
+/// The operator as `sluice-operator run` runs it, until `stop`.
+fn start_operator(
+    api: &FakeApiServer,
+) -> (
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<()>,
+) {
+    let client = api.client();
+    let config = RunConfig {
+        settings: Settings::default(),
+        claim_deadline: Duration::from_secs(300),
+        start_deadline: Duration::from_secs(120),
+        namespace: None,
+        platform_namespace: "sluice-system".into(),
+        allowed_endpoints: Default::default(),
+        identity: "operator-rollout".into(),
+    };
+    let lock = LeaseLock::new(
+        kube::Api::namespaced(client.clone(), "sluice-system"),
+        "sluice-operator",
+        &config.identity,
+        leader::LEASE_DURATION,
+    );
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(controller::run_when_leading(
+        client,
+        config,
+        Metrics::new(),
+        lock,
+        LeaseTiming::default(),
+        stopped,
+    ));
+    (stop, task)
+}
+
+fn chain() -> Value {
+    manifest_json(&chain_yaml(
+        CHAIN,
+        "bot",
+        "input",
+        "pool: {warm: 2, max: 4}\nfailurePolicy: Open",
+        &[("tag", "modify", &tagging("v1"))],
+    ))
+}
+
+/// Changes the chain as `kubectl apply` would: the spec (and annotations) change, status stays.
+fn update(api: &FakeApiServer, change: impl FnOnce(&mut Value)) -> HookChainSpec {
+    let mut hc = api
+        .get(Resource::HookChains, "default", CHAIN)
+        .expect("the chain");
+    change(&mut hc);
+    let spec = serde_json::from_value(hc["spec"].clone()).expect("a valid spec");
+    api.apply(Resource::HookChains, hc);
+    spec
+}
+
+async fn wait_for(api: &FakeApiServer, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let hc = api
+            .get(Resource::HookChains, "default", CHAIN)
+            .expect("the chain");
+        if f(&hc) {
+            return hc;
+        }
+        assert!(Instant::now() < until, "never {what}: {:#}", hc["status"]);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn run(h: &Harness, session: &str) -> String {
+    let req = proto::RunRequest {
+        namespace: "default".into(),
+        target: "bot".into(),
+        trigger_point: "input".into(),
+        payload: Some(proto::run_request::Payload::Text("hi".into())),
+        session_id: session.into(),
+        ..Default::default()
+    };
+    let r = h
+        .client
+        .clone()
+        .run(req)
+        .await
+        .expect("the run succeeds")
+        .into_inner();
+    text(&r).to_string()
+}
+
+/// Runs sessions until both versions have answered (the gateway follows the status after a watch
+/// event); each session answers alike twice. Returns what each session got.
+async fn both_versions(h: &Harness, prefix: &str, a: &str, b: &str) -> Vec<(String, String)> {
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut seen = Vec::new();
+    let mut i = 0;
+    loop {
+        let session = format!("{prefix}-{i}");
+        let first = run(h, &session).await;
+        assert_eq!(run(h, &session).await, first, "{session} changed version");
+        seen.push((session, first));
+        i += 1;
+        let has = |x: &str| seen.iter().any(|(_, t)| t == x);
+        if has(a) && has(b) {
+            return seen;
+        }
+        assert!(
+            Instant::now() < until,
+            "never saw both {a:?} and {b:?} in {} sessions; the gateway's rollouts: {:?}",
+            seen.len(),
+            h.gateway().engine.rollouts()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_canary_in_a_cluster_survives_a_gateway_restart_and_a_failing_one_is_rolled_back_for_everyone()
+ {
+    let api = FakeApiServer::builder()
+        .start()
+        .await
+        .expect("fake API server");
+    api.apply(Resource::HookChains, chain());
+    let (stop, operator) = start_operator(&api);
+    let v1: HookChainSpec = serde_json::from_value(chain()["spec"].clone()).expect("a valid spec");
+    let hc = wait_for(&api, "rolled out", |hc| {
+        hc["status"]["rollout"]["phase"] == "RolledOut"
+            && hc["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "RolledOut" && c["status"] == "True")
+            })
+    })
+    .await;
+    assert_eq!(hc["status"]["rollout"]["liveRevision"], revision_of(&v1));
+    let h = Harness::start_kube(&api, "gw-1", Duration::from_secs(30)).await;
+    assert!(
+        h.gateway()
+            .engine
+            .pools()
+            .wait_warm(Duration::from_secs(60))
+            .await,
+        "no warm pod"
+    );
+    assert_eq!(run(&h, "s").await, "hi v1");
+
+    // A canary at 50 %: both revisions are kept, and sessions split, each on one side.
+    let v2 = update(&api, |hc| {
+        hc["spec"]["hooks"][0]["code"] = json!(tagging("v2"));
+        hc["spec"]["rollout"] =
+            json!({"strategy": "Canary", "steps": [50], "stepDuration": "1h", "minRuns": 3});
+    });
+    wait_for(&api, "progressing", |hc| {
+        hc["status"]["rollout"]["phase"] == "Progressing"
+            && hc["status"]["rollout"]["candidateRevision"] == revision_of(&v2)
+    })
+    .await;
+    let revisions: Vec<String> = api
+        .list(Resource::ControllerRevisions, "default")
+        .iter()
+        .filter(|r| r["metadata"]["labels"]["sluice.dev/hookchain"] == CHAIN)
+        .map(|r| {
+            r["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(revisions.len(), 2, "{revisions:?}");
+    let seen = both_versions(&h, "c", "hi v1", "hi v2").await;
+
+    // A new gateway sees the candidate in the spec, and still serves the live revision to the
+    // sessions that had it (its hooks from the ControllerRevision).
+    h.stop_kube_and_check(&api).await;
+    let h = Harness::start_kube(&api, "gw-2", Duration::from_secs(30)).await;
+    for (session, before) in seen.iter().take(6) {
+        assert_eq!(
+            &run(&h, session).await,
+            before,
+            "{session} changed version across a restart"
+        );
+    }
+
+    // A failing candidate: the gateway rolls it back, the operator follows, everyone is on v1.
+    let v3 = update(&api, |hc| {
+        hc["spec"]["hooks"][0]["code"] = json!(FAILING);
+    });
+    wait_for(&api, "a failing canary", |hc| {
+        hc["status"]["rollout"]["candidateRevision"] == revision_of(&v3)
+    })
+    .await;
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut i = 0;
+    loop {
+        run(&h, &format!("f-{i}")).await;
+        i += 1;
+        let hc = api
+            .get(Resource::HookChains, "default", CHAIN)
+            .expect("the chain");
+        if hc["status"]["rollout"]["phase"] == "RolledBack" {
+            assert_eq!(
+                hc["metadata"]["annotations"]["sluice.dev/rollback"],
+                revision_of(&v3),
+                "the gateway's order"
+            );
+            assert_eq!(hc["status"]["rollout"]["liveRevision"], revision_of(&v1));
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "never rolled back: {:#}",
+            hc["status"]
+        );
+    }
+    wait_for(&api, "the event", |_| {
+        api.list(Resource::EventsV1, "default")
+            .iter()
+            .any(|e| e["reason"] == "RolledBack")
+    })
+    .await;
+    for i in 0..6 {
+        assert_eq!(run(&h, &format!("after-{i}")).await, "hi v1");
+    }
+
+    // Promoted by removing spec.rollout: v3's code replaced by v2's, live for everyone.
+    let v2_again = update(&api, |hc| {
+        hc["spec"]["hooks"][0]["code"] = json!(tagging("v2"));
+        hc["spec"].as_object_mut().map(|s| s.remove("rollout"));
+    });
+    wait_for(&api, "promoted", |hc| {
+        hc["status"]["rollout"]["phase"] == "RolledOut"
+            && hc["status"]["rollout"]["liveRevision"] == revision_of(&v2_again)
+    })
+    .await;
+    let until = Instant::now() + Duration::from_secs(30);
+    while run(&h, "after-0").await != "hi v2" {
+        assert!(
+            Instant::now() < until,
+            "the gateway never served the promoted revision"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for i in 0..6 {
+        assert_eq!(run(&h, &format!("after-{i}")).await, "hi v2");
+    }
+    h.stop_kube_and_check(&api).await;
+    stop.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(60), operator)
+        .await
+        .expect("the operator stops")
+        .expect("the operator did not panic");
+}
