@@ -456,3 +456,60 @@ pub fn manifest_json(yaml: &str) -> Value {
     }
     v
 }
+
+/// The operator as `sluice-operator run` runs it (leader election included), against the fake
+/// API server, until the returned sender says stop.
+pub mod operator {
+    use sluice_operator::build::Settings;
+    use sluice_operator::controller::{self, LeaseTiming, RunConfig};
+    use sluice_operator::leader::{self, LeaseLock};
+    use sluice_operator::metrics::Metrics;
+    use std::time::Duration;
+
+    pub type Running = (
+        tokio::sync::watch::Sender<bool>,
+        tokio::task::JoinHandle<()>,
+    );
+
+    /// `run` with the defaults (pods beside their chains, no namespace limit) and `identity`.
+    pub fn config(identity: &str, settings: Settings) -> RunConfig {
+        RunConfig {
+            settings,
+            claim_deadline: Duration::from_secs(300),
+            start_deadline: Duration::from_secs(120),
+            namespace: None,
+            platform_namespace: "sluice-system".into(),
+            allowed_endpoints: Default::default(),
+            identity: identity.into(),
+        }
+    }
+
+    /// Starts it with `client`, its Lease in the platform namespace.
+    pub fn start(client: kube::Client, config: RunConfig) -> Running {
+        let lock = LeaseLock::new(
+            kube::Api::namespaced(client.clone(), &config.platform_namespace),
+            "sluice-operator",
+            &config.identity,
+            leader::LEASE_DURATION,
+        );
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(controller::run_when_leading(
+            client,
+            config,
+            Metrics::new(),
+            lock,
+            LeaseTiming::default(),
+            stopped,
+        ));
+        (stop, task)
+    }
+
+    /// Stops it and waits (at most a minute) for it to hand back its Lease.
+    pub async fn stop((stop, task): Running) {
+        stop.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .expect("the operator stops")
+            .expect("the operator did not panic");
+    }
+}

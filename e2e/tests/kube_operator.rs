@@ -3,12 +3,8 @@
 //! sandboxes and probe them every period. What a cluster would pay is counted: pods created and API
 //! writes per trigger point.
 
-use sluice_e2e::{Harness, action, chain_yaml, manifest_json, text};
+use sluice_e2e::{Harness, action, chain_yaml, manifest_json, operator, text};
 use sluice_fake_apiserver::{FakeApiServer, Resource, Verb};
-use sluice_operator::build::Settings;
-use sluice_operator::controller::{self, LeaseTiming, RunConfig};
-use sluice_operator::leader::{self, LeaseLock};
-use sluice_operator::metrics::Metrics;
 use sluice_proto::Action;
 use std::time::Duration;
 
@@ -31,32 +27,10 @@ fn start_operator(
     tokio::sync::watch::Sender<bool>,
     tokio::task::JoinHandle<()>,
 ) {
-    let client = api.client();
-    let config = RunConfig {
-        settings: Settings::default(),
-        claim_deadline: Duration::from_secs(300),
-        start_deadline: Duration::from_secs(120),
-        namespace: None,
-        platform_namespace: "sluice-system".into(),
-        allowed_endpoints: Default::default(),
-        identity: "operator-e2e".into(),
-    };
-    let lock = LeaseLock::new(
-        kube::Api::namespaced(client.clone(), "sluice-system"),
-        "sluice-operator",
-        &config.identity,
-        leader::LEASE_DURATION,
-    );
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let task = tokio::spawn(controller::run_when_leading(
-        client,
-        config,
-        Metrics::new(),
-        lock,
-        LeaseTiming::default(),
-        stopped,
-    ));
-    (stop, task)
+    operator::start(
+        api.client(),
+        operator::config("operator-e2e", Default::default()),
+    )
 }
 
 fn ready_warm_pods(api: &FakeApiServer, chain: &str) -> usize {
@@ -116,11 +90,7 @@ async fn cluster_with(
 }
 
 async fn stop_operator(stop: tokio::sync::watch::Sender<bool>, task: tokio::task::JoinHandle<()>) {
-    stop.send_replace(true);
-    tokio::time::timeout(Duration::from_secs(60), task)
-        .await
-        .expect("the operator stops")
-        .expect("the operator did not panic");
+    operator::stop((stop, task)).await;
 }
 
 async fn run_redacted(h: &Harness, i: u64) {

@@ -8,12 +8,9 @@
 //! install shapes. A verb the code starts using fails here; a verb the chart grants and no code uses
 //! fails there. `SLUICE_UPDATE_RBAC=1` rewrites the file from what this run saw.
 
-use sluice_e2e::{Harness, action, chain_yaml, manifest_json};
+use sluice_e2e::{Harness, action, chain_yaml, manifest_json, operator};
 use sluice_fake_apiserver::{FakeApiServer, Logged, Resource};
 use sluice_operator::build::Settings;
-use sluice_operator::controller::{self, LeaseTiming, RunConfig};
-use sluice_operator::leader::{self, LeaseLock};
-use sluice_operator::metrics::Metrics;
 use sluice_proto::Action;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -184,34 +181,15 @@ async fn the_rules_each_component_needs_are_the_ones_the_chart_is_held_to() {
     );
 
     // The operator as `sluice-operator run --sandbox-namespace sluice-sandboxes` runs it.
-    let client = api.client_as("operator");
-    let config = RunConfig {
-        settings: Settings {
+    let mut config = operator::config(
+        "operator-rbac",
+        Settings {
             sandbox_namespace: Some(SANDBOXES.into()),
             ..Settings::default()
         },
-        claim_deadline: Duration::from_secs(300),
-        start_deadline: Duration::from_secs(120),
-        namespace: None,
-        platform_namespace: RELEASE.into(),
-        allowed_endpoints: Default::default(),
-        identity: "operator-rbac".into(),
-    };
-    let lock = LeaseLock::new(
-        kube::Api::namespaced(client.clone(), RELEASE),
-        "sluice-operator",
-        &config.identity,
-        leader::LEASE_DURATION,
     );
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let operator = tokio::spawn(controller::run_when_leading(
-        client,
-        config,
-        Metrics::new(),
-        lock,
-        LeaseTiming::default(),
-        stopped,
-    ));
+    config.platform_namespace = RELEASE.into();
+    let running = operator::start(api.client_as("operator"), config);
     until(&api, "two Ready warm pods in the sandbox namespace", || {
         sandbox_pods(&api)
             .iter()
@@ -298,11 +276,7 @@ async fn the_rules_each_component_needs_are_the_ones_the_chart_is_held_to() {
     })
     .await;
 
-    stop.send_replace(true);
-    tokio::time::timeout(Duration::from_secs(60), operator)
-        .await
-        .expect("the operator stops")
-        .expect("the operator did not panic");
+    operator::stop(running).await;
 
     let derived = to_yaml(&derive(&api.requests()));
     api.stop().await;

@@ -7,12 +7,8 @@
 use serde_json::{Value, json};
 use sluice_crds::HookChainSpec;
 use sluice_crds::rollout::revision_of;
-use sluice_e2e::{Harness, chain_yaml, manifest_json, text};
+use sluice_e2e::{Harness, chain_yaml, manifest_json, operator, text};
 use sluice_fake_apiserver::{FakeApiServer, Resource};
-use sluice_operator::build::Settings;
-use sluice_operator::controller::{self, LeaseTiming, RunConfig};
-use sluice_operator::leader::{self, LeaseLock};
-use sluice_operator::metrics::Metrics;
 use sluice_proto as proto;
 use std::time::{Duration, Instant};
 
@@ -25,41 +21,6 @@ fn tagging(tag: &str) -> String {
 }
 
 const FAILING: &str = "def execute(context, settings):\n    raise ValueError('broken')\n";
-
-/// The operator as `sluice-operator run` runs it, until `stop`.
-fn start_operator(
-    api: &FakeApiServer,
-) -> (
-    tokio::sync::watch::Sender<bool>,
-    tokio::task::JoinHandle<()>,
-) {
-    let client = api.client();
-    let config = RunConfig {
-        settings: Settings::default(),
-        claim_deadline: Duration::from_secs(300),
-        start_deadline: Duration::from_secs(120),
-        namespace: None,
-        platform_namespace: "sluice-system".into(),
-        allowed_endpoints: Default::default(),
-        identity: "operator-rollout".into(),
-    };
-    let lock = LeaseLock::new(
-        kube::Api::namespaced(client.clone(), "sluice-system"),
-        "sluice-operator",
-        &config.identity,
-        leader::LEASE_DURATION,
-    );
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let task = tokio::spawn(controller::run_when_leading(
-        client,
-        config,
-        Metrics::new(),
-        lock,
-        LeaseTiming::default(),
-        stopped,
-    ));
-    (stop, task)
-}
 
 fn chain() -> Value {
     manifest_json(&chain_yaml(
@@ -148,7 +109,10 @@ async fn a_canary_in_a_cluster_survives_a_gateway_restart_and_a_failing_one_is_r
         .await
         .expect("fake API server");
     api.apply(Resource::HookChains, chain());
-    let (stop, operator) = start_operator(&api);
+    let running = operator::start(
+        api.client(),
+        operator::config("operator-rollout", Default::default()),
+    );
     let v1: HookChainSpec = serde_json::from_value(chain()["spec"].clone()).expect("a valid spec");
     let hc = wait_for(&api, "rolled out", |hc| {
         hc["status"]["rollout"]["phase"] == "RolledOut"
@@ -270,9 +234,5 @@ async fn a_canary_in_a_cluster_survives_a_gateway_restart_and_a_failing_one_is_r
         assert_eq!(run(&h, &format!("after-{i}")).await, "hi v2");
     }
     h.stop_kube_and_check(&api).await;
-    stop.send_replace(true);
-    tokio::time::timeout(Duration::from_secs(60), operator)
-        .await
-        .expect("the operator stops")
-        .expect("the operator did not panic");
+    operator::stop(running).await;
 }
