@@ -49,6 +49,44 @@ pub struct RolloutState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rolled_back_revision: Option<String>,
     pub message: String,
+    /// How a shadow candidate compares with the live hooks, one entry per gateway, each written
+    /// by that gateway (server-side apply, a field manager of its own) about its own traffic.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["gateway"]))]
+    pub shadow: Vec<GatewayShadow>,
+}
+
+/// One gateway's shadow comparison (`status.rollout.shadow[]`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayShadow {
+    /// The gateway (its pod name).
+    pub gateway: String,
+    /// The candidate compared.
+    pub candidate_revision: String,
+    /// Shadow runs compared.
+    pub runs: u64,
+    /// Same action and payload as the live answer.
+    pub agreed: u64,
+    /// Another top action.
+    pub action_differs: u64,
+    /// The same action, another payload.
+    pub output_differs: u64,
+    /// Runs in which a hook of the candidate failed.
+    pub errors: u64,
+    /// Shadow runs not made (no budget, no free sandbox).
+    pub dropped: u64,
+    /// Percent of compared runs that disagreed, e.g. "12.5".
+    pub disagreement_percent: String,
+    /// When the gateway wrote this (RFC 3339).
+    pub updated_at: String,
+}
+
+/// The field manager under which one gateway writes its shadow entry.
+pub fn gateway_field_manager(identity: &str) -> String {
+    let mut m = format!("sluice-gateway-{identity}");
+    m.truncate(128);
+    m
 }
 
 /// What `advance` did, for an Event.
@@ -234,6 +272,7 @@ pub fn advance(
                 .then(|| timestamp(started)),
             rolled_back_revision: None,
             message,
+            shadow: Vec::new(),
         },
         transition,
         next,

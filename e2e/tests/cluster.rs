@@ -1627,6 +1627,33 @@ async fn a_rollout_through_kubectl_shadow_rollback_and_promotion() {
             .expect("Run in shadow");
         assert_eq!(text(&r), "MIXED CASE", "a shadow candidate answered");
     }
+    // The gateway writes its comparison into the status: lower case where the live hooks give
+    // upper case is the same action with other text.
+    let entry = poll(
+        Duration::from_secs(90),
+        "the gateway's shadow comparison in status",
+        || {
+            let api = api.clone();
+            async move {
+                let r = api.get("rollout").await.ok()?.status?.rollout?;
+                r.shadow.into_iter().find(|e| e.output_differs >= 1)
+            }
+        },
+    )
+    .await;
+    assert_eq!(entry.action_differs, 0, "{entry:?}");
+    println!(
+        "kubectl get hc rollout -o jsonpath='{{.status.rollout.shadow}}':\n{}",
+        kubectl(&[
+            "get",
+            "hc",
+            "rollout",
+            "-n",
+            &ns,
+            "-o",
+            "jsonpath={.status.rollout.shadow}"
+        ])
+    );
 
     kubectl(&[
         "annotate",

@@ -224,10 +224,48 @@ async fn the_rules_each_component_needs_are_the_ones_the_chart_is_held_to() {
     let h = Harness::start_kube_with(&api, "gw-rbac", Duration::from_secs(90), |opts| {
         opts.client = gateway_client;
         opts.kube.sandbox_namespace = Some(SANDBOXES.into());
+        opts.kube.shadow_status_every = Duration::from_millis(300);
     })
     .await;
     let r = h.run_text("bot", "input", "call 555").await.expect("run");
     assert_eq!(action(&r), Action::Modify, "{r:?}");
+
+    // A shadow candidate that blocks everything: the gateway writes its comparison into the
+    // chain's status (its own entry).
+    let mut hc = api
+        .get(Resource::HookChains, TENANT, "rbac")
+        .expect("the chain");
+    hc["spec"]["hooks"][0]["action"] = serde_json::json!("block");
+    hc["spec"]["hooks"][0]["code"] = serde_json::json!(
+        "def execute(context, settings):\n    return {'action': 'block', 'message': 'no'}\n"
+    );
+    hc["spec"]["rollout"] = serde_json::json!({"strategy": "Shadow"});
+    api.apply(Resource::HookChains, hc);
+    let compared = || {
+        api.get(Resource::HookChains, TENANT, "rbac")
+            .is_some_and(|hc| {
+                hc["status"]["rollout"]["shadow"]
+                    .as_array()
+                    .is_some_and(|entries| {
+                        entries.iter().any(|e| {
+                            e["gateway"] == "gw-rbac" && e["actionDiffers"].as_u64() >= Some(1)
+                        })
+                    })
+            })
+    };
+    for _ in 0..600 {
+        if compared() {
+            break;
+        }
+        let r = h.run_text("bot", "input", "call 555").await.expect("run");
+        assert_eq!(
+            action(&r),
+            Action::Modify,
+            "a shadow candidate answered: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(compared(), "the gateway never wrote its shadow comparison");
 
     // A canary that fails: the operator keeps both revisions, the gateway reads the live one's
     // hooks from its ControllerRevision and rolls the canary back for the cluster (the chain's

@@ -47,6 +47,9 @@ pub struct KubeConfig {
     /// How long the exec into a claimed pod may take to open (the kube client would retry a 429 or
     /// 503 on it for many minutes); past it the pod is given back (deleted) and the boot fails.
     pub exec_timeout: Duration,
+    /// How often this gateway writes its shadow comparison into a chain's `status.rollout.shadow`
+    /// while a shadow candidate runs (only when it changed).
+    pub shadow_status_every: Duration,
 }
 
 impl KubeConfig {
@@ -73,6 +76,7 @@ impl KubeConfig {
             heartbeat: Duration::from_secs(60),
             hold: 0,
             exec_timeout: Duration::from_secs(20),
+            shadow_status_every: Duration::from_secs(15),
         }
     }
 }

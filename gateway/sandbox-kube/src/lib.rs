@@ -15,4 +15,4 @@ mod watch;
 pub use backend::{KubeBackend, KubeConfig};
 /// Names shared with the operator.
 pub use sluice_crds::sandbox_pod as labels;
-pub use source::{AnnotateRollback, KubeSource};
+pub use source::{AnnotateRollback, KubeSource, publish_shadows};

@@ -445,3 +445,97 @@ impl sluice_engine::RolloutSink for AnnotateRollback {
         });
     }
 }
+
+/// Writes this gateway's shadow comparisons into the chains' `status.rollout.shadow` (its own
+/// entry, by server-side apply under its own field manager) every `every` while a shadow candidate
+/// runs and the numbers changed, and takes its entry away when the shadow is over. Ends with the
+/// engine.
+pub async fn publish_shadows(
+    client: kube::Client,
+    identity: String,
+    every: Duration,
+    engine: std::sync::Weak<Engine>,
+) {
+    let manager = rollout::gateway_field_manager(&identity);
+    let params = kube::api::PatchParams::apply(&manager).force();
+    // Per chain: what was written last (without its time).
+    let mut written: HashMap<String, rollout::GatewayShadow> = HashMap::new();
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(engine) = engine.upgrade() else {
+            return;
+        };
+        let mut now: HashMap<String, rollout::GatewayShadow> = HashMap::new();
+        for s in engine.rollouts() {
+            let (Some(shadow), Some(candidate)) = (s.shadow, s.candidate_revision) else {
+                continue;
+            };
+            now.insert(
+                s.chain,
+                rollout::GatewayShadow {
+                    gateway: identity.clone(),
+                    candidate_revision: candidate,
+                    runs: shadow.runs,
+                    agreed: shadow.agreed,
+                    action_differs: shadow.action_differs,
+                    output_differs: shadow.output_differs,
+                    errors: shadow.errors,
+                    dropped: shadow.dropped,
+                    disagreement_percent: format!("{:.1}", shadow.disagreement_percent),
+                    updated_at: String::new(),
+                },
+            );
+        }
+        drop(engine);
+        let gone: Vec<String> = written
+            .keys()
+            .filter(|k| !now.contains_key(*k))
+            .cloned()
+            .collect();
+        for chain in gone {
+            // An apply without the entry takes it away (this manager owned nothing else there).
+            if apply_status(&client, &chain, &params, serde_json::json!({})).await {
+                written.remove(&chain);
+            }
+        }
+        for (chain, entry) in now {
+            if written.get(&chain) == Some(&entry) {
+                continue;
+            }
+            let mut stamped = entry.clone();
+            stamped.updated_at = jiff::Timestamp::now().to_string();
+            let status = serde_json::json!({"rollout": {"shadow": [stamped]}});
+            if apply_status(&client, &chain, &params, status).await {
+                written.insert(chain, entry);
+            }
+        }
+    }
+}
+
+/// Server-side applies `status` to the chain `namespace/name`; false (logged) when it failed.
+async fn apply_status(
+    client: &kube::Client,
+    chain: &str,
+    params: &kube::api::PatchParams,
+    status: serde_json::Value,
+) -> bool {
+    let Some((namespace, name)) = chain.split_once('/') else {
+        return false;
+    };
+    let api: Api<HookChain> = Api::namespaced(client.clone(), namespace);
+    let patch = serde_json::json!({
+        "apiVersion": "sluice.dev/v1alpha1",
+        "kind": "HookChain",
+        "status": status,
+    });
+    match api
+        .patch_status(name, params, &kube::api::Patch::Apply(&patch))
+        .await
+    {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!(chain, error = %e, "cannot write this gateway's shadow comparison into the chain's status");
+            false
+        }
+    }
+}

@@ -343,7 +343,21 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     registry.log_summary();
     engine.set_registry(registry).await;
     let feed = tokio::spawn(source.feed(engine.clone()));
-    let running = serve(engine, listener, secured, opts.metrics, &limits, vec![feed]).await?;
+    let shadows = tokio::spawn(sluice_sandbox_kube::publish_shadows(
+        opts.client.clone(),
+        opts.kube.identity.clone(),
+        opts.kube.shadow_status_every,
+        Arc::downgrade(&engine),
+    ));
+    let running = serve(
+        engine,
+        listener,
+        secured,
+        opts.metrics,
+        &limits,
+        vec![feed, shadows],
+    )
+    .await?;
     tracing::info!(addr = %running.addr, identity = %opts.kube.identity, "sluice gateway listening (kube mode)");
     Ok(running)
 }

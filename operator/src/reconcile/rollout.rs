@@ -49,7 +49,7 @@ pub(crate) async fn rollout(
         });
     }
     let orders = RolloutOrders::from_annotations(chain.metadata.annotations.as_ref());
-    let (state, transition, next) = advance(
+    let (mut state, transition, next) = advance(
         previous.as_ref(),
         &chain.spec,
         &orders,
@@ -61,6 +61,9 @@ pub(crate) async fn rollout(
         },
         |text| text.parse::<Timestamp>().ok().map(|t| t.as_second()),
     );
+    // The gateways' entries are theirs (server-side apply keeps them while the operator's
+    // applied status leaves them out).
+    state.shadow.clear();
     keep_revisions(chain, read, &state, ctx)
         .await
         .map_err(|source| RolloutError::Revisions {

@@ -39,7 +39,10 @@ pub(crate) async fn write(
 ) -> Result<Option<Duration>, StatusError> {
     let status = status::status(chain, verdict, plan, rollout, now);
     let mut deferred = None;
-    let due = match chain.status.as_ref() {
+    // The gateways' own entries (status.rollout.shadow) are theirs: not the operator's to compare
+    // or to write.
+    let theirs = chain.status.as_ref().map(without_gateway_entries);
+    let due = match theirs.as_ref() {
         Some(current) if current == &status => false,
         Some(current) if only_counts_differ(current, &status) => {
             let last = super::context::lock(&ctx.status_written)
@@ -81,6 +84,15 @@ pub(crate) async fn write(
         plan.counts.claimed,
     );
     Ok(deferred)
+}
+
+/// A status without what the gateways write into it.
+fn without_gateway_entries(s: &HookChainStatus) -> HookChainStatus {
+    let mut s = s.clone();
+    if let Some(r) = s.rollout.as_mut() {
+        r.shadow.clear();
+    }
+    s
 }
 
 /// Whether two statuses differ in their warm/claimed counts only.
