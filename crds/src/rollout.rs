@@ -370,4 +370,17 @@ mod tests {
         assert_eq!(s.live_revision, revision_of(&v2));
         assert!(matches!(t, Some(Transition::Promoted(_))));
     }
+
+    #[test]
+    fn an_order_names_a_revision_by_a_prefix_of_seven_digits_or_more() {
+        let rev = "9f3c2a17b4d6e801";
+        assert!(names(Some(&"9f3c2a1".to_string()), rev));
+        assert!(names(Some(&rev.to_string()), rev));
+        assert!(
+            !names(Some(&"9f3c2a".to_string()), rev),
+            "too short to name one"
+        );
+        assert!(!names(Some(&"aaaaaaaa".to_string()), rev));
+        assert!(!names(None, rev));
+    }
 }
