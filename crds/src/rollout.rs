@@ -48,6 +48,7 @@ pub struct RolloutState {
     /// The revision last rolled back: applied again, it stays out until the hooks change.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rolled_back_revision: Option<String>,
+    /// Where the rollout stands, in a sentence.
     pub message: String,
     /// How a shadow candidate compares with the live hooks, one entry per gateway, each written
     /// by that gateway (server-side apply, a field manager of its own) about its own traffic.

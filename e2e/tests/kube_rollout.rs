@@ -76,6 +76,25 @@ async fn run(h: &Harness, session: &str) -> String {
     text(&r).to_string()
 }
 
+/// Waits until the gateway serves `candidate` as the canary the operator's status says it is.
+async fn gateway_follows(h: &Harness, candidate: &str) {
+    let until = Instant::now() + Duration::from_secs(30);
+    while !h
+        .gateway()
+        .engine
+        .rollouts()
+        .iter()
+        .any(|r| r.candidate_revision.as_deref() == Some(candidate) && r.phase == "Progressing")
+    {
+        assert!(
+            Instant::now() < until,
+            "the gateway never followed the canary: {:?}",
+            h.gateway().engine.rollouts()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Runs sessions until both versions have answered (the gateway follows the status after a watch
 /// event); each session answers alike twice. Returns what each session got.
 async fn both_versions(h: &Harness, prefix: &str, a: &str, b: &str) -> Vec<(String, String)> {
@@ -104,6 +123,11 @@ async fn both_versions(h: &Harness, prefix: &str, a: &str, b: &str) -> Vec<(Stri
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_canary_in_a_cluster_survives_a_gateway_restart_and_a_failing_one_is_rolled_back_for_everyone()
  {
+    // RUST_LOG=sluice_engine=debug,... shows what the gateways and the operator decided.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let api = FakeApiServer::builder()
         .start()
         .await
@@ -157,12 +181,16 @@ async fn a_canary_in_a_cluster_survives_a_gateway_restart_and_a_failing_one_is_r
         })
         .collect();
     assert_eq!(revisions.len(), 2, "{revisions:?}");
+    // The gateway follows the status a moment later (a watch event): until then every session is
+    // on the live revision.
+    gateway_follows(&h, &revision_of(&v2)).await;
     let seen = both_versions(&h, "c", "hi v1", "hi v2").await;
 
     // A new gateway sees the candidate in the spec, and still serves the live revision to the
     // sessions that had it (its hooks from the ControllerRevision).
     h.stop_kube_and_check(&api).await;
     let h = Harness::start_kube(&api, "gw-2", Duration::from_secs(30)).await;
+    gateway_follows(&h, &revision_of(&v2)).await;
     for (session, before) in seen.iter().take(6) {
         assert_eq!(
             &run(&h, session).await,
