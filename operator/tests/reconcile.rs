@@ -605,9 +605,17 @@ async fn a_hook_code_change_needs_no_new_pods() {
         "def execute(context, settings):\n    return {'action': 'pass'}\n".into();
     changed.metadata.generation = Some(5);
     let task = h.run(changed.clone());
-    // No pod is created or deleted: only the status moves to the new code hash and generation.
+    // No pod is created or deleted: the new revision goes live at once (no spec.rollout), said in
+    // an Event, and the status moves to the new code hash and generation.
+    let note = h.expect_event("Normal", "Promoted").await;
+    assert!(note.contains("no spec.rollout"), "{note}");
     let after = h.expect_status().await;
     h.api.finish(task).await.unwrap();
+    assert_eq!(
+        after["rollout"]["liveRevision"],
+        sluice_crds::rollout::revision_of(&changed.spec)
+    );
+    assert_eq!(condition(&after, "RolledOut")["status"], "True");
     assert_eq!(after["codeHash"], changed.spec.code_hash());
     assert_ne!(after["codeHash"], before["codeHash"]);
     assert_eq!(after["observedGeneration"], 5);

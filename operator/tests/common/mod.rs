@@ -21,6 +21,9 @@ const PATIENCE: Duration = Duration::from_secs(60);
 
 pub(crate) struct ApiServer {
     handle: Handle,
+    /// ControllerRevisions the operator created: their requests are answered here, so that a
+    /// test's script of requests is the pool's and the status's, as before rollouts.
+    revisions: Vec<Value>,
 }
 
 /// One request the operator made.
@@ -84,7 +87,13 @@ pub(crate) fn status_error(code: u16, reason: &str) -> Value {
 
 pub(crate) fn mock_client() -> (Client, ApiServer) {
     let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    (Client::new(svc, "default"), ApiServer { handle })
+    (
+        Client::new(svc, "default"),
+        ApiServer {
+            handle,
+            revisions: Vec::new(),
+        },
+    )
 }
 
 impl ApiServer {
@@ -93,8 +102,55 @@ impl ApiServer {
         self.try_next().await.expect("the client is gone")
     }
 
-    /// The next request, or `None` once every client is dropped.
+    /// The next request, or `None` once every client is dropped. Requests about ControllerRevisions
+    /// (a chain's revisions: listed, created, pruned) are answered on the way, from a store of
+    /// their own.
     pub(crate) async fn try_next(&mut self) -> Option<Call> {
+        loop {
+            let call = self.try_next_any().await?;
+            if !call.path.contains("/controllerrevisions") {
+                return Some(call);
+            }
+            self.answer_revision(call);
+        }
+    }
+
+    fn answer_revision(&mut self, call: Call) {
+        match call.method.as_str() {
+            "GET" => {
+                let selector = call.query("labelSelector").unwrap_or_default().to_string();
+                let items: Vec<Value> = self
+                    .revisions
+                    .iter()
+                    .filter(|r| {
+                        selector.split(',').all(|kv| match kv.split_once('=') {
+                            Some((k, v)) => r["metadata"]["labels"][k] == v,
+                            None => true,
+                        })
+                    })
+                    .cloned()
+                    .collect();
+                call.reply(
+                    200,
+                    json!({"kind": "ControllerRevisionList", "apiVersion": "apps/v1", "metadata": {}, "items": items}),
+                );
+            }
+            "POST" => {
+                self.revisions.push(call.body.clone());
+                let body = call.body.clone();
+                call.reply(201, body);
+            }
+            "DELETE" => {
+                let name = call.path.rsplit('/').next().unwrap_or_default().to_string();
+                self.revisions
+                    .retain(|r| r["metadata"]["name"] != name.as_str());
+                call.reply(200, status_error(200, "Success"));
+            }
+            _ => panic!("unexpected request {call:?}"),
+        }
+    }
+
+    async fn try_next_any(&mut self) -> Option<Call> {
         let (req, reply) = tokio::time::timeout(PATIENCE, self.handle.next_request())
             .await
             .expect("the operator made no further request")?;
