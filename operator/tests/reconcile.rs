@@ -760,3 +760,30 @@ async fn a_chain_name_that_is_no_label_value_gets_a_verdict_and_no_pods() {
     );
     assert_eq!(condition(&status, "Ready")["reason"], "InvalidName");
 }
+
+#[tokio::test]
+async fn revisions_that_cannot_be_kept_hold_the_rollout_not_the_pool_or_its_status() {
+    let mut h = harness();
+    h.api.fail_revisions = true;
+    let c = chain(2, 10, GOOD);
+    h.add(pod("redactor-a", &template(&c), "warm", true));
+    h.add(pod("redactor-b", &template(&c), "warm", true));
+    let task = h.run(c.clone());
+    h.expect_policy().await;
+    let status = h.expect_status().await;
+    let action = h
+        .api
+        .finish(task)
+        .await
+        .expect("the reconcile does not fail");
+    assert_eq!(condition(&status, "Ready")["status"], "True");
+    assert!(
+        status.get("rollout").is_none(),
+        "no rollout state without its revisions: {status}"
+    );
+    // Tried again soon, not at the next resync.
+    assert!(
+        action == kube::runtime::controller::Action::requeue(std::time::Duration::from_secs(10)),
+        "{action:?}"
+    );
+}

@@ -29,7 +29,6 @@ pub use apply::ApplyError;
 pub use capability::{SCHEMA_VALID, check_namespace as check_capabilities};
 pub use context::{Context, DEFAULT_START_DEADLINE};
 pub use read::ReadError;
-pub use rollout::RolloutError;
 pub use status::StatusError;
 
 use crate::build::{FIELD_MANAGER, FINALIZER};
@@ -66,8 +65,6 @@ pub enum Error {
     Apply(#[from] ApplyError),
     #[error(transparent)]
     Status(#[from] StatusError),
-    #[error(transparent)]
-    Rollout(#[from] RolloutError),
 }
 
 pub async fn reconcile(
@@ -197,7 +194,7 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
     // The status tells what exists now, the pods just created included.
     plan.counts.starting += created;
     plan.counts.total += created;
-    let rolled = rollout::rollout(chain, &read, &verdict, now, ctx).await?;
+    let rolled = rollout::rollout(chain, &read, &verdict, now, ctx).await;
     let status_due = status::write(chain, &read, &verdict, &plan, rolled.state, now, ctx).await?;
 
     // Pod events requeue the chain; the timers cover what no event announces.

@@ -23,10 +23,13 @@ use sluice_crds::rollout::{
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
-pub enum RolloutError {
+enum RolloutError {
     #[error("HookChain {chain}: keeping its revisions: {source}")]
     Revisions { chain: String, source: kube::Error },
 }
+
+/// How soon a rollout held by revisions that could not be kept is tried again.
+const REVISIONS_RETRY: Duration = Duration::from_secs(10);
 
 /// Where the rollout stands now, and when to look again (a canary's step ends).
 pub(crate) struct Rolled {
@@ -40,13 +43,13 @@ pub(crate) async fn rollout(
     verdict: &Verdict,
     now: Timestamp,
     ctx: &Context,
-) -> Result<Rolled, RolloutError> {
+) -> Rolled {
     let previous = chain.status.as_ref().and_then(|s| s.rollout.clone());
     if verdict.is_invalid() {
-        return Ok(Rolled {
+        return Rolled {
             state: previous,
             next: None,
-        });
+        };
     }
     let orders = RolloutOrders::from_annotations(chain.metadata.annotations.as_ref());
     let (mut state, transition, next) = advance(
@@ -64,12 +67,20 @@ pub(crate) async fn rollout(
     // The gateways' entries are theirs (server-side apply keeps them while the operator's
     // applied status leaves them out).
     state.shadow.clear();
-    keep_revisions(chain, read, &state, ctx)
-        .await
-        .map_err(|source| RolloutError::Revisions {
+    // The revisions first: a gateway reads the live revision's hooks from its ControllerRevision.
+    // If they cannot be kept (the API server failing, RBAC without them), the rollout stays where
+    // it was and is tried again shortly; the pool and the rest of the status go on.
+    if let Err(source) = keep_revisions(chain, read, &state, ctx).await {
+        let e = RolloutError::Revisions {
             chain: read.key.clone(),
             source,
-        })?;
+        };
+        tracing::warn!(error = %e, "rollout held until the revisions can be kept");
+        return Rolled {
+            state: previous,
+            next: Some(REVISIONS_RETRY),
+        };
+    }
     if let Some(t) = transition {
         let (kind, note) = match &t {
             Transition::Started(strategy) => (
@@ -84,10 +95,10 @@ pub(crate) async fn rollout(
         ctx.publish(&chain.object_ref(&()), kind, t.reason(), note)
             .await;
     }
-    Ok(Rolled {
+    Rolled {
         state: Some(state),
         next,
-    })
+    }
 }
 
 /// Records the spec's revision (once) and drops the oldest beyond the limit.

@@ -24,6 +24,8 @@ pub(crate) struct ApiServer {
     /// ControllerRevisions the operator created: their requests are answered here, so that a
     /// test's script of requests is the pool's and the status's, as before rollouts.
     revisions: Vec<Value>,
+    /// Answer every ControllerRevision request 500, as an API server that fails them would.
+    pub(crate) fail_revisions: bool,
 }
 
 /// One request the operator made.
@@ -92,6 +94,7 @@ pub(crate) fn mock_client() -> (Client, ApiServer) {
         ApiServer {
             handle,
             revisions: Vec::new(),
+            fail_revisions: false,
         },
     )
 }
@@ -116,6 +119,9 @@ impl ApiServer {
     }
 
     fn answer_revision(&mut self, call: Call) {
+        if self.fail_revisions {
+            return call.reply(500, status_error(500, "InternalError"));
+        }
         match call.method.as_str() {
             "GET" => {
                 let selector = call.query("labelSelector").unwrap_or_default().to_string();
