@@ -136,11 +136,13 @@ impl Engine {
         self.rollouts.status()
     }
 
-    /// The versions that serve one trigger point (`rollout.rs`); a candidate promoted on the way has
-    /// its pool open cells for it from now on.
-    pub(crate) fn select(&self, chains: &Chains, session: &str) -> Selection {
+    /// The versions that serve one trigger point (`rollout/`); a candidate promoted on the way has
+    /// its pool open cells for it from now on. A canary places a run by its session, or, for a run
+    /// without one, by the run's own id (each such run on its own).
+    pub(crate) fn select(&self, chains: &Chains, session: &str, run_id: &str) -> Selection {
+        let placed_by = if session.is_empty() { run_id } else { session };
         let mut promoted = Vec::new();
-        let selection = self.rollouts.select(chains, session, &mut promoted);
+        let selection = self.rollouts.select(chains, placed_by, &mut promoted);
         for chain in &promoted {
             self.pools.pool_for(chain);
         }

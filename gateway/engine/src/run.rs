@@ -63,7 +63,7 @@ impl Engine {
                 Err(e) => return Err(self.refuse(&mut audit, e, began, None)),
             };
             // During a rollout, the version that serves this session (and a candidate in shadow).
-            let selection = self.select(&chains, &target.session_id);
+            let selection = self.select(&chains, &target.session_id, &run_id);
             let chains = selection.chains.clone();
             chains.describe(&mut audit);
             selection.describe(&mut audit);

@@ -289,7 +289,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
     };
     // During a rollout, the version that serves this session (and a candidate in shadow, run on the
     // whole text once the stream is over).
-    let selection = engine.select(&chains, &target.session_id);
+    let selection = engine.select(&chains, &target.session_id, &run_id);
     let chains = selection.chains.clone();
     chains.describe(&mut audit);
     selection.describe(&mut audit);

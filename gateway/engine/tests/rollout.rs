@@ -232,6 +232,25 @@ async fn a_canary_at_ten_percent_serves_about_a_tenth_of_sessions_each_one_consi
 }
 
 #[tokio::test]
+async fn runs_without_a_session_are_placed_each_on_its_own() {
+    let h = Harness::process(vec![chain(vec![tagging("v1")], json!({}))]).await;
+    h.apply(vec![chain(
+        vec![tagging("v2")],
+        json!({"rollout": {"strategy": "Canary", "steps": [50], "stepDuration": "1h"}}),
+    )])
+    .await;
+    let mut answers = Vec::new();
+    for _ in 0..40 {
+        answers.push(text(&h, "hi", "").await);
+    }
+    let on_canary = answers.iter().filter(|a| *a == "v2").count();
+    assert!(
+        (5..=35).contains(&on_canary),
+        "{on_canary} of 40 runs without a session on a 50% canary"
+    );
+}
+
+#[tokio::test]
 async fn a_canary_that_errors_is_rolled_back_on_its_own_and_the_live_hooks_serve_everyone() {
     let h = Harness::process(vec![chain(
         vec![tagging("v1")],
