@@ -295,6 +295,39 @@ mod tests {
     }
 
     #[test]
+    fn a_rollout_that_cannot_be_followed_is_refused_with_the_field_and_why() {
+        let mut c = chain();
+        c.rollout = Some(
+            serde_json::from_value(serde_json::json!({
+                "strategy": "Canary", "steps": [50, 10, 0], "stepDuration": "30",
+                "minRuns": 0, "maxErrorRateIncrease": 101, "shadowConcurrency": 0
+            }))
+            .unwrap(),
+        );
+        c.revision_history_limit = 0;
+        let found: Vec<String> = hookchain(&c).iter().map(|p| p.to_string()).collect();
+        for expected in [
+            "spec.rollout.steps[1]: 10 does not climb",
+            "spec.rollout.steps[2]: 0 is not a percent of sessions in 1..100",
+            "spec.rollout.stepDuration: \"30\" has no unit",
+            "spec.rollout.maxErrorRateIncrease: 101 percentage points is more than 100",
+            "spec.rollout.minRuns: must be at least 1",
+            "spec.rollout.shadowConcurrency: must be at least 1",
+            "spec.revisionHistoryLimit: must be at least 1",
+        ] {
+            assert!(
+                found.iter().any(|f| f.starts_with(expected)),
+                "{expected:?} not in {found:#?}"
+            );
+        }
+        // The defaults are a valid canary.
+        c = chain();
+        c.rollout =
+            Some(serde_json::from_value(serde_json::json!({"strategy": "Canary"})).unwrap());
+        assert_eq!(hookchain(&c), vec![]);
+    }
+
+    #[test]
     fn a_good_chain_has_no_problems() {
         assert_eq!(hookchain(&chain()), vec![]);
         assert_eq!(chain().trigger_point, TriggerPoint::Input);

@@ -199,6 +199,25 @@ impl Harness {
         .await
     }
 
+    /// Text at `trigger_point` of `target` for `session` (the other helpers use session `s-1`).
+    pub async fn run_in_session(
+        &self,
+        target: &str,
+        trigger_point: &str,
+        text: &str,
+        session: &str,
+    ) -> Result<proto::RunResponse, tonic::Status> {
+        let req = proto::RunRequest {
+            namespace: "default".into(),
+            target: target.into(),
+            trigger_point: trigger_point.into(),
+            payload: Some(proto::run_request::Payload::Text(text.into())),
+            session_id: session.into(),
+            ..Default::default()
+        };
+        self.client.clone().run(req).await.map(|r| r.into_inner())
+    }
+
     pub async fn run_value(
         &self,
         target: &str,

@@ -9,7 +9,6 @@ use sluice_crds::HookChainSpec;
 use sluice_crds::rollout::revision_of;
 use sluice_e2e::{Harness, chain_yaml, manifest_json, operator, text};
 use sluice_fake_apiserver::{FakeApiServer, Resource};
-use sluice_proto as proto;
 use std::time::{Duration, Instant};
 
 const CHAIN: &str = "bot-input";
@@ -58,21 +57,10 @@ async fn wait_for(api: &FakeApiServer, what: &str, f: impl Fn(&Value) -> bool) -
 }
 
 async fn run(h: &Harness, session: &str) -> String {
-    let req = proto::RunRequest {
-        namespace: "default".into(),
-        target: "bot".into(),
-        trigger_point: "input".into(),
-        payload: Some(proto::run_request::Payload::Text("hi".into())),
-        session_id: session.into(),
-        ..Default::default()
-    };
     let r = h
-        .client
-        .clone()
-        .run(req)
+        .run_in_session("bot", "input", "hi", session)
         .await
-        .expect("the run succeeds")
-        .into_inner();
+        .expect("the run succeeds");
     text(&r).to_string()
 }
 

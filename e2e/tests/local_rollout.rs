@@ -74,21 +74,10 @@ async fn wait_for(
 }
 
 async fn run(h: &Harness, input: &str, session: &str) -> String {
-    let req = proto::RunRequest {
-        namespace: "default".into(),
-        target: "bot".into(),
-        trigger_point: "input".into(),
-        payload: Some(proto::run_request::Payload::Text(input.into())),
-        session_id: session.into(),
-        ..Default::default()
-    };
     let r = h
-        .client
-        .clone()
-        .run(req)
+        .run_in_session("bot", "input", input, session)
         .await
-        .expect("the run succeeds")
-        .into_inner();
+        .expect("the run succeeds");
     if r.action == proto::Action::Block as i32 {
         format!("blocked: {}", r.message)
     } else {

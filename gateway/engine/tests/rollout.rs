@@ -426,6 +426,22 @@ async fn a_restarted_gateway_goes_on_with_the_live_hooks_and_the_canary_step_it_
 }
 
 #[tokio::test]
+async fn an_unreadable_state_file_is_started_over_not_fatal() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let file = dir.path().join("rollouts.json");
+    std::fs::write(&file, "{not json").expect("write");
+    let h = Harness::process(vec![]).await;
+    h.engine.keep_rollouts_in(file.clone());
+    let v1 = chain(vec![tagging("v1")], json!({}));
+    h.apply(vec![v1.clone()]).await;
+    assert_eq!(status(&h).live_revision, revision_of(&v1));
+    assert_eq!(text(&h, "hi", "s").await, "v1");
+    // And the file is good again.
+    let saved: Value = serde_json::from_slice(&std::fs::read(&file).expect("read")).expect("JSON");
+    assert_eq!(saved[0]["name"], "tenant");
+}
+
+#[tokio::test]
 async fn history_keeps_the_newest_revisions_up_to_the_limit() {
     let h = Harness::process(vec![chain(
         vec![tagging("v0")],
