@@ -478,7 +478,20 @@ async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
         .union(&names(&c.pool_pods("shout", "claimed").await))
         .cloned()
         .collect();
-    let r = c.run("support-bot", "hello cluster").await.expect("Run");
+    // PoolReady is the operator's word; the gateway serves the chain once its own watch has it
+    // (and its hook code checked): under load that can come a moment later.
+    let r = poll(
+        Duration::from_secs(30),
+        "the gateway serves the chain",
+        || async {
+            match c.run("support-bot", "hello cluster").await {
+                Err(s) if s.code() == tonic::Code::NotFound => None,
+                r => Some(r),
+            }
+        },
+    )
+    .await
+    .expect("Run");
     // Claimed pods are not the autoscaler's to evict.
     for pod in c.pool_pods("shout", "claimed").await {
         assert_eq!(
