@@ -89,13 +89,40 @@ def granted(objs, namespace=NAMESPACE):
     return out
 
 
-def expected_rbac(watch_namespace, sandbox_namespace, platform_namespace=NAMESPACE, release_namespace=NAMESPACE):
-    """REQUIRED_RBAC placed in the namespaces an install shape puts each scope in."""
+def expected_rbac(watch_namespace, sandbox_namespace, platform_namespace=NAMESPACE, release_namespace=NAMESPACE,
+                  objs=()):
+    """REQUIRED_RBAC placed in the namespaces an install shape puts each scope in, and, when the
+    operator of `objs` makes certificates, what that takes (certificate_rbac)."""
     chains = {"*"} if not watch_namespace else {watch_namespace, platform_namespace}
     where = {"chains": chains, "sandboxes": {sandbox_namespace} if sandbox_namespace else chains,
              "release": {release_namespace}}
-    return {who: {(ns, *rule) for scope, rules in scopes.items() for ns in where[scope] for rule in rules}
-            for who, scopes in REQUIRED_RBAC.items()}
+    out = {who: {(ns, *rule) for scope, rules in scopes.items() for ns in where[scope] for rule in rules}
+           for who, scopes in REQUIRED_RBAC.items()}
+    out["operator"] |= certificate_rbac(objs, release_namespace)
+    return out
+
+
+def operator_args(objs):
+    for o in objs:
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "sluice-operator":
+            return o["spec"]["template"]["spec"]["containers"][0]["args"]
+    return []
+
+
+def certificate_rbac(objs, release_namespace=NAMESPACE):
+    """The operator's rules for the certificates it makes (operator/src/certs): its Secrets and
+    ConfigMap in the release namespace, and the webhook configuration whose caBundle it keeps. Not
+    derived by kube_rbac.rs (the fake API server has no Secrets); the cluster suite installs with
+    exactly these under a real RBAC authorizer, so a missing one fails there."""
+    args = operator_args(objs)
+    if not any(a.startswith("--ca-secret=") for a in args):
+        return set()
+    ns = release_namespace
+    rules = {(ns, "", "secrets", v) for v in ("create", "get", "update", "delete")}
+    rules |= {(ns, "", "configmaps", v) for v in ("create", "get", "update")}
+    if any(a.startswith("--webhook-configuration=") for a in args):
+        rules |= {("*", "admissionregistration.k8s.io", "validatingwebhookconfigurations", v) for v in ("get", "update")}
+    return rules
 
 
 def run(*cmd, cwd=ROOT):
@@ -382,7 +409,7 @@ class ChartTest(ManifestCase):
         for shape, (values, watch, sandboxes) in self.SHAPES.items():
             with self.subTest(shape):
                 objs = helm_template(*values)
-                got, want = granted(objs), expected_rbac(watch, sandboxes)
+                got, want = granted(objs), expected_rbac(watch, sandboxes, objs=objs)
                 for who in ("operator", "gateway"):
                     self.assertEqual(sorted(got[who] - want[who]), [], f"{shape}: {who} is granted more than it uses")
                     self.assertEqual(sorted(want[who] - got[who]), [], f"{shape}: {who} lacks what it uses")
@@ -402,7 +429,7 @@ class ChartTest(ManifestCase):
 
     def test_the_rbac_check_fails_on_a_missing_or_extra_rule(self):
         objs = helm_template()
-        want = expected_rbac("", SANDBOXES)
+        want = expected_rbac("", SANDBOXES, objs=objs)
         role = self.find(objs, "Role", "sluice-gateway-sandboxes")
         role["rules"][0]["verbs"].append("get")
         self.assertNotEqual(granted(objs)["gateway"], want["gateway"], "an extra verb went unnoticed")
@@ -485,7 +512,13 @@ class ChartTest(ManifestCase):
                                             "--supervisor-image=ghcr.io/sluice-dev/sluice-supervisor:0.1.0",
                                             "--metrics=0.0.0.0:9465", "--lease-namespace=$(POD_NAMESPACE)",
                                             "--lease-name=sluice-operator", "--claim-deadline=300s",
-                                            f"--platform-namespace={NAMESPACE}", f"--sandbox-namespace={SANDBOXES}"])
+                                            f"--platform-namespace={NAMESPACE}", f"--sandbox-namespace={SANDBOXES}",
+                                            # The gateway's certificate, made and kept by the operator (the default).
+                                            "--ca-secret=sluice-ca", "--ca-configmap=sluice-ca", "--ca-lifetime=87600h",
+                                            "--certificate-lifetime=2160h", "--certificate-check=1m",
+                                            "--serving-certificate=sluice-gateway-tls=sluice-gateway,"
+                                            f"sluice-gateway.{NAMESPACE},sluice-gateway.{NAMESPACE}.svc,"
+                                            f"sluice-gateway.{NAMESPACE}.svc.cluster.local"])
         service = self.find(objs, "Service", "sluice-gateway")
         self.assertEqual({p["name"]: p["port"] for p in service["spec"]["ports"]}, {"grpc": 50051, "metrics": 9464})
         runtime_class = self.find(objs, "RuntimeClass", "gvisor")
@@ -504,7 +537,11 @@ class ChartTest(ManifestCase):
         self.assertEqual(volumes["callers"]["configMap"]["name"], "sluice-gateway-callers")
         mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         self.assertEqual((mounts["tls"], mounts["callers"]), ("/etc/sluice/tls", "/etc/sluice/callers"))
-        # The chart-made CA signs the serving certificate, for the Service's names.
+        # By default the operator makes the certificate: nothing of cert-manager's is rendered.
+        self.assertFalse([o for o in objs if o["kind"] in ("Certificate", "Issuer")])
+        # With cert-manager, the chart-made CA signs the serving certificate, for the Service's names.
+        objs = helm_template("gateway.tls.mode=certManager")
+        self.assertNotIn("--ca-secret=sluice-ca", args_of(objs, "sluice-operator"))
         cert = self.find(objs, "Certificate", "sluice-gateway")["spec"]
         self.assertEqual(cert["secretName"], "sluice-gateway-tls")
         self.assertEqual(cert["issuerRef"]["name"], "sluice-gateway-ca")
@@ -522,7 +559,7 @@ class ChartTest(ManifestCase):
         self.assertEqual(policy["callers"], [{"name": "app", "match": {"uriSAN": "spiffe://example.org/ns/a/sa/app"},
                                               "namespaces": ["team-a"]}])
         # An issuer of the user's: no chart-made CA.
-        issued = helm_template("gateway.tls.certManager.issuerRef.name=corp-ca",
+        issued = helm_template("gateway.tls.mode=certManager", "gateway.tls.certManager.issuerRef.name=corp-ca",
                                "gateway.tls.certManager.issuerRef.kind=ClusterIssuer")
         self.assertFalse([o for o in issued if o["kind"] == "Issuer"])
         self.assertEqual(self.find(issued, "Certificate", "sluice-gateway")["spec"]["issuerRef"],
@@ -572,7 +609,7 @@ class ChartTest(ManifestCase):
         self.assertEqual([p["port"] for rule in policy["ingress"] for p in rule["ports"]], [9465])
 
     def test_webhook_with_cert_manager_is_wired_end_to_end(self):
-        objs = helm_template("webhook.enabled=true")
+        objs = helm_template("webhook.enabled=true", "webhook.certificate.source=certManager")
         self.assertEqual(self.webhook_objects(objs), [
             ("Certificate", "sluice-operator-webhook"), ("Certificate", "sluice-operator-webhook-ca"),
             ("Issuer", "sluice-operator-webhook-ca"), ("Issuer", "sluice-operator-webhook-selfsigned"),
@@ -650,7 +687,8 @@ class ChartTest(ManifestCase):
         self.assertNotEqual(proc.returncode, 0)
         self.assertIn("needs webhook.certificate.secretName and webhook.certificate.caBundle", proc.stderr)
 
-        objs = helm_template("webhook.enabled=true", "webhook.certificate.issuerRef.kind=ClusterIssuer",
+        objs = helm_template("webhook.enabled=true", "webhook.certificate.source=certManager",
+                             "webhook.certificate.issuerRef.kind=ClusterIssuer",
                              "webhook.certificate.issuerRef.name=internal-ca", "watchNamespace=team-a")
         self.assertFalse([o for o in objs if o["kind"] == "Issuer" and not o["metadata"]["name"].startswith("sluice-gateway")])
         self.assertEqual(self.find(objs, "Certificate", "sluice-operator-webhook")["spec"]["issuerRef"],
@@ -658,6 +696,50 @@ class ChartTest(ManifestCase):
         (hook,) = self.find(objs, "ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")["webhooks"]
         self.assertEqual(hook["namespaceSelector"], {"matchExpressions": [
             {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", NAMESPACE]}]})
+
+    def test_certificates_made_by_the_operator_by_default(self):
+        """The default TLS needs nothing installed beforehand (issue 29): the operator makes a CA, the
+        gateway's and the webhook's certificates, keeps the webhook's caBundle, and may touch those
+        objects only, by name."""
+        objs = helm_template("webhook.enabled=true")
+        self.assertFalse([o for o in objs if o["kind"] in ("Certificate", "Issuer")])
+        config = self.find(objs, "ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")
+        self.assertNotIn("annotations", config["metadata"], "no cert-manager injection")
+        (hook,) = config["webhooks"]
+        self.assertNotIn("caBundle", hook["clientConfig"], "the operator keeps it; a rendered one would fight it")
+        args = args_of(objs, "sluice-operator")
+        webhook_dns = f"sluice-operator-webhook.{NAMESPACE}.svc,sluice-operator-webhook.{NAMESPACE}.svc.cluster.local"
+        for flag in ("--ca-secret=sluice-ca", f"--serving-certificate=sluice-operator-webhook-tls={webhook_dns}",
+                     f"--webhook-configuration=sluice-validate-{NAMESPACE}", "--webhook-cert-secret=sluice-operator-webhook-tls",
+                     "--webhook-cert=/etc/sluice/webhook/tls.crt", "--webhook-key=/etc/sluice/webhook/tls.key"):
+            self.assertIn(flag, args)
+        self.assertTrue(any(a.startswith("--serving-certificate=sluice-gateway-tls=") for a in args))
+        # The operator writes the pair it made: an emptyDir it may write, not the Secret.
+        pod = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "webhook-tls"]
+        self.assertEqual(volume["emptyDir"]["medium"], "Memory")
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "webhook-tls"]
+        self.assertFalse(mount["readOnly"])
+        # The gateway mounts the Secret the operator makes (the kubelet waits for it on first install).
+        gateway = self.find(objs, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]
+        (tls,) = [v for v in gateway["volumes"] if v["name"] == "tls"]
+        self.assertEqual(tls["secret"]["secretName"], "sluice-gateway-tls")
+        # By name: the CA's Secret and ConfigMap and the two serving Secrets; the one webhook configuration.
+        role = self.find(objs, "Role", "sluice-operator-certificates")
+        named = {(tuple(r["resources"]), tuple(r.get("resourceNames", ()))) for r in role["rules"]}
+        self.assertEqual(named, {(("secrets", "configmaps"), ()),
+                                 (("secrets",), ("sluice-ca", "sluice-gateway-tls", "sluice-operator-webhook-tls")),
+                                 (("configmaps",), ("sluice-ca",))})
+        self.assertEqual([r["verbs"] for r in role["rules"] if not r.get("resourceNames")], [["create"]])
+        (rule,) = self.find(objs, "ClusterRole", "sluice-operator-webhook-ca")["rules"]
+        self.assertEqual((rule["resourceNames"], rule["verbs"]), ([f"sluice-validate-{NAMESPACE}"], ["get", "update"]))
+        # Nothing made by the operator, nothing granted: certificates from Secrets of one's own.
+        own = helm_template("webhook.enabled=true", "webhook.certificate.source=secret",
+                            "webhook.certificate.secretName=w", "webhook.certificate.caBundle=Y2E=",
+                            "gateway.tls.mode=secret", "gateway.tls.secretName=g")
+        self.assertFalse([a for a in args_of(own, "sluice-operator") if a.startswith(("--ca-", "--serving-"))])
+        self.assertFalse([o for o in own if o["metadata"]["name"] in ("sluice-operator-certificates", "sluice-operator-webhook-ca")])
+        self.assertEqual(certificate_rbac(own), set())
 
     def test_optional_objects_follow_their_toggles(self):
         kinds = lambda objs: sorted(o["kind"] for o in objs)  # noqa: E731
@@ -901,10 +983,11 @@ class ReleasesTest(ManifestCase):
             ("ClusterRole", "sluice-gateway"), ("ClusterRoleBinding", "sluice-gateway"),
             ("ClusterRole", "sluice-hookchain-edit"), ("ClusterRole", "sluice-view"), ("ClusterRole", "sluice-platform"),
             ("ClusterRole", "sluice-capability-admin"), ("Namespace", SANDBOXES), ("RuntimeClass", "gvisor"),
+            ("ClusterRole", "sluice-operator-webhook-ca"), ("ClusterRoleBinding", "sluice-operator-webhook-ca"),
             ("ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")]))
         names = lambda kind: sorted(o["metadata"]["name"] for o in objs if o["kind"] == kind)  # noqa: E731
-        self.assertEqual(names("Role"), ["sluice-gateway-sandboxes", "sluice-operator-leader-election",
-                                         "sluice-operator-sandboxes"])
+        self.assertEqual(names("Role"), ["sluice-gateway-sandboxes", "sluice-operator-certificates",
+                                         "sluice-operator-leader-election", "sluice-operator-sandboxes"])
         self.assertEqual(names("PrometheusRule"), ["sluice"])
         self.assertIn("sluice-grafana-dashboard", names("ConfigMap"))
         self.assertIn("--lease-name=sluice-operator", args_of(objs, "sluice-operator"))
@@ -973,15 +1056,16 @@ class ReleasesTest(ManifestCase):
         args = args_of(objs, "sluice-operator")
         value = lambda flag: next((a.split("=", 1)[1] for a in args if a.startswith(flag + "=")), "")  # noqa: E731
         watch, sandboxes = value("--namespace"), value("--sandbox-namespace")
-        self.assertEqual(granted(objs, namespace), expected_rbac(watch, sandboxes, namespace, namespace), release)
+        self.assertEqual(granted(objs, namespace), expected_rbac(watch, sandboxes, namespace, namespace, objs), release)
         self.assertEqual(value("--sandbox-namespace"), next(a.split("=", 1)[1] for a in args_of(objs, "sluice-gateway")
                                                             if a.startswith("--sandbox-namespace=")), release)
         self.assertIn(("Namespace", sandboxes), cluster_shared(objs), release)
-        # The webhook calls this release's operator, with the CA cert-manager keeps for it.
+        # The webhook calls this release's operator, whose CA this release's operator keeps in it.
         (config,) = [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration"]
         (hook,) = config["webhooks"]
         self.assertEqual(hook["clientConfig"]["service"]["namespace"], namespace, release)
-        self.assertTrue(config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].startswith(f"{namespace}/"))
+        self.assertIn(f"--webhook-configuration={config['metadata']['name']}", args)
+        self.assertIn(f"--ca-secret={release if 'sluice' in release else release + '-sluice'}-ca", args)
 
 
 class DnsTest(ManifestCase):
@@ -1052,7 +1136,7 @@ class KustomizeTest(ManifestCase):
                          "restricted")
         chart = {(o["kind"], o["metadata"]["name"]) for o in helm_template()}
         self.assertEqual({(o["kind"], o["metadata"]["name"]) for o in objs} - {("Namespace", NAMESPACE)}, chart)
-        self.assertEqual(granted(objs), expected_rbac("", SANDBOXES))
+        self.assertEqual(granted(objs), expected_rbac("", SANDBOXES, objs=objs))
 
     def test_konnectivity_agents_may_call_the_webhook(self):
         # GKE's API server reaches pods through konnectivity: the call comes from its agents' pods,

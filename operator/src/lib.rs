@@ -5,9 +5,11 @@
 //! `expectations` (what the cache does not show yet) → `validate` and `status` (the verdict and the
 //! conditions, pure) → `reconcile` (its stages, one module each: read → validate → build → decide →
 //! apply → status) → `controller` (the watches) → `leader` (one active replica) → `metrics`,
-//! `render`, and `webhook` (the validating admission webhook every replica serves).
+//! `render`, `webhook` (the validating admission webhook every replica serves) and `certs` (the
+//! certificates it makes for the gateway and the webhook when no one else does).
 
 pub mod build;
+pub mod certs;
 pub mod controller;
 pub mod expectations;
 pub mod leader;

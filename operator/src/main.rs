@@ -6,6 +6,7 @@ use sluice_crds::duration::parse_duration;
 use sluice_crds::endpoints::AllowedEndpoints;
 use sluice_crds::manifest::PlatformRules;
 use sluice_operator::build::{Settings, default_supervisor_image};
+use sluice_operator::certs::{CertConfig, Keeper, ServingCert, WebhookFiles};
 use sluice_operator::controller::{self, LeaseTiming, RunConfig};
 use sluice_operator::leader::{self, LeaseLock};
 use sluice_operator::metrics::Metrics;
@@ -101,12 +102,82 @@ impl WebhookArgs {
     }
 }
 
+/// Certificates the operator makes and keeps itself (off unless --ca-secret is given).
+#[derive(Args, Clone, Debug)]
+struct CertArgs {
+    /// Make a CA in this Secret (of the operator's namespace) and keep it: made again in the last
+    /// third of its lifetime, the older one trusted until it expires.
+    #[arg(long)]
+    ca_secret: Option<String>,
+    /// The ConfigMap its clients read the CA bundle from (key ca.crt); default: --ca-secret's name.
+    #[arg(long, requires = "ca_secret")]
+    ca_configmap: Option<String>,
+    /// A serving certificate to keep, SECRET=DNS[,DNS...] (kubernetes.io/tls, with ca.crt); repeat
+    /// for each.
+    #[arg(long = "serving-certificate", requires = "ca_secret")]
+    serving: Vec<ServingCert>,
+    /// Keep the caBundle of every webhook of this ValidatingWebhookConfiguration.
+    #[arg(long, requires = "ca_secret")]
+    webhook_configuration: Option<String>,
+    /// The webhook serves the certificate kept in this Secret (one of --serving-certificate),
+    /// written to --webhook-cert and --webhook-key on every replica.
+    #[arg(long, requires_all = ["ca_secret", "webhook_listen"])]
+    webhook_cert_secret: Option<String>,
+    #[arg(long, default_value = "87600h", value_parser = parse_duration)]
+    ca_lifetime: Duration,
+    /// Lifetime of each serving certificate; renewed in its last third.
+    #[arg(long, default_value = "2160h", value_parser = parse_duration)]
+    certificate_lifetime: Duration,
+    /// How often the certificates are looked at.
+    #[arg(long, default_value = "1m", value_parser = parse_duration)]
+    certificate_check: Duration,
+}
+
+impl CertArgs {
+    fn config(&self, namespace: &str, webhook: &WebhookArgs) -> Result<Option<CertConfig>, String> {
+        let Some(ca_secret) = self.ca_secret.clone() else {
+            return Ok(None);
+        };
+        let webhook_files = match &self.webhook_cert_secret {
+            None => None,
+            Some(secret) => {
+                if !self.serving.iter().any(|s| &s.secret == secret) {
+                    return Err(format!(
+                        "--webhook-cert-secret {secret} is not one of the --serving-certificate Secrets"
+                    ));
+                }
+                let (Some(cert), Some(key)) = (&webhook.webhook_cert, &webhook.webhook_key) else {
+                    return Err("--webhook-cert-secret needs --webhook-cert and --webhook-key".into());
+                };
+                Some(WebhookFiles {
+                    secret: secret.clone(),
+                    cert: cert.clone(),
+                    key: key.clone(),
+                })
+            }
+        };
+        Ok(Some(CertConfig {
+            namespace: namespace.to_string(),
+            ca_config_map: self.ca_configmap.clone().unwrap_or_else(|| ca_secret.clone()),
+            ca_secret,
+            serving: self.serving.clone(),
+            webhook_configuration: self.webhook_configuration.clone(),
+            webhook_files,
+            ca_lifetime: self.ca_lifetime,
+            serving_lifetime: self.certificate_lifetime,
+            check_every: self.certificate_check,
+        }))
+    }
+}
+
 #[derive(Args)]
 struct RunArgs {
     #[command(flatten)]
     pod: PodArgs,
     #[command(flatten)]
     webhook: WebhookArgs,
+    #[command(flatten)]
+    certs: CertArgs,
     /// Address of the /metrics and /healthz server.
     #[arg(long, default_value = "0.0.0.0:9465")]
     metrics: SocketAddr,
@@ -170,6 +241,22 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let client = Client::try_default().await?;
     let metrics = Metrics::new();
     let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        signalled().await;
+        stop_tx.send_replace(true);
+    });
+    // Certificates first: the webhook below serves the pair the keeper writes.
+    let certs = args
+        .certs
+        .config(&args.lease_namespace, &args.webhook)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    if let Some(certs) = certs {
+        let keeper = Keeper::new(client.clone(), certs);
+        if keeper.first_pass(&mut stop_rx.clone()).await.is_none() {
+            return Ok(());
+        }
+        tokio::spawn(keeper.run(stop_rx.clone()));
+    }
     // Every replica answers admission reviews; only the leader reconciles. Bound before /healthz
     // answers, so a replica is never ready (in the webhook Service) without its webhook.
     let rules = PlatformRules {
@@ -198,10 +285,6 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         image = %config.settings.supervisor_image,
         sandbox_namespace = ?config.settings.sandbox_namespace, namespaces = ?config.watched_namespaces(), "starting");
 
-    tokio::spawn(async move {
-        signalled().await;
-        stop_tx.send_replace(true);
-    });
     let lock = LeaseLock::new(
         Api::namespaced(client.clone(), &args.lease_namespace),
         &args.lease_name,

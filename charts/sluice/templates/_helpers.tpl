@@ -107,6 +107,34 @@ seccompProfile:
 {{- .Values.gateway.tls.secretName | default (printf "%s-tls" (include "sluice.gateway.name" .)) -}}
 {{- end -}}
 
+{{/*
+Certificates the operator makes (gateway.tls.mode=operator, webhook.certificate.source=operator): the
+CA's Secret and the ConfigMap clients read its bundle from (<fullname>-ca), and the webhook's Secret.
+*/}}
+{{- define "sluice.operatorMadeGatewayCert" -}}
+{{- if eq .Values.gateway.tls.mode "operator" }}true{{ end -}}
+{{- end -}}
+{{- define "sluice.operatorMadeWebhookCert" -}}
+{{- if and .Values.webhook.enabled (eq .Values.webhook.certificate.source "operator") }}true{{ end -}}
+{{- end -}}
+{{- define "sluice.operatorCA" -}}{{ include "sluice.fullname" . }}-ca{{- end -}}
+{{- define "sluice.webhook.name" -}}{{ include "sluice.operator.name" . }}-webhook{{- end -}}
+{{- define "sluice.webhook.tlsSecret" -}}
+{{- if eq .Values.webhook.certificate.source "secret" -}}
+{{- .Values.webhook.certificate.secretName -}}
+{{- else -}}
+{{- include "sluice.webhook.name" . }}-tls
+{{- end -}}
+{{- end -}}
+{{- define "sluice.webhook.configurationName" -}}{{ include "sluice.fullname" . }}-validate-{{ .Release.Namespace }}{{- end -}}
+{{/* The DNS names of the gateway's serving certificate: its Service's, and gateway.tls.dnsNames. */}}
+{{- define "sluice.gateway.dnsNames" -}}
+{{- $name := include "sluice.gateway.name" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $names := list $name (printf "%s.%s" $name $ns) (printf "%s.%s.svc" $name $ns) (printf "%s.%s.svc.cluster.local" $name $ns) -}}
+{{- concat $names .Values.gateway.tls.dnsNames .Values.gateway.tls.certManager.dnsNames | uniq | join "," -}}
+{{- end -}}
+
 {{/* The gateway's TLS and caller-policy arguments; a listener without either needs gateway.insecure. */}}
 {{- define "sluice.gateway.securityArgs" -}}
 {{- $g := .Values.gateway -}}
