@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs Sluice into the running test cluster (cluster.sh up) with the Helm chart, as users do:
 # operator, gateway and admission webhook in the cluster. Builds and imports the images first
-# (images.sh). cert-manager cannot be had here, so the gateway's and the webhook's certificates come
-# from Secrets this script makes, signed by a CA of its own.
+# (images.sh). The gateway's and the webhook's certificates are the chart's default: the operator
+# makes them (a CA of its own), so the suite trusts the bundle it publishes in the ConfigMap sluice-ca.
 #
 # Writes $SLUICE_CLUSTER_STATE/e2e.env: what `cargo test -p sluice-e2e --test cluster` needs
 # (KUBECONFIG, the gateway's Service, the CA to trust and a caller token admitted everywhere).
@@ -26,35 +26,12 @@ die() { echo "install: $*" >&2; exit 1; }
 [ -f "$KUBECONFIG" ] || die "no cluster is up ($KUBECONFIG): make cluster-up first"
 command -v "$HELM" >/dev/null || die "helm not found ($HELM): make tools puts it in .venv-tools/bin"
 
-# cert <name> <subjectAltName>: a serving certificate signed by the install's CA.
-cert() {
-	openssl req -new -newkey rsa:2048 -nodes -keyout "$PKI/$1.key" -subj "/CN=$1" -out "$PKI/$1.csr" 2>/dev/null
-	printf 'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\nsubjectAltName=%s\n' "$2" >"$PKI/$1.ext"
-	openssl x509 -req -in "$PKI/$1.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial -days 30 \
-		-extfile "$PKI/$1.ext" -out "$PKI/$1.crt" 2>/dev/null
-	rm -f "$PKI/$1.csr" "$PKI/$1.ext"
-}
-
-tls_secret() { # <name> <cert>
-	kubectl -n "$RELEASE_NS" create secret generic "$1" --type kubernetes.io/tls \
-		--from-file=tls.crt="$PKI/$2.crt" --from-file=tls.key="$PKI/$2.key" --from-file=ca.crt="$PKI/ca.crt" \
-		--dry-run=client -o yaml | kubectl apply -f - >/dev/null
-}
-
 "$here/images.sh" import
 
-log "certificates and Secrets"
+log "caller token"
 mkdir -p "$PKI"
-if [ ! -f "$PKI/ca.crt" ]; then
-	openssl req -x509 -new -newkey rsa:2048 -nodes -keyout "$PKI/ca.key" -subj "/CN=sluice-e2e-ca" -days 30 \
-		-out "$PKI/ca.crt" 2>/dev/null
-	cert gateway "DNS:sluice-gateway.$RELEASE_NS.svc,DNS:sluice-gateway.$RELEASE_NS.svc.cluster.local,DNS:localhost,IP:127.0.0.1"
-	cert webhook "DNS:sluice-operator-webhook.$RELEASE_NS.svc,DNS:sluice-operator-webhook.$RELEASE_NS.svc.cluster.local"
-	head -c 32 /dev/urandom | base64 | tr -d '\n=' >"$PKI/token"
-fi
+[ -f "$PKI/token" ] || head -c 32 /dev/urandom | base64 | tr -d '\n=' >"$PKI/token"
 kubectl create namespace "$RELEASE_NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-tls_secret sluice-gateway-tls gateway
-tls_secret sluice-operator-webhook-tls webhook
 
 token_sha=$(tr -d '\n' <"$PKI/token" | sha256sum | cut -d' ' -f1)
 cat >"$STATE/sluice-values.yaml" <<EOF
@@ -73,15 +50,15 @@ operator:
     - {name: KUBERNETES_SERVICE_PORT, value: "6443"}
   resources:
     requests: {cpu: 50m, memory: 64Mi}
+  # The suite renews certificates and takes the webhook's caBundle away: looked at every 5 s here.
+  certificates:
+    checkInterval: 5s
 gateway:
   # One node with two cores: one replica, small requests, so that sandbox pools fit beside it.
   replicas: 1
   extraEnv: *apiserver
   resources:
     requests: {cpu: 50m, memory: 64Mi}
-  tls:
-    mode: secret
-    secretName: sluice-gateway-tls
   callers:
     callers:
       - name: e2e
@@ -94,15 +71,15 @@ networkPolicy:
     cidrs: ["$NODE_IP/32"]
 webhook:
   enabled: true
-  certificate:
-    source: secret
-    secretName: sluice-operator-webhook-tls
-    caBundle: $(base64 -w0 <"$PKI/ca.crt")
 EOF
 
 log "helm upgrade --install sluice charts/sluice"
 "$HELM" upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
 	-f "$STATE/sluice-values.yaml" --wait --timeout 5m
+
+# The CA bundle the operator made and published for clients.
+kubectl -n "$RELEASE_NS" get configmap sluice-ca -o jsonpath='{.data.ca\.crt}' >"$PKI/ca.crt"
+grep -q 'BEGIN CERTIFICATE' "$PKI/ca.crt" || die "the operator published no CA bundle (ConfigMap sluice-ca)"
 
 cat >"$STATE/e2e.env" <<EOF
 export KUBECONFIG=$KUBECONFIG

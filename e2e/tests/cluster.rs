@@ -954,6 +954,133 @@ async fn wait_no_leak(c: &Cluster, chain: &str, max: usize) {
     .await;
 }
 
+/// The certificates the operator makes (the chart's default TLS, issue 29), under a real API server
+/// and RBAC authorizer: a serving certificate in the last third of its life is made again, a deleted
+/// one comes back, and a webhook caBundle someone replaced is put back. Through all of it the API
+/// server keeps calling the webhook over TLS it trusts (a broken chain is refused by the webhook,
+/// not by a failed call), and the gateway keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificates_made_by_the_operator_are_renewed_and_put_back() {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+    use sluice_operator::certs::authority::{self, KeyedCert};
+    let Some(c) = cluster("certs").await else {
+        return;
+    };
+    let release = release_namespace();
+    let secrets = Api::<Secret>::namespaced(c.client.clone(), &release);
+    let pair = |s: &Secret| {
+        let data = s.data.as_ref().expect("a Secret with data");
+        let text = |k: &str| String::from_utf8(data[k].0.clone()).expect("PEM text");
+        KeyedCert {
+            cert: text("tls.crt"),
+            key: text("tls.key"),
+        }
+    };
+    let ca = pair(&secrets.get("sluice-ca").await.expect("the operator's CA Secret"));
+    let bundle = || async {
+        let cm = Api::<ConfigMap>::namespaced(c.client.clone(), &release)
+            .get("sluice-ca")
+            .await
+            .expect("the CA bundle's ConfigMap");
+        cm.data.expect("data")["ca.crt"].clone()
+    };
+    assert!(bundle().await.contains(&ca.cert), "the published bundle holds the CA");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs() as i64;
+    let webhook_dns = vec![
+        format!("sluice-operator-webhook.{release}.svc"),
+        format!("sluice-operator-webhook.{release}.svc.cluster.local"),
+    ];
+    let refused_by_the_webhook = || async {
+        let broken = json!({
+            "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
+            "metadata": {"name": "broken", "namespace": c.ns},
+            "spec": {"target": "t", "triggerPoint": "input",
+                     "hooks": [{"name": "h", "action": "modify", "code": "def execute(:\n"}]},
+        });
+        let err = c
+            .chains()
+            .patch("broken", &PatchParams::apply("sluice-e2e"), &Patch::Apply(&broken))
+            .await
+            .expect_err("a chain that does not compile is refused");
+        err.to_string()
+    };
+
+    // 1. The webhook's certificate, replaced by one of the same CA with an hour of its four left.
+    let nearly_over = authority::make_leaf(&ca, &webhook_dns, Duration::from_secs(4 * 3600), now - 3 * 3600)
+        .expect("make a certificate");
+    let data = |p: &KeyedCert| {
+        json!({"data": {
+            "tls.crt": ByteString(p.cert.clone().into_bytes()),
+            "tls.key": ByteString(p.key.clone().into_bytes()),
+        }})
+    };
+    secrets
+        .patch("sluice-operator-webhook-tls", &PatchParams::default(), &Patch::Merge(data(&nearly_over)))
+        .await
+        .expect("put an expiring certificate in place");
+    let renewed = poll(Duration::from_secs(90), "the expiring webhook certificate is made again", || async {
+        let now_pair = pair(&secrets.get("sluice-operator-webhook-tls").await.ok()?);
+        (now_pair.cert != nearly_over.cert).then_some(now_pair)
+    })
+    .await;
+    assert_eq!(
+        authority::leaf_renewal(Some(&renewed), &bundle().await, &webhook_dns, now),
+        None,
+        "the new certificate is sound: the CA's, for the webhook's names, with its life ahead"
+    );
+    let said = refused_by_the_webhook().await;
+    assert!(said.contains("denied the request") && said.contains("SyntaxError"), "{said}");
+
+    // 2. The gateway's Secret deleted: made again, and the gateway still serves (a run needs no pool
+    // of this test's; NOT_FOUND comes from the gateway after a TLS handshake the suite's CA trusts).
+    secrets
+        .delete("sluice-gateway-tls", &DeleteParams::default())
+        .await
+        .expect("delete the gateway's Secret");
+    let gateway_dns = vec![
+        "sluice-gateway".to_string(),
+        format!("sluice-gateway.{release}"),
+        format!("sluice-gateway.{release}.svc"),
+        format!("sluice-gateway.{release}.svc.cluster.local"),
+    ];
+    let remade = poll(Duration::from_secs(90), "the gateway's Secret is made again", || async {
+        Some(pair(&secrets.get_opt("sluice-gateway-tls").await.ok()??))
+    })
+    .await;
+    assert_eq!(authority::leaf_renewal(Some(&remade), &bundle().await, &gateway_dns, now), None);
+    let answer = run_input(c.gateway.clone(), &c.ns, "nobody", "hi").await;
+    assert_eq!(
+        answer.expect_err("no chain here").code(),
+        tonic::Code::NotFound,
+        "the gateway answers over TLS"
+    );
+
+    // 3. The webhook's caBundle replaced by another CA's: the API server cannot trust the webhook
+    // until the operator puts its bundle back.
+    let configs = Api::<ValidatingWebhookConfiguration>::all(c.client.clone());
+    let name = format!("sluice-validate-{release}");
+    let stranger = authority::make_ca("stranger", Duration::from_secs(86_400), now).expect("make a CA");
+    let mut config = configs.get(&name).await.expect("the webhook configuration");
+    for hook in config.webhooks.iter_mut().flatten() {
+        hook.client_config.ca_bundle = Some(ByteString(stranger.cert.clone().into_bytes()));
+    }
+    configs.replace(&name, &PostParams::default(), &config).await.expect("replace the caBundle");
+    poll(Duration::from_secs(60), "the operator puts the caBundle back", || async {
+        let config = configs.get(&name).await.ok()?;
+        let hooks = config.webhooks?;
+        let ours = ByteString(bundle().await.into_bytes());
+        hooks.iter().all(|h| h.client_config.ca_bundle.as_ref() == Some(&ours)).then_some(())
+    })
+    .await;
+    let said = refused_by_the_webhook().await;
+    assert!(said.contains("denied the request") && said.contains("SyntaxError"), "{said}");
+}
+
 /// A `kubectl apply` that changes only metadata never waits on the webhook: with the operator (and
 /// its webhook) gone and `failurePolicy: Fail`, a spec change is refused but a label is not. Without
 /// the chart's matchConditions the label (and the operator's own finalizer update) fails too.
@@ -1228,6 +1355,40 @@ async fn service_accounts_can_do_what_they_need_and_nothing_more() {
             {
                 wrong.push(format!("{sa} may {verb} {resource} in {ns}"));
             }
+        }
+    }
+    // The certificates the operator makes: those Secrets by name, and no other; the gateway none.
+    let can_named = |sa: &str, resource: &str, name: &str, verb: &str| {
+        let review: SubjectAccessReview = serde_json::from_value(json!({
+            "spec": {
+                "user": format!("system:serviceaccount:{release}:{sa}"),
+                "groups": ["system:serviceaccounts", "system:authenticated"],
+                "resourceAttributes": {"namespace": release, "group": "", "resource": resource,
+                                       "name": name, "verb": verb},
+            }
+        }))
+        .expect("review");
+        let reviews = reviews.clone();
+        async move {
+            reviews
+                .create(&PostParams::default(), &review)
+                .await
+                .expect("create SubjectAccessReview")
+                .status
+                .is_some_and(|s| s.allowed)
+        }
+    };
+    for (sa, resource, name, verb, want) in [
+        ("sluice-operator", "secrets", "sluice-ca", "get", true),
+        ("sluice-operator", "secrets", "sluice-gateway-tls", "update", true),
+        ("sluice-operator", "secrets", "sluice-operator-webhook-tls", "update", true),
+        ("sluice-operator", "configmaps", "sluice-ca", "update", true),
+        ("sluice-operator", "secrets", "someone-elses", "get", false),
+        ("sluice-operator", "configmaps", "sluice-gateway-callers", "update", false),
+        ("sluice-gateway", "secrets", "sluice-ca", "get", false),
+    ] {
+        if can_named(sa, resource, name, verb).await != want {
+            wrong.push(format!("{sa} {verb} {resource} {name}: allowed != {want}"));
         }
     }
     assert!(
