@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Installs Sluice into the running test cluster (cluster.sh up) with the Helm chart, as users do:
-# operator, gateway and admission webhook in the cluster. Builds and imports the images first
-# (images.sh). The gateway's and the webhook's certificates are the chart's default: the operator
-# makes them (a CA of its own), so the suite trusts the bundle it publishes in the ConfigMap sluice-ca.
+# operator, gateway and admission webhook in the cluster.
+#
+#   install.sh            this checkout's chart and images (helm upgrade --install). The gateway's
+#                         and the webhook's certificates are the chart's default: the operator makes
+#                         them, and the suite trusts the bundle it publishes (ConfigMap sluice-ca).
+#   install.sh previous   the previous release (previous.sh: its chart, its images tagged :previous),
+#                         with certificates from Secrets this script makes, signed by a CA of its own
+#                         (that chart has no operator-made ones).
+#   install.sh upgrade    from the previous release to this checkout, keeping the values it was
+#                         installed with, as users upgrade; the upgrade test runs it under traffic.
 #
 # Writes $SLUICE_CLUSTER_STATE/e2e.env: what `cargo test -p sluice-e2e --test cluster` needs
 # (KUBECONFIG, the gateway's Service, the CA to trust and a caller token admitted everywhere).
@@ -23,25 +30,29 @@ NODE_IP=172.31.255.1
 log() { echo "install: $*" >&2; }
 die() { echo "install: $*" >&2; exit 1; }
 
+mode=${1:-current}
+case "$mode" in current | previous | upgrade) ;; *) die "usage: install.sh [previous|upgrade]" ;; esac
+
 [ -f "$KUBECONFIG" ] || die "no cluster is up ($KUBECONFIG): make cluster-up first"
 command -v "$HELM" >/dev/null || die "helm not found ($HELM): make tools puts it in .venv-tools/bin"
 
-"$here/images.sh" import
-
-log "caller token"
 mkdir -p "$PKI"
 [ -f "$PKI/token" ] || head -c 32 /dev/urandom | base64 | tr -d '\n=' >"$PKI/token"
+token_sha=$(tr -d '\n' <"$PKI/token" | sha256sum | cut -d' ' -f1)
 kubectl create namespace "$RELEASE_NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 
-token_sha=$(tr -d '\n' <"$PKI/token" | sha256sum | cut -d' ' -f1)
-cat >"$STATE/sluice-values.yaml" <<EOF
+# The values of every install here, whichever release's chart: both schemas accept them. One node
+# with two cores: one gateway replica, small requests, so that sandbox pools fit beside them.
+# cluster.sh up declares RuntimeClass gvisor itself, as GKE does. The API server's address is given
+# for the NetworkPolicies (this cluster enforces none, but they must render).
+common_values() { # <image tag>
+	cat <<EOF
 image:
   registry: ${REGISTRY:-sluice.test}
-  tag: ${TAG:-e2e}
+  tag: $1
   pullPolicy: Never
 sandboxNamespace:
   name: $SANDBOX_NS
-# cluster.sh up declares RuntimeClass gvisor itself, as GKE does.
 runtimeClass:
   create: false
 operator:
@@ -50,11 +61,7 @@ operator:
     - {name: KUBERNETES_SERVICE_PORT, value: "6443"}
   resources:
     requests: {cpu: 50m, memory: 64Mi}
-  # The suite renews certificates and takes the webhook's caBundle away: looked at every 5 s here.
-  certificates:
-    checkInterval: 5s
 gateway:
-  # One node with two cores: one replica, small requests, so that sandbox pools fit beside it.
   replicas: 1
   extraEnv: *apiserver
   resources:
@@ -64,30 +71,91 @@ gateway:
       - name: e2e
         match: {tokenSha256: "$token_sha"}
         namespaces: ["*"]
-# The API server, for the NetworkPolicies (this cluster enforces none, but they must render):
-# helm install would look it up, helm template and helm lint with this file cannot.
 networkPolicy:
   apiServer:
     cidrs: ["$NODE_IP/32"]
 webhook:
   enabled: true
 EOF
+}
 
-log "helm upgrade --install sluice charts/sluice"
-"$HELM" upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
-	-f "$STATE/sluice-values.yaml" --wait --timeout 5m
-
-# The CA bundle the operator made and published for clients.
-kubectl -n "$RELEASE_NS" get configmap sluice-ca -o jsonpath='{.data.ca\.crt}' >"$PKI/ca.crt"
-grep -q 'BEGIN CERTIFICATE' "$PKI/ca.crt" || die "the operator published no CA bundle (ConfigMap sluice-ca)"
-
-cat >"$STATE/e2e.env" <<EOF
+write_env() { # <the CA bundle the suite trusts>
+	cat >"$STATE/e2e.env" <<EOF
 export KUBECONFIG=$KUBECONFIG
 export SLUICE_GATEWAY_SERVICE=$RELEASE_NS/sluice-gateway
-export SLUICE_CA=$PKI/ca.crt
+export SLUICE_CA=$1
 export SLUICE_TOKEN=$(cat "$PKI/token")
 export SLUICE_SANDBOX_NAMESPACE=$SANDBOX_NS
 export SLUICE_RELEASE_NAMESPACE=$RELEASE_NS
 export SLUICE_CLUSTER_CTL=$here/cluster.sh
+export SLUICE_UPGRADE_CTL=$([ "$mode" = previous ] && echo "$here/install.sh")
 EOF
-log "installed; the suite's environment: $STATE/e2e.env"
+	log "installed ($mode); the suite's environment: $STATE/e2e.env"
+}
+
+# cert <name> <subjectAltName>: a serving certificate signed by this script's CA.
+cert() {
+	openssl req -new -newkey rsa:2048 -nodes -keyout "$PKI/$1.key" -subj "/CN=$1" -out "$PKI/$1.csr" 2>/dev/null
+	printf 'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\nsubjectAltName=%s\n' "$2" >"$PKI/$1.ext"
+	openssl x509 -req -in "$PKI/$1.csr" -CA "$PKI/script-ca.crt" -CAkey "$PKI/script-ca.key" -CAcreateserial -days 30 \
+		-extfile "$PKI/$1.ext" -out "$PKI/$1.crt" 2>/dev/null
+	rm -f "$PKI/$1.csr" "$PKI/$1.ext"
+}
+
+tls_secret() { # <Secret> <cert>
+	kubectl -n "$RELEASE_NS" create secret generic "$1" --type kubernetes.io/tls \
+		--from-file=tls.crt="$PKI/$2.crt" --from-file=tls.key="$PKI/$2.key" --from-file=ca.crt="$PKI/script-ca.crt" \
+		--dry-run=client -o yaml | kubectl apply -f - >/dev/null
+}
+
+case "$mode" in
+previous)
+	previous=$("$here/previous.sh" import)
+	log "certificates in Secrets made here"
+	if [ ! -f "$PKI/script-ca.crt" ]; then
+		openssl req -x509 -new -newkey rsa:2048 -nodes -keyout "$PKI/script-ca.key" -subj "/CN=sluice-e2e-ca" \
+			-days 30 -out "$PKI/script-ca.crt" 2>/dev/null
+	fi
+	cert gateway "DNS:sluice-gateway.$RELEASE_NS.svc,DNS:sluice-gateway.$RELEASE_NS.svc.cluster.local"
+	cert webhook "DNS:sluice-operator-webhook.$RELEASE_NS.svc,DNS:sluice-operator-webhook.$RELEASE_NS.svc.cluster.local"
+	tls_secret sluice-gateway-tls gateway
+	tls_secret sluice-operator-webhook-tls webhook
+	common_values previous >"$STATE/sluice-values-previous.yaml"
+	cat >"$STATE/sluice-tls-previous.yaml" <<EOF
+gateway:
+  tls:
+    mode: secret
+    secretName: sluice-gateway-tls
+webhook:
+  certificate:
+    source: secret
+    secretName: sluice-operator-webhook-tls
+    caBundle: $(base64 -w0 <"$PKI/script-ca.crt")
+EOF
+	log "helm install sluice: the previous release's chart ($previous/chart)"
+	"$HELM" upgrade --install sluice "$previous/chart" --namespace "$RELEASE_NS" \
+		-f "$STATE/sluice-values-previous.yaml" -f "$STATE/sluice-tls-previous.yaml" --wait --timeout 5m
+	write_env "$PKI/script-ca.crt"
+	;;
+upgrade)
+	[ -f "$STATE/sluice-values-previous.yaml" ] || die "no previous release installed here (install.sh previous)"
+	"$here/images.sh" import
+	log "helm upgrade sluice: this chart and its images, the previous release's values"
+	"$HELM" upgrade sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
+		-f "$STATE/sluice-values-previous.yaml" -f "$STATE/sluice-tls-previous.yaml" --set image.tag="${TAG:-e2e}" \
+		--wait --timeout 5m
+	;;
+current)
+	"$here/images.sh" import
+	common_values "${TAG:-e2e}" >"$STATE/sluice-values.yaml"
+	# The suite renews certificates and takes the webhook's caBundle away: looked at every 5 s.
+	printf 'operator:\n  certificates:\n    checkInterval: 5s\n' >"$STATE/sluice-certificates.yaml"
+	log "helm upgrade --install sluice charts/sluice"
+	"$HELM" upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
+		-f "$STATE/sluice-values.yaml" -f "$STATE/sluice-certificates.yaml" --wait --timeout 5m
+	# The CA bundle the operator made and published for clients.
+	kubectl -n "$RELEASE_NS" get configmap sluice-ca -o jsonpath='{.data.ca\.crt}' >"$PKI/ca.crt"
+	grep -q 'BEGIN CERTIFICATE' "$PKI/ca.crt" || die "the operator published no CA bundle (ConfigMap sluice-ca)"
+	write_env "$PKI/ca.crt"
+	;;
+esac

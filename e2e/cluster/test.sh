@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# make test-cluster: a fresh cluster (cluster.sh up), Sluice installed with the chart (install.sh),
-# the cluster suite against it, and the cluster taken down again whatever happened (down fails if
-# it leaves anything behind). The suite's exit status is the script's.
+# make test-cluster: a fresh cluster (cluster.sh up); the previous release installed and upgraded to
+# this checkout under traffic (install.sh previous, the upgrade test); this checkout installed with
+# its defaults (install.sh); the cluster suite against it; and the cluster taken down again whatever
+# happened (down fails if it leaves anything behind). The suites' exit status is the script's.
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -13,10 +14,22 @@ CARGO=${CARGO:-cargo}
 trap '"$here/cluster.sh" down || status=1' EXIT
 status=0
 "$here/cluster.sh" up || { status=$?; echo "test-cluster: cluster.sh up failed" >&2; exit $status; }
+UPGRADE=upgrade_from_the_previous_release_with_traffic_running
+suite() { # cargo test arguments
+	(cd "$repo" && SLUICE_CLUSTER_REQUIRED=1 "$CARGO" test -p sluice-e2e --test cluster -- --test-threads=1 "$@")
+}
+# This checkout's images first: the upgrade under traffic must not wait on a build.
+"$here/images.sh" build || { status=$?; echo "test-cluster: images.sh build failed" >&2; exit $status; }
+if [ -z "${SLUICE_SKIP_UPGRADE:-}" ]; then
+	"$here/install.sh" previous || { status=$?; echo "test-cluster: install.sh previous failed" >&2; exit $status; }
+	# shellcheck source=/dev/null
+	. "$STATE/e2e.env"
+	suite --exact "$UPGRADE" || status=$?
+fi
 "$here/install.sh" || { status=$?; echo "test-cluster: install.sh failed" >&2; exit $status; }
 # shellcheck source=/dev/null
 . "$STATE/e2e.env"
-(cd "$repo" && SLUICE_CLUSTER_REQUIRED=1 "$CARGO" test -p sluice-e2e --test cluster -- --test-threads=1 "$@") || status=$?
+suite --skip "$UPGRADE" "$@" || status=$?
 if [ "$status" != 0 ]; then
 	echo "test-cluster: the suite failed; component logs were in $STATE/logs (copied to /tmp/sluice-cluster-logs)" >&2
 	rm -rf /tmp/sluice-cluster-logs && cp -r "$STATE/logs" /tmp/sluice-cluster-logs 2>/dev/null || true

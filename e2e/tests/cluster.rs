@@ -94,27 +94,9 @@ async fn cluster(test: &str) -> Option<Cluster> {
         .list(&ListParams::default().limit(1))
         .await
         .expect("the HookChain CRD is installed (helm install sluice charts/sluice, see e2e/cluster/README.md)");
-    // A gateway installed with the chart's defaults speaks TLS and wants a caller: SLUICE_CA (its CA
-    // bundle) and SLUICE_TOKEN (a token its caller policy admits to every namespace).
-    let mut auth = ClientAuth {
-        ca: std::env::var_os("SLUICE_CA").map(Into::into),
-        token: std::env::var("SLUICE_TOKEN").ok(),
-        ..Default::default()
-    };
-    let addr = match std::env::var("SLUICE_GATEWAY_SERVICE") {
-        Ok(service) => {
-            let (addr, server_name) = gateway_behind(&client, &service).await;
-            auth.server_name = Some(server_name);
-            addr
-        }
-        Err(_) => {
-            std::env::var("SLUICE_GATEWAY").unwrap_or_else(|_| "http://127.0.0.1:50051".into())
-        }
-    };
-    let gateway = auth
-        .connect(&addr)
+    let gateway = connect_gateway(&client)
         .await
-        .unwrap_or_else(|e| panic!("gateway at {addr} (SLUICE_GATEWAY) is reachable: {e}"));
+        .unwrap_or_else(|e| panic!("{e}"));
     let ns = format!("sluice-e2e-{test}-{:05x}", rand_suffix());
     let namespace: Namespace = serde_json::from_value(json!({
         "metadata": {"name": ns, "labels": {"sluice.dev/e2e": "true"}}
@@ -131,6 +113,31 @@ async fn cluster(test: &str) -> Option<Cluster> {
         sandboxes: sandbox_namespace(),
         gateway,
     })
+}
+
+/// A client of the gateway: at a ready pod behind `SLUICE_GATEWAY_SERVICE` (looked up again at each
+/// call, so a client can follow a rolling update) or at `SLUICE_GATEWAY`.
+async fn connect_gateway(client: &Client) -> Result<GatewayClient, String> {
+    // A gateway installed with the chart's defaults speaks TLS and wants a caller: SLUICE_CA (its CA
+    // bundle) and SLUICE_TOKEN (a token its caller policy admits to every namespace).
+    let mut auth = ClientAuth {
+        ca: std::env::var_os("SLUICE_CA").map(Into::into),
+        token: std::env::var("SLUICE_TOKEN").ok(),
+        ..Default::default()
+    };
+    let addr = match std::env::var("SLUICE_GATEWAY_SERVICE") {
+        Ok(service) => {
+            let (addr, server_name) = gateway_behind(client, &service).await;
+            auth.server_name = Some(server_name);
+            addr
+        }
+        Err(_) => {
+            std::env::var("SLUICE_GATEWAY").unwrap_or_else(|_| "http://127.0.0.1:50051".into())
+        }
+    };
+    auth.connect(&addr)
+        .await
+        .map_err(|e| format!("gateway at {addr} (SLUICE_GATEWAY) is reachable: {e}"))
 }
 
 /// The address of a ready gateway pod behind `<namespace>/<service>` (its EndpointSlices) and the
@@ -1882,4 +1889,149 @@ async fn a_rollout_through_kubectl_shadow_rollback_and_promotion() {
         "name",
     ]);
     assert_eq!(revisions.lines().count(), 2, "{revisions}");
+}
+
+/// What the traffic of the upgrade test saw.
+#[derive(Debug, Default)]
+struct Traffic {
+    served: u64,
+    /// Runs sent again on a new connection because the gateway pod they went to was going away
+    /// (UNAVAILABLE, or no answer in 10 s): what a client behind a Service sees as a reconnect.
+    resent: u64,
+    /// Anything else: a wrong answer, an error a chain's policy would not give.
+    failed: Vec<String>,
+}
+
+/// One client calling back to back, following the gateway's pods as they are replaced, until `stop`.
+async fn traffic(client: Client, ns: String, stop: tokio::sync::watch::Receiver<bool>) -> Traffic {
+    let mut seen = Traffic::default();
+    let mut gateway = None;
+    let mut n = 0u64;
+    while !*stop.borrow() {
+        n += 1;
+        let said = format!("call {n}");
+        loop {
+            let g = match &gateway {
+                Some(g) => g,
+                None => match connect_gateway(&client).await {
+                    Ok(g) => gateway.insert(g),
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                },
+            };
+            let answer = tokio::time::timeout(
+                Duration::from_secs(10),
+                run_input(g.clone(), &ns, "upgrade-bot", &said),
+            )
+            .await;
+            match answer {
+                Ok(Ok(r)) if action(&r) == Action::Modify && text(&r) == said.to_uppercase() => {
+                    seen.served += 1;
+                }
+                Ok(Ok(r)) => seen.failed.push(format!("{said}: {r:?}")),
+                Ok(Err(status)) if status.code() == tonic::Code::Unavailable => {
+                    seen.resent += 1;
+                    gateway = None;
+                    continue;
+                }
+                Err(_) => {
+                    seen.resent += 1;
+                    gateway = None;
+                    continue;
+                }
+                Ok(Err(status)) => seen.failed.push(format!("{said}: {status}")),
+            }
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    seen
+}
+
+/// An upgrade from the previous release (e2e/cluster/previous-release: its chart and its images) to
+/// this one, with traffic running: `helm upgrade` with the values the previous release was installed
+/// with, as users upgrade. For a while old sandbox pods are served by the new gateway, new pods by
+/// the old gateway, and the new operator replaces the old pods. No run may fail; a run whose gateway
+/// pod was going away is sent again on a new connection (counted). make test-cluster runs it first,
+/// on a cluster where `install.sh previous` installed the previous release; elsewhere it skips.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_from_the_previous_release_with_traffic_running() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let Some(ctl) = std::env::var_os("SLUICE_UPGRADE_CTL").filter(|c| !c.is_empty()) else {
+        println!("SKIPPED: SLUICE_UPGRADE_CTL is not set: no previous release installed to upgrade from");
+        return;
+    };
+    let Some(c) = cluster("upgrade").await else {
+        return;
+    };
+    let image = |component: &str, tag: &str| format!("sluice.test/sluice-{component}:{tag}");
+    let deployments = Api::<Deployment>::namespaced(c.client.clone(), &release_namespace());
+    let running = |name: &'static str| {
+        let deployments = deployments.clone();
+        async move {
+            let d = deployments.get(name).await.expect("the release's Deployment");
+            d.spec?.template.spec?.containers.first()?.image.clone()
+        }
+    };
+    assert_eq!(running("sluice-gateway").await, Some(image("gateway", "previous")));
+    c.apply_chain("upgrade", "upgrade-bot", "input", json!({}), &[("upper", "modify", UPPER)])
+        .await;
+    c.wait_pool_ready("upgrade").await;
+    poll(Duration::from_secs(30), "the previous gateway serves the chain", || async {
+        c.run("upgrade-bot", "warm").await.ok().map(|_| ())
+    })
+    .await;
+    let supervisor_images = || async {
+        c.pods()
+            .list(&ListParams::default().labels(&format!(
+                "sluice.dev/chain-namespace={},sluice.dev/chain=upgrade",
+                c.ns
+            )))
+            .await
+            .expect("list the chain's pods")
+            .items
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter_map(|p| p.spec.as_ref()?.containers.first()?.image.clone())
+            .collect::<BTreeSet<_>>()
+    };
+    assert_eq!(supervisor_images().await, BTreeSet::from([image("supervisor", "previous")]));
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let load = tokio::spawn(traffic(c.client.clone(), c.ns.clone(), stop_rx));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let upgraded = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(&ctl)
+            .arg("upgrade")
+            .output()
+            .expect("run install.sh upgrade")
+    })
+    .await
+    .expect("the upgrade's thread");
+    assert!(
+        upgraded.status.success(),
+        "helm upgrade failed: {}",
+        String::from_utf8_lossy(&upgraded.stderr)
+    );
+    assert_eq!(running("sluice-gateway").await, Some(image("gateway", "e2e")));
+    assert_eq!(running("sluice-operator").await, Some(image("operator", "e2e")));
+    // The new operator replaces every old sandbox pod (its template names another image).
+    poll(Duration::from_secs(300), "the chain's pods all run this release's supervisor", || async {
+        (supervisor_images().await == BTreeSet::from([image("supervisor", "e2e")])).then_some(())
+    })
+    .await;
+    c.wait_pool_ready("upgrade").await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop_tx.send_replace(true);
+    let seen = load.await.expect("the traffic task");
+    println!(
+        "upgrade with traffic: {} runs served, {} sent again on a new connection, {} failed",
+        seen.served,
+        seen.resent,
+        seen.failed.len()
+    );
+    assert!(seen.failed.is_empty(), "runs failed during the upgrade: {:#?}", seen.failed);
+    assert!(seen.served >= 50, "traffic ran through the upgrade: {seen:?}");
 }

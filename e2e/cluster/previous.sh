@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The previous release, for the upgrade test of make test-cluster: its chart and its images, made
+# from its commit (e2e/cluster/previous-release: commit and version) into the cache once, keyed by
+# the commit, with a build directory of its own (never this checkout's target/), then kept as OCI
+# archives only.
+#
+#   previous.sh build     make them if missing; print the directory (chart/, images/*.tar)
+#   previous.sh import    build, then import the images into the cluster's containerd
+#
+# The images are tagged :previous, so the current ones (:e2e) replace them on upgrade.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+CACHE=${SLUICE_CLUSTER_CACHE:-/var/cache/sluice-cluster}
+read -r sha version <"$here/previous-release"
+dir=$CACHE/previous-$version-$sha
+
+log() { echo "previous: $*" >&2; }
+die() { echo "previous: $*" >&2; exit 1; }
+
+build() {
+	if [ -f "$dir/done" ]; then
+		echo "$dir"
+		return
+	fi
+	git -C "$repo" cat-file -e "$sha^{commit}" 2>/dev/null ||
+		die "release $version ($sha) is not in this clone's history (a shallow clone?): git fetch --unshallow"
+	log "release $version ($sha): chart and images, built once into $dir"
+	rm -rf "$dir"
+	mkdir -p "$dir/src" "$dir/target"
+	git -C "$repo" archive "$sha" | tar -x -C "$dir/src"
+	ln -s "$dir/target" "$dir/src/target"
+	(cd "$dir/src" && OUT="$dir/images" TAG=previous SLUICE_CLUSTER_STATE="$dir" e2e/cluster/images.sh build)
+	cp -r "$dir/src/charts/sluice" "$dir/chart"
+	cp "$dir/src/e2e/cluster/install.sh" "$dir/install.sh"
+	rm -rf "$dir/target" "$dir/src"
+	touch "$dir/done"
+	echo "$dir"
+}
+
+import() {
+	local sock=${SLUICE_CLUSTER_RUN:-/run/sluice-cluster}/containerd/containerd.sock image
+	[ -S "$sock" ] || die "no cluster containerd at $sock: make cluster-up first"
+	build >/dev/null
+	for image in sluice-supervisor sluice-operator sluice-gateway; do
+		ctr --address "$sock" -n k8s.io images import "$dir/images/$image.tar" >/dev/null
+	done
+	log "imported release $version's images (:previous)"
+	echo "$dir"
+}
+
+case "${1:-}" in
+build) build ;;
+import) import ;;
+*) die "usage: previous.sh build|import" ;;
+esac
