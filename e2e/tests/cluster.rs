@@ -985,7 +985,12 @@ async fn certificates_made_by_the_operator_are_renewed_and_put_back() {
             key: text("tls.key"),
         }
     };
-    let ca = pair(&secrets.get("sluice-ca").await.expect("the operator's CA Secret"));
+    let ca = pair(
+        &secrets
+            .get("sluice-ca")
+            .await
+            .expect("the operator's CA Secret"),
+    );
     let bundle = || async {
         let cm = Api::<ConfigMap>::namespaced(c.client.clone(), &release)
             .get("sluice-ca")
@@ -993,7 +998,10 @@ async fn certificates_made_by_the_operator_are_renewed_and_put_back() {
             .expect("the CA bundle's ConfigMap");
         cm.data.expect("data")["ca.crt"].clone()
     };
-    assert!(bundle().await.contains(&ca.cert), "the published bundle holds the CA");
+    assert!(
+        bundle().await.contains(&ca.cert),
+        "the published bundle holds the CA"
+    );
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .expect("clock")
@@ -1011,15 +1019,24 @@ async fn certificates_made_by_the_operator_are_renewed_and_put_back() {
         });
         let err = c
             .chains()
-            .patch("broken", &PatchParams::apply("sluice-e2e"), &Patch::Apply(&broken))
+            .patch(
+                "broken",
+                &PatchParams::apply("sluice-e2e"),
+                &Patch::Apply(&broken),
+            )
             .await
             .expect_err("a chain that does not compile is refused");
         err.to_string()
     };
 
     // 1. The webhook's certificate, replaced by one of the same CA with an hour of its four left.
-    let nearly_over = authority::make_leaf(&ca, &webhook_dns, Duration::from_secs(4 * 3600), now - 3 * 3600)
-        .expect("make a certificate");
+    let nearly_over = authority::make_leaf(
+        &ca,
+        &webhook_dns,
+        Duration::from_secs(4 * 3600),
+        now - 3 * 3600,
+    )
+    .expect("make a certificate");
     let data = |p: &KeyedCert| {
         json!({"data": {
             "tls.crt": ByteString(p.cert.clone().into_bytes()),
@@ -1027,13 +1044,21 @@ async fn certificates_made_by_the_operator_are_renewed_and_put_back() {
         }})
     };
     secrets
-        .patch("sluice-operator-webhook-tls", &PatchParams::default(), &Patch::Merge(data(&nearly_over)))
+        .patch(
+            "sluice-operator-webhook-tls",
+            &PatchParams::default(),
+            &Patch::Merge(data(&nearly_over)),
+        )
         .await
         .expect("put an expiring certificate in place");
-    let renewed = poll(Duration::from_secs(90), "the expiring webhook certificate is made again", || async {
-        let now_pair = pair(&secrets.get("sluice-operator-webhook-tls").await.ok()?);
-        (now_pair.cert != nearly_over.cert).then_some(now_pair)
-    })
+    let renewed = poll(
+        Duration::from_secs(90),
+        "the expiring webhook certificate is made again",
+        || async {
+            let now_pair = pair(&secrets.get("sluice-operator-webhook-tls").await.ok()?);
+            (now_pair.cert != nearly_over.cert).then_some(now_pair)
+        },
+    )
     .await;
     assert_eq!(
         authority::leaf_renewal(Some(&renewed), &bundle().await, &webhook_dns, now),
@@ -1041,7 +1066,10 @@ async fn certificates_made_by_the_operator_are_renewed_and_put_back() {
         "the new certificate is sound: the CA's, for the webhook's names, with its life ahead"
     );
     let said = refused_by_the_webhook().await;
-    assert!(said.contains("denied the request") && said.contains("SyntaxError"), "{said}");
+    assert!(
+        said.contains("denied the request") && said.contains("SyntaxError"),
+        "{said}"
+    );
 
     // 2. The gateway's Secret deleted: made again, and the gateway still serves (a run needs no pool
     // of this test's; NOT_FOUND comes from the gateway after a TLS handshake the suite's CA trusts).
@@ -1055,11 +1083,16 @@ async fn certificates_made_by_the_operator_are_renewed_and_put_back() {
         format!("sluice-gateway.{release}.svc"),
         format!("sluice-gateway.{release}.svc.cluster.local"),
     ];
-    let remade = poll(Duration::from_secs(90), "the gateway's Secret is made again", || async {
-        Some(pair(&secrets.get_opt("sluice-gateway-tls").await.ok()??))
-    })
+    let remade = poll(
+        Duration::from_secs(90),
+        "the gateway's Secret is made again",
+        || async { Some(pair(&secrets.get_opt("sluice-gateway-tls").await.ok()??)) },
+    )
     .await;
-    assert_eq!(authority::leaf_renewal(Some(&remade), &bundle().await, &gateway_dns, now), None);
+    assert_eq!(
+        authority::leaf_renewal(Some(&remade), &bundle().await, &gateway_dns, now),
+        None
+    );
     let answer = run_input(c.gateway.clone(), &c.ns, "nobody", "hi").await;
     assert_eq!(
         answer.expect_err("no chain here").code(),
@@ -1071,21 +1104,35 @@ async fn certificates_made_by_the_operator_are_renewed_and_put_back() {
     // until the operator puts its bundle back.
     let configs = Api::<ValidatingWebhookConfiguration>::all(c.client.clone());
     let name = format!("sluice-validate-{release}");
-    let stranger = authority::make_ca("stranger", Duration::from_secs(86_400), now).expect("make a CA");
+    let stranger =
+        authority::make_ca("stranger", Duration::from_secs(86_400), now).expect("make a CA");
     let mut config = configs.get(&name).await.expect("the webhook configuration");
     for hook in config.webhooks.iter_mut().flatten() {
         hook.client_config.ca_bundle = Some(ByteString(stranger.cert.clone().into_bytes()));
     }
-    configs.replace(&name, &PostParams::default(), &config).await.expect("replace the caBundle");
-    poll(Duration::from_secs(60), "the operator puts the caBundle back", || async {
-        let config = configs.get(&name).await.ok()?;
-        let hooks = config.webhooks?;
-        let ours = ByteString(bundle().await.into_bytes());
-        hooks.iter().all(|h| h.client_config.ca_bundle.as_ref() == Some(&ours)).then_some(())
-    })
+    configs
+        .replace(&name, &PostParams::default(), &config)
+        .await
+        .expect("replace the caBundle");
+    poll(
+        Duration::from_secs(60),
+        "the operator puts the caBundle back",
+        || async {
+            let config = configs.get(&name).await.ok()?;
+            let hooks = config.webhooks?;
+            let ours = ByteString(bundle().await.into_bytes());
+            hooks
+                .iter()
+                .all(|h| h.client_config.ca_bundle.as_ref() == Some(&ours))
+                .then_some(())
+        },
+    )
     .await;
     let said = refused_by_the_webhook().await;
-    assert!(said.contains("denied the request") && said.contains("SyntaxError"), "{said}");
+    assert!(
+        said.contains("denied the request") && said.contains("SyntaxError"),
+        "{said}"
+    );
 }
 
 /// A `kubectl apply` that changes only metadata never waits on the webhook: with the operator (and
@@ -1387,11 +1434,29 @@ async fn service_accounts_can_do_what_they_need_and_nothing_more() {
     };
     for (sa, resource, name, verb, want) in [
         ("sluice-operator", "secrets", "sluice-ca", "get", true),
-        ("sluice-operator", "secrets", "sluice-gateway-tls", "update", true),
-        ("sluice-operator", "secrets", "sluice-operator-webhook-tls", "update", true),
+        (
+            "sluice-operator",
+            "secrets",
+            "sluice-gateway-tls",
+            "update",
+            true,
+        ),
+        (
+            "sluice-operator",
+            "secrets",
+            "sluice-operator-webhook-tls",
+            "update",
+            true,
+        ),
         ("sluice-operator", "configmaps", "sluice-ca", "update", true),
         ("sluice-operator", "secrets", "someone-elses", "get", false),
-        ("sluice-operator", "configmaps", "sluice-gateway-callers", "update", false),
+        (
+            "sluice-operator",
+            "configmaps",
+            "sluice-gateway-callers",
+            "update",
+            false,
+        ),
         ("sluice-gateway", "secrets", "sluice-ca", "get", false),
     ] {
         if can_named(sa, resource, name, verb).await != want {
@@ -1960,7 +2025,9 @@ async fn traffic(client: Client, ns: String, stop: tokio::sync::watch::Receiver<
 async fn upgrade_from_the_previous_release_with_traffic_running() {
     use k8s_openapi::api::apps::v1::Deployment;
     let Some(ctl) = std::env::var_os("SLUICE_UPGRADE_CTL").filter(|c| !c.is_empty()) else {
-        println!("SKIPPED: SLUICE_UPGRADE_CTL is not set: no previous release installed to upgrade from");
+        println!(
+            "SKIPPED: SLUICE_UPGRADE_CTL is not set: no previous release installed to upgrade from"
+        );
         return;
     };
     let Some(c) = cluster("upgrade").await else {
@@ -1971,17 +2038,31 @@ async fn upgrade_from_the_previous_release_with_traffic_running() {
     let running = |name: &'static str| {
         let deployments = deployments.clone();
         async move {
-            let d = deployments.get(name).await.expect("the release's Deployment");
+            let d = deployments
+                .get(name)
+                .await
+                .expect("the release's Deployment");
             d.spec?.template.spec?.containers.first()?.image.clone()
         }
     };
-    assert_eq!(running("sluice-gateway").await, Some(image("gateway", "previous")));
-    c.apply_chain("upgrade", "upgrade-bot", "input", json!({}), &[("upper", "modify", UPPER)])
-        .await;
+    assert_eq!(
+        running("sluice-gateway").await,
+        Some(image("gateway", "previous"))
+    );
+    c.apply_chain(
+        "upgrade",
+        "upgrade-bot",
+        "input",
+        json!({}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
     c.wait_pool_ready("upgrade").await;
-    poll(Duration::from_secs(30), "the previous gateway serves the chain", || async {
-        c.run("upgrade-bot", "warm").await.ok().map(|_| ())
-    })
+    poll(
+        Duration::from_secs(30),
+        "the previous gateway serves the chain",
+        || async { c.run("upgrade-bot", "warm").await.ok().map(|_| ()) },
+    )
     .await;
     let supervisor_images = || async {
         c.pods()
@@ -1997,7 +2078,10 @@ async fn upgrade_from_the_previous_release_with_traffic_running() {
             .filter_map(|p| p.spec.as_ref()?.containers.first()?.image.clone())
             .collect::<BTreeSet<_>>()
     };
-    assert_eq!(supervisor_images().await, BTreeSet::from([image("supervisor", "previous")]));
+    assert_eq!(
+        supervisor_images().await,
+        BTreeSet::from([image("supervisor", "previous")])
+    );
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let load = tokio::spawn(traffic(c.client.clone(), c.ns.clone(), stop_rx));
@@ -2015,12 +2099,23 @@ async fn upgrade_from_the_previous_release_with_traffic_running() {
         "helm upgrade failed: {}",
         String::from_utf8_lossy(&upgraded.stderr)
     );
-    assert_eq!(running("sluice-gateway").await, Some(image("gateway", "e2e")));
-    assert_eq!(running("sluice-operator").await, Some(image("operator", "e2e")));
+    assert_eq!(
+        running("sluice-gateway").await,
+        Some(image("gateway", "e2e"))
+    );
+    assert_eq!(
+        running("sluice-operator").await,
+        Some(image("operator", "e2e"))
+    );
     // The new operator replaces every old sandbox pod (its template names another image).
-    poll(Duration::from_secs(300), "the chain's pods all run this release's supervisor", || async {
-        (supervisor_images().await == BTreeSet::from([image("supervisor", "e2e")])).then_some(())
-    })
+    poll(
+        Duration::from_secs(300),
+        "the chain's pods all run this release's supervisor",
+        || async {
+            (supervisor_images().await == BTreeSet::from([image("supervisor", "e2e")]))
+                .then_some(())
+        },
+    )
     .await;
     c.wait_pool_ready("upgrade").await;
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -2032,6 +2127,13 @@ async fn upgrade_from_the_previous_release_with_traffic_running() {
         seen.resent,
         seen.failed.len()
     );
-    assert!(seen.failed.is_empty(), "runs failed during the upgrade: {:#?}", seen.failed);
-    assert!(seen.served >= 50, "traffic ran through the upgrade: {seen:?}");
+    assert!(
+        seen.failed.is_empty(),
+        "runs failed during the upgrade: {:#?}",
+        seen.failed
+    );
+    assert!(
+        seen.served >= 50,
+        "traffic ran through the upgrade: {seen:?}"
+    );
 }

@@ -147,7 +147,9 @@ impl CertArgs {
                     ));
                 }
                 let (Some(cert), Some(key)) = (&webhook.webhook_cert, &webhook.webhook_key) else {
-                    return Err("--webhook-cert-secret needs --webhook-cert and --webhook-key".into());
+                    return Err(
+                        "--webhook-cert-secret needs --webhook-cert and --webhook-key".into(),
+                    );
                 };
                 Some(WebhookFiles {
                     secret: secret.clone(),
@@ -158,7 +160,10 @@ impl CertArgs {
         };
         Ok(Some(CertConfig {
             namespace: namespace.to_string(),
-            ca_config_map: self.ca_configmap.clone().unwrap_or_else(|| ca_secret.clone()),
+            ca_config_map: self
+                .ca_configmap
+                .clone()
+                .unwrap_or_else(|| ca_secret.clone()),
             ca_secret,
             serving: self.serving.clone(),
             webhook_configuration: self.webhook_configuration.clone(),
@@ -399,6 +404,55 @@ mod tests {
         .unwrap();
         assert_eq!(on.listen.port(), 9443);
         assert_eq!(on.judge.rules.platform_namespace, "sluice-system");
+    }
+
+    #[test]
+    fn certificates_are_off_by_default_and_the_webhook_serves_one_it_keeps() {
+        let config = |args: &[&str]| match Cli::try_parse_from(args).map(|c| c.command) {
+            Ok(Command::Run(args)) => args.certs.config("sluice-system", &args.webhook),
+            Ok(Command::Render { .. }) => unreachable!(),
+            Err(e) => Err(e.to_string()),
+        };
+        assert!(config(&["sluice-operator", "run"]).unwrap().is_none());
+        let webhook = [
+            "--webhook-listen=0.0.0.0:9443",
+            "--webhook-cert=/run/tls/tls.crt",
+            "--webhook-key=/run/tls/tls.key",
+        ];
+        let with = |more: &[&str]| {
+            let mut args = vec!["sluice-operator", "run", "--ca-secret=sluice-ca"];
+            args.extend(webhook);
+            args.extend(more);
+            config(&args)
+        };
+        let on = with(&[
+            "--serving-certificate=hook-tls=a.ns.svc,a.ns.svc.cluster.local",
+            "--webhook-cert-secret=hook-tls",
+            "--certificate-lifetime=24h",
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            on.ca_config_map, "sluice-ca",
+            "the ConfigMap defaults to the CA's name"
+        );
+        assert_eq!(on.namespace, "sluice-system");
+        assert_eq!(on.serving_lifetime, Duration::from_secs(86_400));
+        let files = on.webhook_files.expect("the webhook's files");
+        assert_eq!(files.cert, PathBuf::from("/run/tls/tls.crt"));
+        let err = with(&[
+            "--serving-certificate=other=b.svc",
+            "--webhook-cert-secret=hook-tls",
+        ])
+        .unwrap_err();
+        assert!(
+            err.contains("not one of the --serving-certificate"),
+            "{err}"
+        );
+        let err = with(&["--serving-certificate=nodns"]).unwrap_err();
+        assert!(err.contains("SECRET=DNS"), "{err}");
+        let err = config(&["sluice-operator", "run", "--serving-certificate=a=b.svc"]).unwrap_err();
+        assert!(err.contains("--ca-secret"), "{err}");
     }
 
     #[test]

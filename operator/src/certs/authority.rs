@@ -30,7 +30,9 @@ pub enum Renewal {
     Missing,
     Unreadable(String),
     /// Less than a third of its lifetime left (or past it).
-    Expiring { not_after: i64 },
+    Expiring {
+        not_after: i64,
+    },
     /// Signed by a CA that is not in the bundle (any more).
     UnknownIssuer,
     /// The DNS names differ from the ones asked for.
@@ -43,7 +45,10 @@ impl fmt::Display for Renewal {
             Renewal::Missing => f.write_str("there is none"),
             Renewal::Unreadable(why) => write!(f, "the one there cannot be read: {why}"),
             Renewal::Expiring { not_after } => {
-                write!(f, "less than a third of its lifetime is left (it ends at {not_after}, Unix time)")
+                write!(
+                    f,
+                    "less than a third of its lifetime is left (it ends at {not_after}, Unix time)"
+                )
             }
             Renewal::UnknownIssuer => f.write_str("its issuer is not in the CA bundle"),
             Renewal::Names => f.write_str("it names other DNS names"),
@@ -168,7 +173,11 @@ pub fn leaf_renewal(
     let trusted = pem_certificates(bundle)
         .iter()
         .filter_map(|ca| facts(ca).ok())
-        .any(|ca| ca.not_after > now && ca.subject_key_id.is_some() && ca.subject_key_id == f.authority_key_id);
+        .any(|ca| {
+            ca.not_after > now
+                && ca.subject_key_id.is_some()
+                && ca.subject_key_id == f.authority_key_id
+        });
     if !trusted {
         return Some(Renewal::UnknownIssuer);
     }
@@ -212,7 +221,9 @@ pub fn make_ca(common_name: &str, lifetime: Duration, now: i64) -> Result<KeyedC
     let key = KeyPair::generate()?;
     let mut params = CertificateParams::default();
     params.distinguished_name = DistinguishedName::new();
-    params.distinguished_name.push(DnType::CommonName, common_name);
+    params
+        .distinguished_name
+        .push(DnType::CommonName, common_name);
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
     params.not_before = time_at(now - 60)?;
@@ -237,7 +248,9 @@ pub fn make_leaf(
     let mut params = CertificateParams::new(dns_names.to_vec())?;
     params.distinguished_name = DistinguishedName::new();
     if let Some(first) = dns_names.first() {
-        params.distinguished_name.push(DnType::CommonName, first.as_str());
+        params
+            .distinguished_name
+            .push(DnType::CommonName, first.as_str());
     }
     params.use_authority_key_identifier_extension = true;
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
@@ -280,7 +293,13 @@ mod tests {
             ca_renewal(Some(&garbled), NOW),
             Some(Renewal::Unreadable(_))
         ));
-        let leaf = make_leaf(&ca, &names(&["a.svc"]), Duration::from_secs(DAY as u64), NOW).unwrap();
+        let leaf = make_leaf(
+            &ca,
+            &names(&["a.svc"]),
+            Duration::from_secs(DAY as u64),
+            NOW,
+        )
+        .unwrap();
         assert!(
             matches!(ca_renewal(Some(&leaf), NOW), Some(Renewal::Unreadable(why)) if why.contains("not a CA")),
             "a serving certificate put where the CA belongs is not used to sign"
@@ -325,10 +344,17 @@ mod tests {
     }
 
     #[test]
-    fn a_new_ca_keeps_the_old_one_trusted_until_it_expires_and_serving_certificates_move_at_their_renewal() {
+    fn a_new_ca_keeps_the_old_one_trusted_until_it_expires_and_serving_certificates_move_at_their_renewal()
+     {
         let old = make_ca("ca", Duration::from_secs(300 * DAY as u64), NOW).unwrap();
         let dns = names(&["webhook.ns.svc"]);
-        let leaf = make_leaf(&old, &dns, Duration::from_secs(90 * DAY as u64), NOW + 200 * DAY).unwrap();
+        let leaf = make_leaf(
+            &old,
+            &dns,
+            Duration::from_secs(90 * DAY as u64),
+            NOW + 200 * DAY,
+        )
+        .unwrap();
         // At day 201 the CA is renewed; the bundle carries both.
         let later = NOW + 201 * DAY;
         let new = make_ca("ca", Duration::from_secs(300 * DAY as u64), later).unwrap();
@@ -346,13 +372,22 @@ mod tests {
             Some(Renewal::UnknownIssuer)
         );
         // Making the same CA current again does not list it twice.
-        assert_eq!(pem_certificates(&bundle_with(&new.cert, &bundle, after_old)).len(), 1);
+        assert_eq!(
+            pem_certificates(&bundle_with(&new.cert, &bundle, after_old)).len(),
+            1
+        );
     }
 
     #[test]
     fn what_is_made_names_its_issuer_its_names_and_its_lifetime() {
         let ca = make_ca("ca", Duration::from_secs(DAY as u64), NOW).unwrap();
-        let leaf = make_leaf(&ca, &names(&["x.ns.svc"]), Duration::from_secs(DAY as u64), NOW).unwrap();
+        let leaf = make_leaf(
+            &ca,
+            &names(&["x.ns.svc"]),
+            Duration::from_secs(DAY as u64),
+            NOW,
+        )
+        .unwrap();
         let f = facts(&leaf.cert).unwrap();
         assert!(!f.is_ca);
         assert_eq!(f.dns_names, vec!["x.ns.svc".to_string()]);

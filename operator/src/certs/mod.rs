@@ -91,15 +91,9 @@ pub struct CertConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum CertError {
     #[error("{what}: {source}")]
-    Api {
-        what: String,
-        source: kube::Error,
-    },
+    Api { what: String, source: kube::Error },
     #[error("making {what}: {source}")]
-    Make {
-        what: String,
-        source: rcgen::Error,
-    },
+    Make { what: String, source: rcgen::Error },
     #[error("writing {path}: {source}")]
     File {
         path: PathBuf,
@@ -296,11 +290,9 @@ impl Keeper {
         let Some(name) = &self.config.webhook_configuration else {
             return Ok(());
         };
-        let Some(mut vwc) = self
-            .webhooks
-            .get_opt(name)
-            .await
-            .map_err(api_err(format!("reading ValidatingWebhookConfiguration {name}")))?
+        let Some(mut vwc) = self.webhooks.get_opt(name).await.map_err(api_err(format!(
+            "reading ValidatingWebhookConfiguration {name}"
+        )))?
         else {
             // Installed with the operator by the chart; absent only while it is being installed.
             tracing::warn!(webhook_configuration = %name, "no such ValidatingWebhookConfiguration yet");
@@ -344,16 +336,12 @@ impl Keeper {
         let pair = match (renewal, current) {
             (None, Some(current)) => current,
             (why, _) => {
-                let made = authority::make_leaf(
-                    ca,
-                    &serving.dns_names,
-                    self.config.serving_lifetime,
-                    now,
-                )
-                .map_err(|source| CertError::Make {
-                    what: format!("the certificate of {name}"),
-                    source,
-                })?;
+                let made =
+                    authority::make_leaf(ca, &serving.dns_names, self.config.serving_lifetime, now)
+                        .map_err(|source| CertError::Make {
+                            what: format!("the certificate of {name}"),
+                            source,
+                        })?;
                 let why = why.map_or_else(|| "it was missing".into(), |w| w.to_string());
                 report.made.push((name.clone(), why));
                 made
@@ -391,9 +379,18 @@ impl Keeper {
         bundle: &str,
     ) -> Result<(), CertError> {
         let data = BTreeMap::from([
-            ("tls.crt".to_string(), ByteString(pair.cert.clone().into_bytes())),
-            ("tls.key".to_string(), ByteString(pair.key.clone().into_bytes())),
-            (BUNDLE_KEY.to_string(), ByteString(bundle.as_bytes().to_vec())),
+            (
+                "tls.crt".to_string(),
+                ByteString(pair.cert.clone().into_bytes()),
+            ),
+            (
+                "tls.key".to_string(),
+                ByteString(pair.key.clone().into_bytes()),
+            ),
+            (
+                BUNDLE_KEY.to_string(),
+                ByteString(bundle.as_bytes().to_vec()),
+            ),
         ]);
         let what = format!("writing Secret {name}");
         match found {
