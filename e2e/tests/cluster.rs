@@ -303,9 +303,15 @@ impl Cluster {
 
     /// The chain's pods whose `sluice.dev/pool` label is `pool`.
     async fn pool_pods(&self, chain: &str, pool: &str) -> Vec<Pod> {
+        self.live_pods(chain, &format!(",sluice.dev/pool={pool}"))
+            .await
+    }
+
+    /// The chain's pods not being deleted, narrowed by `more` (`,label=value...`, or empty).
+    async fn live_pods(&self, chain: &str, more: &str) -> Vec<Pod> {
         self.pods()
             .list(&ListParams::default().labels(&format!(
-                "sluice.dev/chain-namespace={},sluice.dev/chain={chain},sluice.dev/pool={pool}",
+                "sluice.dev/chain-namespace={},sluice.dev/chain={chain}{more}",
                 self.ns
             )))
             .await
@@ -2065,16 +2071,9 @@ async fn upgrade_from_the_previous_release_with_traffic_running() {
     )
     .await;
     let supervisor_images = || async {
-        c.pods()
-            .list(&ListParams::default().labels(&format!(
-                "sluice.dev/chain-namespace={},sluice.dev/chain=upgrade",
-                c.ns
-            )))
+        c.live_pods("upgrade", "")
             .await
-            .expect("list the chain's pods")
-            .items
             .iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none())
             .filter_map(|p| p.spec.as_ref()?.containers.first()?.image.clone())
             .collect::<BTreeSet<_>>()
     };

@@ -279,10 +279,7 @@ impl Keeper {
                         data: Some(data),
                         ..Default::default()
                     };
-                    self.config_maps
-                        .create(&PostParams::default(), &cm)
-                        .await
-                        .map_err(api_err(what))?;
+                    create(&self.config_maps, &cm, what).await?;
                 }
             }
             report.bundle_published = true;
@@ -438,11 +435,7 @@ impl Keeper {
             data: Some(data),
             ..Default::default()
         };
-        self.secrets
-            .create(&PostParams::default(), &secret)
-            .await
-            .map_err(api_err(what))?;
-        Ok(())
+        create(&self.secrets, &secret, what).await
     }
 
     async fn write_webhook_files(&self, files: &WebhookFiles) -> Result<(), CertError> {
@@ -461,6 +454,16 @@ impl Keeper {
         replace_file(&files.cert, &pair.cert, 0o644)?;
         Ok(())
     }
+}
+
+async fn create<K>(api: &Api<K>, object: &K, what: String) -> Result<(), CertError>
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.create(&PostParams::default(), object)
+        .await
+        .map(|_| ())
+        .map_err(api_err(what))
 }
 
 /// Writes `contents` to `path` through a new file renamed over it (readers see the old file or the
