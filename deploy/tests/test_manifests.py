@@ -1038,6 +1038,34 @@ class ReleasesTest(ManifestCase):
                 for release, (namespace, objs) in renders.items():
                     self.assert_own_rbac(release, namespace, objs)
 
+    def test_two_cluster_wide_releases_split_the_chains_by_label(self):
+        """Production keeps every chain but staging's, staging only its own: the operator's and the
+        gateway's --selector, and each webhook judges only its release's objects."""
+        releases = {"sluice": (NAMESPACE, "sluice.dev/release!=staging"),
+                    "staging": ("sluice-staging", "sluice.dev/release=staging")}
+        want = {"sluice": {"key": "sluice.dev/release", "operator": "NotIn", "values": ["staging"]},
+                "staging": {"key": "sluice.dev/release", "operator": "In", "values": ["staging"]}}
+        for release, (namespace, selector) in releases.items():
+            objs = helm_template(*self.EVERYTHING, "runtimeClass.create=false", values={"chainSelector": selector},
+                                 release=release, namespace=namespace)
+            for deployment in ("sluice-operator", "sluice-gateway"):
+                self.assertIn(f"--selector={selector}", args_of(objs, deployment), release)
+            (config,) = [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration"]
+            (hook,) = config["webhooks"]
+            self.assertEqual(hook["objectSelector"], {"matchExpressions": [want[release]]}, release)
+        # An explicit objectSelector wins; a set-based selector needs one.
+        objs = helm_template(*self.EVERYTHING, "webhook.objectSelector.matchLabels.team=a",
+                             values={"chainSelector": "tier"}, release="staging", namespace="sluice-staging")
+        (config,) = [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration"]
+        self.assertEqual(config["webhooks"][0]["objectSelector"], {"matchLabels": {"team": "a"}})
+        self.assertIn("needs webhook.objectSelector",
+                      helm_refusal("webhook.enabled=true", values={"chainSelector": "tier in (a)"}))
+        # Without one, nothing narrows anything.
+        objs = self.render("sluice", NAMESPACE, [])
+        self.assertFalse([a for a in args_of(objs, "sluice-gateway") if a.startswith("--selector")])
+        (config,) = [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration"]
+        self.assertEqual(config["webhooks"][0]["objectSelector"], {})
+
     def assert_own_rbac(self, release, namespace, objs):
         """Each release binds its own roles to its own ServiceAccounts, and grants them what they use
         where its values put them."""

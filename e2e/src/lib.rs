@@ -497,6 +497,7 @@ pub mod operator {
             claim_deadline: Duration::from_secs(300),
             start_deadline: Duration::from_secs(120),
             namespace: None,
+            selector: None,
             platform_namespace: "sluice-system".into(),
             allowed_endpoints: Default::default(),
             identity: identity.into(),

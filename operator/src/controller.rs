@@ -39,6 +39,9 @@ pub struct RunConfig {
     pub start_deadline: Duration,
     /// Watch only this namespace (and `platform_namespace`); all when `None`.
     pub namespace: Option<String>,
+    /// Keep only the HookChains and Capabilities this label selector matches (`--selector`, the
+    /// gateway's alike): several releases then share namespaces by label. None: all.
+    pub selector: Option<String>,
     /// The namespace whose enforced chains are platform baselines (the gateway's
     /// `--platform-namespace`): watched as well when `namespace` is another one.
     pub platform_namespace: String,
@@ -156,10 +159,11 @@ async fn run_namespace(
     );
 
     let forget_ctx = ctx.clone();
-    let chain_events = watcher(
-        api::<Chain>(&client, &namespace),
-        watcher::Config::default(),
-    )
+    let objects = match &config.selector {
+        Some(selector) => watcher::Config::default().labels(selector),
+        None => watcher::Config::default(),
+    };
+    let chain_events = watcher(api::<Chain>(&client, &namespace), objects.clone())
     .default_backoff()
     .reflect(chain_writer)
     .inspect(move |ev| {
@@ -198,7 +202,7 @@ async fn run_namespace(
     let cap_ctx = ctx.clone();
     let cap_events = watcher(
         api::<DeserializeGuard<Capability>>(&client, &namespace),
-        watcher::Config::default(),
+        objects,
     )
     .default_backoff()
     .reflect(cap_writer)

@@ -202,6 +202,11 @@ struct RunArgs {
     /// Watch only this namespace (default: all), and the platform namespace besides.
     #[arg(long)]
     namespace: Option<String>,
+    /// Keep only the HookChains and Capabilities this label selector matches
+    /// (`sluice.dev/release=staging`, `sluice.dev/release!=staging`; give the gateway the same), so
+    /// that several releases share namespaces. Default: all.
+    #[arg(long)]
+    selector: Option<String>,
     /// The namespace whose enforced HookChains are platform baselines (as the gateway's flag):
     /// with --namespace, its chains, Capabilities and pods are kept as well.
     #[arg(long, default_value = sluice_crds::DEFAULT_PLATFORM_NAMESPACE)]
@@ -282,6 +287,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         claim_deadline: args.claim_deadline,
         start_deadline: args.start_deadline,
         namespace: args.namespace,
+        selector: args.selector.filter(|s| !s.is_empty()),
         platform_namespace: args.platform_namespace,
         allowed_endpoints: args.allowed_endpoints,
         identity: identity(args.identity),

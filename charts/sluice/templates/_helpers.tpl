@@ -135,6 +135,31 @@ CA's Secret and the ConfigMap clients read its bundle from (<fullname>-ca), and 
 {{- concat $names .Values.gateway.tls.dnsNames .Values.gateway.tls.certManager.dnsNames | uniq | join "," -}}
 {{- end -}}
 
+{{/*
+chainSelector as the webhook's objectSelector: each term k=v, k==v, k!=v, k or !k as a
+matchExpression. Set-based terms (in, notin) need webhook.objectSelector given explicitly.
+*/}}
+{{- define "sluice.chainObjectSelector" -}}
+{{- $exprs := list -}}
+{{- range $term := splitList "," .Values.chainSelector -}}
+{{- $t := trim $term -}}
+{{- if or (contains "(" $t) (contains " in " $t) (contains " notin " $t) -}}
+{{- fail (printf "chainSelector %q: a set-based term needs webhook.objectSelector given explicitly" $.Values.chainSelector) -}}
+{{- else if contains "!=" $t -}}
+{{- $kv := splitList "!=" $t -}}
+{{- $exprs = append $exprs (dict "key" (trim (first $kv)) "operator" "NotIn" "values" (list (trim (last $kv)))) -}}
+{{- else if contains "=" $t -}}
+{{- $kv := splitList "=" (replace "==" "=" $t) -}}
+{{- $exprs = append $exprs (dict "key" (trim (first $kv)) "operator" "In" "values" (list (trim (last $kv)))) -}}
+{{- else if hasPrefix "!" $t -}}
+{{- $exprs = append $exprs (dict "key" (trimPrefix "!" $t | trim) "operator" "DoesNotExist") -}}
+{{- else if $t -}}
+{{- $exprs = append $exprs (dict "key" $t "operator" "Exists") -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml (dict "matchExpressions" $exprs) -}}
+{{- end -}}
+
 {{/* The gateway's TLS and caller-policy arguments; a listener without either needs gateway.insecure. */}}
 {{- define "sluice.gateway.securityArgs" -}}
 {{- $g := .Values.gateway -}}

@@ -30,6 +30,9 @@ pub struct KubeConfig {
     pub identity: String,
     /// Watch and claim only in these namespaces (empty: all namespaces).
     pub namespaces: Vec<String>,
+    /// Serve only the HookChains and Capabilities this label selector matches (the operator's
+    /// `--selector`): several releases share a cluster's namespaces by label. None: all.
+    pub selector: Option<String>,
     /// Where the operator keeps every sandbox pod (its `--sandbox-namespace`): pods are watched,
     /// claimed and exec'd into there only. `None`: beside their HookChains, in `namespaces`.
     pub sandbox_namespace: Option<String>,
@@ -70,6 +73,7 @@ impl KubeConfig {
         Self {
             identity: identity.into(),
             namespaces: Vec::new(),
+            selector: None,
             sandbox_namespace: None,
             claim_timeout: Duration::from_secs(2),
             runtime_class: Some("gvisor".into()),

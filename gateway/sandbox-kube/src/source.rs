@@ -99,6 +99,7 @@ fn check_chain(python: &std::path::Path, hc: &HookChain) -> Vec<String> {
 fn watch_into<K>(
     api: Api<Guarded<K>>,
     what: &'static str,
+    selector: Option<&str>,
     changed: Arc<Notify>,
     served_status: fn(&Guarded<K>) -> Option<String>,
 ) -> (Store<Guarded<K>>, tokio::task::JoinHandle<()>)
@@ -112,10 +113,11 @@ where
         + 'static,
 {
     let (store, writer) = reflector::store();
-    let stream = reflector::reflector(
-        writer,
-        watcher(api, watcher::Config::default()).default_backoff(),
-    );
+    let config = match selector {
+        Some(selector) => watcher::Config::default().labels(selector),
+        None => watcher::Config::default(),
+    };
+    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
     let task = tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         // The operator writes status (warm and claimed counts) on nearly every claim; only a change
@@ -171,11 +173,12 @@ fn definition(origin: Origin, value: Object) -> Definition {
 }
 
 impl KubeSource {
-    /// Starts both watches (in each of `namespaces`, or in all when it is empty) and waits up to
-    /// `sync_timeout` for their first full lists.
+    /// Starts both watches (in each of `namespaces`, or in all when it is empty; of the objects
+    /// `selector` matches, or all) and waits up to `sync_timeout` for their first full lists.
     pub async fn start(
         client: kube::Client,
         namespaces: &[String],
+        selector: Option<&str>,
         platform_namespace: &str,
         python: PathBuf,
         sync_timeout: Duration,
@@ -184,7 +187,7 @@ impl KubeSource {
         let mut tasks = Vec::new();
         let mut chains = Vec::new();
         for api in apis::<Guarded<HookChain>>(&client, namespaces) {
-            let (store, task) = watch_into(api, "hookchains", changed.clone(), |g| {
+            let (store, task) = watch_into(api, "hookchains", selector, changed.clone(), |g| {
                 let rollout = g.0.as_ref().ok()?.status.as_ref()?.rollout.as_ref()?;
                 serde_json::to_string(rollout).ok()
             });
@@ -193,7 +196,8 @@ impl KubeSource {
         }
         let mut capabilities = Vec::new();
         for api in apis::<Guarded<Capability>>(&client, namespaces) {
-            let (store, task) = watch_into(api, "capabilities", changed.clone(), |_| None);
+            let (store, task) =
+                watch_into(api, "capabilities", selector, changed.clone(), |_| None);
             capabilities.push(store);
             tasks.push(task);
         }

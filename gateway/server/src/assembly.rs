@@ -334,6 +334,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     let mut source = KubeSource::start(
         opts.client.clone(),
         &opts.kube.namespaces,
+        opts.kube.selector.as_deref(),
         &opts.platform_namespace,
         opts.python.clone(),
         opts.sync_timeout,

@@ -34,6 +34,11 @@ struct Args {
     /// namespace is watched as well, for its baselines.
     #[arg(long, requires = "kube")]
     namespace: Option<String>,
+    /// kube mode: serve only the HookChains and Capabilities this label selector matches (the
+    /// operator's `--selector`; `sluice.dev/release=staging`, `sluice.dev/release!=staging`), so
+    /// that several releases share namespaces. Default: all.
+    #[arg(long, requires = "kube")]
+    selector: Option<String>,
     /// kube mode: the operator's `--sandbox-namespace`: sandbox pods are watched, claimed and
     /// exec'd into there only (default: beside their HookChains).
     #[arg(long, requires = "kube")]
@@ -187,6 +192,7 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| format!("sluice-gateway-{}", std::process::id()));
             let mut cfg = KubeConfig::new(identity);
             cfg.namespaces = args.namespace.iter().cloned().collect();
+            cfg.selector = args.selector.clone().filter(|s| !s.is_empty());
             cfg.sandbox_namespace = args.sandbox_namespace.clone().filter(|ns| !ns.is_empty());
             cfg.claim_timeout = args.claim_timeout;
             cfg.hold = args.kube_hold as usize;
