@@ -148,8 +148,10 @@ upgrade)
 current)
 	"$here/images.sh" import
 	common_values "${TAG:-e2e}" >"$STATE/sluice-values.yaml"
-	# The suite renews certificates and takes the webhook's caBundle away: looked at every 5 s.
-	printf 'operator:\n  certificates:\n    checkInterval: 5s\n' >"$STATE/sluice-certificates.yaml"
+	# The suite renews certificates and takes the webhook's caBundle away: looked at every 5 s. The
+	# release keeps every chain but another release's (chainSelector), as beside a staging release.
+	printf 'operator:\n  certificates:\n    checkInterval: 5s\nchainSelector: "sluice.dev/release!=other"\n' \
+		>"$STATE/sluice-certificates.yaml"
 	log "helm upgrade --install sluice charts/sluice"
 	"$HELM" upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
 		-f "$STATE/sluice-values.yaml" -f "$STATE/sluice-certificates.yaml" --wait --timeout 5m

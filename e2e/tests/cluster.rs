@@ -1141,6 +1141,81 @@ async fn certificates_made_by_the_operator_are_renewed_and_put_back() {
     );
 }
 
+/// The suite's release keeps every chain but another release's (install.sh: `chainSelector:
+/// sluice.dev/release!=other`): a chain labelled for the other release gets no pods, no finalizer
+/// and no status from this operator, this gateway does not serve it, and this webhook does not
+/// judge it, while an unlabelled chain beside it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_releases_chains_are_left_alone() {
+    let Some(c) = cluster("selector").await else {
+        return;
+    };
+    let labelled = |name: &str, code: &str| {
+        json!({
+            "apiVersion": "sluice.dev/v1alpha1", "kind": "HookChain",
+            "metadata": {"name": name, "namespace": c.ns, "labels": {"sluice.dev/release": "other"}},
+            "spec": {"target": format!("{name}-bot"), "triggerPoint": "input", "pool": {"warm": 1},
+                     "hooks": [{"name": "upper", "action": "modify", "code": code}]},
+        })
+    };
+    let chains = c.chains();
+    let apply = |object: Value| {
+        let chains = chains.clone();
+        async move {
+            let name = object["metadata"]["name"]
+                .as_str()
+                .expect("a name")
+                .to_string();
+            chains
+                .patch(
+                    &name,
+                    &PatchParams::apply("sluice-e2e"),
+                    &Patch::Apply(&object),
+                )
+                .await
+        }
+    };
+    // Not this webhook's to judge: code that does not compile is admitted.
+    apply(labelled("broken", "def execute(:\n"))
+        .await
+        .expect("another release's chain is not judged by this release's webhook");
+    apply(labelled("theirs", UPPER)).await.expect("apply");
+    c.apply_chain(
+        "ours",
+        "ours-bot",
+        "input",
+        json!({}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("ours").await;
+    poll(
+        Duration::from_secs(30),
+        "this release serves its chain",
+        || async { c.run("ours-bot", "hi").await.ok().map(|_| ()) },
+    )
+    .await;
+    let theirs = c.chains().get("theirs").await.expect("get");
+    assert!(
+        theirs
+            .metadata
+            .finalizers
+            .as_deref()
+            .unwrap_or_default()
+            .is_empty()
+            && theirs.status.is_none(),
+        "this operator left another release's chain alone: {:?} {:?}",
+        theirs.metadata.finalizers,
+        theirs.status
+    );
+    assert!(c.live_pods("theirs", "").await.is_empty(), "no pods for it");
+    let answer = c.run("theirs-bot", "hi").await;
+    assert_eq!(
+        answer.expect_err("not served here").code(),
+        tonic::Code::NotFound
+    );
+}
+
 /// A `kubectl apply` that changes only metadata never waits on the webhook: with the operator (and
 /// its webhook) gone and `failurePolicy: Fail`, a spec change is refused but a label is not. Without
 /// the chart's matchConditions the label (and the operator's own finalizer update) fails too.

@@ -164,18 +164,18 @@ async fn run_namespace(
         None => watcher::Config::default(),
     };
     let chain_events = watcher(api::<Chain>(&client, &namespace), objects.clone())
-    .default_backoff()
-    .reflect(chain_writer)
-    .inspect(move |ev| {
-        if let Ok(watcher::Event::Delete(chain)) = ev {
-            reconcile::forget(
-                &forget_ctx,
-                &chain.namespace().unwrap_or_default(),
-                &chain.name_any(),
-            );
-        }
-    })
-    .applied_objects();
+        .default_backoff()
+        .reflect(chain_writer)
+        .inspect(move |ev| {
+            if let Ok(watcher::Event::Delete(chain)) = ev {
+                reconcile::forget(
+                    &forget_ctx,
+                    &chain.namespace().unwrap_or_default(),
+                    &chain.name_any(),
+                );
+            }
+        })
+        .applied_objects();
 
     // The pods live beside their chains, or all in the sandbox namespace: there, this controller
     // watches the pods of its namespace's chains (by their chain-namespace label).
