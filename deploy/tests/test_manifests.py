@@ -489,7 +489,7 @@ class ChartTest(ManifestCase):
             pod = self.find(objs, "Deployment", name)["spec"]["template"]["spec"]
             self.assertEqual(pod["serviceAccountName"], name)
             (c,) = pod["containers"]
-            self.assertEqual(c["image"], f"ghcr.io/sluice-dev/{name}:0.1.0")
+            self.assertEqual(c["image"], f"ghcr.io/sluice-dev/{name}:0.2.0")
             self.assertEqual({p["name"]: p["containerPort"] for p in c["ports"]}, want_ports)
             env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
             self.assertEqual((env["POD_NAME"], env["POD_NAMESPACE"]), ("metadata.name", "metadata.namespace"))
@@ -509,7 +509,7 @@ class ChartTest(ManifestCase):
         self.assertEqual(gateway["readinessProbe"]["httpGet"]["path"], "/readyz")
         operator = self.find(objs, "Deployment", "sluice-operator")["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(operator["args"], ["run", "--runtime-class=gvisor",
-                                            "--supervisor-image=ghcr.io/sluice-dev/sluice-supervisor:0.1.0",
+                                            "--supervisor-image=ghcr.io/sluice-dev/sluice-supervisor:0.2.0",
                                             "--metrics=0.0.0.0:9465", "--lease-namespace=$(POD_NAMESPACE)",
                                             "--lease-name=sluice-operator", "--claim-deadline=300s",
                                             f"--platform-namespace={NAMESPACE}", f"--sandbox-namespace={SANDBOXES}",

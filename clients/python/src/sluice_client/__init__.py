@@ -28,7 +28,7 @@ from ._proto import gateway_pb2 as pb
 from ._proto import gateway_pb2_grpc as pb_grpc
 from ._results import Action, Blocked, Commit, Final, HookOutcome, RunResult, StreamEvent
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Action",
