@@ -24,7 +24,7 @@ if [ -z "${SLUICE_SKIP_UPGRADE:-}" ]; then
 	"$here/install.sh" previous || { status=$?; echo "test-cluster: install.sh previous failed" >&2; exit $status; }
 	# shellcheck source=/dev/null
 	. "$STATE/e2e.env"
-	suite --exact "$UPGRADE" || status=$?
+	suite --exact "$UPGRADE" --nocapture || status=$?
 fi
 "$here/install.sh" || { status=$?; echo "test-cluster: install.sh failed" >&2; exit $status; }
 # shellcheck source=/dev/null

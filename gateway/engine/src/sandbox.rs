@@ -84,6 +84,13 @@ pub trait SandboxHandle: Send + Sync {
     async fn destroy(&self, force: bool);
     /// Bytes the sandbox wrote to stdout (hooks' prints), for the audit and metrics.
     fn stdout_bytes(&self) -> u64;
+    /// Whether sandboxes of another kind now serve its chain (the `kube` backend: the operator
+    /// makes pods of another template, such as a new supervisor image after an upgrade). A
+    /// recycled sandbox that is outdated is retired at the end of its trigger point, so an upgrade
+    /// reaches pods a gateway holds without failing a run.
+    fn outdated(&self) -> bool {
+        false
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -614,6 +614,8 @@ impl Pool {
             Some("reuse_none")
         } else if conn.uses().saturating_add(1) >= self.max_uses {
             Some("max_uses")
+        } else if conn.outdated() {
+            Some("outdated")
         } else if self.closed.load(Ordering::Relaxed) {
             Some("pool_closed")
         } else {
@@ -704,31 +706,35 @@ impl Pool {
         Ok(())
     }
 
-    /// Retires sandboxes that have waited longer than `idle_retire` while the pool has more waiting
-    /// than its warm target: a held set that grew with demand shrinks when the demand is gone.
+    /// Retires waiting sandboxes the backend calls outdated (an upgrade reaches held pods without
+    /// traffic too), and those that have waited longer than `idle_retire` while the pool has more
+    /// waiting than its warm target: a held set that grew with demand shrinks when it is gone.
     fn shrink(self: &Arc<Self>) {
         let idle = self.shared.limits.idle_retire;
-        let victims: Vec<SupervisorConn> = {
+        let victims: Vec<(SupervisorConn, &'static str)> = {
             let mut c = self.lock();
-            let mut victims = Vec::new();
+            let (outdated, current): (VecDeque<_>, VecDeque<_>) =
+                c.warm.drain(..).partition(|conn| conn.outdated());
+            c.warm = current;
+            let mut victims: Vec<_> = outdated.into_iter().map(|v| (v, "outdated")).collect();
             while c.warm.len() > self.warm_target
                 && c.warm.front().is_some_and(|f| f.idle_for() >= idle)
             {
                 if let Some(v) = c.warm.pop_front() {
-                    c.tearing_down += 1;
-                    victims.push(v);
+                    victims.push((v, "idle"));
                 }
             }
+            c.tearing_down += victims.len();
             if !victims.is_empty() {
                 self.show_warm(&c);
             }
             victims
         };
-        for conn in victims {
+        for (conn, reason) in victims {
             self.shared
                 .metrics
                 .sandbox_retirements
-                .with_label_values(&self.labels.with(&["idle"]))
+                .with_label_values(&self.labels.with(&[reason]))
                 .inc();
             let pool = self.clone();
             tokio::spawn(async move {

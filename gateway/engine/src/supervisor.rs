@@ -113,6 +113,11 @@ impl SupervisorConn {
         !self.broken
     }
 
+    /// Whether the backend says sandboxes of another kind now serve this one's chain.
+    pub fn outdated(&self) -> bool {
+        self.handle.outdated()
+    }
+
     /// Whether an idle sandbox is still there, without waiting: a supervisor says nothing while its
     /// prepared cell waits for a claim, so an ended stream (the sandbox died, or the connection to it
     /// broke while it waited) or anything unasked-for means it must not be handed to a run.

@@ -137,6 +137,55 @@ async fn a_dirty_verdict_retires_the_sandbox() {
     assert_eq!(h.engine.metrics().boots(), 3);
 }
 
+/// After an upgrade the backend says the sandboxes it started before are outdated: each serves the
+/// trigger point it is in, and is then retired instead of recycled; no run fails.
+#[tokio::test]
+async fn outdated_sandboxes_are_retired_after_their_trigger_point() {
+    let backend = Arc::new(ScriptedBackend::new(Arc::new(|c: &Chunk| {
+        honest(c, |t| t.to_uppercase())
+    })));
+    let h = Harness::with_backend(
+        backend.clone(),
+        vec![tenant(
+            "input",
+            vec![py("up", "modify", UPPER)],
+            pool(json!({"warm": 1, "max": 2, "reuse": "Recycle"})),
+        )],
+        common::limits(),
+    )
+    .await;
+    settle(&h).await;
+    assert_eq!(
+        h.run("input", json!("a")).await.unwrap().walk.payload,
+        json!("A")
+    );
+    settle(&h).await;
+    assert_eq!(
+        retirements(&h, "outdated").await,
+        0,
+        "current sandboxes are recycled"
+    );
+    let boots = h.engine.metrics().boots();
+    backend.upgrade();
+    for text in ["b", "c", "d"] {
+        assert_eq!(
+            h.run("input", json!(text)).await.unwrap().walk.payload,
+            json!(text.to_uppercase())
+        );
+        settle(&h).await;
+    }
+    assert_eq!(
+        retirements(&h, "outdated").await,
+        1,
+        "the one old sandbox, once"
+    );
+    assert_eq!(
+        h.engine.metrics().boots(),
+        boots + 1,
+        "replaced by one new sandbox"
+    );
+}
+
 #[tokio::test]
 async fn a_supervisor_of_another_protocol_is_refused_with_a_clear_error() {
     let backend =

@@ -234,6 +234,8 @@ impl SandboxBackend for KubeBackend {
             stdout_bytes: Arc::default(),
             live: self.live.clone(),
             destroyed: AtomicBool::new(false),
+            pods: self.pods.clone(),
+            pod_namespace: pod_namespace.clone(),
         };
         let exec = tokio::time::timeout(self.cfg.exec_timeout, exec::start(&api, &pod)).await;
         let exec = exec.unwrap_or_else(|_| {
@@ -398,10 +400,18 @@ struct KubeHandle {
     stdout_bytes: Arc<AtomicU64>,
     live: Arc<Mutex<HashSet<String>>>,
     destroyed: AtomicBool,
+    /// The pod watch caches, to tell when the operator has moved on to another template.
+    pods: Vec<Store<Pod>>,
+    pod_namespace: String,
 }
 
 #[async_trait]
 impl SandboxHandle for KubeHandle {
+    fn outdated(&self) -> bool {
+        let pods: Vec<Arc<Pod>> = self.pods.iter().flat_map(|s| s.state()).collect();
+        claim::outdated(&pods, &self.pod_namespace, &self.pod)
+    }
+
     async fn destroy(&self, _force: bool) {
         if self.destroyed.swap(true, Ordering::SeqCst) {
             return;

@@ -253,6 +253,32 @@ pub(crate) async fn claimed_by_us(
     }
 }
 
+/// Whether the pod `name` (in `pod_namespace`) is outdated: the newest pod of its chain there has
+/// another template (the operator now makes pods of another template, such as a new supervisor
+/// image after an upgrade; it makes only current ones). The newest decides, so a template rolled
+/// back to makes its older pods current again. Unknown (not in `pods`): not outdated.
+pub(crate) fn outdated(pods: &[Arc<Pod>], pod_namespace: &str, name: &str) -> bool {
+    let label = |p: &Pod, k: &str| p.metadata.labels.as_ref()?.get(k).cloned();
+    let Some(me) = pods.iter().find(|p| {
+        p.metadata.name.as_deref() == Some(name)
+            && p.metadata.namespace.as_deref() == Some(pod_namespace)
+    }) else {
+        return false;
+    };
+    let chain = |p: &Pod| {
+        (
+            label(p, labels::LABEL_CHAIN_NAMESPACE),
+            label(p, labels::LABEL_CHAIN),
+        )
+    };
+    let newest = pods
+        .iter()
+        .filter(|p| p.metadata.namespace.as_deref() == Some(pod_namespace))
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && chain(p) == chain(me))
+        .max_by_key(|p| p.metadata.creation_timestamp.as_ref().map(|t| t.0));
+    newest.is_some_and(|n| label(n, labels::LABEL_TEMPLATE) != label(me, labels::LABEL_TEMPLATE))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -425,6 +451,63 @@ mod tests {
         assert_eq!(
             p["metadata"]["annotations"][labels::ANNOTATION_SAFE_TO_EVICT],
             "false"
+        );
+    }
+
+    fn pod_of(name: &str, template: &str, created: i64, chain: &str) -> Arc<Pod> {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let labels = [
+            (labels::LABEL_CHAIN_NAMESPACE, "team"),
+            (labels::LABEL_CHAIN, chain),
+            (labels::LABEL_TEMPLATE, template),
+        ];
+        Arc::new(Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("sandboxes".into()),
+                labels: Some(
+                    labels
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                ),
+                creation_timestamp: Some(Time(
+                    jiff::Timestamp::from_second(created).expect("a time"),
+                )),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn a_pod_is_outdated_when_the_newest_of_its_chain_has_another_template() {
+        let old = pod_of("old", "a", 100, "redact");
+        let mut pods = vec![old.clone(), pod_of("sibling", "a", 110, "redact")];
+        assert!(
+            !outdated(&pods, "sandboxes", "old"),
+            "one template: current"
+        );
+        // Another chain's newer pods say nothing about this one.
+        pods.push(pod_of("other-chain", "z", 200, "summarise"));
+        assert!(!outdated(&pods, "sandboxes", "old"));
+        pods.push(pod_of("new", "b", 300, "redact"));
+        assert!(
+            outdated(&pods, "sandboxes", "old"),
+            "the operator makes template b now"
+        );
+        assert!(!outdated(&pods, "sandboxes", "new"));
+        // Rolled back to a: the newest pod is an a again, and the old pod is current.
+        pods.push(pod_of("back", "a", 400, "redact"));
+        assert!(!outdated(&pods, "sandboxes", "old"));
+        assert!(outdated(&pods, "sandboxes", "new"));
+        assert!(
+            !outdated(&pods, "sandboxes", "unknown"),
+            "a pod not in the cache is not judged"
+        );
+        assert!(
+            !outdated(&pods, "elsewhere", "old"),
+            "nor one of another namespace"
         );
     }
 }

@@ -30,6 +30,8 @@ pub(crate) struct ScriptedBackend {
     dirty: Option<String>,
     host_results: Arc<Mutex<Vec<Value>>>,
     boot_delay: std::time::Duration,
+    /// Sandboxes started before this many have been are outdated once it has (an upgrade).
+    outdated_before: Arc<AtomicU64>,
 }
 
 impl ScriptedBackend {
@@ -41,7 +43,15 @@ impl ScriptedBackend {
             dirty: None,
             host_results: Arc::default(),
             boot_delay: std::time::Duration::ZERO,
+            outdated_before: Arc::default(),
         }
+    }
+
+    /// From now on, every sandbox started so far says it is outdated (as pods of an old template
+    /// after an upgrade); later ones are current.
+    pub(crate) fn upgrade(&self) {
+        self.outdated_before
+            .store(self.seq.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
     /// Takes this long to start each sandbox, like a real boot (without using the CPU).
@@ -89,15 +99,22 @@ pub(crate) fn honest(chunk: &Chunk, f: impl Fn(&str) -> String) -> Vec<Value> {
     lines
 }
 
-struct Handle(tokio::task::JoinHandle<()>);
+struct Handle {
+    task: tokio::task::JoinHandle<()>,
+    seq: u64,
+    outdated_before: Arc<AtomicU64>,
+}
 
 #[async_trait]
 impl SandboxHandle for Handle {
     async fn destroy(&self, _force: bool) {
-        self.0.abort();
+        self.task.abort();
     }
     fn stdout_bytes(&self) -> u64 {
         0
+    }
+    fn outdated(&self) -> bool {
+        self.seq < self.outdated_before.load(Ordering::Relaxed)
     }
 }
 
@@ -105,7 +122,8 @@ impl SandboxHandle for Handle {
 impl SandboxBackend for ScriptedBackend {
     async fn start(&self, _spec: &SandboxSpec) -> Result<Sandbox, StartError> {
         tokio::time::sleep(self.boot_delay).await;
-        let id = format!("scripted-{}", self.seq.fetch_add(1, Ordering::Relaxed));
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let id = format!("scripted-{seq}");
         let (stdin, requests) = tokio::io::duplex(1 << 20);
         let (mut answers, protocol) = tokio::io::duplex(1 << 20);
         let script = self.script.clone();
@@ -179,7 +197,11 @@ impl SandboxBackend for ScriptedBackend {
             stdin: Box::pin(stdin),
             protocol: Box::pin(protocol),
             stdout: None,
-            handle: Box::new(Handle(task)),
+            handle: Box::new(Handle {
+                task,
+                seq,
+                outdated_before: self.outdated_before.clone(),
+            }),
         })
     }
 
