@@ -19,7 +19,7 @@
 //! so the `caller` a request carries can be believed: only the gateway could have sent it.
 
 mod openai_llm;
-pub use openai_llm::{FakeOpenAi, OpenAiStats};
+pub use openai_llm::{CONTACT_REPLY, FakeOpenAi, OpenAiStats};
 
 use serde_json::{Value, json};
 use sluice_proto::convert::{from_proto, to_proto};

@@ -8,6 +8,8 @@
 //! - a user message starting with `error:` is answered with HTTP 429 and an OpenAI error object;
 //! - a user message starting with `slow:` streams its echo slowly (one chunk per 50 ms, the text
 //!   repeated 200 times), for tests of a client that goes away mid-stream;
+//! - a user message starting with `contact:` is answered with contact details (phone numbers and
+//!   email addresses the user never wrote), for tests of the reply's redaction;
 //! - a `tool` message (a tool result) is answered with `tool said: <result>`.
 //!
 //! `GET /fake/stats` tells how many streams were finished and how many were cancelled (the reader
@@ -26,6 +28,11 @@ use std::time::Duration;
 
 /// The model name the fake LLM reports when a request names none.
 const DEFAULT_MODEL: &str = "fake-llm";
+
+/// The answer to `contact:`: personal data spread over a reply long enough for several flushes.
+pub const CONTACT_REPLY: &str = "Our support desk is open from nine to five. You can call Sam on \
+    555-0123-4567 or write to sam.jones@example.com; outside office hours the on-call number is \
+    020-7946-0958 and the address is oncall@example.org. Please quote your ticket number.";
 
 /// What the fake LLM counts, for tests.
 #[derive(Default, Debug)]
@@ -181,6 +188,12 @@ fn reply_to(request: &Value) -> Reply {
         return Reply::ToolCall {
             name: name.to_string(),
             arguments: json!({"path": path.trim()}).to_string(),
+        };
+    }
+    if content.starts_with("contact:") {
+        return Reply::Text {
+            text: CONTACT_REPLY.to_string(),
+            slow: false,
         };
     }
     if content.starts_with("error:") {
