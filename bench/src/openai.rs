@@ -17,6 +17,9 @@ type Client = hyper_util::client::legacy::Client<
     Full<Bytes>,
 >;
 
+/// LiteLLM's master key (it refuses to start without one); every request of the bench sends it.
+const LITELLM_KEY: &str = "sk-sluice-bench";
+
 /// Requests per measured row (after a warm-up).
 const SAMPLES: usize = 60;
 
@@ -170,7 +173,7 @@ where
         pace().await;
         let req = hyper::Request::post(format!("{base}/chat/completions"))
             .header("content-type", "application/json")
-            .header("authorization", "Bearer bench")
+            .header("authorization", format!("Bearer {LITELLM_KEY}"))
             .body(Full::new(Bytes::from(body.clone())))?;
         let began = Instant::now();
         let resp = client.request(req).await?;
@@ -243,6 +246,7 @@ async fn litellm(upstream: &str) -> anyhow::Result<Option<LiteLlm>> {
             "model_list:\n  - model_name: support-bot\n    litellm_params: {{model: openai/support-bot, api_base: \"{upstream}\", api_key: fake}}\n"
         ),
     )?;
+    let log = std::env::temp_dir().join("sluice-bench-litellm.log");
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -258,12 +262,13 @@ async fn litellm(upstream: &str) -> anyhow::Result<Option<LiteLlm>> {
             "1",
         ])
         .env("LITELLM_LOG", "ERROR")
+        .env("LITELLM_MASTER_KEY", LITELLM_KEY)
         .env("LITELLM_TELEMETRY", "False")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
         .kill_on_drop(true)
         .spawn()?;
-    let lite = LiteLlm {
+    let mut lite = LiteLlm {
         addr: format!("127.0.0.1:{port}").parse()?,
         child,
         _dir: dir,
@@ -275,10 +280,14 @@ async fn litellm(upstream: &str) -> anyhow::Result<Option<LiteLlm>> {
             tokio::time::sleep(Duration::from_secs(2)).await;
             return Ok(Some(lite));
         }
+        if let Ok(Some(status)) = lite.child.try_wait() {
+            anyhow::bail!("litellm exited with {status} (its log: {})", log.display());
+        }
         anyhow::ensure!(
             began.elapsed() < Duration::from_secs(180),
-            "{} was not listening after 180 s",
-            bin.display()
+            "{} was not listening after 180 s (its log: {})",
+            bin.display(),
+            log.display()
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
