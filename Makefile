@@ -175,8 +175,15 @@ crds:
 	cp crds/*.yaml charts/sluice/crds/
 	cp crds/*.yaml deploy/base/crds/
 
+# The openai section compares the gateway's OpenAI proxy with LiteLLM's on the same fake upstream:
+# LiteLLM (pinned, PyPI) goes into $(LITELLM_VENV) once; if it cannot be installed its row says so.
+LITELLM_VENV ?= /var/cache/sluice/litellm-venv
+LITELLM_VERSION ?= 1.106.2
 bench: deps cell-release
-	$(CARGO) run --release -q -p sluice-bench
+	@test -x $(LITELLM_VENV)/bin/litellm || { python3 -m venv $(LITELLM_VENV) \
+		&& $(LITELLM_VENV)/bin/python -m pip install -q --disable-pip-version-check 'litellm[proxy]==$(LITELLM_VERSION)'; } \
+		|| echo "LiteLLM $(LITELLM_VERSION) could not be installed from PyPI: its bench row is skipped"
+	SLUICE_LITELLM=$(LITELLM_VENV)/bin/litellm $(CARGO) run --release -q -p sluice-bench
 
 # The kube-cluster rows against the running test cluster (make cluster-up cluster-install first).
 bench-cluster:

@@ -61,7 +61,7 @@ pub(crate) fn relay(
         template: None,
         role_sent: false,
         committed: String::new(),
-        fed: String::new(),
+        fed: Some(String::new()),
         calls: Vec::new(),
         finish: None,
         usage: None,
@@ -81,8 +81,9 @@ struct Relay {
     role_sent: bool,
     /// What was sent to the client so far.
     committed: String,
-    /// What was handed to the engine so far (sent as it is when no chain serves `output`).
-    fed: String,
+    /// What was handed to the engine so far, until it is known that a chain serves `output` (sent
+    /// as it is when none does).
+    fed: Option<String>,
     /// The reply's tool calls, assembled from their deltas.
     calls: Vec<Value>,
     finish: Option<String>,
@@ -161,7 +162,9 @@ impl Relay {
                                         return;
                                     }
                                 } else if let Some(i) = &inputs {
-                                    self.fed.push_str(&text);
+                                    if let Some(fed) = &mut self.fed {
+                                        fed.push_str(&text);
+                                    }
                                     if i.send(Ok(StreamInput::Chunk(text))).await.is_err() {
                                         // The engine's stream ended (its error comes as an output).
                                         inputs = None;
@@ -187,6 +190,8 @@ impl Relay {
                 }
                 output = output => match output {
                     Some(Ok(StreamOutput::Commit(text))) => {
+                        // A chain serves the reply: what was fed is never needed again.
+                        self.fed = None;
                         if self.commit(&text).await.is_err() {
                             return;
                         }
@@ -203,7 +208,7 @@ impl Relay {
                     Some(Err(StreamError::Refused(EngineError::NotFound(_)))) => {
                         passthrough = true;
                         inputs = None;
-                        let fed = std::mem::take(&mut self.fed);
+                        let fed = self.fed.take().unwrap_or_default();
                         if !fed.is_empty() && self.commit(&fed).await.is_err() {
                             return;
                         }
