@@ -299,3 +299,67 @@ class OpenAiProxyTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@requires_runsc
+class OpenAiProxyTlsTest(unittest.TestCase):
+    """The proxy's port speaks the gRPC port's TLS (same certificate, re-read on change)."""
+
+    @classmethod
+    def setUpClass(cls):
+        import ssl
+
+        from .certs import Certs
+
+        cls.certs = Certs()
+        cls.files = tempfile.mkdtemp(prefix="sluice-pyclient-openai-tls")
+        paths = {}
+        for name, data in [("server.pem", cls.certs.server.cert), ("server-key.pem", cls.certs.server.key),
+                           ("ca.pem", cls.certs.ca), ("other-ca.pem", cls.certs.other_ca),
+                           ("callers.yaml", CALLERS.encode())]:
+            paths[name] = os.path.join(cls.files, name)
+            with open(paths[name], "wb") as f:
+                f.write(data)
+        cls.paths = paths
+        cls.proxy = f"https://127.0.0.1:{free_port()}"
+        cls.gateway = LocalGateway(
+            files={},
+            args=["--tls-cert", paths["server.pem"], "--tls-key", paths["server-key.pem"],
+                  "--callers", paths["callers.yaml"],
+                  "--openai-listen", cls.proxy.removeprefix("https://"),
+                  # Nothing listens there: these tests stop before the upstream or meet a 502.
+                  "--openai-upstream", f"http://127.0.0.1:{free_port()}/v1"],
+            client={"root_certificates": cls.certs.ca, "token": TOKEN},
+        )
+        try:
+            cls.gateway.wait_ready()
+        except Exception:
+            cls.gateway.stop()
+            shutil.rmtree(cls.files, ignore_errors=True)
+            raise
+        cls.ssl = ssl
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.gateway.stop()
+        shutil.rmtree(cls.files, ignore_errors=True)
+
+    def client(self, ca: str, token: str = TOKEN) -> openai.OpenAI:
+        ctx = self.ssl.create_default_context(cafile=self.paths[ca])
+        return openai.OpenAI(base_url=self.proxy + "/v1", api_key=token, max_retries=0, timeout=30,
+                             http_client=openai.DefaultHttpxClient(verify=ctx))
+
+    def test_a_token_over_tls_is_a_caller_and_the_wrong_one_is_not(self):
+        messages = [{"role": "user", "content": "hi"}]
+        # Admitted: the request goes on to the upstream, which cannot be reached here.
+        with self.assertRaises(openai.APIStatusError) as e:
+            self.client("ca.pem").chat.completions.create(model="support-bot", messages=messages)
+        self.assertEqual(e.exception.status_code, 502)
+        self.assertEqual(e.exception.body["type"], "upstream_error")
+        with self.assertRaises(openai.AuthenticationError):
+            self.client("ca.pem", token="not-the-token").chat.completions.create(model="support-bot", messages=messages)
+
+    def test_a_client_that_does_not_trust_the_gateways_ca_cannot_connect(self):
+        with self.assertRaises(openai.APIConnectionError):
+            self.client("other-ca.pem").chat.completions.create(
+                model="support-bot", messages=[{"role": "user", "content": "hi"}])
