@@ -151,6 +151,24 @@ class OpenAiProxyTest(unittest.TestCase):
         ids = [m.id for m in self.client.models.list()]
         self.assertIn("support-bot", ids)
 
+    def test_the_readme_example_runs_as_written_with_only_the_address_and_key_changed(self):
+        import re
+        import sys
+
+        with open(os.path.join(REPO, "README.md")) as f:
+            section = f.read().split("## Use Sluice without changing your application", 1)[1]
+        code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+        self.assertIn('base_url="http://127.0.0.1:8080/v1"', code)
+        code = code.replace("http://127.0.0.1:8080", self.proxy).replace(
+            '"unused-without-a-caller-policy"', repr(TOKEN))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        first, streamed = out.stdout.split("\n", 1)
+        self.assertEqual(first, "echo: call me at [phone]")
+        self.assertIn("call Sam on [phone] or write to [email]", streamed)
+        for p in PERSONAL:
+            self.assertNotIn(p, streamed)
+
     # === blocks ===
 
     def test_a_blocked_prompt_is_a_refusal_with_content_filter(self):
