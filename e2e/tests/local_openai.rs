@@ -18,15 +18,19 @@ const EXAMPLES: [&str; 4] = [
 ];
 
 async fn gateway(upstream: &str) -> Harness {
+    gateway_with(upstream, |_| {}).await
+}
+
+/// The gateway with the example chains, each file's text passed through `tweak`.
+async fn gateway_with(upstream: &str, tweak: impl Fn(&mut String)) -> Harness {
     let files: Vec<(String, String)> = EXAMPLES
         .iter()
         .enumerate()
         .map(|(i, f)| {
             let path = format!("{}/../examples/{f}", env!("CARGO_MANIFEST_DIR"));
-            (
-                format!("{i}.yaml"),
-                std::fs::read_to_string(path).expect("example chain"),
-            )
+            let mut text = std::fs::read_to_string(path).expect("example chain");
+            tweak(&mut text);
+            (format!("{i}.yaml"), text)
         })
         .collect();
     let files: Vec<(&str, &str)> = files
@@ -191,6 +195,49 @@ async fn a_proxied_stream_is_redacted_and_audited_as_a_stream() {
         stream["stream"]["flushes"].as_u64().unwrap() > 1,
         "{stream}"
     );
+    h.stop_and_check_leaks().await;
+    fake.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reply_that_breaks_off_is_finished_as_it_is_under_an_open_output_chain() {
+    let fake = FakeOpenAi::start("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    // The example output chain, failing open.
+    let h = gateway_with(&format!("http://{}/v1", fake.addr), |text| {
+        if text.contains("name: support-output") {
+            *text = text.replace("failurePolicy: Closed", "failurePolicy: Open");
+        }
+    })
+    .await;
+    let (status, body) = post(
+        &h,
+        &json!({"model": "support-bot", "stream": true,
+                "messages": [{"role": "user", "content": "break: call 555-0123-4567"}]}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    assert!(!text.contains("\"error\""), "{text}");
+    assert!(text.contains("\"finish_reason\":\"stop\""), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"));
+    let content: String = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|e| {
+            e.pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
+        .collect();
+    // Everything the upstream sent (half of the echo), through the chain: the input chain masked
+    // the number before the model saw it.
+    let full = "echo:  call [phone] ".repeat(20);
+    assert!(full.starts_with(&content), "{content:?}");
+    assert!(content.len() >= full.len() / 2 - 10, "{content:?}");
     h.stop_and_check_leaks().await;
     fake.stop();
 }

@@ -251,6 +251,20 @@ class OpenAiProxyTest(unittest.TestCase):
         with self.assertRaises(openai.RateLimitError):
             self.ask("error: please fail", stream=True)
 
+    def test_a_reply_that_breaks_off_ends_with_an_error_under_a_closed_output_chain(self):
+        # support-bot's output chain is failurePolicy: Closed: what the window holds back is never
+        # shown, and the client hears of the failure.
+        deltas = []
+        with self.assertRaises(openai.APIError) as e:
+            with self.ask("break: the reply breaks off", stream=True) as stream:
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        deltas.append(chunk.choices[0].delta.content)
+        self.assertIn("ended before its reply did", str(e.exception))
+        full = "echo:  the reply breaks off " * 20
+        self.assertTrue(full.startswith("".join(deltas)))
+        self.assertLess(len("".join(deltas)), len(full) // 2)
+
     def test_a_client_that_goes_away_mid_stream_cancels_the_upstream_and_is_audited(self):
         audit = os.path.join(self.gateway.state, "audit.jsonl")
         cancelled = get_json(self.upstream + "/fake/stats")["streams_cancelled"]

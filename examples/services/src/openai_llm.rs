@@ -6,6 +6,8 @@
 //! - a user message starting with `tool:` is answered with a tool call: `tool: read_file /etc/x`
 //!   calls `read_file` with `{"path": "/etc/x"}`;
 //! - a user message starting with `error:` is answered with HTTP 429 and an OpenAI error object;
+//! - a user message starting with `break:` streams half of its echo and then closes the
+//!   connection without finishing the reply (not streamed: the whole echo);
 //! - a user message starting with `slow:` streams its echo slowly (one chunk per 50 ms, the text
 //!   repeated 200 times), for tests of a client that goes away mid-stream;
 //! - a user message starting with `contact:` is answered with contact details (phone numbers and
@@ -158,8 +160,16 @@ async fn answer(
 
 /// What the fake model says to a request.
 enum Reply {
-    Text { text: String, slow: bool },
-    ToolCall { name: String, arguments: String },
+    Text {
+        text: String,
+        slow: bool,
+        /// Stop halfway and close the connection.
+        broken: bool,
+    },
+    ToolCall {
+        name: String,
+        arguments: String,
+    },
     Error,
 }
 
@@ -180,6 +190,7 @@ fn reply_to(request: &Value) -> Reply {
         return Reply::Text {
             text: format!("tool said: {content}"),
             slow: false,
+            broken: false,
         };
     }
     if let Some(call) = content.strip_prefix("tool:") {
@@ -194,20 +205,30 @@ fn reply_to(request: &Value) -> Reply {
         return Reply::Text {
             text: CONTACT_REPLY.to_string(),
             slow: false,
+            broken: false,
         };
     }
     if content.starts_with("error:") {
         return Reply::Error;
     }
+    if let Some(rest) = content.strip_prefix("break:") {
+        return Reply::Text {
+            text: format!("echo: {rest} ").repeat(20),
+            slow: false,
+            broken: true,
+        };
+    }
     if let Some(rest) = content.strip_prefix("slow:") {
         return Reply::Text {
             text: format!("echo: {rest} ").repeat(200),
             slow: true,
+            broken: false,
         };
     }
     Reply::Text {
         text: format!("echo: {content}"),
         slow: false,
+        broken: false,
     }
 }
 
@@ -277,6 +298,7 @@ fn completion(request: &Value, stats: Arc<OpenAiStats>) -> Response<Body> {
     };
     let mut events: Vec<Value> = vec![chunk(json!({"role": "assistant", "content": ""}), None)];
     let slow = matches!(reply, Reply::Text { slow: true, .. });
+    let broken = matches!(reply, Reply::Text { broken: true, .. });
     match &reply {
         Reply::Text { text, .. } => {
             // Small chunks, cut anywhere (inside words and numbers), as real models send them.
@@ -303,7 +325,12 @@ fn completion(request: &Value, stats: Arc<OpenAiStats>) -> Response<Body> {
         }
         Reply::Error => {}
     }
-    events.push(chunk(json!({}), Some(finish)));
+    if broken {
+        // Half the reply, then the connection closes: no finish, no [DONE].
+        events.truncate(events.len() / 2);
+    } else {
+        events.push(chunk(json!({}), Some(finish)));
+    }
     if include_usage {
         let mut last = chunk(json!({}), None);
         last["choices"] = json!([]);

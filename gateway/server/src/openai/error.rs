@@ -144,6 +144,10 @@ impl ApiError {
         Self::new(status, kind, code, e.to_string())
     }
 
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+
     pub(crate) fn body(&self) -> serde_json::Value {
         if let Some(b) = &self.upstream_body {
             return b.clone();

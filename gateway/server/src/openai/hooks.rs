@@ -3,10 +3,10 @@
 
 use super::error::ApiError;
 use serde_json::Value;
-use sluice_crds::Action;
+use sluice_crds::{Action, FailurePolicy, TriggerPoint};
 use sluice_engine::{
-    CallerAuth, ClientStreamError, Engine, EngineError, RunInput, StreamError, StreamInput,
-    StreamOpen, StreamOutput,
+    CallerAuth, ChainKey, ClientStreamError, Engine, EngineError, RunInput, StreamError,
+    StreamInput, StreamOpen, StreamOutput,
 };
 use std::sync::Arc;
 
@@ -71,6 +71,25 @@ impl Hooks {
             Action::Skip => Verdict::Skip(walk.message),
             Action::Pass | Action::Modify | Action::Detect => Verdict::Go(walk.payload),
         })
+    }
+
+    /// Whether the reply's `output` chains let a reply through when it fails (`failurePolicy:
+    /// Open` on the tenant's chain and on the platform's baseline, if there is one). No chain at
+    /// all counts as open: there is nothing to enforce.
+    pub(crate) fn output_fails_open(&self) -> bool {
+        let registry = self.engine.registry();
+        let key = ChainKey {
+            namespace: self.namespace.clone(),
+            target: self.target.clone(),
+            trigger_point: TriggerPoint::Output,
+        };
+        [
+            registry.chain(&key),
+            registry.baseline(TriggerPoint::Output),
+        ]
+        .into_iter()
+        .flatten()
+        .all(|c| c.spec.failure_policy == FailurePolicy::Open)
     }
 
     /// Opens the `output` stream of the reply: the engine's two-path stream, fed with `inputs`.

@@ -180,6 +180,19 @@ impl Relay {
                                     let _ = self.end(broken.take()).await;
                                     return;
                                 }
+                                // A reply that broke off follows the output chain's failure policy:
+                                // Closed ends it here (the text the window holds back is never
+                                // shown; the engine's stream is audited as unfinished), Open lets
+                                // what came through the chain as a finished reply.
+                                if let Some(e) = broken.take() {
+                                    if !self.hooks.output_fails_open() {
+                                        drop(inputs.take());
+                                        let _ = self.send(&e.body()).await;
+                                        let _ = self.done().await;
+                                        return;
+                                    }
+                                    tracing::warn!(error = %e.message(), "the upstream's reply broke off; the output chain fails open, so it is finished as it is");
+                                }
                                 if let Some(i) = inputs.take() {
                                     let _ = i.send(Ok(StreamInput::Finish)).await;
                                 }
