@@ -82,11 +82,16 @@ test-dist:
 		./$(DIST_NAME)/bin/sluice test $(CURDIR)/examples/tests/pii-redaction.test.yaml
 	rm -rf target/test-dist dist/$(DIST_NAME) dist/$(DIST_NAME).tar.gz
 
-# The example services (fake LLM on :7001, credit ledger on :7002) run beside the gateway and stop with it.
+# The example services (fake LLM on :7001, credit ledger on :7002, OpenAI-compatible fake LLM on
+# :7003) run beside the gateway and stop with it; the gateway's OpenAI-compatible proxy serves
+# $(OPENAI_LISTEN) in front of the fake (README "Use Sluice without changing your application").
+OPENAI_LISTEN ?= 127.0.0.1:8080
+OPENAI_UPSTREAM ?= http://127.0.0.1:7003/v1
 run: build
 	./target/release/sluice-example-services & services=$$!; \
 	trap "kill $$services 2>/dev/null" EXIT INT TERM; \
-	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR)
+	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR) \
+		--openai-listen $(OPENAI_LISTEN) --openai-upstream $(OPENAI_UPSTREAM)
 
 # test-manifests validates what the built `sluice-operator render` prints; test-cluster brings up a
 # real single-node Kubernetes (root; Go for its first build, cached per version), runs the cluster
@@ -94,9 +99,10 @@ run: build
 test: deps test-rust test-clients test-dist test-manifests test-cluster
 
 # The Python client, installed into $(CLIENTS_VENV) as an application would (with its `test` extra),
-# tested against a real local gateway (runsc sandboxes; those tests skip, saying so, without runsc).
+# tested against a real local gateway (runsc sandboxes; those tests skip, saying so, without runsc);
+# the official `openai` client against the gateway's OpenAI-compatible proxy and the fake OpenAI LLM.
 test-clients: deps cell
-	$(CARGO) build -q -p sluice-gateway --bin sluice-gateway
+	$(CARGO) build -q -p sluice-gateway --bin sluice-gateway -p sluice-example-services --bin sluice-example-services
 	@test -x $(CLIENTS_VENV)/bin/python || python3 -m venv $(CLIENTS_VENV)
 	$(CLIENTS_VENV)/bin/python -m pip install -q --disable-pip-version-check './clients/python[test]'
 	cd clients/python && GRPC_VERBOSITY=ERROR SLUICE_GATEWAY_BIN=$(CURDIR)/target/debug/sluice-gateway \
@@ -169,8 +175,15 @@ crds:
 	cp crds/*.yaml charts/sluice/crds/
 	cp crds/*.yaml deploy/base/crds/
 
+# The openai section compares the gateway's OpenAI proxy with LiteLLM's on the same fake upstream:
+# LiteLLM (pinned, PyPI) goes into $(LITELLM_VENV) once; if it cannot be installed its row says so.
+LITELLM_VENV ?= /var/cache/sluice/litellm-venv
+LITELLM_VERSION ?= 1.106.2
 bench: deps cell-release
-	$(CARGO) run --release -q -p sluice-bench
+	@test -x $(LITELLM_VENV)/bin/litellm || { python3 -m venv $(LITELLM_VENV) \
+		&& $(LITELLM_VENV)/bin/python -m pip install -q --disable-pip-version-check 'litellm[proxy]==$(LITELLM_VERSION)'; } \
+		|| echo "LiteLLM $(LITELLM_VERSION) could not be installed from PyPI: its bench row is skipped"
+	SLUICE_LITELLM=$(LITELLM_VENV)/bin/litellm $(CARGO) run --release -q -p sluice-bench
 
 # The kube-cluster rows against the running test cluster (make cluster-up cluster-install first).
 bench-cluster:

@@ -898,6 +898,33 @@ class CapabilitiesChartTest(ManifestCase):
             self.assertEqual(volumes[mount["name"]]["secret"]["secretName"], secret)
         self.assertValid(helm_template(values=self.ENDPOINTS), "helm template with capabilities set")
 
+    def test_the_openai_proxy_is_served_only_when_enabled_with_its_key_from_a_secret(self):
+        def gateway(objs):
+            return self.find(objs, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]
+
+        pod = gateway(helm_template())
+        self.assertFalse([a for a in pod["containers"][0]["args"] if a.startswith("--openai")])
+        self.assertNotIn("openai", [p["name"] for p in self.find(helm_template(), "Service", "sluice-gateway")["spec"]["ports"]])
+
+        values = {"gateway": {"openai": {"enabled": True, "upstream": "https://api.openai.com/v1",
+                                         "apiKeySecret": "openai-key"}}}
+        objs = helm_template(values=values)
+        (c,) = gateway(objs)["containers"]
+        self.assertIn("--openai-listen=0.0.0.0:8080", c["args"])
+        self.assertIn("--openai-upstream=https://api.openai.com/v1", c["args"])
+        self.assertIn("--openai-api-key-file=/etc/sluice/openai/api-key", c["args"])
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/sluice/openai")
+        self.assertTrue(mount.get("readOnly"))
+        self.assertNotIn("subPath", mount, "a subPath mount would never see a rotated key")
+        volume = next(v for v in gateway(objs)["volumes"] if v["name"] == mount["name"])
+        self.assertEqual(volume["secret"]["secretName"], "openai-key")
+        self.assertIn({"name": "openai", "port": 8080, "targetPort": "openai", "protocol": "TCP", "appProtocol": "http"},
+                      self.find(objs, "Service", "sluice-gateway")["spec"]["ports"])
+        self.assertValid(objs, "helm template with the OpenAI proxy")
+        with self.assertRaises(AssertionError) as e:
+            helm_template(values={"gateway": {"openai": {"enabled": True}}})
+        self.assertIn("gateway.openai.upstream", str(e.exception))
+
     def role_rules(self, role):
         return {(g, r): sorted(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
 

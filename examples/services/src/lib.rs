@@ -8,12 +8,18 @@
 //!   releases it when the call did not execute). Both are keyed by the gateway's `call_id`, so a
 //!   settlement the gateway tries again is applied once.
 //!
+//! A third, `openai_llm`, is an OpenAI-compatible fake LLM over HTTP: the upstream of the gateway's
+//! OpenAI proxy.
+//!
 //! Both record every call they receive, so tests can assert the order of gate, execute and dispatch.
 //!
 //! Both can insist on the gateway's credentials ([`Guard`]): a bearer token, and a client
 //! certificate signed by a given CA (then both speak TLS). A call without them is refused (HTTP 401,
 //! gRPC `UNAUTHENTICATED`, or the TLS handshake fails) and never reaches the ledger or the model,
 //! so the `caller` a request carries can be believed: only the gateway could have sent it.
+
+mod openai_llm;
+pub use openai_llm::{CONTACT_REPLY, FakeOpenAi, OpenAiStats};
 
 use serde_json::{Value, json};
 use sluice_proto::convert::{from_proto, to_proto};

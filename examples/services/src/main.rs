@@ -1,5 +1,5 @@
 //! `sluice-example-services`: the fake LLM (gRPC) and the credit ledger (HTTP) behind
-//! `examples/capabilities.yaml`. Every user starts with `--balance` credits.
+//! `examples/capabilities.yaml`, and the OpenAI-compatible fake LLM behind the gateway's OpenAI proxy. Every user starts with `--balance` credits.
 
 use anyhow::Context as _;
 use clap::Parser;
@@ -14,6 +14,9 @@ struct Args {
     llm: SocketAddr,
     #[arg(long, default_value = "127.0.0.1:7002")]
     credit: SocketAddr,
+    /// The OpenAI-compatible fake LLM (`POST /v1/chat/completions`), the proxy's upstream.
+    #[arg(long, default_value = "127.0.0.1:7003")]
+    openai: SocketAddr,
     /// Starting balance of the example users (user-1, user-2, user-3).
     #[arg(long, default_value_t = 20)]
     balance: i64,
@@ -59,8 +62,12 @@ async fn main() -> anyhow::Result<()> {
     for user in ["user-1", "user-2", "user-3"] {
         services.credit.set_balance(user, args.balance);
     }
-    tracing::info!(llm = %services.llm_addr, credit = %services.credit_addr, "example services listening");
+    let openai = sluice_example_services::FakeOpenAi::start(args.openai)
+        .await
+        .with_context(|| format!("binding {}", args.openai))?;
+    tracing::info!(llm = %services.llm_addr, credit = %services.credit_addr, openai = %openai.addr, "example services listening");
     tokio::signal::ctrl_c().await?;
     services.stop();
+    openai.stop();
     Ok(())
 }

@@ -4,6 +4,7 @@
 //! start gateways through here.
 
 use crate::callers::ReloadingPolicy;
+use crate::openai::OpenAiOptions;
 use crate::service::GatewayService;
 use crate::tls::{ReloadingTls, TlsFiles, TlsMetrics};
 use crate::{dir_watch, local_dir};
@@ -88,6 +89,27 @@ struct Secured {
     callers: Option<Arc<ReloadingPolicy>>,
 }
 
+/// The OpenAI-compatible proxy's port, bound at start beside the gRPC port (same TLS and callers).
+struct OpenAiListener {
+    opts: OpenAiOptions,
+    listener: tokio::net::TcpListener,
+}
+
+impl OpenAiListener {
+    /// Checks the proxy's exposure as the gRPC port's, and binds its port.
+    async fn bind(
+        opts: Option<&OpenAiOptions>,
+        security: &Security,
+    ) -> anyhow::Result<Option<Self>> {
+        let Some(opts) = opts else { return Ok(None) };
+        security.check_exposure(opts.listen)?;
+        let listener = bind(opts.listen).await?;
+        let mut opts = opts.clone();
+        opts.listen = listener.local_addr()?;
+        Ok(Some(Self { opts, listener }))
+    }
+}
+
 pub struct LocalOptions {
     /// Directory of HookChain and Capability YAML.
     pub dir: PathBuf,
@@ -110,6 +132,8 @@ pub struct LocalOptions {
     pub gvisor: bool,
     /// Where capabilities may point (loopback by default) and the credentials they may name.
     pub trust: Trust,
+    /// The OpenAI-compatible proxy, when it is served (`--openai-listen`).
+    pub openai: Option<OpenAiOptions>,
 }
 
 impl LocalOptions {
@@ -129,12 +153,15 @@ impl LocalOptions {
             python: PathBuf::from("/usr/bin/python3"),
             gvisor: true,
             trust: Trust::local(),
+            openai: None,
         }
     }
 }
 
 pub struct RunningGateway {
     pub addr: SocketAddr,
+    /// The OpenAI-compatible proxy's address, when it is served.
+    pub openai_addr: Option<SocketAddr>,
     pub engine: Arc<Engine>,
     pub health: tonic_health::server::HealthReporter,
     shutdown: Option<oneshot::Sender<()>>,
@@ -183,6 +210,7 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
     // certificate or "address in use" must not wait for the backend's checks or any boot.
     let secured = opts.security.prepare(opts.listen)?;
     let listener = bind(opts.listen).await?;
+    let openai = OpenAiListener::bind(opts.openai.as_ref(), &opts.security).await?;
     let rollouts_file = opts.sandbox.state_dir.join("rollouts.json");
     let backend: Arc<dyn SandboxBackend> = if opts.gvisor {
         Arc::new(
@@ -235,6 +263,7 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         engine,
         listener,
         secured,
+        openai,
         opts.metrics,
         &opts.limits,
         vec![source],
@@ -261,6 +290,8 @@ pub struct KubeOptions {
     pub python: PathBuf,
     /// Where capabilities may point (built-ins only by default) and the credentials they may name.
     pub trust: Trust,
+    /// The OpenAI-compatible proxy, when it is served (`--openai-listen`).
+    pub openai: Option<OpenAiOptions>,
 }
 
 impl KubeOptions {
@@ -277,6 +308,7 @@ impl KubeOptions {
             platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
             python: PathBuf::from("python3"),
             trust: Trust::cluster(),
+            openai: None,
         }
     }
 }
@@ -292,6 +324,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     }
     let secured = opts.security.prepare(opts.listen)?;
     let listener = bind(opts.listen).await?;
+    let openai = OpenAiListener::bind(opts.openai.as_ref(), &opts.security).await?;
     let metrics = Metrics::new();
     let backend = KubeBackend::new(
         opts.client.clone(),
@@ -354,6 +387,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
         engine,
         listener,
         secured,
+        openai,
         opts.metrics,
         &limits,
         vec![feed, shadows],
@@ -411,6 +445,7 @@ async fn serve(
     engine: Arc<Engine>,
     listener: tokio::net::TcpListener,
     secured: Secured,
+    openai: Option<OpenAiListener>,
     metrics_addr: Option<SocketAddr>,
     limits: &Limits,
     mut tasks: Vec<JoinHandle<()>>,
@@ -430,6 +465,19 @@ async fn serve(
             .ok();
         tasks.push(tokio::spawn(callers.clone().watch(reloads)));
     }
+    let openai_addr = match openai {
+        Some(o) => {
+            tasks.extend(crate::openai::start(
+                engine.clone(),
+                secured.callers.clone(),
+                secured.tls.clone(),
+                o.listener,
+                &o.opts,
+            )?);
+            Some(o.opts.listen)
+        }
+        None => None,
+    };
     let service = GatewayServer::new(GatewayService {
         engine: engine.clone(),
         callers: secured.callers,
@@ -513,6 +561,7 @@ async fn serve(
     }
     Ok(RunningGateway {
         addr,
+        openai_addr,
         engine,
         health,
         shutdown: Some(tx),

@@ -7,13 +7,15 @@
 //! engine translation) → `local_dir` (local mode's chain source) → `dir_watch` (noticing its
 //! changes) → `tls` (the listener's reloading TLS) and `callers` (the caller policy: who may use
 //! which namespace) → `observability` (logs, and OpenTelemetry traces when the environment
-//! configures them).
+//! configures them); `openai` is the optional OpenAI-compatible HTTP proxy in front of a model,
+//! running the same chains (`--openai-listen`).
 
 mod assembly;
 mod callers;
 mod dir_watch;
 mod local_dir;
 pub mod observability;
+mod openai;
 mod service;
 mod tls;
 
@@ -22,5 +24,6 @@ pub use assembly::{
 };
 pub use callers::PolicyError;
 pub use local_dir::{LocalSource, load, load_for};
+pub use openai::{OpenAiOptions, UpstreamError};
 pub use sluice_capabilities::Trust;
 pub use tls::{TlsError, TlsFiles};

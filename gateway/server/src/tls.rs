@@ -102,7 +102,9 @@ impl TlsFiles {
         let mut config = builder
             .with_single_cert(certs, key)
             .map_err(|source| self.config_error(source))?;
-        config.alpn_protocols = vec![b"h2".to_vec()];
+        // h2 for gRPC; http/1.1 for the OpenAI-compatible proxy, which shares these certificates
+        // (a client offering only http/1.1 would otherwise fail the handshake).
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(config)
     }
 

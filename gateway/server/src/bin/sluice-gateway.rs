@@ -6,7 +6,9 @@ use clap::Parser;
 use sluice_crds::endpoints::AllowedEndpoints;
 use sluice_engine::Audit;
 use sluice_gateway::observability::{self, TracingConfig};
-use sluice_gateway::{KubeOptions, LocalOptions, Security, TlsFiles, start_kube, start_local};
+use sluice_gateway::{
+    KubeOptions, LocalOptions, OpenAiOptions, Security, TlsFiles, start_kube, start_local,
+};
 use sluice_sandbox_kube::KubeConfig;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -126,6 +128,20 @@ struct Args {
     /// subdirectory per set, holding `token`, `tls.crt` and `tls.key`, and/or `ca.crt`.
     #[arg(long, value_name = "DIR")]
     capability_credentials: Option<PathBuf>,
+    /// Also serve the OpenAI Chat Completions API on this address (`POST /v1/chat/completions`,
+    /// `GET /v1/models`), running the chains on every request and reply (docs/openai-proxy.md).
+    /// Same TLS and caller policy as --listen.
+    #[arg(long, value_name = "ADDR", requires = "openai_upstream")]
+    openai_listen: Option<SocketAddr>,
+    /// The OpenAI-compatible endpoint the proxy forwards to, e.g. https://api.openai.com/v1.
+    #[arg(long, value_name = "URL", requires = "openai_listen")]
+    openai_upstream: Option<String>,
+    /// A file holding the upstream's API key (re-read on every call; a mounted Secret).
+    #[arg(long, value_name = "FILE", requires = "openai_listen")]
+    openai_api_key_file: Option<PathBuf>,
+    /// How long the upstream may take to answer (and to send the next piece of a stream).
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    openai_upstream_timeout: std::time::Duration,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -155,6 +171,15 @@ async fn main() -> anyhow::Result<()> {
         callers: args.callers.clone(),
         insecure: args.insecure,
     };
+    let openai = match (args.openai_listen, &args.openai_upstream) {
+        (Some(listen), Some(upstream)) => {
+            let mut o = OpenAiOptions::new(listen, upstream.clone());
+            o.api_key_file = args.openai_api_key_file.clone();
+            o.upstream_timeout = args.openai_upstream_timeout;
+            Some(o)
+        }
+        _ => None,
+    };
     let gateway = match &args.local {
         Some(dir) => {
             let mut opts = LocalOptions::new(dir, &args.state_dir);
@@ -180,6 +205,7 @@ async fn main() -> anyhow::Result<()> {
             opts.audit = audit;
             opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
             opts.limits.hook_output_bytes = args.hook_output_bytes as usize;
+            opts.openai = openai;
             start_local(opts).await?
         }
         None => {
@@ -213,6 +239,7 @@ async fn main() -> anyhow::Result<()> {
             opts.limits.claim_timeout = args.claim_timeout;
             opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
             opts.limits.hook_output_bytes = args.hook_output_bytes as usize;
+            opts.openai = openai;
             start_kube(opts).await?
         }
     };

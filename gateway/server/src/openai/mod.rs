@@ -1,0 +1,251 @@
+//! The OpenAI-compatible proxy (`--openai-listen ADDR --openai-upstream URL`): the gateway serves
+//! `POST /v1/chat/completions` (streamed and not) and passes `GET /v1/models` through, running the
+//! chains of the caller's target on every request, reply and tool call (`chat`), so that an
+//! application changes only its base URL. Callers are identified as on the gRPC port (TLS client
+//! certificate, or the `authorization` header's bearer token against the caller policy).
+//!
+//! Reading order: this file (the listener, routing, who is calling, bad input) → `chat` (one
+//! completion through the trigger points) → `sse` (the streamed reply) → `upstream` (the model
+//! behind) → `error` (the API's error shape).
+
+mod chat;
+mod error;
+mod hooks;
+mod sse;
+mod upstream;
+
+use crate::callers::ReloadingPolicy;
+use crate::tls::ReloadingTls;
+use bytes::Bytes;
+use error::ApiError;
+use http_body_util::{BodyExt, combinators::BoxBody};
+use hyper::{Method, Request, Response};
+use sluice_engine::{CallerAuth, Engine};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use upstream::Upstream;
+
+pub use upstream::UpstreamError;
+
+/// How the proxy is configured (`--openai-*`).
+#[derive(Clone, Debug)]
+pub struct OpenAiOptions {
+    pub listen: SocketAddr,
+    /// The OpenAI-compatible endpoint requests go on to, e.g. `https://api.openai.com/v1`.
+    pub upstream: String,
+    /// A file holding the upstream's API key (sent as `authorization: Bearer`); hooks never see it.
+    pub api_key_file: Option<PathBuf>,
+    /// How long an upstream call may take before its first byte (and between bytes of a stream).
+    pub upstream_timeout: Duration,
+}
+
+impl OpenAiOptions {
+    pub fn new(listen: SocketAddr, upstream: impl Into<String>) -> Self {
+        Self {
+            listen,
+            upstream: upstream.into(),
+            api_key_file: None,
+            upstream_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+pub(crate) type Body = BoxBody<Bytes, Infallible>;
+
+/// Header naming the namespace a request's chains are in (default: `default`, or the caller's only
+/// namespace); the caller policy decides whether the caller may use it.
+const NAMESPACE_HEADER: &str = "x-sluice-namespace";
+/// Header naming the target (default: the request's `model`).
+const TARGET_HEADER: &str = "x-sluice-target";
+/// Header naming the conversation (the session id of every run), optional.
+const SESSION_HEADER: &str = "x-sluice-session";
+
+/// The proxy, shared by every connection.
+pub(crate) struct Proxy {
+    engine: Arc<Engine>,
+    callers: Option<Arc<ReloadingPolicy>>,
+    upstream: Upstream,
+}
+
+/// Starts the proxy on a listener already bound; its task ends when the process does (or `stop`).
+pub(crate) fn start(
+    engine: Arc<Engine>,
+    callers: Option<Arc<ReloadingPolicy>>,
+    tls: Option<Arc<ReloadingTls>>,
+    listener: tokio::net::TcpListener,
+    opts: &OpenAiOptions,
+) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
+    let upstream = Upstream::new(opts)?;
+    let proxy = Arc::new(Proxy {
+        engine,
+        callers,
+        upstream,
+    });
+    let mut tasks = Vec::new();
+    match tls {
+        None => tasks.push(tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                crate::assembly::no_delay(&tcp);
+                tokio::spawn(proxy.clone().connection(tcp, None));
+            }
+        })),
+        Some(tls) => {
+            use tokio_stream::StreamExt;
+            let (mut incoming, accept) = tls.incoming(listener);
+            tasks.push(accept);
+            tasks.push(tokio::spawn(async move {
+                while let Some(conn) = incoming.next().await {
+                    let Ok(conn) = conn else { continue };
+                    let certs = conn.get_ref().1.peer_certificates().map(|c| c.to_vec());
+                    tokio::spawn(proxy.clone().connection(conn, certs));
+                }
+            }));
+        }
+    }
+    tracing::info!(addr = %opts.listen, upstream = %opts.upstream, "OpenAI-compatible proxy listening");
+    Ok(tasks)
+}
+
+type Certs = Vec<rustls_pki_types::CertificateDer<'static>>;
+
+impl Proxy {
+    /// Serves one HTTP/1.1 connection.
+    async fn connection<S>(self: Arc<Self>, io: S, certs: Option<Certs>)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let certs = Arc::new(certs);
+        let svc = hyper::service::service_fn(move |req| {
+            let (proxy, certs) = (self.clone(), certs.clone());
+            async move { Ok::<_, Infallible>(proxy.handle(req, certs.as_ref().as_deref()).await) }
+        });
+        let _ = hyper::server::conn::http1::Builder::new()
+            .serve_connection(hyper_util::rt::TokioIo::new(io), svc)
+            .await;
+    }
+
+    async fn handle(
+        self: Arc<Self>,
+        req: Request<hyper::body::Incoming>,
+        certs: Option<&[rustls_pki_types::CertificateDer<'static>]>,
+    ) -> Response<Body> {
+        let auth = self.auth(&req, certs);
+        let path = req.uri().path().trim_end_matches('/').to_string();
+        let answer = match (req.method(), path.as_str()) {
+            (&Method::POST, "/v1/chat/completions") => self.chat(req, auth).await,
+            (&Method::GET, "/v1/models") => match admitted(&auth) {
+                Ok(()) => self.upstream.models().await,
+                Err(e) => Err(e),
+            },
+            (_, "/v1/chat/completions") | (_, "/v1/models") => Err(ApiError::method_not_allowed()),
+            _ => Err(ApiError::not_found(&path)),
+        };
+        answer.unwrap_or_else(ApiError::into_response)
+    }
+
+    /// Who sent `req`: its TLS client certificate and `authorization` header only.
+    fn auth<B>(
+        &self,
+        req: &Request<B>,
+        certs: Option<&[rustls_pki_types::CertificateDer<'static>]>,
+    ) -> CallerAuth {
+        let Some(callers) = &self.callers else {
+            return CallerAuth::Unchecked;
+        };
+        let authorization = req
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .map(|v| v.as_bytes());
+        callers.current().identify(certs, authorization)
+    }
+
+    /// One chat completion: read and check the body, then `chat::complete`.
+    async fn chat(
+        self: Arc<Self>,
+        req: Request<hyper::body::Incoming>,
+        auth: CallerAuth,
+    ) -> Result<Response<Body>, ApiError> {
+        admitted(&auth)?;
+        let content_type = req
+            .headers()
+            .get(hyper::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        if !content_type
+            .split(';')
+            .next()
+            .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+        {
+            return Err(ApiError::unsupported_media_type(content_type));
+        }
+        let header = |name: &str| {
+            req.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let namespace = header(NAMESPACE_HEADER);
+        let target = header(TARGET_HEADER);
+        let session = header(SESSION_HEADER).unwrap_or_default();
+        let limit = self.engine.limits().request_bytes;
+        let body = http_body_util::Limited::new(req.into_body(), limit)
+            .collect()
+            .await
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    ApiError::too_large(limit)
+                } else {
+                    ApiError::invalid(format!("the request body could not be read: {e}"))
+                }
+            })?
+            .to_bytes();
+        let request = chat::ChatRequest::parse(&body)?;
+        let namespace = namespace.unwrap_or_else(|| default_namespace(&auth));
+        let target = target.unwrap_or_else(|| request.model.clone());
+        let hooks = hooks::Hooks {
+            engine: self.engine.clone(),
+            auth,
+            namespace,
+            target,
+            session,
+        };
+        chat::complete(&self.upstream, hooks, request).await
+    }
+}
+
+/// Refuses a caller the policy does not know, before anything is read or sent upstream.
+fn admitted(auth: &CallerAuth) -> Result<(), ApiError> {
+    match auth {
+        CallerAuth::Unauthenticated(why) => Err(ApiError::unauthenticated(why)),
+        _ => Ok(()),
+    }
+}
+
+/// The namespace of a request without `x-sluice-namespace`: the caller's, when the policy gives it
+/// exactly one, else `default`.
+fn default_namespace(auth: &CallerAuth) -> String {
+    match auth {
+        CallerAuth::Verified(i) if i.namespaces.len() == 1 && i.namespaces[0] != "*" => {
+            i.namespaces[0].clone()
+        }
+        _ => "default".to_string(),
+    }
+}
+
+/// A JSON answer.
+pub(crate) fn json_response(status: hyper::StatusCode, v: &serde_json::Value) -> Response<Body> {
+    let mut resp = Response::new(http_body_util::Full::new(Bytes::from(v.to_string())).boxed());
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
