@@ -301,6 +301,25 @@ impl Cluster {
         chain
     }
 
+    /// Applies a one-hook upper-casing chain, waits for its pool and until the gateway serves it.
+    async fn serve_upper(&self, name: &str, target: &str) {
+        self.apply_chain(
+            name,
+            target,
+            "input",
+            json!({}),
+            &[("upper", "modify", UPPER)],
+        )
+        .await;
+        self.wait_pool_ready(name).await;
+        poll(
+            Duration::from_secs(30),
+            &format!("the gateway serves {name}"),
+            || async { self.run(target, "warm").await.ok().map(|_| ()) },
+        )
+        .await;
+    }
+
     /// The chain's pods whose `sluice.dev/pool` label is `pool`.
     async fn pool_pods(&self, chain: &str, pool: &str) -> Vec<Pod> {
         self.live_pods(chain, &format!(",sluice.dev/pool={pool}"))
@@ -1180,21 +1199,7 @@ async fn another_releases_chains_are_left_alone() {
         .await
         .expect("another release's chain is not judged by this release's webhook");
     apply(labelled("theirs", UPPER)).await.expect("apply");
-    c.apply_chain(
-        "ours",
-        "ours-bot",
-        "input",
-        json!({}),
-        &[("upper", "modify", UPPER)],
-    )
-    .await;
-    c.wait_pool_ready("ours").await;
-    poll(
-        Duration::from_secs(30),
-        "this release serves its chain",
-        || async { c.run("ours-bot", "hi").await.ok().map(|_| ()) },
-    )
-    .await;
+    c.serve_upper("ours", "ours-bot").await;
     let theirs = c.chains().get("theirs").await.expect("get");
     assert!(
         theirs
@@ -2130,21 +2135,7 @@ async fn upgrade_from_the_previous_release_with_traffic_running() {
         running("sluice-gateway").await,
         Some(image("gateway", "previous"))
     );
-    c.apply_chain(
-        "upgrade",
-        "upgrade-bot",
-        "input",
-        json!({}),
-        &[("upper", "modify", UPPER)],
-    )
-    .await;
-    c.wait_pool_ready("upgrade").await;
-    poll(
-        Duration::from_secs(30),
-        "the previous gateway serves the chain",
-        || async { c.run("upgrade-bot", "warm").await.ok().map(|_| ()) },
-    )
-    .await;
+    c.serve_upper("upgrade", "upgrade-bot").await;
     let supervisor_images = || async {
         c.live_pods("upgrade", "")
             .await
