@@ -49,9 +49,12 @@ async fn gateway_with(upstream: &str, tweak: impl Fn(&mut String)) -> Harness {
 
 /// POSTs `body` to the proxy: the status and the whole answer.
 async fn post(h: &Harness, body: &Value) -> (u16, Bytes) {
+    post_to(h.gateway().openai_addr.expect("the proxy is served"), body).await
+}
+
+async fn post_to(addr: std::net::SocketAddr, body: &Value) -> (u16, Bytes) {
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Full<Bytes>>();
-    let addr = h.gateway().openai_addr.expect("the proxy is served");
     let req = hyper::Request::post(format!("http://{addr}/v1/chat/completions"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
@@ -239,5 +242,56 @@ async fn a_reply_that_breaks_off_is_finished_as_it_is_under_an_open_output_chain
     assert!(full.starts_with(&content), "{content:?}");
     assert!(content.len() >= full.len() / 2 - 10, "{content:?}");
     h.stop_and_check_leaks().await;
+    fake.stop();
+}
+
+/// A gateway told to stop (SIGTERM in a rolling update) stops accepting proxy connections at once
+/// and closes the ones it has only after their answers: a reply that is streaming is ended as the
+/// engine ends every open stream on shutdown, with an error event and `[DONE]` (never a cut
+/// connection), and its upstream call is cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopping_gateway_refuses_new_connections_and_ends_streaming_replies_cleanly() {
+    use std::sync::atomic::Ordering;
+    let fake = FakeOpenAi::start("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let mut h = gateway(&format!("http://{}/v1", fake.addr)).await;
+    let addr = h.gateway().openai_addr.expect("the proxy is served");
+    let body = json!({"model": "support-bot", "stream": true,
+                      "messages": [{"role": "user", "content": "slow: tick"}]});
+    let streaming = tokio::spawn(async move { post_to(addr, &body).await });
+    let started = std::time::Instant::now();
+    while fake.stats.requests.load(Ordering::Relaxed) == 0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "the stream never started"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let gateway = h.gateway.take().expect("the gateway");
+    let stopping = tokio::spawn(gateway.shutdown());
+    let (status, body) = streaming.await.expect("the client task");
+    assert_eq!(status, 200);
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        text.contains("the gateway is shutting down") && text.trim_end().ends_with("data: [DONE]"),
+        "the reply ends with an error event and [DONE]: ...{}",
+        &text[text.len().saturating_sub(400)..]
+    );
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "a stopping gateway takes no new proxy connection"
+    );
+    stopping.await.expect("the gateway stops");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while fake.stats.streams_cancelled.load(Ordering::Relaxed) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the upstream call was cancelled"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(fake.stats.streams_finished.load(Ordering::Relaxed), 0);
     fake.stop();
 }

@@ -166,6 +166,8 @@ pub struct RunningGateway {
     pub health: tonic_health::server::HealthReporter,
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
+    /// The OpenAI-compatible proxy, drained beside the gRPC server.
+    openai: Option<crate::openai::Running>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -184,7 +186,14 @@ impl RunningGateway {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
-        match tokio::time::timeout(Duration::from_secs(30), &mut self.server).await {
+        let proxy = async {
+            if let Some(openai) = self.openai.take() {
+                openai.drain(Duration::from_secs(30)).await;
+            }
+        };
+        let grpc = tokio::time::timeout(Duration::from_secs(30), &mut self.server);
+        let (_, grpc) = tokio::join!(proxy, grpc);
+        match grpc {
             Ok(Ok(Err(e))) => tracing::warn!(error = %e, "gRPC server ended with an error"),
             Err(_) => {
                 tracing::warn!("in-flight requests did not finish within 30 s; closing anyway");
@@ -465,18 +474,18 @@ async fn serve(
             .ok();
         tasks.push(tokio::spawn(callers.clone().watch(reloads)));
     }
-    let openai_addr = match openai {
+    let (openai_addr, openai) = match openai {
         Some(o) => {
-            tasks.extend(crate::openai::start(
+            let running = crate::openai::start(
                 engine.clone(),
                 secured.callers.clone(),
                 secured.tls.clone(),
                 o.listener,
                 &o.opts,
-            )?);
-            Some(o.opts.listen)
+            )?;
+            (Some(o.opts.listen), Some(running))
         }
-        None => None,
+        None => (None, None),
     };
     let service = GatewayServer::new(GatewayService {
         engine: engine.clone(),
@@ -562,6 +571,7 @@ async fn serve(
     Ok(RunningGateway {
         addr,
         openai_addr,
+        openai,
         engine,
         health,
         shutdown: Some(tx),

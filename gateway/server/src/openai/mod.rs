@@ -70,54 +70,112 @@ pub(crate) struct Proxy {
     upstream: Upstream,
 }
 
-/// Starts the proxy on a listener already bound; its task ends when the process does (or `stop`).
+/// The running proxy: its accept loop, which on [`Running::drain`] stops accepting and waits for
+/// the requests in flight.
+pub(crate) struct Running {
+    stop: tokio::sync::watch::Sender<bool>,
+    serving: tokio::task::JoinHandle<()>,
+    /// The TLS handshakes' task, when the port has TLS.
+    handshakes: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Stops accepting connections, lets every request in flight finish (a streamed reply to its
+    /// end) for at most `within`, then closes what is left.
+    pub(crate) async fn drain(mut self, within: Duration) {
+        self.stop.send_replace(true);
+        if let Some(h) = self.handshakes.take() {
+            h.abort();
+        }
+        if tokio::time::timeout(within, &mut self.serving)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "OpenAI-compatible requests did not finish within {within:?}; closing anyway"
+            );
+            self.serving.abort();
+        }
+    }
+}
+
+/// Starts the proxy on a listener already bound.
 pub(crate) fn start(
     engine: Arc<Engine>,
     callers: Option<Arc<ReloadingPolicy>>,
     tls: Option<Arc<ReloadingTls>>,
     listener: tokio::net::TcpListener,
     opts: &OpenAiOptions,
-) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
+) -> anyhow::Result<Running> {
+    use tokio_stream::StreamExt;
     let upstream = Upstream::new(opts)?;
     let proxy = Arc::new(Proxy {
         engine,
         callers,
         upstream,
     });
-    let mut tasks = Vec::new();
-    match tls {
-        None => tasks.push(tokio::spawn(async move {
-            loop {
-                let Ok((tcp, _)) = listener.accept().await else {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                };
-                crate::assembly::no_delay(&tcp);
-                tokio::spawn(proxy.clone().connection(tcp, None));
-            }
-        })),
-        Some(tls) => {
-            use tokio_stream::StreamExt;
-            let (mut incoming, accept) = tls.incoming(listener);
-            tasks.push(accept);
-            tasks.push(tokio::spawn(async move {
-                while let Some(conn) = incoming.next().await {
-                    let Ok(conn) = conn else { continue };
-                    let certs = conn.get_ref().1.peer_certificates().map(|c| c.to_vec());
-                    tokio::spawn(proxy.clone().connection(conn, certs));
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    // Every connection is watched: on drain, idle ones close and busy ones finish their request.
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let (serving, handshakes) = match tls {
+        None => (
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        accepted = listener.accept() => {
+                            let Ok((tcp, _)) = accepted else {
+                                tokio::time::sleep(Duration::from_millis(100)).await;
+                                continue;
+                            };
+                            crate::assembly::no_delay(&tcp);
+                            tokio::spawn(proxy.clone().connection(tcp, None, &graceful));
+                        }
+                        _ = stopped.changed() => break,
+                    }
                 }
-            }));
+                drop(listener);
+                graceful.shutdown().await;
+            }),
+            None,
+        ),
+        Some(tls) => {
+            let (mut incoming, accept) = tls.incoming(listener);
+            let serving = tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        conn = incoming.next() => {
+                            let Some(conn) = conn else { break };
+                            let Ok(conn) = conn else { continue };
+                            let certs = conn.get_ref().1.peer_certificates().map(|c| c.to_vec());
+                            tokio::spawn(proxy.clone().connection(conn, certs, &graceful));
+                        }
+                        _ = stopped.changed() => break,
+                    }
+                }
+                graceful.shutdown().await;
+            });
+            (serving, Some(accept))
         }
-    }
+    };
     tracing::info!(addr = %opts.listen, upstream = %opts.upstream, "OpenAI-compatible proxy listening");
-    Ok(tasks)
+    Ok(Running {
+        stop,
+        serving,
+        handshakes,
+    })
 }
 
 type Certs = Vec<rustls_pki_types::CertificateDer<'static>>;
 
 impl Proxy {
-    /// Serves one HTTP/1.1 connection.
-    async fn connection<S>(self: Arc<Self>, io: S, certs: Option<Certs>)
+    /// Serves one HTTP/1.1 connection, watched by `graceful` so that a drain lets its request in
+    /// flight finish.
+    fn connection<S>(
+        self: Arc<Self>,
+        io: S,
+        certs: Option<Certs>,
+        graceful: &hyper_util::server::graceful::GracefulShutdown,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
@@ -126,9 +184,12 @@ impl Proxy {
             let (proxy, certs) = (self.clone(), certs.clone());
             async move { Ok::<_, Infallible>(proxy.handle(req, certs.as_ref().as_deref()).await) }
         });
-        let _ = hyper::server::conn::http1::Builder::new()
-            .serve_connection(hyper_util::rt::TokioIo::new(io), svc)
-            .await;
+        let conn = hyper::server::conn::http1::Builder::new()
+            .serve_connection(hyper_util::rt::TokioIo::new(io), svc);
+        let conn = graceful.watch(conn);
+        async move {
+            let _ = conn.await;
+        }
     }
 
     async fn handle(
