@@ -158,6 +158,21 @@ current)
 	# The CA bundle the operator made and published for clients.
 	kubectl -n "$RELEASE_NS" get configmap sluice-ca -o jsonpath='{.data.ca\.crt}' >"$PKI/ca.crt"
 	grep -q 'BEGIN CERTIFICATE' "$PKI/ca.crt" || die "the operator published no CA bundle (ConfigMap sluice-ca)"
+	# After the upgrade test the gateway still serves the previous install's certificate until the
+	# kubelet projects the Secret the operator made (up to a minute or two): wait for the new one.
+	log "waiting for the gateway to serve a certificate of the operator's CA"
+	served=
+	for _ in $(seq 1 120); do
+		ip=$(kubectl -n "$RELEASE_NS" get pods -l app.kubernetes.io/component=gateway \
+			-o jsonpath='{.items[?(@.status.podIP)].status.podIP}' | cut -d' ' -f1)
+		if [ -n "$ip" ] && openssl s_client -connect "$ip:50051" -servername "sluice-gateway.$RELEASE_NS.svc" \
+			-CAfile "$PKI/ca.crt" -verify_return_error </dev/null >/dev/null 2>&1; then
+			served=1
+			break
+		fi
+		sleep 2
+	done
+	[ -n "$served" ] || die "the gateway does not serve a certificate of the operator's CA after 4 min"
 	write_env "$PKI/ca.crt"
 	;;
 esac

@@ -2047,7 +2047,8 @@ async fn a_rollout_through_kubectl_shadow_rollback_and_promotion() {
 struct Traffic {
     served: u64,
     /// Runs sent again on a new connection because the gateway pod they went to was going away
-    /// (UNAVAILABLE, or no answer in 10 s): what a client behind a Service sees as a reconnect.
+    /// (UNAVAILABLE, the connection closed under them, or no answer in 10 s): what a client behind
+    /// a Service sees as a reconnect.
     resent: u64,
     /// Anything else: a wrong answer, an error a chain's policy would not give.
     failed: Vec<String>,
@@ -2082,7 +2083,13 @@ async fn traffic(client: Client, ns: String, stop: tokio::sync::watch::Receiver<
                     seen.served += 1;
                 }
                 Ok(Ok(r)) => seen.failed.push(format!("{said}: {r:?}")),
-                Ok(Err(status)) if status.code() == tonic::Code::Unavailable => {
+                // UNAVAILABLE, or the connection closed under the request by a gateway going away
+                // (CANCELLED with the transport's "connection closed"): sent again.
+                Ok(Err(status))
+                    if status.code() == tonic::Code::Unavailable
+                        || (status.code() == tonic::Code::Cancelled
+                            && format!("{status:?}").contains("connection closed")) =>
+                {
                     seen.resent += 1;
                     gateway = None;
                     continue;
