@@ -218,11 +218,7 @@ impl Keeper {
         report: &mut PassReport,
     ) -> Result<(KeyedCert, String), CertError> {
         let name = &self.config.ca_secret;
-        let found = self
-            .secrets
-            .get_opt(name)
-            .await
-            .map_err(api_err(format!("reading Secret {name}")))?;
+        let found = read(&self.secrets, "Secret", name).await?;
         let current = found.as_ref().and_then(keyed);
         let stored_bundle = found
             .as_ref()
@@ -254,11 +250,7 @@ impl Keeper {
 
     async fn publish_bundle(&self, bundle: &str, report: &mut PassReport) -> Result<(), CertError> {
         let name = &self.config.ca_config_map;
-        let found = self
-            .config_maps
-            .get_opt(name)
-            .await
-            .map_err(api_err(format!("reading ConfigMap {name}")))?;
+        let found = read(&self.config_maps, "ConfigMap", name).await?;
         let stored = found
             .as_ref()
             .and_then(|c| c.data.as_ref()?.get(BUNDLE_KEY).cloned());
@@ -287,9 +279,7 @@ impl Keeper {
         let Some(name) = &self.config.webhook_configuration else {
             return Ok(());
         };
-        let Some(mut vwc) = self.webhooks.get_opt(name).await.map_err(api_err(format!(
-            "reading ValidatingWebhookConfiguration {name}"
-        )))?
+        let Some(mut vwc) = read(&self.webhooks, "ValidatingWebhookConfiguration", name).await?
         else {
             // Installed with the operator by the chart; absent only while it is being installed.
             tracing::warn!(webhook_configuration = %name, "no such ValidatingWebhookConfiguration yet");
@@ -322,11 +312,7 @@ impl Keeper {
         report: &mut PassReport,
     ) -> Result<(), CertError> {
         let name = &serving.secret;
-        let found = self
-            .secrets
-            .get_opt(name)
-            .await
-            .map_err(api_err(format!("reading Secret {name}")))?;
+        let found = read(&self.secrets, "Secret", name).await?;
         let current = found.as_ref().and_then(keyed);
         let renewal: Option<Renewal> =
             authority::leaf_renewal(current.as_ref(), bundle, &serving.dns_names, now);
@@ -439,11 +425,7 @@ impl Keeper {
     }
 
     async fn write_webhook_files(&self, files: &WebhookFiles) -> Result<(), CertError> {
-        let secret = self
-            .secrets
-            .get_opt(&files.secret)
-            .await
-            .map_err(api_err(format!("reading Secret {}", files.secret)))?;
+        let secret = read(&self.secrets, "Secret", &files.secret).await?;
         let pair = secret
             .as_ref()
             .and_then(keyed)
@@ -454,6 +436,16 @@ impl Keeper {
         replace_file(&files.cert, &pair.cert, 0o644)?;
         Ok(())
     }
+}
+
+/// The object `name` of `api`, if there is one.
+async fn read<K>(api: &Api<K>, kind: &str, name: &str) -> Result<Option<K>, CertError>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.get_opt(name)
+        .await
+        .map_err(api_err(format!("reading {kind} {name}")))
 }
 
 async fn create<K>(api: &Api<K>, object: &K, what: String) -> Result<(), CertError>
