@@ -205,6 +205,39 @@ async fn burst(platform: &str) -> anyhow::Result<(Vec<Duration>, usize)> {
     Ok((runs.into_iter().map(|(d, _)| d).collect(), errors))
 }
 
+/// The warm-Run rows: Recycle on each platform, None on `none_platform`.
+async fn warm_rows(
+    table: &mut Table,
+    platforms: &[&str],
+    none_platform: &str,
+) -> anyhow::Result<()> {
+    for p in platforms {
+        let bench = start("Recycle", p, 2, 8).await?;
+        let samples = warm_latency(&bench, "bench").await?;
+        bench.gateway.shutdown().await;
+        table.push(
+            Row::latency(
+                &format!("Warm Run, Recycle, 3 hooks, 1 KiB ({p})"),
+                &samples,
+            )
+            .target("p50 ≤ 2 ms"),
+        );
+    }
+    let bench = start("None", none_platform, 2, 8).await?;
+    let samples = warm_latency(&bench, "bench").await?;
+    bench.gateway.shutdown().await;
+    table.push(Row::latency(
+        &format!("Warm Run, None, 3 hooks, 1 KiB ({none_platform})"),
+        &samples,
+    ));
+    Ok(())
+}
+
+/// `sluice-bench warm`: the warm-Run rows alone (None on systrap).
+pub(crate) async fn warm_runs(table: &mut Table) -> anyhow::Result<()> {
+    warm_rows(table, &["ptrace", "systrap"], "systrap").await
+}
+
 pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     cpu_per_hook(table).await.context("CPU per hook")?;
     let platforms = ["ptrace", "systrap"];
@@ -230,25 +263,7 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
         .map(|(p, c)| (p.to_string(), *c))
         .unwrap_or(("ptrace".into(), 1.0));
 
-    for p in platforms {
-        let bench = start("Recycle", p, 2, 8).await?;
-        let samples = warm_latency(&bench, "bench").await?;
-        bench.gateway.shutdown().await;
-        table.push(
-            Row::latency(
-                &format!("Warm Run, Recycle, 3 hooks, 1 KiB ({p})"),
-                &samples,
-            )
-            .target("p50 ≤ 2 ms"),
-        );
-    }
-    let bench = start("None", &fastest.0, 2, 8).await?;
-    let samples = warm_latency(&bench, "bench").await?;
-    bench.gateway.shutdown().await;
-    table.push(Row::latency(
-        &format!("Warm Run, None, 3 hooks, 1 KiB ({})", fastest.0),
-        &samples,
-    ));
+    warm_rows(table, &platforms, &fastest.0).await?;
 
     let mut recycle8 = 0.0;
     let mut none8 = 0.0;

@@ -226,6 +226,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if on("cells") {
         cells::bench(&mut table).await.context("cells")?;
+    } else if wanted.iter().any(|w| w == "warm") {
+        // The cells section's warm-Run rows alone.
+        cells::warm_runs(&mut table).await.context("warm Run")?;
     } else if wanted.iter().any(|w| w == "cpu") {
         // The cells section's CPU-per-hook rows alone.
         cells::cpu_per_hook(&mut table)

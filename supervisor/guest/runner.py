@@ -154,6 +154,28 @@ def fail(error, line=None):
     raise Err(json.dumps({"error": error, "line": line}))
 
 
+# The hook this instance was prepared for (`load` or `prepare`): its name, and its `execute` or the
+# error its module code raised. An instance serves one call of one hook, then is dropped.
+PREPARED = None
+
+
+def prepare_module(name, compiled):
+    """Runs a hook's module code in this instance and keeps what came of it for `call`."""
+    global PREPARED
+    filename = filename_of(name)
+    # The snapshot's generator state is the same in every instance: each instance draws its own
+    # seed from the host (WASI random_get), so no two instances share a sequence.
+    random.seed()
+    try:
+        PREPARED = (name, run_module(name, compiled), None)
+    except NoExecute as e:
+        PREPARED = (name, None, str(e))
+    except BaseException as e:  # a hook's module code may raise anything, SystemExit included
+        PREPARED = (name, None, trimmed_traceback(e, filename))
+        return last_line(e, filename)
+    return None
+
+
 class WitWorld(wit_world.WitWorld):
     def load(self, name, code):
         filename = filename_of(name)
@@ -163,24 +185,25 @@ class WitWorld(wit_world.WitWorld):
             fail(f"{type(e).__name__}: {e.msg} (line {e.lineno})", e.lineno)
         except (ValueError, MemoryError, RecursionError) as e:
             fail(f"{type(e).__name__}: {e}")
-        try:
-            run_module(name, compiled)
-        except NoExecute as e:
-            fail(str(e))
-        except BaseException as e:  # a hook's module code may raise anything, SystemExit included
-            fail(trimmed_traceback(e, filename), last_line(e, filename))
+        line = prepare_module(name, compiled)
+        if PREPARED[2] is not None:
+            fail(PREPARED[2], line)
         return marshal.dumps(compiled)
 
-    def call(self, name, code, request_json):
+    def prepare(self, name, code):
+        prepare_module(name, marshal.loads(code))
+
+    def call(self, request_json):
+        if PREPARED is None:
+            return json.dumps({"error": "this instance was not prepared for a hook"})
+        name, execute, error = PREPARED
+        if error is not None:
+            return json.dumps({"error": error})
         filename = filename_of(name)
-        # The snapshot's generator state is the same in every instance: each instance draws its own
-        # seed from the host (WASI random_get), so no two instances share a sequence.
-        random.seed()
         request = json.loads(request_json)
         try:
             if request.get("trace_s"):
                 stop_at_line_after(filename, request["trace_s"])
-            execute = run_module(name, marshal.loads(code))
             ctx = Context(request.get("context") or {})
             ctx["outgoing"] = request.get("outgoing")
             ctx["state"] = request.get("state")

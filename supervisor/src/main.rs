@@ -6,13 +6,16 @@
 //! time). Hook code has no system calls: no processes, threads, signals, sockets or host files. gVisor
 //! stays the wall around the whole sandbox.
 //!
-//! Reading order: `protocol` (the wire) → `runtime` (wasmtime: engine, pool, deadlines) → `relay`
+//! Reading order: `protocol` (the wire) → `runtime` (wasmtime: engine, instances) → `prepare`
+//! (instances made ahead of their call) → `deadline` → `relay`
 //! (host calls) → `checks` (what a hook may return) → `supervisor` (the protocol loop) → this file
 //! (the command line).
 
 mod attach;
 mod checks;
+mod deadline;
 mod output;
+mod prepare;
 mod protocol;
 mod relay;
 mod runtime;

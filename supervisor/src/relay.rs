@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use serde_json::{Value, json};
 
 use crate::checks::{Limits, bounded_json};
+use crate::deadline::Deadline;
 use crate::protocol::{Channel, Incoming};
-use crate::runtime::Deadline;
 
 /// What one call's host calls go through.
 #[derive(Clone)]

@@ -9,17 +9,17 @@
 //! survives into the next (the slot's memory is reset to the image, tables and globals are new).
 
 use std::path::Path;
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
-use std::thread;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
+use crate::deadline::{Deadline, Timer};
 use crate::output::Output;
+use crate::prepare::{Preparer, Slot, Slots};
 use crate::relay::Relay;
 
 wasmtime::component::bindgen!({
@@ -27,11 +27,21 @@ wasmtime::component::bindgen!({
     world: "cell",
 });
 
-/// Instance slots the pool keeps: a supervisor runs one hook at a time, plus one spare so the next
-/// instance never waits for the last one's slot to be reset.
-const POOL_SLOTS: u32 = 2;
-/// Linear memory kept resident per slot (reset by copying, not by unmapping) between instances.
-const KEEP_RESIDENT_BYTES: usize = 96 << 20;
+/// Hooks of a cell that have an instance prepared ahead of their call; later hooks of a longer chain
+/// are instantiated when they run.
+pub(crate) const MAX_PREPARED: usize = 4;
+/// Instance slots the pool keeps: the prepared ones, the one running, one being prepared and one
+/// being reset.
+const POOL_SLOTS: u32 = MAX_PREPARED as u32 + 3;
+/// The largest linear memory a prepared instance may keep while it waits (the snapshot is ~15 MiB):
+/// a hook whose module code allocates more runs unprepared, so waiting instances cannot hold the
+/// sandbox's memory.
+const PREPARED_MEMORY_BYTES: usize = 32 << 20;
+/// Linear memory kept resident per slot between instances, reset by copying the image back rather
+/// than unmapping it: the snapshot's ~15 MiB, whose pages every instance touches and which would
+/// otherwise fault in again (tens of microseconds each inside gVisor). What an instance grew beyond
+/// it is given back to the system, so idle slots hold no more than the image each.
+const KEEP_RESIDENT_BYTES: usize = 16 << 20;
 /// The largest linear memory an instance may ever have; a hook's own limit is lower.
 const MAX_MEMORY_BYTES: usize = 1 << 30;
 
@@ -103,13 +113,14 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// What one instance's store holds: its WASI context (no preopened directory, no environment, no
-/// arguments; stdout and stderr into its own bounded `Output`), its limits, and the relay for host
-/// calls.
+/// arguments; stdout and stderr into its own bounded `Output`), its limits, the deadline it is
+/// running under, and the relay for host calls.
 pub(crate) struct HookState {
     wasi: WasiCtx,
     output: Output,
     table: ResourceTable,
     limits: Limits,
+    deadline: Option<Deadline>,
     relay: Relay,
 }
 
@@ -128,12 +139,20 @@ impl CellImports for HookState {
     }
 }
 
-/// The loaded runtime: engine, linked component, and the deadline timer.
-pub(crate) struct Runtime {
+/// What makes instances: engine, linked component, deadlines and the instance slots. Shared by the
+/// protocol loop and the preparer thread.
+pub(crate) struct Core {
     engine: Engine,
     pre: CellPre<HookState>,
     timer: Timer,
+    slots: Slots,
     memory_bytes: usize,
+}
+
+/// The loaded runtime: instances made on demand, or ahead of their call by the preparer.
+pub(crate) struct Runtime {
+    core: Arc<Core>,
+    preparer: Preparer,
 }
 
 /// One hook call: what the instance answered, the time left of the budget it was given, and the
@@ -153,6 +172,29 @@ pub(crate) enum CallError {
     Memory(usize),
     #[error("the hook's instance failed: {0}")]
     Trap(String),
+}
+
+/// A hook an instance can be prepared for: its name, compiled code and the time its module code
+/// may take. `key` identifies name and code together.
+#[derive(Clone)]
+pub(crate) struct HookCode {
+    pub(crate) key: [u8; 32],
+    pub(crate) name: String,
+    pub(crate) code: Arc<Vec<u8>>,
+    pub(crate) timeout: Duration,
+}
+
+/// A store holding one of the pool's slots. Fields drop in order: the store (and with it the reset of
+/// its slot), then the slot is counted free.
+pub(crate) struct Instance {
+    store: Store<HookState>,
+    _slot: Slot,
+}
+
+/// A fresh instance with one hook's module code already run in it: its call only runs `execute`.
+pub(crate) struct Prepared {
+    instance: Instance,
+    cell: Cell,
 }
 
 impl Runtime {
@@ -201,19 +243,102 @@ impl Runtime {
             path: shown,
             source,
         })?;
-        let timer = Timer::start(engine.clone());
-        Ok(Self {
+        let core = Arc::new(Core {
+            timer: Timer::start(engine.clone()),
             engine,
             pre,
-            timer,
+            slots: Slots::new(POOL_SLOTS),
             memory_bytes: memory_bytes.min(MAX_MEMORY_BYTES),
-        })
+        });
+        let preparer = Preparer::start(core.clone());
+        Ok(Self { core, preparer })
     }
 
-    fn store(&self, relay: Relay) -> Store<HookState> {
+    /// Compiles and loads a hook's code in a fresh instance (its module code runs once, as a check),
+    /// within `timeout`. Ok(Ok(code)) is the compiled code; Ok(Err(json)) the runner's refusal.
+    pub(crate) fn load_hook(
+        &self,
+        name: &str,
+        code: &str,
+        timeout: Duration,
+    ) -> Result<Result<Vec<u8>, String>, CallError> {
+        let mut instance = self.core.store(Relay::refusing(
+            "a hook's module code cannot call host_call",
+        ));
+        self.core
+            .run(&mut instance.store, timeout, |store, cell| {
+                cell.call_load(store, name, code)
+            })
+            .0
+    }
+
+    /// Keeps an instance prepared for each of `hooks` (the open cell's, in walk order) from now on,
+    /// and drops those prepared for other hooks. Returns when each is prepared, or could not be, or
+    /// `wait` has passed.
+    pub(crate) fn prepare(&self, hooks: Vec<HookCode>, wait: Duration) {
+        self.preparer.want(hooks);
+        self.preparer.wait(wait);
+    }
+
+    /// A walk of `hooks` begins: when each has its instance ready, the preparer waits until
+    /// `walk_ended`, so the walk has the CPU; otherwise it goes on preparing beside the walk.
+    pub(crate) fn walk_begins<'a>(&self, hooks: impl Iterator<Item = &'a [u8; 32]>) {
+        self.preparer.walk_begins(hooks);
+    }
+
+    /// The walk has answered: the preparer resets the used instances and prepares new ones.
+    pub(crate) fn walk_ended(&self) {
+        self.preparer.walk_ended();
+    }
+
+    /// One call of a hook (`key`) within `timeout` (host-call time excluded): in the instance
+    /// prepared for it when there is one, else in a fresh instance where its module code runs first,
+    /// within the same `timeout`.
+    pub(crate) fn call_hook(
+        &self,
+        hook: &HookCode,
+        request: &str,
+        relay: Relay,
+        timeout: Duration,
+    ) -> Called {
+        if let Some(mut prepared) = self.preparer.take(&hook.key) {
+            let store = &mut prepared.instance.store;
+            store.data_mut().relay = relay;
+            let cell = &prepared.cell;
+            let (answer, left) = self
+                .core
+                .enter(store, timeout, |store| cell.call_call(store, request));
+            let output = store.data().output.text();
+            // Its slot is reset by the preparer, after this answer has gone out.
+            self.preparer.discard(prepared);
+            return Called {
+                answer,
+                left,
+                output,
+            };
+        }
+        let mut instance = self.core.store(relay);
+        let (answer, left) = self.core.run(&mut instance.store, timeout, |store, cell| {
+            cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
+            cell.call_call(store, request)
+        });
+        Called {
+            answer,
+            left,
+            output: instance.store.data().output.text(),
+        }
+    }
+}
+
+impl Core {
+    /// A new store for one instance, holding one of the pool's slots (waiting for one to be reset
+    /// when all are taken).
+    fn store(&self, relay: Relay) -> Instance {
+        let slot = self.slots.take();
         let limits = Limits {
             memory_bytes: self.memory_bytes,
             refused: false,
+            peak: 0,
         };
         let output = Output::default();
         let wasi = WasiCtxBuilder::new()
@@ -227,67 +352,49 @@ impl Runtime {
                 output,
                 table: ResourceTable::new(),
                 limits,
+                deadline: None,
                 relay,
             },
         );
         store.limiter(|state| &mut state.limits);
-        store.set_epoch_deadline(1);
-        store
-    }
-
-    /// Compiles and loads a hook's code in a fresh instance (its module code runs once, as a check),
-    /// within `timeout`. Ok(Ok(code)) is the compiled code; Ok(Err(json)) the runner's refusal.
-    pub(crate) fn load_hook(
-        &self,
-        name: &str,
-        code: &str,
-        timeout: Duration,
-    ) -> Result<Result<Vec<u8>, String>, CallError> {
-        let mut store = self.store(Relay::refusing(
-            "a hook's module code cannot call host_call",
-        ));
-        self.run(&mut store, timeout, |store, cell| {
-            cell.call_load(store, name, code)
-        })
-        .0
-    }
-
-    /// One call of a hook in a fresh instance, within `timeout` (host-call time excluded): what it
-    /// answered, the time left and what it wrote.
-    pub(crate) fn call_hook(
-        &self,
-        name: &str,
-        code: &[u8],
-        request: &str,
-        relay: Relay,
-        timeout: Duration,
-    ) -> Called {
-        let mut store = self.store(relay);
-        let (answer, left) = self.run(&mut store, timeout, |store, cell| {
-            cell.call_call(store, name, code, request)
+        // Every tick of the epoch (some instance's deadline passed) asks each running instance
+        // whether its own deadline has.
+        store.epoch_deadline_callback(|store| match &store.data().deadline {
+            Some(deadline) if deadline.expired() => Err(wasmtime::Trap::Interrupt.into()),
+            _ => Ok(wasmtime::UpdateDeadline::Continue(1)),
         });
-        Called {
-            answer,
-            left,
-            output: store.data().output.text(),
-        }
+        Instance { store, _slot: slot }
     }
 
-    /// Runs `f` in a fresh instance within `timeout`; what it returned and the time left of
-    /// `timeout` (host-call time not counted).
+    /// Instantiates in `store` and runs `f` in the new instance, all within `timeout`.
     fn run<R>(
         &self,
         store: &mut Store<HookState>,
         timeout: Duration,
         f: impl FnOnce(&mut Store<HookState>, &Cell) -> wasmtime::Result<R>,
     ) -> (Result<R, CallError>, Duration) {
+        let pre = &self.pre;
+        self.enter(store, timeout, |store| {
+            let cell = pre.instantiate(&mut *store)?;
+            f(store, &cell)
+        })
+    }
+
+    /// Runs `f` (guest code) within `timeout`: what it returned and the time left of `timeout`
+    /// (host-call time not counted).
+    fn enter<R>(
+        &self,
+        store: &mut Store<HookState>,
+        timeout: Duration,
+        f: impl FnOnce(&mut Store<HookState>) -> wasmtime::Result<R>,
+    ) -> (Result<R, CallError>, Duration) {
         let deadline = self.timer.arm(timeout);
         store.data_mut().relay.set_deadline(deadline.clone());
-        let result = self
-            .pre
-            .instantiate(&mut *store)
-            .and_then(|cell| f(store, &cell));
+        store.data_mut().deadline = Some(deadline.clone());
+        store.set_epoch_deadline(1);
+        let result = f(&mut *store);
         let (expired, left) = deadline.disarm();
+        store.data_mut().deadline = None;
         let result = result.map_err(|e| {
             if expired
                 || matches!(
@@ -304,14 +411,33 @@ impl Runtime {
         });
         (result, left)
     }
+
+    /// A fresh instance with `hook`'s module code run in it, or None when that failed in a way a
+    /// call would not repeat the same (time, memory, a trap) or left the instance larger than a
+    /// prepared one may stay: such a hook is run unprepared.
+    pub(crate) fn prepare(&self, hook: &HookCode) -> Option<Prepared> {
+        let mut instance = self.store(Relay::refusing(
+            "a hook's module code cannot call host_call",
+        ));
+        let pre = &self.pre;
+        let (cell, _) = self.enter(&mut instance.store, hook.timeout, |store| {
+            let cell = pre.instantiate(&mut *store)?;
+            cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
+            Ok(cell)
+        });
+        let cell = cell.ok()?;
+        (instance.store.data().limits.peak <= PREPARED_MEMORY_BYTES)
+            .then_some(Prepared { instance, cell })
+    }
 }
 
 /// Per-store limits that remember a refusal: a refused `memory.grow` usually surfaces inside Python
 /// as `MemoryError` (the runner reports it), but where CPython cannot recover it aborts, and the trap
-/// is then reported as the memory limit it is.
+/// is then reported as the memory limit it is. `peak` is the largest linear memory asked for.
 pub(crate) struct Limits {
     memory_bytes: usize,
     refused: bool,
+    peak: usize,
 }
 
 impl wasmtime::ResourceLimiter for Limits {
@@ -323,6 +449,9 @@ impl wasmtime::ResourceLimiter for Limits {
     ) -> wasmtime::Result<bool> {
         let allow = desired <= self.memory_bytes;
         self.refused |= !allow;
+        if allow {
+            self.peak = self.peak.max(desired);
+        }
         Ok(allow)
     }
 
@@ -349,137 +478,6 @@ fn trap_text(e: &wasmtime::Error) -> String {
     }
 }
 
-/// Bumps the engine's epoch when an armed deadline passes, so the running instance traps. Idle
-/// (no hook running) it sleeps on its channel: a prepared sandbox costs no CPU.
-struct Timer {
-    arm: Mutex<mpsc::Sender<Arc<DeadlineState>>>,
-}
-
-/// One armed deadline. Host calls pause it (their time is not the hook's), `disarm` ends it.
-#[derive(Debug)]
-pub(crate) struct DeadlineState {
-    inner: Mutex<DeadlineInner>,
-    changed: std::sync::Condvar,
-}
-
-#[derive(Debug)]
-struct DeadlineInner {
-    /// When the hook's time runs out, or None while paused.
-    at: Option<Instant>,
-    /// Time left, kept while paused.
-    left: Duration,
-    done: bool,
-    expired: bool,
-}
-
-#[derive(Clone, Debug)]
-pub(crate) struct Deadline(Arc<DeadlineState>);
-
-impl Deadline {
-    /// Stops the clock (a host call started); `resume` starts it again with what was left.
-    pub(crate) fn pause(&self) {
-        let mut inner = self.0.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(at) = inner.at.take() {
-            inner.left = at.saturating_duration_since(Instant::now());
-        }
-        self.0.changed.notify_all();
-    }
-
-    pub(crate) fn resume(&self) {
-        let mut inner = self.0.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if inner.at.is_none() && !inner.done {
-            inner.at = Some(Instant::now() + inner.left);
-        }
-        self.0.changed.notify_all();
-    }
-
-    /// Ends this deadline: whether it had expired, and the time that was left.
-    fn disarm(&self) -> (bool, Duration) {
-        let mut inner = self.0.inner.lock().unwrap_or_else(|e| e.into_inner());
-        inner.done = true;
-        if let Some(at) = inner.at.take() {
-            inner.left = at.saturating_duration_since(Instant::now());
-        }
-        self.0.changed.notify_all();
-        (
-            inner.expired,
-            if inner.expired {
-                Duration::ZERO
-            } else {
-                inner.left
-            },
-        )
-    }
-}
-
-impl Timer {
-    fn start(engine: Engine) -> Self {
-        let (tx, rx) = mpsc::channel::<Arc<DeadlineState>>();
-        thread::Builder::new()
-            .name("deadline".into())
-            .spawn(move || {
-                while let Ok(deadline) = rx.recv() {
-                    watch(&engine, &deadline);
-                }
-            })
-            .expect("spawning the deadline thread");
-        Self {
-            arm: Mutex::new(tx),
-        }
-    }
-
-    fn arm(&self, timeout: Duration) -> Deadline {
-        let state = Arc::new(DeadlineState {
-            inner: Mutex::new(DeadlineInner {
-                at: Some(Instant::now() + timeout),
-                left: timeout,
-                done: false,
-                expired: false,
-            }),
-            changed: std::sync::Condvar::new(),
-        });
-        // The thread only ends with the process; a send cannot fail before that.
-        let _ = self
-            .arm
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(state.clone());
-        Deadline(state)
-    }
-}
-
-/// Waits for one deadline to pass or be disarmed; on passing, interrupts the running instance.
-fn watch(engine: &Engine, deadline: &DeadlineState) {
-    let mut inner = deadline.inner.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        if inner.done {
-            return;
-        }
-        match inner.at {
-            None => {
-                inner = deadline
-                    .changed
-                    .wait(inner)
-                    .unwrap_or_else(|e| e.into_inner())
-            }
-            Some(at) => {
-                let now = Instant::now();
-                if now >= at {
-                    inner.expired = true;
-                    inner.done = true;
-                    engine.increment_epoch();
-                    return;
-                }
-                inner = deadline
-                    .changed
-                    .wait_timeout(inner, at - now)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
-            }
-        }
-    }
-}
-
 const SELF_CHECK_HOOK: &str = "import os\ndef execute(context, settings):\n    return {'action': 'detect', 'findings': {'n': len(context['outgoing'])}}\n";
 
 impl Runtime {
@@ -491,10 +489,15 @@ impl Runtime {
             Ok(Err(refusal)) => return Err(format!("the self-check hook did not load: {refusal}")),
             Err(e) => return Err(format!("the self-check hook did not load: {e}")),
         };
+        let hook = HookCode {
+            key: [0; 32],
+            name: "self-check".into(),
+            code: Arc::new(code),
+            timeout,
+        };
         let answer = self
             .call_hook(
-                "self-check",
-                &code,
+                &hook,
                 r#"{"outgoing": "abc", "state": null, "context": {}, "settings": {}}"#,
                 Relay::refusing("no host calls in the self-check"),
                 timeout,

@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 use crate::checks::{ACTIONS, HookError, Limits, TERMINAL, check_result};
 use crate::protocol::{Channel, Incoming};
 use crate::relay::{Link, Relay};
-use crate::runtime::{CallError, Runtime};
+use crate::runtime::{CallError, HookCode, Runtime};
 
 pub(crate) const PROTOCOL_VERSION: u64 = 3;
 const DEFAULT_TIMEOUT_MS: u64 = 2000;
@@ -26,7 +26,7 @@ struct Hook {
     name: String,
     action: String,
     settings: Value,
-    code: Option<Arc<Vec<u8>>>,
+    code: Option<HookCode>,
     error: Option<String>,
     line: Option<u64>,
 }
@@ -53,6 +53,22 @@ struct OpenCell {
 }
 
 type Loaded = Result<Arc<Vec<u8>>, (String, Option<u64>)>;
+
+/// How long past the chain's deadline `init` waits for its hooks' instances to be prepared before it
+/// answers anyway (a hook whose instance is not ready then is instantiated when it runs).
+const PREPARE_GRACE: Duration = Duration::from_secs(1);
+/// What past the chain's deadline `init` is answered within, all loading and preparing included
+/// (below the gateway's 5 s margin).
+const ACK_WITHIN: Duration = Duration::from_secs(4);
+
+/// Identifies a hook's name and code together (the compiled-code cache and prepared instances).
+fn hook_key(name: &str, code: &str) -> [u8; 32] {
+    let mut digest = Sha256::new();
+    digest.update(name.as_bytes());
+    digest.update([0]);
+    digest.update(code.as_bytes());
+    digest.finalize().into()
+}
 
 /// Under `--trace-lines`, how long after its time is up a hook that did not stop itself is stopped:
 /// within the gateway's own grace (500 ms), so the gateway hears the hook's answer.
@@ -144,6 +160,7 @@ impl Supervisor {
                 .unwrap_or(DEFAULT_TIMEOUT_MS)
                 .max(1),
         );
+        let opened = Instant::now();
         let specs = msg["hooks"].as_array().cloned().unwrap_or_default();
         let mut hooks = Vec::with_capacity(specs.len());
         // All hooks' module code together runs within the chain's deadline, as a walk's hooks do.
@@ -176,12 +193,9 @@ impl Supervisor {
                 ));
             } else {
                 let began = Instant::now();
-                let loaded = self.load(
-                    &hook.name,
-                    spec["code"].as_str().unwrap_or(""),
-                    left,
-                    timeout,
-                );
+                let code = spec["code"].as_str().unwrap_or("");
+                let key = hook_key(&hook.name, code);
+                let loaded = self.load(key, &hook.name, code, left, timeout);
                 // A hook that ran out of time has failed; the hooks after it get the whole deadline
                 // again, as in a walk.
                 left = match &loaded {
@@ -189,7 +203,14 @@ impl Supervisor {
                     _ => left.saturating_sub(began.elapsed()),
                 };
                 match loaded {
-                    Ok(code) => hook.code = Some(code),
+                    Ok(code) => {
+                        hook.code = Some(HookCode {
+                            key,
+                            name: hook.name.clone(),
+                            code,
+                            timeout,
+                        })
+                    }
                     Err((error, line)) => {
                         hook.error = Some(error);
                         hook.line = line;
@@ -197,6 +218,16 @@ impl Supervisor {
                 }
             }
             hooks.push(hook);
+        }
+        // Each hook gets an instance with its module code run before the trigger point needs it, so
+        // a walk only calls `execute`. Under `--trace-lines` every call runs unprepared, its module
+        // code traced too.
+        if !self.trace_lines {
+            // The gateway waits for the ack up to the deadline + 5 s: answer within that.
+            let wait = (timeout + PREPARE_GRACE)
+                .min((timeout + ACK_WITHIN).saturating_sub(opened.elapsed()));
+            self.runtime
+                .prepare(hooks.iter().filter_map(|h| h.code.clone()).collect(), wait);
         }
         let ack = json!({"type": "ack", "hooks": hooks.iter().map(Hook::ack).collect::<Vec<_>>()});
         self.cell = Some(OpenCell {
@@ -215,12 +246,14 @@ impl Supervisor {
     /// A hook's compiled code: from the cache when this exact code was loaded before, else compiled
     /// (and its module code run once, as a check) in a fresh instance.
     /// `left` is what remains of the chain's deadline (`timeout`) for this hook's module code.
-    fn load(&mut self, name: &str, code: &str, left: Duration, timeout: Duration) -> Loaded {
-        let mut digest = Sha256::new();
-        digest.update(name.as_bytes());
-        digest.update([0]);
-        digest.update(code.as_bytes());
-        let key: [u8; 32] = digest.finalize().into();
+    fn load(
+        &mut self,
+        key: [u8; 32],
+        name: &str,
+        code: &str,
+        left: Duration,
+        timeout: Duration,
+    ) -> Loaded {
         if let Some(found) = self.loaded.get(&key) {
             return found.clone();
         }
@@ -272,6 +305,12 @@ impl Supervisor {
             .filter(Value::is_object)
             .unwrap_or_else(|| json!({}));
         let start = msg["start"].as_u64().unwrap_or(0) as usize;
+        self.runtime.walk_begins(
+            cell.hooks
+                .iter()
+                .skip(start)
+                .filter_map(|h| h.code.as_ref().map(|c| &c.key)),
+        );
         let budget = Arc::new(AtomicU64::new(cell.limits.host_calls));
         let mut terminal = Value::Null;
         let mut top = "pass".to_string();
@@ -348,6 +387,7 @@ impl Supervisor {
             }
         }
         self.send(&json!({"type": "result", "id": run, "action": top, "terminal_index": terminal}));
+        self.runtime.walk_ended();
     }
 
     /// Runs one hook in a fresh instance; the fields of its `hook_result`, or its error. What the
@@ -378,9 +418,7 @@ impl Supervisor {
             Duration::ZERO
         };
         let request = request.to_string();
-        let called = self
-            .runtime
-            .call_hook(&hook.name, code, &request, relay, *left + grace);
+        let called = self.runtime.call_hook(code, &request, relay, *left + grace);
         if let Some(text) = called.output {
             output.insert("output".into(), json!(text));
         }

@@ -626,3 +626,50 @@ fn a_ping_is_answered_with_or_without_a_cell() {
     assert_eq!(hook["outgoing"], "hi!", "{hook}");
     assert_eq!(s.read()["type"], "result");
 }
+
+#[test]
+fn a_walk_only_calls_execute_its_module_code_ran_before() {
+    // Module code (0.7 s) and execute (0.5 s) together exceed the 1 s deadline; each alone fits.
+    // The instance each hook runs in was prepared, its module code run, before the trigger point:
+    // the walk only calls execute, so every trigger point passes within its deadline.
+    let slow = "import time\ntime.sleep(0.7)\nLOADED_AT = time.monotonic()\ndef execute(context, settings):\n    time.sleep(0.5)\n    return {'action': 'detect', 'findings': {'waited': time.monotonic() - LOADED_AT >= 0.5}}\n";
+    let mut s = Supervisor::start(256 << 20);
+    for _ in 0..3 {
+        let ack = s.init("input", 1000, &[("slow", "detect", slow)]);
+        assert_eq!(ack["hooks"][0]["ok"], true, "{ack}");
+        let r = s.chunk(json!("x"), no_host);
+        assert_eq!(r[0].get("error"), None, "{r:?}");
+        assert_eq!(findings(&r[0])["waited"], true, "{r:?}");
+        s.end();
+    }
+}
+
+/// Resident memory of a process, in bytes.
+fn rss_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib << 10
+}
+
+#[test]
+fn instances_that_hold_much_memory_are_not_kept_and_the_supervisor_stays_small() {
+    // Module code that fills 64 MiB, and execute that fills 64 MiB more: such an instance is not
+    // kept prepared, and what any instance grew beyond the snapshot is given back when it is reset.
+    // (Measured: ~70 MiB; keeping such instances prepared and 96 MiB resident per slot, ~240 MiB.)
+    let big = "BIG = b'x' * (64 << 20)\ndef execute(context, settings):\n    more = b'y' * (64 << 20)\n    return {'action': 'detect', 'findings': {'n': len(BIG) + len(more)}}\n";
+    let mut s = Supervisor::start(256 << 20);
+    for _ in 0..8 {
+        s.init("input", 5000, &[("a", "detect", big), ("b", "detect", big)]);
+        let r = s.chunk(json!("x"), no_host);
+        assert_eq!(findings(&r[0])["n"], 128 << 20, "{r:?}");
+        assert_eq!(findings(&r[1])["n"], 128 << 20, "{r:?}");
+        s.end();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let rss = rss_of(s.child.id());
+    assert!(rss < 150 << 20, "the supervisor holds {} MiB", rss >> 20);
+}
