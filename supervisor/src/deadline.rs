@@ -25,6 +25,19 @@ struct TimerShared {
 struct Deadlines {
     next_id: u64,
     armed: HashMap<u64, DeadlineInner>,
+    /// When the watching thread wakes next (None: it waits to be told). It is told only of a
+    /// deadline earlier than that: inside gVisor every wake-up is system calls, and a hook arms and
+    /// ends a deadline per call.
+    wakes_at: Option<Instant>,
+}
+
+impl Deadlines {
+    /// A deadline now runs out at `at`: wakes the watcher if it would sleep past it.
+    fn watch_for(&self, at: Instant, changed: &Condvar) {
+        if self.wakes_at.is_none_or(|wake| at < wake) {
+            changed.notify_all();
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -57,7 +70,9 @@ impl Deadline {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let r = deadlines.armed.get_mut(&self.id).map(f);
-        self.timer.changed.notify_all();
+        if let Some(at) = deadlines.armed.get(&self.id).and_then(|inner| inner.at) {
+            deadlines.watch_for(at, &self.timer.changed);
+        }
         r
     }
 
@@ -89,10 +104,10 @@ impl Deadline {
             .deadlines
             .lock()
             .unwrap_or_else(|e| e.into_inner());
+        // The watcher is not woken: at worst it wakes once for a deadline no longer armed.
         let Some(mut inner) = deadlines.armed.remove(&self.id) else {
             return (true, Duration::ZERO);
         };
-        self.timer.changed.notify_all();
         if let Some(at) = inner.at.take() {
             inner.left = at.saturating_duration_since(Instant::now());
         }
@@ -126,15 +141,16 @@ impl Timer {
             .unwrap_or_else(|e| e.into_inner());
         deadlines.next_id += 1;
         let id = deadlines.next_id;
+        let at = Instant::now() + timeout;
         deadlines.armed.insert(
             id,
             DeadlineInner {
-                at: Some(Instant::now() + timeout),
+                at: Some(at),
                 left: timeout,
                 expired: false,
             },
         );
-        self.shared.changed.notify_all();
+        deadlines.watch_for(at, &self.shared.changed);
         Deadline {
             id,
             timer: self.shared.clone(),
@@ -164,6 +180,7 @@ fn watch(engine: &Engine, timer: &TimerShared) {
         if passed {
             engine.increment_epoch();
         }
+        deadlines.wakes_at = next;
         deadlines = match next {
             Some(at) => {
                 timer

@@ -68,6 +68,12 @@ struct Ahead {
 }
 
 impl Ahead {
+    /// So many instances are held, ready or used, that too few slots would be left for a hook run
+    /// unprepared and one being prepared: used ones are reset even during a walk.
+    fn pressed(&self) -> bool {
+        self.ready.len() + self.used.len() > MAX_PREPARED
+    }
+
     fn next_wanted(&self) -> Option<HookCode> {
         self.wanted
             .iter()
@@ -86,8 +92,7 @@ impl Preparer {
                 let (ahead, changed) = &*worker;
                 let mut state = ahead.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
-                    let pressed = state.ready.len() + state.used.len() > MAX_PREPARED;
-                    if state.walking && !pressed {
+                    if state.walking && !state.pressed() {
                         state = changed.wait(state).unwrap_or_else(|e| e.into_inner());
                         continue;
                     }
@@ -187,15 +192,19 @@ impl Preparer {
             state = self.shared.1.wait(state).unwrap_or_else(|e| e.into_inner());
         }
         let taken = state.ready.remove(key);
-        drop(state);
-        if taken.is_some() {
+        // During a walk the preparer is not woken (inside gVisor a wake-up is system calls on the
+        // walk's path); `walk_ended` wakes it.
+        if taken.is_some() && !state.walking {
             self.shared.1.notify_all();
         }
         taken
     }
 
     pub(crate) fn discard(&self, used: Prepared) {
-        self.lock().used.push(used);
-        self.shared.1.notify_all();
+        let mut state = self.lock();
+        state.used.push(used);
+        if !state.walking || state.pressed() {
+            self.shared.1.notify_all();
+        }
     }
 }

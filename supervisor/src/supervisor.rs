@@ -456,8 +456,8 @@ impl Supervisor {
         )
     }
 
-    /// Closes the cell. Every instance of it is already gone (each lived for one call), so the
-    /// sandbox is clean.
+    /// Closes the cell. Each instance that served it was entered for one call and is never entered
+    /// again (the preparer resets it), so the sandbox is clean.
     fn end(&mut self) {
         self.cell = None;
         self.send(&json!({"type": "ended", "clean": true}));
