@@ -8,7 +8,8 @@ use std::net::SocketAddr;
 pub struct Metrics {
     registry: Registry,
     pub reconciles: IntCounter,
-    pub reconcile_errors: IntCounter,
+    /// Failed reconciles by the stage that failed (`Error::stage`).
+    pub reconcile_errors: IntCounterVec,
     pub pool_warm: IntGaugeVec,
     pub pool_claimed: IntGaugeVec,
     pub pods_created: IntCounter,
@@ -70,9 +71,12 @@ impl Metrics {
             ),
             reconcile_errors: reg(
                 &registry,
-                IntCounter::new(
-                    "sluice_operator_reconcile_errors_total",
-                    "HookChain reconciles that failed and were retried",
+                IntCounterVec::new(
+                    Opts::new(
+                        "sluice_operator_reconcile_errors_total",
+                        "HookChain reconciles that failed and were retried, by the stage that failed",
+                    ),
+                    &["stage"],
                 )
                 .expect("valid metric"),
             ),

@@ -8,11 +8,6 @@ use crate::request::EngineError;
 use crate::state_vector::StateVector;
 use std::sync::Arc;
 
-/// How a baseline hook's name reads in answers, the audit and metrics.
-pub(crate) const BASELINE_PREFIX: &str = "baseline/";
-/// How a baseline hook reads when it ran again on the tenant chain's output and changed or ended it.
-pub(crate) const RECHECK_PREFIX: &str = "baseline-recheck/";
-
 /// The chains that serve one (namespace, target, trigger point).
 #[derive(Clone, Debug)]
 pub(crate) struct Chains {

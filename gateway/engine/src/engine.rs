@@ -4,7 +4,7 @@
 //! Rust: no gRPC, no cluster.
 
 use crate::audit::{Audit, AuditEvent, AuditHook};
-use crate::chains::{BASELINE_PREFIX, Chains, RECHECK_PREFIX};
+use crate::chains::Chains;
 use crate::host_calls::Capabilities;
 use crate::limits::Limits;
 use crate::log_text::Escaped;
@@ -299,7 +299,7 @@ impl Engine {
             audit.policy_outcome = Some("passed_over");
             audit.failure_reason = Some(format!(
                 "hook {:?} failed: {}",
-                h.name,
+                h.shown_name(),
                 h.error.as_deref().unwrap_or_default()
             ));
         }
@@ -326,14 +326,8 @@ impl Engine {
     /// errors, against the chain it belongs to, by the hook's own name.
     pub(crate) fn count_hooks(&self, chains: &Chains, walk: &Walk) {
         for h in &walk.hooks {
-            let (name, baseline) = match h
-                .name
-                .strip_prefix(BASELINE_PREFIX)
-                .or_else(|| h.name.strip_prefix(RECHECK_PREFIX))
-            {
-                Some(name) => (name, true),
-                None => (h.name.as_str(), false),
-            };
+            let name = h.name.as_str();
+            let baseline = h.layer.is_baseline();
             let Some((chain, _)) = chains.ordered().find(|(_, b)| *b == baseline) else {
                 continue;
             };
@@ -373,7 +367,7 @@ fn audit_hooks(walk: &Walk) -> Vec<AuditHook> {
     walk.hooks
         .iter()
         .map(|h| AuditHook {
-            name: h.name.clone(),
+            name: h.shown_name(),
             action: h.action.as_str(),
             latency_us: h.latency_us,
             error: h.error.clone(),

@@ -52,7 +52,7 @@ pub use engine::Engine;
 pub use host_calls::{Caller, Capabilities, HostCallCode, HostCallError, HostCalls, NoHostCalls};
 pub use limits::Limits;
 pub use metrics::Metrics;
-pub use outcome::{HookOutcome, Walk};
+pub use outcome::{HookOutcome, Layer, Walk};
 pub use program::{CELL_RUNTIME, ProgramError, SUPERVISOR_BINARY, SupervisorProgram};
 pub use registry::{CapabilityEntry, Registry};
 pub use request::{CallerAuth, EngineError, Identity, RunInput};

@@ -11,11 +11,44 @@ use crate::supervisor::{SandboxFailure, WalkReport};
 use serde_json::Value;
 use sluice_crds::{Action, FailurePolicy, TriggerPoint};
 
+/// Which chain of a run a hook belongs to. A hook's `name` is its own; `HookOutcome::shown_name`
+/// adds the layer where people read it (answers, the audit, logs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Layer {
+    /// The chain the caller's target names.
+    #[default]
+    Own,
+    /// The namespace's baseline chain, walked before it.
+    Baseline,
+    /// The baseline walked again over what the tenant's chain let through, shown when that changed
+    /// or ended it.
+    Recheck,
+}
+
+impl Layer {
+    /// How a hook of this layer is named where it is shown: `baseline/<hook>`,
+    /// `baseline-recheck/<hook>`.
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Self::Own => "",
+            Self::Baseline => "baseline/",
+            Self::Recheck => "baseline-recheck/",
+        }
+    }
+
+    /// The hook belongs to the namespace's baseline chain (walked first or again).
+    pub fn is_baseline(self) -> bool {
+        self != Self::Own
+    }
+}
+
 /// One hook's part in a run, as the gateway reports and audits it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HookOutcome {
     pub index: usize,
+    /// The hook's own name, as its chain declares it.
     pub name: String,
+    pub layer: Layer,
     pub action: Action,
     pub message: String,
     pub findings: Option<Value>,
@@ -24,6 +57,23 @@ pub struct HookOutcome {
     /// The end of what the hook printed, up to `Limits::hook_output_bytes` (None when it printed
     /// nothing or the gateway carries none).
     pub output: Option<String>,
+}
+
+impl HookOutcome {
+    /// The name shown in answers and the audit: the baseline's hooks under their layer's prefix.
+    pub fn shown_name(&self) -> String {
+        format!("{}{}", self.layer.prefix(), self.name)
+    }
+}
+
+/// The top action of a walk that goes on after one more non-terminal action: modify over detect over
+/// pass (a terminal action ends the walk and is the top action by itself).
+pub(crate) fn merge_action(top: Action, next: Action) -> Action {
+    match (top, next) {
+        (_, Action::Modify) | (Action::Modify, _) => Action::Modify,
+        (_, Action::Detect) | (Action::Detect, _) => Action::Detect,
+        _ => top,
+    }
 }
 
 /// Where a walk stands after folding one report.
@@ -76,6 +126,7 @@ impl Walk {
         self.hooks.push(HookOutcome {
             index,
             name,
+            layer: Layer::Own,
             action: Action::Pass,
             message: String::new(),
             findings: None,
@@ -95,6 +146,7 @@ impl Walk {
         self.hooks.push(HookOutcome {
             index,
             name: String::new(),
+            layer: Layer::Own,
             action: Action::Pass,
             message: String::new(),
             findings: None,
@@ -385,6 +437,7 @@ pub(crate) fn fold(
         walk.hooks.push(HookOutcome {
             index: r.index,
             name: hook.name.clone(),
+            layer: Layer::Own,
             action,
             message: message.clone(),
             findings: r.findings.clone(),
@@ -394,9 +447,7 @@ pub(crate) fn fold(
         });
         match action {
             Action::Block | Action::Skip => walk.end(r.index, action, message),
-            Action::Modify => walk.action = Action::Modify,
-            Action::Detect if walk.action == Action::Pass => walk.action = Action::Detect,
-            _ => {}
+            _ => walk.action = merge_action(walk.action, action),
         }
     }
     if let Some(SandboxFailure::Forged(why)) = &report.failure {
@@ -473,6 +524,24 @@ pub(crate) fn failure_before_walk(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_top_action_is_modify_over_detect_over_pass_whatever_the_order() {
+        use Action::{Detect, Modify, Pass};
+        let rank = |a: Action| [Pass, Detect, Modify].iter().position(|x| *x == a).unwrap();
+        for top in [Pass, Detect, Modify] {
+            for next in [Pass, Detect, Modify] {
+                let merged = merge_action(top, next);
+                assert_eq!(
+                    rank(merged),
+                    rank(top).max(rank(next)),
+                    "{top:?} then {next:?}"
+                );
+                assert_eq!(merged, merge_action(next, top), "{top:?} and {next:?}");
+            }
+        }
+    }
+
     use super::*;
     use crate::wire::HookResult;
     use serde_json::json;

@@ -9,15 +9,16 @@
 //! message, the baseline walks that message too before it leaves (`Pipeline::recheck_message`).
 
 use crate::audit::AuditEvent;
-use crate::chains::{BASELINE_PREFIX, Chains, RECHECK_PREFIX};
+use crate::chains::Chains;
 use crate::claimed_chain::ClaimedChain;
 use crate::engine::Engine;
 use crate::host_call_guard::HostCallReport;
 use crate::outcome::Walk;
+use crate::outcome::{Layer, merge_action};
 use crate::request::{EngineError, Target};
 use crate::state_vector::StateVector;
 use serde_json::Value;
-use sluice_crds::{Action, TriggerPoint};
+use sluice_crds::TriggerPoint;
 
 /// One chain of the pipeline, in its claimed sandbox.
 struct Stage<'e> {
@@ -79,7 +80,12 @@ impl<'e> Pipeline<'e> {
                 // Every tenant shares the baseline's pool: its sandbox is held for its walk only.
                 stage.claimed.release();
             }
-            absorb(&mut combined, walk, offset, stage.baseline);
+            let layer = if stage.baseline {
+                Layer::Baseline
+            } else {
+                Layer::Own
+            };
+            absorb(&mut combined, walk, offset, layer);
             offset += stage.claimed.chain.spec.hooks.len();
             if combined.is_terminal() {
                 tenant_ended = !stage.baseline;
@@ -107,7 +113,7 @@ impl<'e> Pipeline<'e> {
                 .await;
             self.stages[0].claimed.release();
             if recheck.is_terminal() || recheck.payload != combined.payload {
-                absorb_named(&mut combined, recheck, offset, RECHECK_PREFIX);
+                absorb(&mut combined, recheck, offset, Layer::Recheck);
             }
         }
         combined
@@ -141,7 +147,7 @@ impl<'e> Pipeline<'e> {
             .hooks
             .extend(recheck.hooks.into_iter().map(|mut h| {
                 h.index += offset;
-                h.name = format!("{RECHECK_PREFIX}{}", h.name);
+                h.layer = Layer::Recheck;
                 h
             }));
         match recheck.terminal_index {
@@ -183,7 +189,12 @@ impl<'e> Pipeline<'e> {
     pub(crate) fn record_host_calls(&self, audit: &mut AuditEvent, max_listed: usize) {
         let mut all = HostCallReport::default();
         for stage in &self.stages {
-            let prefix = if stage.baseline { BASELINE_PREFIX } else { "" };
+            let layer = if stage.baseline {
+                Layer::Baseline
+            } else {
+                Layer::Own
+            };
+            let prefix = layer.prefix();
             all.merge(stage.claimed.host_calls(), prefix, max_listed);
         }
         (audit.host_calls, audit.host_call_summary) = all.into_audit();
@@ -218,23 +229,14 @@ fn restore_app_owned(trigger_point: TriggerPoint, payload: &mut Value, let_throu
     }
 }
 
-/// Folds one chain's walk into the combined walk: hooks appended (baseline names prefixed, indices
-/// shifted by the hooks of the chains before), payload carried on, and the top action re-derived
-/// over both: the terminal action when one ended the walk, else modify, else detect, else pass.
-pub(crate) fn absorb(combined: &mut Walk, walk: Walk, offset: usize, baseline: bool) {
-    absorb_named(
-        combined,
-        walk,
-        offset,
-        if baseline { BASELINE_PREFIX } else { "" },
-    )
-}
-
-fn absorb_named(combined: &mut Walk, walk: Walk, offset: usize, prefix: &str) {
+/// Folds one chain's walk into the combined walk: hooks appended (of `layer`, indices shifted by the
+/// hooks of the chains before), payload carried on, and the top action re-derived over both: the
+/// terminal action when one ended the walk, else modify, else detect, else pass.
+pub(crate) fn absorb(combined: &mut Walk, walk: Walk, offset: usize, layer: Layer) {
     combined.payload = walk.payload;
     combined.hooks.extend(walk.hooks.into_iter().map(|mut h| {
         h.index += offset;
-        h.name = format!("{prefix}{}", h.name);
+        h.layer = layer;
         h
     }));
     if let Some(t) = walk.terminal_index {
@@ -243,11 +245,7 @@ fn absorb_named(combined: &mut Walk, walk: Walk, offset: usize, prefix: &str) {
         combined.message = walk.message;
         return;
     }
-    match walk.action {
-        Action::Modify => combined.action = Action::Modify,
-        Action::Detect if combined.action == Action::Pass => combined.action = Action::Detect,
-        _ => {}
-    }
+    combined.action = merge_action(combined.action, walk.action);
 }
 
 #[cfg(test)]
@@ -255,11 +253,13 @@ mod tests {
     use super::*;
     use crate::outcome::HookOutcome;
     use serde_json::json;
+    use sluice_crds::Action;
 
     fn outcome(index: usize, name: &str, action: Action) -> HookOutcome {
         HookOutcome {
             index,
             name: name.into(),
+            layer: Layer::Own,
             action,
             message: String::new(),
             findings: None,
@@ -278,22 +278,27 @@ mod tests {
             outcome(0, "limit", Action::Pass),
             outcome(1, "rewrite", Action::Modify),
         ];
-        absorb(&mut combined, base, 0, true);
+        absorb(&mut combined, base, 0, Layer::Baseline);
         let mut tenant = Walk::new(json!({"n": 1}));
         tenant.action = Action::Detect;
         tenant.hooks = vec![outcome(0, "look", Action::Detect)];
-        absorb(&mut combined, tenant, 2, false);
+        absorb(&mut combined, tenant, 2, Layer::Own);
         assert_eq!(combined.action, Action::Modify, "modify outranks detect");
         assert_eq!(combined.payload, json!({"n": 1}));
-        let names: Vec<(&str, usize)> = combined
+        let names: Vec<(&str, Layer, usize)> = combined
             .hooks
             .iter()
-            .map(|h| (h.name.as_str(), h.index))
+            .map(|h| (h.name.as_str(), h.layer, h.index))
             .collect();
         assert_eq!(
             names,
-            vec![("baseline/limit", 0), ("baseline/rewrite", 1), ("look", 2)]
+            vec![
+                ("limit", Layer::Baseline, 0),
+                ("rewrite", Layer::Baseline, 1),
+                ("look", Layer::Own, 2)
+            ]
         );
+        assert_eq!(combined.hooks[0].shown_name(), "baseline/limit");
         assert_eq!(combined.terminal_index, None);
     }
 
@@ -302,13 +307,13 @@ mod tests {
         let mut combined = Walk::new(json!({}));
         let mut base = Walk::new(json!({}));
         base.hooks = vec![outcome(0, "a", Action::Pass), outcome(1, "b", Action::Pass)];
-        absorb(&mut combined, base, 0, true);
+        absorb(&mut combined, base, 0, Layer::Baseline);
         let mut tenant = Walk::new(json!({}));
         tenant.hooks = vec![outcome(0, "stop", Action::Block)];
         tenant.action = Action::Block;
         tenant.terminal_index = Some(0);
         tenant.message = "no".into();
-        absorb(&mut combined, tenant, 2, false);
+        absorb(&mut combined, tenant, 2, Layer::Own);
         assert_eq!(
             (
                 combined.action,

@@ -26,7 +26,7 @@ async fn the_baseline_runs_first_and_the_tenant_sees_its_output() {
     ])
     .await;
     let r = h.run("input", json!("my secret")).await.unwrap();
-    let names: Vec<&str> = r.walk.hooks.iter().map(|h| h.name.as_str()).collect();
+    let names: Vec<String> = r.walk.hooks.iter().map(|h| h.shown_name()).collect();
     assert_eq!(names, ["baseline/redact", "look"]);
     assert_eq!(r.walk.hooks[1].findings, Some(json!(["my [x]"])));
     assert_eq!(r.walk.action, Action::Modify);
@@ -82,7 +82,7 @@ async fn a_tenant_cannot_undo_what_the_baseline_did() {
         json!("my [x]"),
         "the baseline re-checks the tenant's output"
     );
-    let names: Vec<&str> = r.walk.hooks.iter().map(|h| h.name.as_str()).collect();
+    let names: Vec<String> = r.walk.hooks.iter().map(|h| h.shown_name()).collect();
     assert_eq!(
         names,
         ["baseline/redact", "undo", "baseline-recheck/redact"]
@@ -98,7 +98,7 @@ async fn a_baseline_alone_serves_a_target_without_a_chain() {
     .await;
     let r = h.run("input", json!("a secret")).await.unwrap();
     assert_eq!(r.walk.payload, json!("a [x]"));
-    assert_eq!(r.walk.hooks[0].name, "baseline/redact");
+    assert_eq!(r.walk.hooks[0].shown_name(), "baseline/redact");
 }
 
 const REDACT_PHONE: &str = "import re\nreturn {'action': 'modify', 'outgoing': re.sub(r'010-\\d{4}-\\d{4}', '[phone]', context['outgoing'])}";

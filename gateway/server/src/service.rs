@@ -124,7 +124,7 @@ fn run_response(run_id: &str, walk: &Walk) -> proto::RunResponse {
             .hooks
             .iter()
             .map(|h| proto::HookOutcome {
-                name: h.name.clone(),
+                name: h.shown_name(),
                 action: action_to_proto(h.action) as i32,
                 message: h.message.clone(),
                 findings: h.findings.as_ref().map(to_proto),

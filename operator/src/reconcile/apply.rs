@@ -55,9 +55,9 @@ pub(crate) async fn apply(
     read: &Snapshot,
     desired: &Desired,
     verdict: &Verdict,
-    plan: &Plan,
+    plan: Plan,
     ctx: &Context,
-) -> Result<u32, ApplyError> {
+) -> Result<Applied, ApplyError> {
     if plan.template_proven {
         lock(&ctx.start_failures).remove(&read.key);
     }
@@ -73,10 +73,24 @@ pub(crate) async fn apply(
         .map(|s| s.conditions.as_slice())
         .unwrap_or_default();
     announce_verdict(ctx, &reference, previous, verdict).await;
-    delete_pods(chain, read, plan, &desired.template, ctx).await?;
-    let created = create_pods(chain, read, plan, desired, ctx).await?;
-    announce_hold(ctx, &reference, previous, plan).await;
-    Ok(created)
+    delete_pods(chain, read, &plan, &desired.template, ctx).await?;
+    let created = create_pods(chain, read, &plan, desired, ctx).await?;
+    announce_hold(ctx, &reference, previous, &plan).await;
+    Ok(Applied::new(plan, created))
+}
+
+/// The pool as `apply` left it: the plan it carried out, its counts including the pods it created
+/// (the status tells what exists now).
+pub(crate) struct Applied {
+    pub(crate) plan: Plan,
+}
+
+impl Applied {
+    fn new(mut plan: Plan, created: u32) -> Self {
+        plan.counts.starting += created;
+        plan.counts.total += created;
+        Self { plan }
+    }
 }
 
 fn api_code(e: &kube::Error) -> Option<u16> {

@@ -4,8 +4,8 @@
 //! `read` (the pod cache and expectations → `Snapshot`) → `validate` (spec, hook code,
 //! capabilities → `Verdict`) → `build` (pure: pod, NetworkPolicy, template hash → `Desired`) →
 //! `decide` (pure: the pool `Plan`) → `apply` (NetworkPolicy by server-side apply, deletes,
-//! slow-start creates, Events → pods created) → `status` (server-side apply on the status
-//! subresource).
+//! slow-start creates, Events → `Applied`: the pool as it now is) → `status` (server-side apply on
+//! the status subresource). A failed reconcile is counted by its stage (`Error::stage`).
 //!
 //! All of it runs under the chain's finalizer (`sluice.dev/sandboxes`, through
 //! `kube::runtime::finalizer`): added first, and on deletion `cleanup` deletes the chain's pods and
@@ -65,6 +65,18 @@ pub enum Error {
     Apply(#[from] ApplyError),
     #[error(transparent)]
     Status(#[from] StatusError),
+}
+
+impl Error {
+    /// The stage that failed, as `sluice_operator_reconcile_errors_total` counts it.
+    pub fn stage(&self) -> &'static str {
+        match self {
+            Self::Read(_) => "read",
+            Self::Finalizer { .. } | Self::Unnamed => "finalizer",
+            Self::Apply(_) => "apply",
+            Self::Status(_) => "status",
+        }
+    }
 }
 
 pub async fn reconcile(
@@ -137,7 +149,10 @@ pub fn error_policy(
     error: &Error,
     ctx: Arc<Context>,
 ) -> Action {
-    ctx.metrics.reconcile_errors.inc();
+    ctx.metrics
+        .reconcile_errors
+        .with_label_values(&[error.stage()])
+        .inc();
     tracing::warn!(error = %Escaped(&error.to_string()), "reconcile failed; retrying");
     Action::requeue(Duration::from_secs(5))
 }
@@ -189,13 +204,12 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
     let verdict = validate::validate(chain, &read.namespace, &read.name, ctx).await;
     let desired = build::build(chain, &ctx.settings);
     let now = Timestamp::now();
-    let mut plan = decide::decide(chain, &read, &desired, &verdict, now, ctx);
-    let created = apply::apply(chain, &read, &desired, &verdict, &plan, ctx).await?;
-    // The status tells what exists now, the pods just created included.
-    plan.counts.starting += created;
-    plan.counts.total += created;
+    let plan = decide::decide(chain, &read, &desired, &verdict, now, ctx);
+    let applied = apply::apply(chain, &read, &desired, &verdict, plan, ctx).await?;
     let rolled = rollout::rollout(chain, &read, &verdict, now, ctx).await;
-    let status_due = status::write(chain, &read, &verdict, &plan, rolled.state, now, ctx).await?;
+    let status_due =
+        status::write(chain, &read, &verdict, &applied, rolled.state, now, ctx).await?;
+    let plan = &applied.plan;
 
     // Pod events requeue the chain; the timers cover what no event announces.
     let mut next = RESYNC;
@@ -224,4 +238,30 @@ pub fn forget(ctx: &Context, namespace: &str, name: &str) {
     lock(&ctx.start_failures).remove(&format!("{namespace}/{name}"));
     lock(&ctx.status_written).remove(&format!("{namespace}/{name}"));
     ctx.metrics.forget_pool(namespace, name);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_failure_is_counted_by_the_stage_that_failed() {
+        let read = Error::Read(ReadError::NoNamespace { chain: "c".into() });
+        assert_eq!(read.stage(), "read");
+        assert_eq!(Error::Unnamed.stage(), "finalizer");
+        let gone = kube::Error::Api(
+            kube::core::Status::failure("gone", "NotFound")
+                .with_code(404)
+                .boxed(),
+        );
+        assert_eq!(
+            Error::Finalizer {
+                chain: "c".into(),
+                action: "adding",
+                source: gone
+            }
+            .stage(),
+            "finalizer"
+        );
+    }
 }

@@ -4,10 +4,10 @@
 //! only the warm/claimed counts moved, at most every `COUNTS_EVERY` (each write sends the whole
 //! object, hooks' code included, to every watcher). Live counts are in the pool gauges.
 
+use super::apply::Applied;
 use super::context::Context;
 use super::read::Snapshot;
 use crate::build::FIELD_MANAGER;
-use crate::pool::Plan;
 use crate::status::{self, Verdict};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
@@ -32,12 +32,12 @@ pub(crate) async fn write(
     chain: &HookChain,
     read: &Snapshot,
     verdict: &Verdict,
-    plan: &Plan,
+    applied: &Applied,
     rollout: Option<sluice_crds::rollout::RolloutState>,
     now: Timestamp,
     ctx: &Context,
 ) -> Result<Option<Duration>, StatusError> {
-    let status = status::status(chain, verdict, plan, rollout, now);
+    let status = status::status(chain, verdict, &applied.plan, rollout, now);
     let mut deferred = None;
     // The gateways' own entries (status.rollout.shadow) are theirs: not the operator's to compare
     // or to write.
@@ -80,8 +80,8 @@ pub(crate) async fn write(
     ctx.metrics.set_pool(
         &read.namespace,
         &read.name,
-        plan.counts.warm,
-        plan.counts.claimed,
+        applied.plan.counts.warm,
+        applied.plan.counts.claimed,
     );
     Ok(deferred)
 }

@@ -374,8 +374,12 @@ impl Rollouts {
         let labels = ChainLabels::of(&r.live);
         let chain = r.live.qualified_name();
         for h in &shadow.hooks {
-            let name = h.name.as_str();
-            let theirs = live.hooks.iter().find(|l| l.name == h.name);
+            let shown = h.shown_name();
+            let name = shown.as_str();
+            let theirs = live
+                .hooks
+                .iter()
+                .find(|l| l.name == h.name && l.layer == h.layer);
             let hook_verdict = if h.error.is_some() {
                 "error"
             } else if theirs.is_some_and(|l| l.action == h.action && l.error.is_none()) {
