@@ -544,6 +544,66 @@ async fn an_api_server_restart_mid_run_is_a_hook_failure_and_leaves_no_pod() {
     api.stop().await;
 }
 
+/// The exec connection of a claimed pod goes half-open in the middle of a walk (open, but nothing
+/// gets through either way), under a chain deadline of a minute. The gateway's heartbeat on the
+/// exec websocket finds the silence: the run ends long before its deadline, its error says the
+/// connection to the sandbox was lost (not that a hook was slow), the pod is retired and deleted,
+/// and the next run is served by another. Without the heartbeat the run waits out its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_connection_gone_half_open_mid_walk_is_reported_lost_and_the_pod_replaced() {
+    let chain = chain_yaml(
+        "halfwalk",
+        "bot",
+        "input",
+        "failurePolicy: Closed\ntimeoutMs: 60000",
+        &[("slow", "detect", SLOW), ("mark", "modify", MARK)],
+    );
+    let (api, h) = cluster(ExecProtocol::V5, &chain, 1).await;
+    let run = {
+        let h = &h;
+        async move {
+            // Well short of the chain's minute: the default heartbeat needs at most 20 s.
+            tokio::time::timeout(Duration::from_secs(45), h.run_text("bot", "input", "hello")).await
+        }
+    };
+    let cut = async {
+        let pod = claimed_pod(&api).await;
+        for _ in 0..1200 {
+            if api.stdin_of("default", &pod).contains("\"chunk\"") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(api.stdin_of("default", &pod).contains("\"chunk\""));
+        api.half_open("default", &pod);
+        pod
+    };
+    let (r, pod) = tokio::join!(run, cut);
+    let r = r
+        .expect("the run still waited on a half-open connection after 45 s")
+        .expect("a lost connection is a failed hook, not a failed request");
+    assert_eq!(action(&r), Action::Block, "{r:?}");
+    let error = &r.hooks[0].error;
+    assert!(
+        error.contains("connection to the sandbox was lost") && error.contains(&pod),
+        "the error says what happened: {error}"
+    );
+    // Retired: the pod behind the dead connection is deleted, never handed to another run.
+    for _ in 0..200 {
+        if sluice_e2e::pod_deleted(&api, "default", &pod) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
+    api.clear_faults();
+    let r = h.run_text("bot", "input", "hello").await.expect("run");
+    assert_eq!(text(&r), "hello [checked]", "{r:?}");
+    assert!(r.hooks.iter().all(|o| o.error.is_empty()), "{:?}", r.hooks);
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_registry_follows_the_cluster_and_survives_a_malformed_object() {
     let chain = chain_yaml("marker", "bot", "input", "", &[("mark", "modify", MARK)]);
