@@ -170,6 +170,21 @@ fn claimed_pods(api: &FakeApiServer) -> Vec<String> {
         .collect()
 }
 
+/// Warm (unclaimed) pods that are Ready.
+fn ready_warm_pods(api: &FakeApiServer) -> usize {
+    api.list(Resource::Pods, "default")
+        .iter()
+        .filter(|p| p["metadata"]["labels"]["sluice.dev/pool"] == "warm")
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .filter(|p| {
+            p["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
+        })
+        .count()
+}
+
 async fn a_held_pod_other_than(api: &FakeApiServer, seen: &[String]) -> String {
     for _ in 0..1200 {
         if let Some(p) = claimed_pods(api).into_iter().find(|p| !seen.contains(p)) {
@@ -250,6 +265,54 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
     assert_eq!(action(&r), Action::Modify, "{r:?}");
     assert_eq!(text(&r), "call ###");
     assert!(r.hooks.iter().all(|o| o.error.is_empty()), "{:?}", r.hooks);
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
+}
+
+/// Trigger points of a Recycle chain served by the pod the gateway holds (`--kube-hold 1`) cost
+/// the API server nothing: the held pod serves them one after another over its exec stream, and
+/// serving one is no reason to claim another (a claim PATCH, then a pod the operator makes, binds
+/// and starts: some twenty writes, and a pod held twice over). What the cluster bench's "API writes
+/// per trigger point (Recycle)" row measures, pinned here where every write is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn recycled_trigger_points_on_a_held_pod_write_nothing() {
+    let chain = chain_yaml(
+        "held-recycle",
+        "bot",
+        "input",
+        "pool: {warm: 2, max: 4, reuse: Recycle}",
+        &[("digits", "modify", REDACT)],
+    );
+    let (api, h) = holding_cluster(&chain, 2).await;
+    let held = a_held_pod_other_than(&api, &[]).await;
+    attached_and_waiting(&api, &held).await;
+    // The pod the fake's "operator" made in place of the held one is up: the cluster is quiet.
+    for _ in 0..1200 {
+        if ready_warm_pods(&api) == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ready_warm_pods(&api), 2, "the warm pool never refilled");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = api.writes();
+    for i in 0..20 {
+        let r = h
+            .run_text("bot", "input", &format!("call 555-{i:03}"))
+            .await
+            .expect("run");
+        assert_eq!(text(&r), "call ###-###", "{r:?}");
+    }
+    // A replacement claim would go out 25 ms after a run takes the held pod: give it time.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let during = api.writes().since(&before);
+    println!("API writes while 20 trigger points ran on a held pod (Recycle):\n{during}");
+    assert_eq!(during.total(), 0, "writes per 20 trigger points:\n{during}");
+    assert_eq!(
+        claimed_pods(&api),
+        std::slice::from_ref(&held),
+        "exactly `hold` pods held"
+    );
     h.stop_kube_and_check(&api).await;
     api.stop().await;
 }

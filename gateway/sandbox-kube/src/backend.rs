@@ -336,6 +336,11 @@ impl SandboxBackend for KubeBackend {
         self.cfg.hold.min(chain_warm)
     }
 
+    /// The hold is the pods kept claimed: one serving a recycled trigger point still counts.
+    fn claimed_count_toward_warm(&self) -> bool {
+        true
+    }
+
     fn ready_needs_warm(&self) -> bool {
         false
     }
