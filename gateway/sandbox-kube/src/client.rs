@@ -78,9 +78,9 @@ mod tests {
             .expect("connected");
         let socket = socket2::SockRef::from(stream.inner());
         assert!(socket.keepalive().unwrap());
-        assert_eq!(socket.keepalive_time().unwrap(), KEEPALIVE_IDLE);
-        assert_eq!(socket.keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
-        assert_eq!(socket.keepalive_retries().unwrap(), KEEPALIVE_PROBES);
+        assert_eq!(socket.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
+        assert_eq!(socket.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+        assert_eq!(socket.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
         assert_eq!(socket.tcp_user_timeout().unwrap(), Some(USER_TIMEOUT));
         drop(accepted);
     }
