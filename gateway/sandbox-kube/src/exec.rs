@@ -138,29 +138,16 @@ pub(crate) async fn start(
     let stdout_bytes = Arc::new(AtomicU64::new(0));
     let lost = Arc::new(Mutex::new(None));
     let (stop, stopped) = tokio::sync::oneshot::channel();
-    let key = format!("{namespace}/{pod}");
     let drive = Drive {
+        key: format!("{namespace}/{pod}"),
         stdin: stdin_reader,
         stderr,
         stdout_bytes: stdout_bytes.clone(),
+        lost: lost.clone(),
         v5,
         keepalive,
     };
-    let lost_by = lost.clone();
-    tokio::spawn(async move {
-        let ended = drive.run(connection.into_stream(), stopped).await;
-        match ended {
-            Ended::Exited(Some(status)) => {
-                tracing::warn!(pod = %key, %status, "supervisor exited with an error")
-            }
-            Ended::Exited(None) | Ended::Stopped => {}
-            Ended::Lost(why) => {
-                tracing::warn!(pod = %key, %why, "the exec connection to the sandbox was lost");
-                *lost_by.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(format!("pod {key}: {why}"));
-            }
-        }
-    });
+    tokio::spawn(drive.run(connection.into_stream(), stopped));
     Ok(Exec {
         stdin,
         protocol: Protocol {
@@ -174,24 +161,39 @@ pub(crate) async fn start(
 
 /// What the connection's task moves between the websocket and the conversation.
 struct Drive {
+    /// The pod, as "namespace/name".
+    key: String,
     stdin: ReadHalf<SimplexStream>,
     stderr: WriteHalf<SimplexStream>,
     stdout_bytes: Arc<AtomicU64>,
+    /// Why the connection was lost, told to the protocol's reader before its end.
+    lost: Arc<Mutex<Option<String>>>,
     v5: bool,
     keepalive: Keepalive,
 }
 
 impl Drive {
-    async fn run<S>(mut self, ws: S, mut stopped: tokio::sync::oneshot::Receiver<()>) -> Ended
+    async fn run<S>(mut self, ws: S, mut stopped: tokio::sync::oneshot::Receiver<()>)
     where
         S: futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>>
             + futures::Sink<Message, Error = tokio_tungstenite::tungstenite::Error>
             + Unpin,
     {
-        let ended = self.pump(ws, &mut stopped).await;
+        let key = self.key.clone();
+        match self.pump(ws, &mut stopped).await {
+            Ended::Exited(Some(status)) => {
+                tracing::warn!(pod = %key, %status, "supervisor exited with an error")
+            }
+            Ended::Exited(None) | Ended::Stopped => {}
+            Ended::Lost(why) => {
+                tracing::warn!(pod = %key, %why, "the exec connection to the sandbox was lost");
+                // Before the end below, so the reader that meets the end knows why.
+                *self.lost.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(format!("pod {key}: {why}"));
+            }
+        }
         // Whatever arrived is in the pipe; the conversation reads it, then the end.
         let _ = self.stderr.shutdown().await;
-        ended
     }
 
     async fn pump<S>(
@@ -233,9 +235,15 @@ impl Drive {
                             continue;
                         }
                         Some(&STDERR) => {
-                            if self.stderr.write_all(&frame[1..]).await.is_err() {
-                                // Nobody reads the conversation any more.
-                                return Ended::Stopped;
+                            // Waits while the conversation is behind (its pipe full), but not
+                            // past being stopped.
+                            tokio::select! {
+                                written = self.stderr.write_all(&frame[1..]) => {
+                                    if written.is_err() {
+                                        return Ended::Stopped;
+                                    }
+                                }
+                                _ = &mut *stopped => return Ended::Stopped,
                             }
                             continue;
                         }
