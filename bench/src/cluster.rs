@@ -19,11 +19,12 @@ use std::time::{Duration, Instant};
 const NS: &str = "sluice-bench";
 const WRITE_VERBS: [&str; 5] = ["POST", "PUT", "PATCH", "DELETE", "APPLY"];
 
-/// Writes the API server has served so far (every resource, every client).
-async fn api_writes(client: &Client) -> anyhow::Result<f64> {
+/// Writes the API server has served so far (every resource, every client), by verb and resource
+/// (`PATCH pods`, `POST events`, `PUT leases`, ...).
+async fn api_writes(client: &Client) -> anyhow::Result<Writes> {
     let req = http::Request::get("/metrics").body(Vec::new())?;
     let text = client.request_text(req).await.context("GET /metrics")?;
-    let mut total = 0.0;
+    let mut writes = Writes::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
             continue;
@@ -31,14 +32,38 @@ async fn api_writes(client: &Client) -> anyhow::Result<f64> {
         let Some((labels, value)) = rest.rsplit_once("} ") else {
             continue;
         };
-        if WRITE_VERBS
-            .iter()
-            .any(|v| labels.contains(&format!("verb=\"{v}\"")))
-        {
-            total += value.trim().parse::<f64>().unwrap_or(0.0);
-        }
+        let label = |name: &str| {
+            let start = labels.find(&format!("{name}=\""))? + name.len() + 2;
+            labels[start..].split('"').next()
+        };
+        let Some(verb) = label("verb").filter(|v| WRITE_VERBS.contains(v)) else {
+            continue;
+        };
+        let resource = match (label("resource"), label("subresource")) {
+            (Some(r), Some(s)) if !s.is_empty() => format!("{r}/{s}"),
+            (Some(r), _) => r.to_string(),
+            (None, _) => String::new(),
+        };
+        *writes.entry(format!("{verb} {resource}")).or_default() +=
+            value.trim().parse::<f64>().unwrap_or(0.0);
     }
-    Ok(total)
+    Ok(writes)
+}
+
+/// API writes by "VERB resource".
+type Writes = std::collections::BTreeMap<String, f64>;
+
+fn total(w: &Writes) -> f64 {
+    w.values().sum()
+}
+
+/// What was written between two counts, by verb and resource (those that changed).
+fn since(after: &Writes, before: &Writes) -> Writes {
+    after
+        .iter()
+        .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0)))
+        .filter(|(_, v)| *v > 0.0)
+        .collect()
 }
 
 async fn gateway(client: &Client) -> anyhow::Result<GatewayClient> {
@@ -185,7 +210,8 @@ async fn wait_ready(client: &Client, name: &str, warm: u32) -> anyhow::Result<()
 }
 
 /// API writes per trigger point: writes during `n` runs and until the pool is full again, minus
-/// what the cluster writes anyway over the same span (leases, node status), measured idle.
+/// what the cluster writes anyway over the same span (leases, node status), measured idle. What
+/// was written, by verb and resource, is printed beside it (idle span, then the runs' span).
 async fn writes_per_trigger_point(
     client: &Client,
     gw: &mut GatewayClient,
@@ -194,16 +220,34 @@ async fn writes_per_trigger_point(
 ) -> anyhow::Result<f64> {
     let idle_from = (Instant::now(), api_writes(client).await?);
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let idle_rate = (api_writes(client).await? - idle_from.1) / idle_from.0.elapsed().as_secs_f64();
+    let idle = since(&api_writes(client).await?, &idle_from.1);
+    let idle_rate = total(&idle) / idle_from.0.elapsed().as_secs_f64();
     let (start, before) = (Instant::now(), api_writes(client).await?);
     for _ in 0..n {
         run_when_ready(gw, chain).await?;
     }
     wait_warm_pods(client, chain, 2).await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let after = api_writes(client).await?;
+    let during = since(&api_writes(client).await?, &before);
     let background = idle_rate * start.elapsed().as_secs_f64();
-    Ok(((after - before - background) / n as f64).max(0.0))
+    println!(
+        "kube-cluster: {chain}: writes over {:.1} s idle, then over {:.1} s of {n} trigger points:",
+        idle_from.0.elapsed().as_secs_f64() - start.elapsed().as_secs_f64(),
+        start.elapsed().as_secs_f64()
+    );
+    for key in idle
+        .keys()
+        .chain(during.keys())
+        .collect::<std::collections::BTreeSet<_>>()
+    {
+        let (i, d) = (idle.get(key), during.get(key));
+        println!(
+            "  {key:<40} {:>6} {:>6}",
+            i.copied().unwrap_or(0.0),
+            d.copied().unwrap_or(0.0)
+        );
+    }
+    Ok(((total(&during) - background) / n as f64).max(0.0))
 }
 
 /// Pod create → Ready with gVisor: pods of the supervisor image, one at a time.

@@ -107,7 +107,9 @@ impl Harness {
         let audit_path = state.path().join("audit.jsonl");
         let mut cfg = sluice_sandbox_kube::KubeConfig::new(identity);
         cfg.claim_timeout = claim_timeout;
-        let mut opts = sluice_gateway::KubeOptions::new(api.client(), cfg);
+        // The gateway's own client stack (TCP keepalive), as `sluice-gateway` builds it.
+        let client = sluice_sandbox_kube::client(api.config()).expect("a kube client");
+        let mut opts = sluice_gateway::KubeOptions::new(client, cfg);
         opts.audit = Audit::to_file(&audit_path).expect("audit file");
         opts.limits.claim_timeout = claim_timeout;
         opts.limits.boot_timeout = Duration::from_secs(60);

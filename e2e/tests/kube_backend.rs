@@ -170,6 +170,21 @@ fn claimed_pods(api: &FakeApiServer) -> Vec<String> {
         .collect()
 }
 
+/// Warm (unclaimed) pods that are Ready.
+fn ready_warm_pods(api: &FakeApiServer) -> usize {
+    api.list(Resource::Pods, "default")
+        .iter()
+        .filter(|p| p["metadata"]["labels"]["sluice.dev/pool"] == "warm")
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .filter(|p| {
+            p["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
+        })
+        .count()
+}
+
 async fn a_held_pod_other_than(api: &FakeApiServer, seen: &[String]) -> String {
     for _ in 0..1200 {
         if let Some(p) = claimed_pods(api).into_iter().find(|p| !seen.contains(p)) {
@@ -250,6 +265,54 @@ async fn held_pods_serve_runs_claimed_ahead_and_a_held_pod_that_dies_is_never_us
     assert_eq!(action(&r), Action::Modify, "{r:?}");
     assert_eq!(text(&r), "call ###");
     assert!(r.hooks.iter().all(|o| o.error.is_empty()), "{:?}", r.hooks);
+    h.stop_kube_and_check(&api).await;
+    api.stop().await;
+}
+
+/// Trigger points of a Recycle chain served by the pod the gateway holds (`--kube-hold 1`) cost
+/// the API server nothing: the held pod serves them one after another over its exec stream, and
+/// serving one is no reason to claim another (a claim PATCH, then a pod the operator makes, binds
+/// and starts: some twenty writes, and a pod held twice over). What the cluster bench's "API writes
+/// per trigger point (Recycle)" row measures, pinned here where every write is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn recycled_trigger_points_on_a_held_pod_write_nothing() {
+    let chain = chain_yaml(
+        "held-recycle",
+        "bot",
+        "input",
+        "pool: {warm: 2, max: 4, reuse: Recycle}",
+        &[("digits", "modify", REDACT)],
+    );
+    let (api, h) = holding_cluster(&chain, 2).await;
+    let held = a_held_pod_other_than(&api, &[]).await;
+    attached_and_waiting(&api, &held).await;
+    // The pod the fake's "operator" made in place of the held one is up: the cluster is quiet.
+    for _ in 0..1200 {
+        if ready_warm_pods(&api) == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ready_warm_pods(&api), 2, "the warm pool never refilled");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = api.writes();
+    for i in 0..20 {
+        let r = h
+            .run_text("bot", "input", &format!("call 555-{i:03}"))
+            .await
+            .expect("run");
+        assert_eq!(text(&r), "call ###-###", "{r:?}");
+    }
+    // A replacement claim would go out 25 ms after a run takes the held pod: give it time.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let during = api.writes().since(&before);
+    println!("API writes while 20 trigger points ran on a held pod (Recycle):\n{during}");
+    assert_eq!(during.total(), 0, "writes per 20 trigger points:\n{during}");
+    assert_eq!(
+        claimed_pods(&api),
+        std::slice::from_ref(&held),
+        "exactly `hold` pods held"
+    );
     h.stop_kube_and_check(&api).await;
     api.stop().await;
 }
@@ -541,6 +604,66 @@ async fn an_api_server_restart_mid_run_is_a_hook_failure_and_leaves_no_pod() {
     assert!(!r.hooks[0].error.is_empty(), "{r:?}");
     // stop_kube_and_check (inside) found no claimed pod left: the delete went through after the
     // restart. The fake's own sandbox of that pod went with the pod.
+    api.stop().await;
+}
+
+/// The exec connection of a claimed pod goes half-open in the middle of a walk (open, but nothing
+/// gets through either way), under a chain deadline of a minute. The gateway's heartbeat on the
+/// exec websocket finds the silence: the run ends long before its deadline, its error says the
+/// connection to the sandbox was lost (not that a hook was slow), the pod is retired and deleted,
+/// and the next run is served by another. Without the heartbeat the run waits out its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_connection_gone_half_open_mid_walk_is_reported_lost_and_the_pod_replaced() {
+    let chain = chain_yaml(
+        "halfwalk",
+        "bot",
+        "input",
+        "failurePolicy: Closed\ntimeoutMs: 60000",
+        &[("slow", "detect", SLOW), ("mark", "modify", MARK)],
+    );
+    let (api, h) = cluster(ExecProtocol::V5, &chain, 1).await;
+    let run = {
+        let h = &h;
+        async move {
+            // Well short of the chain's minute: the default heartbeat needs at most 20 s.
+            tokio::time::timeout(Duration::from_secs(45), h.run_text("bot", "input", "hello")).await
+        }
+    };
+    let cut = async {
+        let pod = claimed_pod(&api).await;
+        for _ in 0..1200 {
+            if api.stdin_of("default", &pod).contains("\"chunk\"") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(api.stdin_of("default", &pod).contains("\"chunk\""));
+        api.half_open("default", &pod);
+        pod
+    };
+    let (r, pod) = tokio::join!(run, cut);
+    let r = r
+        .expect("the run still waited on a half-open connection after 45 s")
+        .expect("a lost connection is a failed hook, not a failed request");
+    assert_eq!(action(&r), Action::Block, "{r:?}");
+    let error = &r.hooks[0].error;
+    assert!(
+        error.contains("connection to the sandbox was lost") && error.contains(&pod),
+        "the error says what happened: {error}"
+    );
+    // Retired: the pod behind the dead connection is deleted, never handed to another run.
+    for _ in 0..200 {
+        if sluice_e2e::pod_deleted(&api, "default", &pod) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
+    api.clear_faults();
+    let r = h.run_text("bot", "input", "hello").await.expect("run");
+    assert_eq!(text(&r), "hello [checked]", "{r:?}");
+    assert!(r.hooks.iter().all(|o| o.error.is_empty()), "{:?}", r.hooks);
+    h.stop_kube_and_check(&api).await;
     api.stop().await;
 }
 

@@ -338,6 +338,12 @@ impl FakeApiServer {
         kube_client_config::client(self.addr)
     }
 
+    /// The kube configuration of this server (plain HTTP, no credentials), for a client built
+    /// another way than kube's default (the gateway's own, `sluice_sandbox_kube::client`).
+    pub fn config(&self) -> kube::Config {
+        kube_client_config::config(self.addr)
+    }
+
     /// A kube client whose requests are logged as `who`'s (`Logged::client`), so a test can tell
     /// which component asked for what (the RBAC each needs).
     pub fn client_as(&self, who: &str) -> kube_client_config::Client {
@@ -1070,7 +1076,7 @@ pub mod kube_client_config {
         kube::Client::try_from(config).expect("a plain HTTP kube client always builds")
     }
 
-    fn config(addr: std::net::SocketAddr) -> kube::Config {
+    pub fn config(addr: std::net::SocketAddr) -> kube::Config {
         let url: http::Uri = format!("http://{addr}")
             .parse()
             .expect("a socket address makes a valid URI");

@@ -115,6 +115,15 @@ pub trait SandboxBackend: Send + Sync + 'static {
     fn warm_target(&self, chain_warm: usize) -> usize {
         chain_warm
     }
+    /// Whether a claimed sandbox that will come back (`reuse: Recycle`) counts toward the warm
+    /// target. True where the target is what the gateway holds, serving or not (the `kube`
+    /// backend's `--kube-hold`: pods kept claimed), so that one serving a trigger point is no
+    /// reason to take another: that would be a claim PATCH and a pod for the operator to replace
+    /// (some twenty API writes), and a pod held twice over. False where the target is what waits
+    /// idle for the next claim (local sandboxes, booted by the gateway itself).
+    fn claimed_count_toward_warm(&self) -> bool {
+        false
+    }
     /// Whether the gateway reports ready only once every chain has its warm target. True where the
     /// gateway boots them itself; the `kube` backend's held pods come from the operator's pools and
     /// only save latency.

@@ -154,6 +154,9 @@ pub struct Pool {
     reuse: Reuse,
     max_uses: u32,
     warm_target: usize,
+    /// Whether claimed sandboxes that come back count toward `warm_target`
+    /// (`SandboxBackend::claimed_count_toward_warm`, under `reuse: Recycle`).
+    claimed_count: bool,
     max: usize,
     counts: Mutex<Counts>,
     changed: Notify,
@@ -276,6 +279,12 @@ impl Pool {
             .set(c.warm.len() as i64);
     }
 
+    /// Claimed sandboxes that count toward the warm target: those that come back after their
+    /// trigger point, where the backend counts them (see `claimed_count`).
+    fn returning(&self, c: &Counts) -> usize {
+        if self.claimed_count { c.claimed } else { 0 }
+    }
+
     /// Warm and claimed counts, for status and metrics.
     pub fn sizes(&self) -> (usize, usize) {
         let c = self.lock();
@@ -321,7 +330,7 @@ impl Pool {
         }
         let wanted = match kind {
             BootFor::Claims => c.coming() < c.waiting.len(),
-            BootFor::Warm => c.coming() < self.warm_target,
+            BootFor::Warm => c.coming() + self.returning(&c) < self.warm_target,
         };
         if wanted {
             c.booting += 1;
@@ -343,7 +352,8 @@ impl Pool {
                 c.booting -= 1;
                 // A boot nobody needs any more (its waiter gave up) is not kept past the target:
                 // with the kube backend it is a claimed pod, which must not idle here.
-                let surplus = c.warm.len() >= pool.warm_target.max(c.waiting.len());
+                let surplus = c.warm.len() >= c.waiting.len()
+                    && c.warm.len() + pool.returning(&c) >= pool.warm_target;
                 match result {
                     Ok(mut conn) if !pool.closed.load(Ordering::Relaxed) && !surplus => {
                         conn.mark_idle();
@@ -717,7 +727,7 @@ impl Pool {
                 c.warm.drain(..).partition(|conn| conn.outdated());
             c.warm = current;
             let mut victims: Vec<_> = outdated.into_iter().map(|v| (v, "outdated")).collect();
-            while c.warm.len() > self.warm_target
+            while c.warm.len() + self.returning(&c) > self.warm_target
                 && c.warm.front().is_some_and(|f| f.idle_for() >= idle)
             {
                 if let Some(v) = c.warm.pop_front() {
@@ -1025,6 +1035,8 @@ impl Pools {
                         .shared
                         .backend
                         .warm_target(chain.spec.pool.warm as usize),
+                    claimed_count: key.reuse == Reuse::Recycle
+                        && self.shared.backend.claimed_count_toward_warm(),
                     max: chain.spec.pool.max.max(1) as usize,
                     counts: Mutex::default(),
                     changed: Notify::new(),

@@ -24,6 +24,10 @@ pub enum SandboxFailure {
     Timeout(u64),
     #[error("the sandbox died ({0})")]
     Died(String),
+    /// The connection to the sandbox broke or stopped answering (the backend ended it with
+    /// `ConnectionAborted` and says why): the sandbox may live on, but it is out of reach.
+    #[error("the connection to the sandbox was lost ({0})")]
+    Lost(String),
     #[error("the sandbox broke the protocol ({0})")]
     Protocol(String),
     /// The sandbox spoke for a hook other than the one running: it cannot be trusted at all.
@@ -83,6 +87,9 @@ fn died(e: ReadError) -> SandboxFailure {
     match e {
         ReadError::Eof => {
             SandboxFailure::Died("killed, out of memory, or its supervisor exited".into())
+        }
+        ReadError::Io(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => {
+            SandboxFailure::Lost(e.to_string())
         }
         ReadError::Io(e) => SandboxFailure::Died(e.to_string()),
         other => SandboxFailure::Protocol(other.to_string()),

@@ -13,7 +13,7 @@ use crate::watch::{Tasks, apis};
 use async_trait::async_trait;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, AttachedProcess, DeleteParams, ListParams};
+use kube::api::{Api, DeleteParams, ListParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use sluice_engine::{Metrics, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError};
@@ -50,6 +50,9 @@ pub struct KubeConfig {
     /// How long the exec into a claimed pod may take to open (the kube client would retry a 429 or
     /// 503 on it for many minutes); past it the pod is given back (deleted) and the boot fails.
     pub exec_timeout: Duration,
+    /// The exec connection's heartbeat: a held pod's connection that stops answering is dropped
+    /// (and the pod retired), whether it waits or serves a run.
+    pub exec_keepalive: exec::Keepalive,
     /// How often this gateway writes its shadow comparison into a chain's `status.rollout.shadow`
     /// while a shadow candidate runs (only when it changed).
     pub shadow_status_every: Duration,
@@ -80,6 +83,7 @@ impl KubeConfig {
             heartbeat: Duration::from_secs(60),
             hold: 0,
             exec_timeout: Duration::from_secs(20),
+            exec_keepalive: exec::Keepalive::default(),
             shadow_status_every: Duration::from_secs(15),
         }
     }
@@ -228,8 +232,7 @@ impl SandboxBackend for KubeBackend {
             api: api.clone(),
             key: format!("{pod_namespace}/{pod}"),
             pod: pod.clone(),
-            process: Mutex::new(None),
-            closing: Arc::default(),
+            connection: Mutex::new(None),
             heartbeat: Mutex::new(None),
             stdout_bytes: Arc::default(),
             live: self.live.clone(),
@@ -237,7 +240,8 @@ impl SandboxBackend for KubeBackend {
             pods: self.pods.clone(),
             pod_namespace: pod_namespace.clone(),
         };
-        let exec = tokio::time::timeout(self.cfg.exec_timeout, exec::start(&api, &pod)).await;
+        let exec = exec::start(&self.client, &pod_namespace, &pod, self.cfg.exec_keepalive);
+        let exec = tokio::time::timeout(self.cfg.exec_timeout, exec).await;
         let exec = exec.unwrap_or_else(|_| {
             Err(format!(
                 "the exec did not open within {} ms",
@@ -252,8 +256,7 @@ impl SandboxBackend for KubeBackend {
                     self.cfg.heartbeat,
                 ));
                 let handle = KubeHandle {
-                    process: Mutex::new(Some(e.process)),
-                    closing: e.closing,
+                    connection: Mutex::new(Some(e.connection)),
                     stdout_bytes: e.stdout_bytes,
                     heartbeat: Mutex::new(Some(heartbeat)),
                     ..handle
@@ -261,7 +264,7 @@ impl SandboxBackend for KubeBackend {
                 Ok(Sandbox {
                     id: handle.key.clone(),
                     stdin: Box::pin(e.stdin),
-                    protocol: Box::pin(e.stderr),
+                    protocol: Box::pin(e.protocol),
                     stdout: None,
                     handle: Box::new(handle),
                 })
@@ -333,6 +336,11 @@ impl SandboxBackend for KubeBackend {
         self.cfg.hold.min(chain_warm)
     }
 
+    /// The hold is the pods kept claimed: one serving a recycled trigger point still counts.
+    fn claimed_count_toward_warm(&self) -> bool {
+        true
+    }
+
     fn ready_needs_warm(&self) -> bool {
         false
     }
@@ -393,9 +401,7 @@ struct KubeHandle {
     api: Api<Pod>,
     pod: String,
     key: String,
-    process: Mutex<Option<AttachedProcess>>,
-    /// Told to the exec's reader before the exec is dropped here, so that is not reported as a loss.
-    closing: Arc<AtomicBool>,
+    connection: Mutex<Option<exec::Connection>>,
     heartbeat: Mutex<Option<tokio::task::JoinHandle<()>>>,
     stdout_bytes: Arc<AtomicU64>,
     live: Arc<Mutex<HashSet<String>>>,
@@ -416,8 +422,8 @@ impl SandboxHandle for KubeHandle {
         if self.destroyed.swap(true, Ordering::SeqCst) {
             return;
         }
-        let process = self
-            .process
+        let connection = self
+            .connection
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
@@ -431,9 +437,8 @@ impl SandboxHandle for KubeHandle {
         }
         // The pod is deleted either way, so there is nothing to wait for: the exec connection goes
         // at once (its exit status, if any came, was logged by the exec's protocol reader).
-        if let Some(process) = process {
-            self.closing.store(true, Ordering::SeqCst);
-            process.abort();
+        if let Some(mut connection) = connection {
+            connection.close();
         }
         if delete_pod(&self.api, &self.pod).await {
             self.live

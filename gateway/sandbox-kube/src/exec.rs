@@ -1,101 +1,308 @@
 //! Reaching the supervisor in a claimed pod through the exec API (websocket, `v5.channel.k8s.io`
 //! with a fallback to v4, `tty=false`). The exec runs the attach relay, which hands the exec's own
 //! pipes to the pod's waiting supervisor: requests go to stdin, the protocol comes back on stderr,
-//! and stdout (empty unless something goes wrong) is drained and discarded here with a bound.
+//! and stdout (empty unless something goes wrong) is counted and discarded here.
+//!
+//! The websocket is driven here rather than through kube's `AttachedProcess`, for its heartbeat:
+//! every `Keepalive::every` a websocket ping goes out, which the API server answers with a pong
+//! (as kubectl's own exec heartbeat expects). A ping left unanswered for `Keepalive::deadline`
+//! means the connection is half-open or stalled (the API server's node gone without a FIN or RST,
+//! a proxy that stopped relaying): nothing would ever arrive on it, and no TCP keepalive tells
+//! while the peer's kernel still acknowledges. The connection is then dropped and the protocol
+//! stream fails with that reason, so a run in the middle of a walk learns at once that the
+//! connection to its sandbox was lost (and the pool retires and replaces it) instead of waiting
+//! for its deadline, and a held pod's loss is noticed while it waits.
 
 use crate::labels;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, AttachParams, AttachedProcess};
-use sluice_engine::discard_output;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use tokio::io::AsyncWriteExt;
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use kube::api::AttachParams;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+use tokio::io::{
+    AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf, ReadHalf, SimplexStream, WriteHalf,
+};
+use tokio::time::Instant;
+use tokio_tungstenite::tungstenite::Message;
 
 /// Buffers between the websocket and the supervisor conversation: large enough that a protocol line
-/// of a big payload does not crawl through the default 1 KiB pipe.
+/// of a big payload does not crawl through a small pipe.
 const BUFFER: usize = 256 << 10;
 
-pub(crate) struct Exec {
-    pub process: AttachedProcess,
-    pub stdin: tokio::io::WriteHalf<tokio::io::SimplexStream>,
-    pub stderr: tokio::io::ReadHalf<tokio::io::SimplexStream>,
-    pub stdout_bytes: Arc<AtomicU64>,
-    /// Set by the owner before it drops the exec on purpose, so an exit without a status is expected.
-    pub closing: Arc<AtomicBool>,
+/// The exec protocol's channels (the first byte of every binary frame).
+const STDIN: u8 = 0;
+const STDOUT: u8 = 1;
+const STDERR: u8 = 2;
+const STATUS: u8 = 3;
+/// v5 only: "this channel is done" (followed by the channel), how stdin's end is told.
+const CLOSE: u8 = 255;
+
+/// How the exec connection proves it is alive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Keepalive {
+    /// A websocket ping goes out this often.
+    pub every: Duration,
+    /// A ping unanswered this long (or a frame that cannot be sent in this time) ends the
+    /// connection as lost.
+    pub deadline: Duration,
 }
 
-/// Attaches to the supervisor waiting in `pod` and starts draining stdout.
-pub(crate) async fn start(api: &Api<Pod>, pod: &str) -> Result<Exec, String> {
+impl Default for Keepalive {
+    /// kubectl's exec pings every 5 s; a deadline of a few pings rides out a busy API server.
+    fn default() -> Self {
+        Self {
+            every: Duration::from_secs(5),
+            deadline: Duration::from_secs(15),
+        }
+    }
+}
+
+pub(crate) struct Exec {
+    pub stdin: WriteHalf<SimplexStream>,
+    pub protocol: Protocol,
+    pub stdout_bytes: Arc<AtomicU64>,
+    pub connection: Connection,
+}
+
+/// The exec's websocket, driven by a task of its own. Dropping it (or `close`) ends the
+/// connection at once, on purpose: that is not reported as a loss.
+pub(crate) struct Connection {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Connection {
+    pub(crate) fn close(&mut self) {
+        self.stop.take();
+    }
+}
+
+/// The supervisor's protocol (the exec's stderr) as the engine reads it: what arrived, then the
+/// end; when the connection was lost rather than ended, an error that says why.
+pub(crate) struct Protocol {
+    pipe: ReadHalf<SimplexStream>,
+    lost: Arc<Mutex<Option<String>>>,
+}
+
+impl AsyncRead for Protocol {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        ready!(Pin::new(&mut self.pipe).poll_read(cx, buf))?;
+        if buf.filled().len() == before && buf.remaining() > 0 {
+            let lost = self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if let Some(why) = lost {
+                return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionAborted, why)));
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Why the connection ended.
+enum Ended {
+    /// The command's exit status arrived: None on Success, else what it said.
+    Exited(Option<String>),
+    /// Our side stopped it.
+    Stopped,
+    /// It broke or went silent: the connection to the sandbox is lost.
+    Lost(String),
+}
+
+/// Attaches to the supervisor waiting in `pod` and starts driving the connection.
+pub(crate) async fn start(
+    client: &kube::Client,
+    namespace: &str,
+    pod: &str,
+    keepalive: Keepalive,
+) -> Result<Exec, String> {
     let params = AttachParams::default()
         .container(labels::CONTAINER)
         .stdin(true)
         .stdout(true)
         .stderr(true)
-        .tty(false)
-        .max_stdin_buf_size(BUFFER)
-        .max_stdout_buf_size(BUFFER)
-        .max_stderr_buf_size(BUFFER);
-    let mut process = api
+        .tty(false);
+    let request = kube::core::Request::new(format!("/api/v1/namespaces/{namespace}/pods"))
         .exec(pod, labels::attach_command(), &params)
-        .await
         .map_err(|e| e.to_string())?;
-    let (Some(stdin), Some(stdout), Some(mut stderr), Some(status)) = (
-        process.stdin(),
-        process.stdout(),
-        process.stderr(),
-        process.take_status(),
-    ) else {
-        // AttachParams asked for all three, so kube always hands them out once.
-        unreachable!("exec streams requested but not provided");
-    };
+    let connection = client.connect(request).await.map_err(|e| e.to_string())?;
+    let v5 = connection.supports_stream_close();
+    let (stdin_reader, stdin) = tokio::io::simplex(BUFFER);
+    let (protocol, stderr) = tokio::io::simplex(BUFFER);
     let stdout_bytes = Arc::new(AtomicU64::new(0));
-    let counter = stdout_bytes.clone();
-    // Read and dropped. Past the bound nothing more is read, so the exec stream stalls and the hook
-    // that keeps printing meets its deadline, exactly as in local mode.
-    let drain = tokio::spawn(async move {
-        discard_output(stdout, counter).await;
-    });
-    // kube ends its output streams only when the exec ends cleanly; when the connection breaks
-    // (pod gone, API server restarted) they would stay open forever. The protocol is therefore read
-    // through a pipe of our own that is ended as soon as the exec is over, however it ended, so the
-    // supervisor conversation sees the sandbox die at once instead of at its deadline.
-    let (protocol, mut pipe) = tokio::io::simplex(BUFFER);
-    let key = format!("{}/{pod}", api.namespace().unwrap_or_default());
-    let closing = Arc::new(AtomicBool::new(false));
-    let closed_by_us = closing.clone();
-    tokio::spawn(async move {
-        let ended = {
-            let copy = tokio::io::copy(&mut stderr, &mut pipe);
-            tokio::pin!(copy);
-            tokio::select! {
-                _ = &mut copy => None,
-                status = status => {
-                    // Over: what it sent is buffered already; take that, then end.
-                    let _ = tokio::time::timeout(EXIT_DRAIN, &mut copy).await;
-                    Some(status)
-                }
-            }
-        };
-        let _ = pipe.shutdown().await;
-        drain.abort();
-        match ended {
-            Some(Some(s)) if s.status.as_deref() != Some("Success") => {
-                tracing::warn!(pod = %key, message = ?s.message, reason = ?s.reason, "supervisor exited with an error")
-            }
-            Some(None) if !closed_by_us.load(Ordering::SeqCst) => {
-                tracing::warn!(pod = %key, "the exec connection ended without an exit status")
-            }
-            _ => {}
-        }
-    });
+    let lost = Arc::new(Mutex::new(None));
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let drive = Drive {
+        key: format!("{namespace}/{pod}"),
+        stdin: stdin_reader,
+        stderr,
+        stdout_bytes: stdout_bytes.clone(),
+        lost: lost.clone(),
+        v5,
+        keepalive,
+    };
+    tokio::spawn(drive.run(connection.into_stream(), stopped));
     Ok(Exec {
-        process,
         stdin,
-        stderr: protocol,
+        protocol: Protocol {
+            pipe: protocol,
+            lost,
+        },
         stdout_bytes,
-        closing,
+        connection: Connection { stop: Some(stop) },
     })
 }
 
-/// How long the protocol already received may take to be handed on once the exec has ended.
-const EXIT_DRAIN: std::time::Duration = std::time::Duration::from_millis(200);
+/// What the connection's task moves between the websocket and the conversation.
+struct Drive {
+    /// The pod, as "namespace/name".
+    key: String,
+    stdin: ReadHalf<SimplexStream>,
+    stderr: WriteHalf<SimplexStream>,
+    stdout_bytes: Arc<AtomicU64>,
+    /// Why the connection was lost, told to the protocol's reader before its end.
+    lost: Arc<Mutex<Option<String>>>,
+    v5: bool,
+    keepalive: Keepalive,
+}
+
+impl Drive {
+    async fn run<S>(mut self, ws: S, mut stopped: tokio::sync::oneshot::Receiver<()>)
+    where
+        S: futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>>
+            + futures::Sink<Message, Error = tokio_tungstenite::tungstenite::Error>
+            + Unpin,
+    {
+        let key = self.key.clone();
+        match self.pump(ws, &mut stopped).await {
+            Ended::Exited(Some(status)) => {
+                tracing::warn!(pod = %key, %status, "supervisor exited with an error")
+            }
+            Ended::Exited(None) | Ended::Stopped => {}
+            Ended::Lost(why) => {
+                tracing::warn!(pod = %key, %why, "the exec connection to the sandbox was lost");
+                // Before the end below, so the reader that meets the end knows why.
+                *self.lost.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(format!("pod {key}: {why}"));
+            }
+        }
+        // Whatever arrived is in the pipe; the conversation reads it, then the end.
+        let _ = self.stderr.shutdown().await;
+    }
+
+    async fn pump<S>(
+        &mut self,
+        mut ws: S,
+        stopped: &mut tokio::sync::oneshot::Receiver<()>,
+    ) -> Ended
+    where
+        S: futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>>
+            + futures::Sink<Message, Error = tokio_tungstenite::tungstenite::Error>
+            + Unpin,
+    {
+        let Keepalive { every, deadline } = self.keepalive;
+        let mut chunk = vec![0u8; 64 << 10];
+        let mut stdin_open = true;
+        let mut next_ping = Instant::now() + every;
+        // The oldest ping not answered yet: a pong answers every ping sent before it.
+        let mut unanswered: Option<Instant> = None;
+        loop {
+            let silent_by = unanswered.map(|t| t + deadline);
+            let wake = silent_by.map_or(next_ping, |s| s.min(next_ping));
+            let out = tokio::select! {
+                _ = &mut *stopped => return Ended::Stopped,
+                _ = tokio::time::sleep_until(wake) => {
+                    if silent_by.is_some_and(|s| Instant::now() >= s) {
+                        return Ended::Lost(format!(
+                            "no answer to a keepalive ping in {} ms (a half-open or stalled connection)",
+                            deadline.as_millis()
+                        ));
+                    }
+                    next_ping = Instant::now() + every;
+                    unanswered.get_or_insert_with(Instant::now);
+                    Message::Ping(Bytes::new())
+                }
+                message = ws.next() => match message {
+                    Some(Ok(Message::Binary(frame))) => match frame.first() {
+                        Some(&STDOUT) => {
+                            self.stdout_bytes.fetch_add(frame.len() as u64 - 1, Ordering::Relaxed);
+                            continue;
+                        }
+                        Some(&STDERR) => {
+                            // Waits while the conversation is behind (its pipe full), but not
+                            // past being stopped.
+                            tokio::select! {
+                                written = self.stderr.write_all(&frame[1..]) => {
+                                    if written.is_err() {
+                                        return Ended::Stopped;
+                                    }
+                                }
+                                _ = &mut *stopped => return Ended::Stopped,
+                            }
+                            continue;
+                        }
+                        Some(&STATUS) => return Ended::Exited(failure_of(&frame[1..])),
+                        _ => continue,
+                    },
+                    Some(Ok(Message::Pong(_))) => {
+                        unanswered = None;
+                        continue;
+                    }
+                    Some(Ok(Message::Close(_))) | None => {
+                        return Ended::Lost("it closed without the command's exit status".into());
+                    }
+                    Some(Ok(_)) => continue,
+                    Some(Err(e)) => return Ended::Lost(e.to_string()),
+                },
+                read = self.stdin.read(&mut chunk), if stdin_open => match read {
+                    Ok(n) if n > 0 => {
+                        let mut frame = Vec::with_capacity(n + 1);
+                        frame.push(STDIN);
+                        frame.extend_from_slice(&chunk[..n]);
+                        Message::binary(frame)
+                    }
+                    _ => {
+                        stdin_open = false;
+                        if !self.v5 {
+                            // v4 has no way to end stdin alone: the whole connection ends.
+                            let _ = ws.close().await;
+                            return Ended::Exited(None);
+                        }
+                        Message::binary(vec![CLOSE, STDIN])
+                    }
+                },
+            };
+            // A frame that cannot be handed to the connection within the deadline is a stalled
+            // connection as surely as a missing pong.
+            match tokio::time::timeout(deadline, ws.send(out)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Ended::Lost(e.to_string()),
+                Err(_) => {
+                    return Ended::Lost(format!(
+                        "nothing could be sent for {} ms (a stalled connection)",
+                        deadline.as_millis()
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// The exit `Status` the API server sends on channel 3: None on Success, else what it says.
+fn failure_of(status: &[u8]) -> Option<String> {
+    let status: serde_json::Value = serde_json::from_slice(status).ok()?;
+    if status["status"] == "Success" {
+        return None;
+    }
+    Some(format!(
+        "{} ({})",
+        status["message"].as_str().unwrap_or("no message"),
+        status["reason"].as_str().unwrap_or("no reason")
+    ))
+}

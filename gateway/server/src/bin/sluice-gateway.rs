@@ -209,9 +209,12 @@ async fn main() -> anyhow::Result<()> {
             start_local(opts).await?
         }
         None => {
-            let client = kube::Client::try_default()
+            let config = kube::Config::infer()
                 .await
-                .context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;
+                .context("finding the Kubernetes API (in-cluster or KUBECONFIG)")?;
+            // kube's own client, on TCP connections with keepalive (a dead peer is noticed).
+            let client =
+                sluice_sandbox_kube::client(config).context("making the Kubernetes API client")?;
             // The pod's name (downward API) marks the pods this replica claims.
             let identity = std::env::var("POD_NAME")
                 .or_else(|_| std::env::var("HOSTNAME"))
