@@ -65,6 +65,9 @@ struct Ahead {
     /// A walk is running: the preparer keeps off the CPU it needs, resetting a used instance only
     /// when too few slots would be left otherwise.
     walking: bool,
+    /// Callers waiting for a preparation to finish: the preparer wakes them, and only them (inside
+    /// gVisor a wake-up nobody waits for is still a system call).
+    waiting: usize,
 }
 
 impl Ahead {
@@ -121,7 +124,9 @@ impl Preparer {
                             state.unpreparable.insert(hook.key);
                         }
                     }
-                    changed.notify_all();
+                    if state.waiting > 0 {
+                        changed.notify_all();
+                    }
                 }
             })
             .expect("spawning the preparer thread");
@@ -161,22 +166,23 @@ impl Preparer {
             if now >= until {
                 return;
             }
+            state.waiting += 1;
             state = self
                 .shared
                 .1
                 .wait_timeout(state, until - now)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+            state.waiting -= 1;
         }
     }
 
     /// A walk of `hooks` begins: when each has its instance ready, the preparer keeps off the CPU
     /// until `walk_ended`.
     pub(crate) fn walk_begins<'a>(&self, mut hooks: impl Iterator<Item = &'a [u8; 32]>) {
+        // Not woken: whatever it does now, it looks at `walking` before it starts anything else.
         let mut state = self.lock();
         state.walking = hooks.all(|key| state.ready.contains_key(key));
-        drop(state);
-        self.shared.1.notify_all();
     }
 
     pub(crate) fn walk_ended(&self) {
@@ -189,7 +195,9 @@ impl Preparer {
     pub(crate) fn take(&self, key: &[u8; 32]) -> Option<Prepared> {
         let mut state = self.lock();
         while state.busy == Some(*key) {
+            state.waiting += 1;
             state = self.shared.1.wait(state).unwrap_or_else(|e| e.into_inner());
+            state.waiting -= 1;
         }
         let taken = state.ready.remove(key);
         // During a walk the preparer is not woken (inside gVisor a wake-up is system calls on the
