@@ -108,6 +108,56 @@ tls_secret() { # <Secret> <cert>
 		--dry-run=client -o yaml | kubectl apply -f - >/dev/null
 }
 
+# The CA bundle the operator publishes for clients (ConfigMap sluice-ca) into $PKI/ca.crt.
+read_operator_bundle() {
+	kubectl -n "$RELEASE_NS" get configmap sluice-ca -o jsonpath='{.data.ca\.crt}' >"$PKI/ca.crt" 2>/dev/null &&
+		grep -q 'BEGIN CERTIFICATE' "$PKI/ca.crt"
+}
+
+# The addresses of the gateway pods that serve: Running, Ready, not being deleted.
+serving_gateway_ips() {
+	kubectl -n "$RELEASE_NS" get pods -l app.kubernetes.io/component=gateway -o json | python3 -c '
+import json, sys
+for p in json.load(sys.stdin)["items"]:
+    st = p.get("status", {})
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", []))
+    if st.get("phase") == "Running" and ready and not p["metadata"].get("deletionTimestamp") and st.get("podIP"):
+        print(st["podIP"])'
+}
+
+gateway_serves_operator_cert() {
+	read_operator_bundle || return 1
+	local ips ip
+	ips=$(serving_gateway_ips) || return 1
+	[ -n "$ips" ] || return 1
+	for ip in $ips; do
+		openssl s_client -connect "$ip:50051" -servername "sluice-gateway.$RELEASE_NS.svc" \
+			-CAfile "$PKI/ca.crt" -verify_return_error </dev/null >/dev/null 2>&1 || return 1
+	done
+}
+
+gateway_tls_diagnostics() {
+	{
+		echo "--- gateway pods"
+		kubectl -n "$RELEASE_NS" get pods -o wide || true
+		echo "--- the bundle published (ConfigMap sluice-ca)"
+		openssl crl2pkcs7 -nocrl -certfile "$PKI/ca.crt" 2>/dev/null | openssl pkcs7 -print_certs -noout || true
+		echo "--- the Secret sluice-gateway-tls"
+		kubectl -n "$RELEASE_NS" get secret sluice-gateway-tls -o jsonpath='{.data.tls\.crt}' | base64 -d |
+			openssl x509 -noout -subject -issuer -dates || true
+		local ip
+		for ip in $(serving_gateway_ips); do
+			echo "--- served at $ip"
+			openssl s_client -connect "$ip:50051" -servername "sluice-gateway.$RELEASE_NS.svc" \
+				-CAfile "$PKI/ca.crt" </dev/null 2>&1 | grep -E 'subject=|issuer=|Verify return code' || true
+		done
+		echo "--- the operator's log"
+		kubectl -n "$RELEASE_NS" logs -l app.kubernetes.io/component=operator --tail=40 || true
+		echo "--- the gateway's log"
+		kubectl -n "$RELEASE_NS" logs -l app.kubernetes.io/component=gateway --tail=40 | grep -i -E 'tls|certif' || true
+	} >&2
+}
+
 case "$mode" in
 previous)
 	previous=$("$here/previous.sh" import)
@@ -155,24 +205,24 @@ current)
 	log "helm upgrade --install sluice charts/sluice"
 	"$HELM" upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
 		-f "$STATE/sluice-values.yaml" -f "$STATE/sluice-certificates.yaml" --wait --timeout 5m
-	# The CA bundle the operator made and published for clients.
-	kubectl -n "$RELEASE_NS" get configmap sluice-ca -o jsonpath='{.data.ca\.crt}' >"$PKI/ca.crt"
-	grep -q 'BEGIN CERTIFICATE' "$PKI/ca.crt" || die "the operator published no CA bundle (ConfigMap sluice-ca)"
 	# After the upgrade test the gateway still serves the previous install's certificate until the
-	# kubelet projects the Secret the operator made (up to a minute or two): wait for the new one.
+	# kubelet projects the Secret the operator made (up to a minute or two): wait until every Ready
+	# gateway pod that is not being deleted serves one the published bundle trusts. The bundle is read
+	# again each time (the operator publishes it on its first pass, which may follow the rollout), and
+	# pods that ended (Failed, or Terminating with their address still set) are not asked.
 	log "waiting for the gateway to serve a certificate of the operator's CA"
 	served=
 	for _ in $(seq 1 120); do
-		ip=$(kubectl -n "$RELEASE_NS" get pods -l app.kubernetes.io/component=gateway \
-			-o jsonpath='{.items[?(@.status.podIP)].status.podIP}' | cut -d' ' -f1)
-		if [ -n "$ip" ] && openssl s_client -connect "$ip:50051" -servername "sluice-gateway.$RELEASE_NS.svc" \
-			-CAfile "$PKI/ca.crt" -verify_return_error </dev/null >/dev/null 2>&1; then
+		if gateway_serves_operator_cert; then
 			served=1
 			break
 		fi
 		sleep 2
 	done
-	[ -n "$served" ] || die "the gateway does not serve a certificate of the operator's CA after 4 min"
+	if [ -z "$served" ]; then
+		gateway_tls_diagnostics
+		die "the gateway does not serve a certificate of the operator's CA after 4 min (what was seen is above)"
+	fi
 	write_env "$PKI/ca.crt"
 	;;
 esac
