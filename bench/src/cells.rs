@@ -213,6 +213,37 @@ async fn burst(platform: &str) -> anyhow::Result<(Vec<Duration>, usize)> {
     Ok((runs.into_iter().map(|(d, _)| d).collect(), errors))
 }
 
+/// One walk at a time straight into a prepared sandbox (no gateway, no gRPC): `chunk` written to
+/// `result` read, as the gateway's sandbox connection sees it. The cell is closed and the next one
+/// opened after each walk, and the sandbox left alone a moment, as between a client's calls.
+async fn straight_walks(platform: &str) -> anyhow::Result<Vec<Duration>> {
+    let state = tempfile::Builder::new()
+        .prefix("sluice-cells")
+        .tempdir_in("/tmp")?;
+    let mut cfg = LocalConfig::new(state.path());
+    cfg.platform = platform.into();
+    let backend = LocalBackend::new(cfg).await?;
+    let chain = Arc::new(crate::naive::bench_chain()?);
+    let limits = Limits::default();
+    let mut conn = SupervisorConn::new(backend.start(&chain.sandbox).await?, limits.max_line());
+    conn.wait_ready(Duration::from_secs(30)).await?;
+    let payload = serde_json::Value::String(text_1k());
+    let mut samples = Vec::new();
+    for i in 0..63 {
+        conn.prepare(&chain, &limits.wire(), Duration::from_secs(30))
+            .await?;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let began = Instant::now();
+        walk(&mut conn, &payload, 3).await?;
+        if i >= 3 {
+            samples.push(began.elapsed());
+        }
+        conn.end(Duration::from_secs(30)).await?;
+    }
+    conn.close().await;
+    Ok(samples)
+}
+
 /// The warm-Run rows: Recycle on each platform, None on `none_platform`.
 async fn warm_rows(
     table: &mut Table,
@@ -233,6 +264,12 @@ async fn warm_rows(
         table.push(Row::latency(
             &format!("  of which the walk in the sandbox, as the supervisor timed it ({p})"),
             &in_hooks,
+        ));
+        table.push(Row::latency(
+            &format!("  a walk straight into a sandbox, chunk to result, no gateway ({p})"),
+            &straight_walks(p)
+                .await
+                .context("walks straight into a sandbox")?,
         ));
     }
     let bench = start("None", none_platform, 2, 8).await?;
