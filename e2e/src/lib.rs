@@ -481,10 +481,10 @@ pub fn manifest_json(yaml: &str) -> Value {
 /// The operator as `sluice-operator run` runs it (leader election included), against the fake
 /// API server, until the returned sender says stop.
 pub mod operator {
-    use sluice_operator::build::Settings;
     use sluice_operator::controller::{self, LeaseTiming, RunConfig};
     use sluice_operator::leader::{self, LeaseLock};
     use sluice_operator::metrics::Metrics;
+    use sluice_operator::reconcile::build::Settings;
     use std::time::Duration;
 
     pub type Running = (

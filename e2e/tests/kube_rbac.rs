@@ -10,7 +10,7 @@
 
 use sluice_e2e::{Harness, action, chain_yaml, manifest_json, operator};
 use sluice_fake_apiserver::{FakeApiServer, Logged, Resource};
-use sluice_operator::build::Settings;
+use sluice_operator::reconcile::build::Settings;
 use sluice_proto::Action;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

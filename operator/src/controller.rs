@@ -11,10 +11,12 @@
 //! always sees that change. Objects are read through `DeserializeGuard`: a malformed HookChain or
 //! Capability is reported on the object and cannot break a watch.
 
-use crate::build::{FIELD_MANAGER, LABEL_CHAIN, LABEL_CHAIN_NAMESPACE, LABEL_MANAGED_BY, Settings};
 use crate::expectations::Expectations;
 use crate::leader::{self, LeaseLock};
 use crate::metrics::Metrics;
+use crate::reconcile::build::{
+    FIELD_MANAGER, LABEL_CHAIN, LABEL_CHAIN_NAMESPACE, LABEL_MANAGED_BY, Settings,
+};
 use crate::reconcile::{self, Context};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt, stream::BoxStream};

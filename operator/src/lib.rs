@@ -8,15 +8,11 @@
 //! `render`, `webhook` (the validating admission webhook every replica serves) and `certs` (the
 //! certificates it makes for the gateway and the webhook when no one else does).
 
-pub mod build;
 pub mod certs;
 pub mod controller;
 pub mod expectations;
 pub mod leader;
 pub mod metrics;
-pub mod pool;
 pub mod reconcile;
 pub mod render;
-pub mod status;
-pub mod validate;
 pub mod webhook;

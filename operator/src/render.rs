@@ -2,8 +2,8 @@
 //! file, as multi-document YAML, built by the same functions the reconciler uses. A chain whose
 //! spec or hook code is invalid gets no pods (as in a cluster): its problems go to the error list.
 
-use crate::build::{self, Settings};
-use crate::validate::{self, CapabilityState};
+use crate::reconcile::build::{self, Settings};
+use crate::reconcile::validate::{self, CapabilityState};
 use sluice_crds::manifest::{self, Object};
 use std::path::Path;
 

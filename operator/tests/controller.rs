@@ -7,9 +7,9 @@ mod common;
 
 use common::{Call, mock_client, spawn};
 use serde_json::{Value, json};
-use sluice_operator::build::Settings;
 use sluice_operator::controller::{self, RunConfig};
 use sluice_operator::metrics::Metrics;
+use sluice_operator::reconcile::build::Settings;
 use std::time::Duration;
 
 fn list(kind: &str, items: Vec<Value>) -> Value {

@@ -5,11 +5,11 @@
 //! would not start, a pool held back).
 
 use super::build::Desired;
+use super::build::{self, FIELD_MANAGER};
 use super::context::{Context, StartFailures, lock};
+use super::decide::pool::{self, DeleteReason, Hold, Plan};
 use super::read::Snapshot;
-use crate::build::{self, FIELD_MANAGER};
-use crate::pool::{self, DeleteReason, Hold, Plan};
-use crate::status::{CODE_VALID, POOL_READY, Verdict};
+use super::status::{CODE_VALID, POOL_READY, Verdict};
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -63,7 +63,7 @@ pub(crate) async fn apply(
     }
     // A name that is not a valid label value makes the policy's selector invalid: the verdict says
     // so and nothing is applied.
-    if crate::validate::name_problem(&read.name).is_none() {
+    if super::validate::name_problem(&read.name).is_none() {
         apply_network_policy(chain, &desired.policy, ctx).await?;
     }
     let reference = chain.object_ref(&());

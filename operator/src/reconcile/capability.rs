@@ -5,9 +5,9 @@
 //! dispatch steps). Writes happen only when the status changes: the write's own watch event finds
 //! nothing to do.
 
+use super::build::FIELD_MANAGER;
 use super::context::Context;
-use crate::build::FIELD_MANAGER;
-use crate::status::{READY, condition};
+use super::status::{READY, condition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
@@ -70,7 +70,7 @@ fn judge(
             ];
         }
     };
-    let problems = crate::validate::capability_problems(&cap.name_any(), spec);
+    let problems = super::validate::capability_problems(&cap.name_any(), spec);
     if !problems.is_empty() {
         let why = problems.join("; ");
         return vec![
@@ -100,7 +100,7 @@ fn judge(
             Some(o) => {
                 let usable = match &o.0 {
                     Ok(c) => {
-                        crate::validate::capability_problems(name, &c.spec).is_empty()
+                        super::validate::capability_problems(name, &c.spec).is_empty()
                             && allowed.check(&c.spec.endpoint).is_ok()
                     }
                     Err(_) => false,

@@ -2,7 +2,7 @@
 //! keeps between reconciles (code checks by hash, NetworkPolicy applications, start failures); and
 //! how Events are published.
 
-use crate::build::Settings;
+use super::build::Settings;
 use crate::expectations::Expectations;
 use crate::metrics::Metrics;
 use k8s_openapi::api::core::v1::Pod;
@@ -43,7 +43,7 @@ pub struct Context {
     pub recorder: Recorder,
     pub metrics: Metrics,
     /// Code analysis results by code hash: python3 runs once per version of a chain's hooks.
-    pub(super) code_checks: Mutex<HashMap<String, crate::validate::CodeProblems>>,
+    pub(super) code_checks: Mutex<HashMap<String, super::validate::CodeProblems>>,
     /// When each chain's (by uid) NetworkPolicy was last applied.
     pub(super) netpol_applied: Mutex<HashMap<String, Instant>>,
     /// Start failures by chain (`ns/name`).

@@ -12,18 +12,23 @@
 //! NetworkPolicy wherever they live (the sandbox namespace is beyond owner references) before the
 //! chain may go. `capability` writes the Capabilities' own status.
 //!
+//! A stage with pure rules of its own is a folder: the stage in its `mod.rs`, the rules beside it
+//! (`build/objects.rs`, the pod and NetworkPolicy `sluice-operator render` prints too;
+//! `validate/rules.rs`; `decide/pool.rs`, the pool plan; `status/conditions.rs`), each unit-tested
+//! with plain asserts.
+//!
 //! `context` holds what every reconcile shares; this module holds the entry points the controller
 //! calls and the order of the stages.
 
 mod apply;
-mod build;
+pub mod build;
 mod capability;
 mod context;
-mod decide;
+pub mod decide;
 mod read;
 mod rollout;
-mod status;
-mod validate;
+pub mod status;
+pub mod validate;
 
 pub use apply::ApplyError;
 pub use capability::{SCHEMA_VALID, check_namespace as check_capabilities};
@@ -31,7 +36,7 @@ pub use context::{Context, DEFAULT_START_DEADLINE};
 pub use read::ReadError;
 pub use status::StatusError;
 
-use crate::build::{FIELD_MANAGER, FINALIZER};
+use self::build::{FIELD_MANAGER, FINALIZER};
 use context::lock;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
@@ -176,7 +181,7 @@ async fn reconcile_unreadable(
     .await;
     if let Some(ns) = obj.meta().namespace.as_deref() {
         let conditions =
-            crate::status::unreadable(&[], &invalid.error, obj.meta().generation, Timestamp::now());
+            self::status::unreadable(&[], &invalid.error, obj.meta().generation, Timestamp::now());
         let api: Api<HookChain> = Api::namespaced(ctx.client.clone(), ns);
         let patch = serde_json::json!({
             "apiVersion": "sluice.dev/v1alpha1",

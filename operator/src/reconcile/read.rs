@@ -2,10 +2,10 @@
 //! cache does not show yet). Never from a cache that has not listed everything once: an empty pod
 //! cache at start-up would look like an empty pool and the operator would create a second one.
 
+use super::build::{LABEL_CHAIN, LABEL_CHAIN_NAMESPACE};
 use super::context::Context;
-use crate::build::{LABEL_CHAIN, LABEL_CHAIN_NAMESPACE};
+use super::decide::pool::Observed;
 use crate::expectations::{Pending, Seen};
-use crate::pool::Observed;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use sluice_crds::HookChain;

@@ -8,7 +8,7 @@
 
 use super::context::Context;
 use super::read::Snapshot;
-use crate::status::Verdict;
+use super::status::Verdict;
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use k8s_openapi::jiff::Timestamp;

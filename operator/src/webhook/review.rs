@@ -173,7 +173,7 @@ pub fn judge_object(object: &Value, judge: &Judge) -> Verdict {
                                 .metadata
                                 .name
                                 .as_deref()
-                                .and_then(crate::validate::name_problem)
+                                .and_then(crate::reconcile::validate::name_problem)
                         {
                             problems.push(format!("HookChain: {p}"));
                         }

@@ -1,9 +1,12 @@
 //! Stage 3, build: the objects the chain should have, from the chain and the operator's settings
-//! alone (pure; the builders themselves are `crate::build`, unit-tested with plain asserts).
+//! alone. Pure: the builders are in `objects` (also what `sluice-operator render` prints), unit-tested
+//! with plain asserts.
 
-use crate::build::{self, Settings};
+pub mod objects;
+
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+pub use objects::*;
 use sluice_crds::HookChain;
 
 /// What the chain should have.
@@ -16,8 +19,8 @@ pub(crate) struct Desired {
 
 pub(crate) fn build(chain: &HookChain, settings: &Settings) -> Desired {
     Desired {
-        template: build::template_hash(chain, settings),
-        pod: build::pod(chain, settings),
-        policy: build::network_policy(chain, settings),
+        template: objects::template_hash(chain, settings),
+        pod: objects::pod(chain, settings),
+        policy: objects::network_policy(chain, settings),
     }
 }

@@ -1,5 +1,5 @@
 //! Stage 6, status: the chain's status (counts, code hash, conditions; built by
-//! `crate::status::status`) written by server-side apply on the status subresource, only when it
+//! `conditions::status`) written by server-side apply on the status subresource, only when it
 //! changed: at once when a condition, the code hash or the observed generation changed, but when
 //! only the warm/claimed counts moved, at most every `COUNTS_EVERY` (each write sends the whole
 //! object, hooks' code included, to every watcher). Live counts are in the pool gauges.
@@ -7,8 +7,11 @@
 use super::apply::Applied;
 use super::context::Context;
 use super::read::Snapshot;
-use crate::build::FIELD_MANAGER;
-use crate::status::{self, Verdict};
+use crate::reconcile::build::FIELD_MANAGER;
+pub mod conditions;
+
+pub use conditions::*;
+
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use sluice_crds::{HookChain, HookChainStatus};
@@ -37,7 +40,7 @@ pub(crate) async fn write(
     now: Timestamp,
     ctx: &Context,
 ) -> Result<Option<Duration>, StatusError> {
-    let status = status::status(chain, verdict, &applied.plan, rollout, now);
+    let status = conditions::status(chain, verdict, &applied.plan, rollout, now);
     let mut deferred = None;
     // The gateways' own entries (status.rollout.shadow) are theirs: not the operator's to compare
     // or to write.

@@ -3,18 +3,27 @@
 //! text, never executed), and the capabilities its hooks name. The result is the `CodeValid`
 //! condition.
 
-use crate::status::Verdict;
+use crate::reconcile::status::Verdict;
 use sluice_crds::{CapabilitySpec, HookChainSpec, validate};
 
 /// Problems per hook, as (line within the code, message).
 pub type CodeProblems = Vec<Vec<(usize, String)>>;
 
+/// Why hook code could not be checked at all: the verdict is then Unknown, never Invalid.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckerError {
+    #[error(transparent)]
+    Analyser(#[from] sluice_crds::code::CodeCheckError),
+    #[error("the code checker task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
 /// The analyser's findings; `Err` when the checker cannot run.
-pub type CodeCheck = Result<CodeProblems, String>;
+pub type CodeCheck = Result<CodeProblems, CheckerError>;
 
 /// Runs the code analyser. Blocking: it waits for python3.
 pub fn check_code(spec: &HookChainSpec) -> CodeCheck {
-    let per_hook = sluice_crds::code::analyse(&spec.hooks).map_err(|e| e.to_string())?;
+    let per_hook = sluice_crds::code::analyse(&spec.hooks)?;
     Ok(per_hook
         .into_iter()
         .map(|problems| problems.into_iter().map(|p| (p.line, p.message)).collect())
@@ -278,10 +287,16 @@ mod tests {
     #[test]
     fn a_checker_that_cannot_run_leaves_the_verdict_unknown() {
         let s = spec(GOOD, &[]);
-        let v = verdict("chain", &s, "ns", &Err("cannot run python3".into()), |_| {
-            CapabilityState::Valid
-        });
+        let missing = std::io::Error::new(std::io::ErrorKind::NotFound, "no python3 on PATH");
+        let cannot_run = Err(sluice_crds::code::CodeCheckError::Spawn(missing).into());
+        let v = verdict("chain", &s, "ns", &cannot_run, |_| CapabilityState::Valid);
         assert_eq!((v.status, v.reason), ("Unknown", "CheckerUnavailable"));
+        assert!(
+            v.message
+                .contains("cannot run python3 to check hook code: no python3 on PATH"),
+            "{}",
+            v.message
+        );
     }
 
     #[test]

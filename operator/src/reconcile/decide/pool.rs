@@ -12,7 +12,9 @@
 //!   handler, failing probe), but only one at a time while the template has not proven it can
 //!   start, so a broken image does not churn.
 
-use crate::build::{ANNOTATION_CLAIMED_AT, LABEL_POOL, LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM};
+use crate::reconcile::build::{
+    ANNOTATION_CLAIMED_AT, LABEL_POOL, LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM,
+};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use std::collections::HashSet;
@@ -270,177 +272,242 @@ fn u(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
+/// The pool's plan: sort the pods, roll and scale down, count, make room at `max`, decide what holds
+/// the pool back, and how many pods to create.
 pub fn plan(input: &Input) -> Plan {
-    let mut plan = Plan::default();
-    let mut counts = Counts::default();
-    let mut cur_ready: Vec<&Observed> = Vec::new();
-    let mut cur_starting: Vec<&Observed> = Vec::new();
-    let mut old_ready: Vec<&Observed> = Vec::new();
-    let mut unschedulable: Option<&Observed> = None;
-    let delete = |p: &Observed, reason: DeleteReason, precondition: bool| Deletion {
-        name: p.name.clone(),
-        reason,
-        resource_version: if precondition {
-            p.resource_version.clone()
-        } else {
-            None
-        },
-    };
-
-    let mut pods: Vec<&Observed> = input.pods.iter().collect();
-    pods.sort_by(|a, b| a.name.cmp(&b.name));
-    for p in pods {
-        if p.terminating || input.pending_deletes.contains(&p.name) {
-            counts.terminating += 1;
-            continue;
-        }
-        if p.finished {
-            plan.delete.push(delete(p, DeleteReason::Finished, false));
-            counts.terminating += 1;
-            continue;
-        }
-        match p.pool {
-            PoolState::Claimed => {
-                // A claim without (a readable) claimed-at is timed from the pod's creation; a claim
-                // "from the future" counts from now; an expiry past the end of time never comes.
-                let since = p.claimed_at.or(p.created).map(|t| t.min(input.now));
-                let expiry = since.and_then(|t| t.checked_add(input.claim_deadline).ok());
-                match expiry {
-                    Some(e) if e <= input.now => {
-                        plan.delete
-                            .push(delete(p, DeleteReason::ClaimExpired, false));
-                        counts.terminating += 1;
-                    }
-                    _ => {
-                        counts.claimed += 1;
-                        if let Some(e) = expiry {
-                            plan.next_claim_expiry =
-                                Some(plan.next_claim_expiry.map_or(e, |n| n.min(e)));
-                        }
-                    }
-                }
-            }
-            PoolState::Other => counts.other += 1,
-            PoolState::Warm => {
-                let current = p.template.as_deref() == Some(input.template);
-                let start_expiry = p
-                    .scheduled
-                    .or(p.created)
-                    .map(|t| t.min(input.now))
-                    .and_then(|t| t.checked_add(input.start_deadline).ok());
-                match (current, p.ready) {
-                    (true, true) => cur_ready.push(p),
-                    (true, false) if p.unschedulable.is_some() => {
-                        // Held: deleting and recreating would not place it either.
-                        if unschedulable.is_none() {
-                            unschedulable = Some(p);
-                        }
-                        cur_starting.push(p)
-                    }
-                    (true, false) if start_expiry.is_some_and(|e| e <= input.now) => {
-                        plan.delete
-                            .push(delete(p, DeleteReason::StartTimeout, true));
-                        counts.terminating += 1;
-                        let why = p
-                            .problem
-                            .clone()
-                            .unwrap_or_else(|| "not ready (no reason reported)".into());
-                        plan.start_failed.push((p.name.clone(), why));
-                    }
-                    (true, false) => {
-                        if let Some(e) = start_expiry {
-                            plan.next_start_deadline =
-                                Some(plan.next_start_deadline.map_or(e, |n| n.min(e)));
-                        }
-                        if plan.start_problem.is_none()
-                            && let Some(why) = &p.problem
-                        {
-                            plan.start_problem = Some(format!("pod {}: {why}", p.name));
-                        }
-                        cur_starting.push(p)
-                    }
-                    (false, true) => old_ready.push(p),
-                    (false, false) if input.may_grow => {
-                        // An old pod that is not serving yet is replaced at once.
-                        plan.delete.push(delete(p, DeleteReason::Outdated, true));
-                        counts.terminating += 1;
-                    }
-                    (false, false) => counts.starting += 1,
-                }
-            }
-        }
-    }
-
-    plan.template_proven = !cur_ready.is_empty()
+    let mut draft = Draft::default();
+    let mut sorted = draft.sort(input);
+    draft.plan.template_proven = !sorted.cur_ready.is_empty()
         || input
             .pods
             .iter()
             .any(|p| p.ready && !p.finished && p.template.as_deref() == Some(input.template));
-    // While the template's pods keep failing to start and none has started, replace them one at
-    // a time: a broken image or runtime handler costs one pod per start deadline, not a pool.
-    let failures = input.start_failures as usize + plan.start_failed.len();
-    let start_failing = (failures > 0 && !plan.template_proven).then(|| {
-        let message = match (plan.start_failed.first(), input.last_start_failure) {
-            (Some((pod, why)), _) => format!("pod {pod}: {why}"),
-            (None, Some(last)) => last.to_string(),
-            (None, None) => "pods of this template did not become ready".into(),
-        };
-        format!(
-            "{failures} pod(s) in a row did not become ready within {}s; last: {message}",
-            input.start_deadline.as_secs()
-        )
-    });
+    let start_failing = draft.start_failing(input);
+    let kept_old = if input.may_grow {
+        draft.roll_and_scale_down(input, &mut sorted)
+    } else {
+        sorted.old_ready.len()
+    };
+    draft.count(input, &sorted, kept_old);
+    let (want, room) = draft.want_and_room(input, &sorted);
+    draft.make_room_at_max(input, &sorted, kept_old, want, room);
+    draft.plan.hold = hold(input, &sorted, start_failing, want, room);
+    draft.plan.create = match draft.plan.hold {
+        None | Some(Hold::AtMax) => want.min(room),
+        // One pod starting at a time, pending creates included.
+        Some(Hold::StartFailing { .. }) => want
+            .min(room)
+            .min(1u32.saturating_sub(u(sorted.cur_starting.len() + input.pending_creates))),
+        _ => 0,
+    };
+    draft.plan.counts = draft.counts;
+    draft.plan
+}
 
-    let warm = input.warm as usize;
-    let mut kept_old = old_ready.len();
-    if input.may_grow {
-        // Old ready pods keep serving only until enough new ones are ready.
-        kept_old = old_ready.len().min(warm.saturating_sub(cur_ready.len()));
-        for p in &old_ready[kept_old..] {
-            plan.delete.push(delete(p, DeleteReason::Outdated, true));
-            counts.terminating += 1;
+/// The warm pods that stay after the first pass, by template and readiness.
+#[derive(Default)]
+struct Sorted<'a> {
+    cur_ready: Vec<&'a Observed>,
+    cur_starting: Vec<&'a Observed>,
+    old_ready: Vec<&'a Observed>,
+    /// The first pod of the current template the scheduler cannot place.
+    unschedulable: Option<&'a Observed>,
+}
+
+/// The plan being made and its counts.
+#[derive(Default)]
+struct Draft {
+    plan: Plan,
+    counts: Counts,
+}
+
+// === impl Draft ===
+
+impl Draft {
+    /// Deletes `p` (on condition it is unchanged when `precondition`), counted as terminating.
+    fn delete(&mut self, p: &Observed, reason: DeleteReason, precondition: bool) {
+        self.plan.delete.push(Deletion {
+            name: p.name.clone(),
+            reason,
+            resource_version: if precondition {
+                p.resource_version.clone()
+            } else {
+                None
+            },
+        });
+        self.counts.terminating += 1;
+    }
+
+    /// Counts terminating, claimed and unknown pods, deletes finished ones, expired claims, pods
+    /// that did not start in time and old pods not serving yet, and sorts the warm pods that stay.
+    fn sort<'a>(&mut self, input: &Input<'a>) -> Sorted<'a> {
+        let mut sorted = Sorted::default();
+        let mut pods: Vec<&Observed> = input.pods.iter().collect();
+        pods.sort_by(|a, b| a.name.cmp(&b.name));
+        for p in pods {
+            if p.terminating || input.pending_deletes.contains(&p.name) {
+                self.counts.terminating += 1;
+                continue;
+            }
+            if p.finished {
+                self.delete(p, DeleteReason::Finished, false);
+                continue;
+            }
+            match p.pool {
+                PoolState::Claimed => self.claimed(input, p),
+                PoolState::Other => self.counts.other += 1,
+                PoolState::Warm => self.warm(input, p, &mut sorted),
+            }
         }
-        // Scale down only against a settled cache: pending creates are invisible here.
-        let current = cur_ready.len() + cur_starting.len() + input.pending_creates;
-        if input.pending_creates == 0 && current > warm {
-            let mut excess = current - warm;
-            // Pods that are not serving go first, newest (last by name is arbitrary) first.
-            while excess > 0 {
-                let p = if let Some(p) = cur_starting.pop() {
-                    p
-                } else if let Some(p) = cur_ready.pop() {
-                    p
-                } else {
-                    break;
-                };
-                plan.delete.push(delete(p, DeleteReason::ScaleDown, true));
-                counts.terminating += 1;
-                excess -= 1;
+        sorted
+    }
+
+    fn claimed(&mut self, input: &Input, p: &Observed) {
+        // A claim without (a readable) claimed-at is timed from the pod's creation; a claim "from
+        // the future" counts from now; an expiry past the end of time never comes.
+        let since = p.claimed_at.or(p.created).map(|t| t.min(input.now));
+        let expiry = since.and_then(|t| t.checked_add(input.claim_deadline).ok());
+        match expiry {
+            Some(e) if e <= input.now => self.delete(p, DeleteReason::ClaimExpired, false),
+            _ => {
+                self.counts.claimed += 1;
+                if let Some(e) = expiry {
+                    self.plan.next_claim_expiry =
+                        Some(self.plan.next_claim_expiry.map_or(e, |n| n.min(e)));
+                }
             }
         }
     }
 
-    counts.starting += u(cur_starting.len() + input.pending_creates);
-    counts.warm = u(cur_ready.len() + kept_old);
-    counts.total =
-        counts.warm + counts.claimed + counts.starting + counts.terminating + counts.other;
-
-    let have = cur_ready.len() + cur_starting.len() + input.pending_creates;
-    let want = u(warm.saturating_sub(have));
-    let room = input.max.saturating_sub(counts.total);
-    let freeing = counts.terminating > 0 || input.pending_creates > 0;
-    if want > 0 && room == 0 && kept_old > 0 && input.may_grow && !freeing {
-        // At max during a rollout: retire old pods one at a time to make room for new ones, and
-        // the next only once the previous one is gone.
-        let p = old_ready[kept_old - 1];
-        plan.delete.push(delete(p, DeleteReason::Outdated, true));
-        counts.warm -= 1;
-        counts.terminating += 1;
+    fn warm<'a>(&mut self, input: &Input, p: &'a Observed, sorted: &mut Sorted<'a>) {
+        let current = p.template.as_deref() == Some(input.template);
+        let start_expiry = p
+            .scheduled
+            .or(p.created)
+            .map(|t| t.min(input.now))
+            .and_then(|t| t.checked_add(input.start_deadline).ok());
+        match (current, p.ready) {
+            (true, true) => sorted.cur_ready.push(p),
+            (true, false) if p.unschedulable.is_some() => {
+                // Held: deleting and recreating would not place it either.
+                if sorted.unschedulable.is_none() {
+                    sorted.unschedulable = Some(p);
+                }
+                sorted.cur_starting.push(p)
+            }
+            (true, false) if start_expiry.is_some_and(|e| e <= input.now) => {
+                self.delete(p, DeleteReason::StartTimeout, true);
+                let why = p
+                    .problem
+                    .clone()
+                    .unwrap_or_else(|| "not ready (no reason reported)".into());
+                self.plan.start_failed.push((p.name.clone(), why));
+            }
+            (true, false) => {
+                if let Some(e) = start_expiry {
+                    self.plan.next_start_deadline =
+                        Some(self.plan.next_start_deadline.map_or(e, |n| n.min(e)));
+                }
+                if self.plan.start_problem.is_none()
+                    && let Some(why) = &p.problem
+                {
+                    self.plan.start_problem = Some(format!("pod {}: {why}", p.name));
+                }
+                sorted.cur_starting.push(p)
+            }
+            (false, true) => sorted.old_ready.push(p),
+            // An old pod that is not serving yet is replaced at once.
+            (false, false) if input.may_grow => self.delete(p, DeleteReason::Outdated, true),
+            (false, false) => self.counts.starting += 1,
+        }
     }
 
-    plan.hold = if !input.may_grow {
+    /// While the template's pods keep failing to start and none has started, they are replaced one
+    /// at a time: a broken image or runtime handler costs one pod per start deadline, not a pool.
+    /// The message of that hold, if so.
+    fn start_failing(&self, input: &Input) -> Option<String> {
+        let failures = input.start_failures as usize + self.plan.start_failed.len();
+        (failures > 0 && !self.plan.template_proven).then(|| {
+            let message = match (self.plan.start_failed.first(), input.last_start_failure) {
+                (Some((pod, why)), _) => format!("pod {pod}: {why}"),
+                (None, Some(last)) => last.to_string(),
+                (None, None) => "pods of this template did not become ready".into(),
+            };
+            format!(
+                "{failures} pod(s) in a row did not become ready within {}s; last: {message}",
+                input.start_deadline.as_secs()
+            )
+        })
+    }
+
+    /// Old ready pods keep serving only until enough new ones are ready; pods beyond `warm` go.
+    /// How many old ready pods stay.
+    fn roll_and_scale_down(&mut self, input: &Input, sorted: &mut Sorted) -> usize {
+        let warm = input.warm as usize;
+        let kept_old = sorted
+            .old_ready
+            .len()
+            .min(warm.saturating_sub(sorted.cur_ready.len()));
+        for p in &sorted.old_ready[kept_old..] {
+            self.delete(p, DeleteReason::Outdated, true);
+        }
+        // Scale down only against a settled cache: pending creates are invisible here.
+        let current = sorted.cur_ready.len() + sorted.cur_starting.len() + input.pending_creates;
+        if input.pending_creates == 0 && current > warm {
+            // Pods that are not serving go first, newest (last by name is arbitrary) first.
+            for _ in 0..current - warm {
+                let Some(p) = sorted.cur_starting.pop().or_else(|| sorted.cur_ready.pop()) else {
+                    break;
+                };
+                self.delete(p, DeleteReason::ScaleDown, true);
+            }
+        }
+        kept_old
+    }
+
+    fn count(&mut self, input: &Input, sorted: &Sorted, kept_old: usize) {
+        let c = &mut self.counts;
+        c.starting += u(sorted.cur_starting.len() + input.pending_creates);
+        c.warm = u(sorted.cur_ready.len() + kept_old);
+        c.total = c.warm + c.claimed + c.starting + c.terminating + c.other;
+    }
+
+    /// Pods of the current template still to create for `warm`, and room left under `max`.
+    fn want_and_room(&self, input: &Input, sorted: &Sorted) -> (u32, u32) {
+        let have = sorted.cur_ready.len() + sorted.cur_starting.len() + input.pending_creates;
+        let want = u((input.warm as usize).saturating_sub(have));
+        (want, input.max.saturating_sub(self.counts.total))
+    }
+
+    /// At max during a rollout: old pods are retired one at a time to make room for new ones, the
+    /// next only once the previous one is gone.
+    fn make_room_at_max(
+        &mut self,
+        input: &Input,
+        sorted: &Sorted,
+        kept_old: usize,
+        want: u32,
+        room: u32,
+    ) {
+        let freeing = self.counts.terminating > 0 || input.pending_creates > 0;
+        if want > 0 && room == 0 && kept_old > 0 && input.may_grow && !freeing {
+            self.delete(sorted.old_ready[kept_old - 1], DeleteReason::Outdated, true);
+            self.counts.warm -= 1;
+        }
+    }
+}
+
+/// Why the pool does not grow to `warm`, if it does not.
+fn hold(
+    input: &Input,
+    sorted: &Sorted,
+    start_failing: Option<String>,
+    want: u32,
+    room: u32,
+) -> Option<Hold> {
+    if !input.may_grow {
         Some(Hold::Invalid)
-    } else if let Some(p) = unschedulable {
+    } else if let Some(p) = sorted.unschedulable {
         Some(Hold::Unschedulable {
             pod: p.name.clone(),
             message: p.unschedulable.clone().unwrap_or_default(),
@@ -453,17 +520,7 @@ pub fn plan(input: &Input) -> Plan {
         Some(Hold::AtMax)
     } else {
         None
-    };
-    plan.create = match plan.hold {
-        None | Some(Hold::AtMax) => want.min(room),
-        // One pod starting at a time, pending creates included.
-        Some(Hold::StartFailing { .. }) => want
-            .min(room)
-            .min(1u32.saturating_sub(u(cur_starting.len() + input.pending_creates))),
-        _ => 0,
-    };
-    plan.counts = counts;
-    plan
+    }
 }
 
 /// Sizes of successive create batches for `n` pods: 1, 2, 4, … (slow start). A failing batch stops

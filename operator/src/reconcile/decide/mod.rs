@@ -1,13 +1,15 @@
 //! Stage 4, decide: the pool plan (what to create, what to delete, what to hold) from what was read,
 //! what should exist and the verdict. Pure apart from the clock the caller passes; the rules are
-//! `crate::pool::plan`.
+//! `pool::plan`.
+
+pub mod pool;
 
 use super::build::Desired;
 use super::context::{Context, lock};
 use super::read::Snapshot;
-use crate::pool::{self, Plan};
-use crate::status::Verdict;
+use crate::reconcile::status::Verdict;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use pool::Plan;
 use sluice_crds::HookChain;
 
 pub(crate) fn decide(

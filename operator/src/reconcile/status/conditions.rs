@@ -2,7 +2,7 @@
 //! reasons a platform engineer can act on, the warm and claimed counts, the code hash and the
 //! generation they describe. Pure: the reconciler writes the result with server-side apply.
 
-use crate::pool::{Hold, Plan};
+use crate::reconcile::decide::pool::{Hold, Plan};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use sluice_crds::{HookChain, HookChainStatus};
@@ -206,7 +206,7 @@ pub fn unreadable(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::Counts;
+    use crate::reconcile::decide::pool::Counts;
 
     fn t(s: &str) -> Timestamp {
         s.parse().unwrap()

@@ -2,9 +2,12 @@
 //! analysis (cached by code hash: python3 runs once per version of a chain's hooks) and the
 //! capabilities its hooks name. Never fails: a checker that cannot run makes the verdict Unknown.
 
+pub mod rules;
+
+pub use rules::*;
+
 use super::context::{Context, lock};
-use crate::status::Verdict;
-use crate::validate::{self, CapabilityState};
+use crate::reconcile::status::Verdict;
 use kube::Resource;
 use kube::core::DeserializeGuard;
 use sluice_crds::HookChain;
@@ -16,20 +19,20 @@ pub(crate) async fn validate(
     ctx: &Context,
 ) -> Verdict {
     let code = code_check(chain, ctx).await;
-    validate::verdict(name, &chain.spec, namespace, &code, |cap| {
+    rules::verdict(name, &chain.spec, namespace, &code, |cap| {
         capability_state(ctx, namespace, cap)
     })
 }
 
-async fn code_check(chain: &HookChain, ctx: &Context) -> validate::CodeCheck {
+async fn code_check(chain: &HookChain, ctx: &Context) -> rules::CodeCheck {
     let hash = chain.spec.code_hash();
     if let Some(hit) = lock(&ctx.code_checks).get(&hash) {
         return Ok(hit.clone());
     }
     let spec = chain.spec.clone();
-    let result = tokio::task::spawn_blocking(move || validate::check_code(&spec))
+    let result = tokio::task::spawn_blocking(move || rules::check_code(&spec))
         .await
-        .unwrap_or_else(|e| Err(format!("the code checker task failed: {e}")));
+        .unwrap_or_else(|e| Err(e.into()));
     if let Ok(found) = &result {
         let mut cache = lock(&ctx.code_checks);
         // Bounded: hook versions come and go; losing the cache only costs a python3 run.
@@ -51,7 +54,7 @@ fn capability_state(ctx: &Context, namespace: &str, name: &str) -> CapabilitySta
             CapabilityState::Invalid(format!("does not match the Capability schema: {}", e.error))
         }
         Some(DeserializeGuard(Ok(cap))) => {
-            let mut problems = validate::capability_problems(name, &cap.spec);
+            let mut problems = rules::capability_problems(name, &cap.spec);
             problems.extend(ctx.allowed_endpoints.check(&cap.spec.endpoint).err());
             if problems.is_empty() {
                 CapabilityState::Valid
