@@ -31,12 +31,14 @@ mod log_text {
 mod metrics;
 mod outcome;
 mod pipeline;
-mod program;
 mod registry;
 mod request;
 mod rollout;
 mod run;
-mod sandbox;
+/// The sandbox seam, its own crate: the paths inside the engine stay `crate::sandbox::…`.
+mod sandbox {
+    pub(crate) use sluice_sandbox::*;
+}
 mod sandbox_pool;
 mod state_vector;
 mod stream;
@@ -53,19 +55,19 @@ pub use host_calls::{Caller, Capabilities, HostCallCode, HostCallError, HostCall
 pub use limits::Limits;
 pub use metrics::Metrics;
 pub use outcome::{HookOutcome, Layer, Walk};
-pub use program::{CELL_RUNTIME, ProgramError, SUPERVISOR_BINARY, SupervisorProgram};
 pub use registry::{CapabilityEntry, Registry};
 pub use request::{CallerAuth, EngineError, Identity, RunInput};
 pub use rollout::{
     RevisionStatus, Role, RolloutSink, RolloutStatus, ShadowHook, ShadowSummary, Tally,
 };
 pub use run::RunResult;
-pub use sandbox::{
-    OUTPUT_LIMIT, Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, Writer,
-    discard_output,
-};
 pub use sandbox_pool::{ClaimError, Pools, WarmProgress};
 pub use sluice_crds::log_text::Escaped;
+pub use sluice_sandbox::{
+    CELL_RUNTIME, OUTPUT_LIMIT, ProgramError, Reader, SUPERVISOR_BINARY, Sandbox, SandboxBackend,
+    SandboxHandle, SandboxSpec, StartError, StartFailure, SupervisorProgram, Writer,
+    discard_output,
+};
 pub use state_vector::StateVector;
 pub use stream::{ClientStreamError, StreamError, StreamInput, StreamOpen, StreamOutput};
 pub use supervisor::{CellEnd, SandboxFailure, SupervisorConn, WalkReport};

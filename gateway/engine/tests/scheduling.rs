@@ -188,13 +188,12 @@ struct Broken {
 impl sluice_engine::SandboxBackend for Broken {
     async fn start(
         &self,
-        _spec: &sluice_engine::SandboxSpec,
+        spec: &sluice_engine::SandboxSpec,
     ) -> Result<sluice_engine::Sandbox, sluice_engine::StartError> {
         self.starts
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Err(sluice_engine::StartError::Runtime(
-            "the runtime is broken".into(),
-        ))
+        let failure = sluice_engine::StartFailure::Runtime("the runtime is broken".into());
+        Err(sluice_engine::StartError::new(spec, failure))
     }
     async fn clean_leftovers(&self) -> usize {
         0
@@ -230,6 +229,13 @@ async fn a_chain_whose_boots_fail_backs_off() {
     let error = h.run_at("doomed", "input", json!("hi")).await.unwrap_err();
     assert!(
         error.to_string().contains("the runtime is broken"),
+        "{error}"
+    );
+    // And names the chain it could not start a sandbox for.
+    assert!(
+        error
+            .to_string()
+            .contains("cannot start a sandbox for chain team/doomed"),
         "{error}"
     );
 }

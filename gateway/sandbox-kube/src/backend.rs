@@ -16,7 +16,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use sluice_engine::{Metrics, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError};
+use sluice_engine::{
+    Metrics, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
+};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -194,22 +196,22 @@ impl KubeBackend {
                                 e.stamp.clone(),
                             ));
                         }
-                        return Err(StartError::Runtime(format!(
+                        let failure = StartFailure::Runtime(format!(
                             "claiming pod {pod_namespace}/{name} within {} ms: {e}",
                             self.cfg.claim_timeout.as_millis()
-                        )));
+                        ));
+                        return Err(StartError::new(spec, failure).of(name.clone()));
                     }
                 }
             }
             if tokio::time::timeout_at(deadline, changed).await.is_err() {
                 self.metric("none");
-                return Err(StartError::Runtime(format!(
-                    "no warm pod of HookChain {}/{} within {} ms (is the operator running and the pool Ready? `kubectl get hc -n {}`)",
-                    spec.namespace,
-                    spec.chain,
+                let failure = StartFailure::Runtime(format!(
+                    "no warm pod within {} ms (is the operator running and the pool Ready? `kubectl get hc -n {}`)",
                     self.cfg.claim_timeout.as_millis(),
                     spec.namespace
-                )));
+                ));
+                return Err(StartError::new(spec, failure));
             }
         }
     }
@@ -272,9 +274,9 @@ impl SandboxBackend for KubeBackend {
             Err(e) => {
                 // The pod is ours now: it goes, whatever state it is in.
                 handle.destroy(true).await;
-                Err(StartError::Runtime(format!(
-                    "exec into pod {pod_namespace}/{pod}: {e}"
-                )))
+                let failure =
+                    StartFailure::Runtime(format!("exec into pod {pod_namespace}/{pod}: {e}"));
+                Err(StartError::new(spec, failure).of(pod.clone()))
             }
         }
     }

@@ -12,9 +12,9 @@
 
 use async_trait::async_trait;
 use serde_json::json;
-use sluice_engine::{
-    Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, SupervisorProgram,
-    discard_output,
+use sluice_sandbox::{
+    Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
+    SupervisorProgram, discard_output,
 };
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -85,14 +85,22 @@ pub struct LocalBackend {
     seq: AtomicU64,
 }
 
-fn runtime(msg: impl Into<String>) -> StartError {
-    StartError::Runtime(msg.into())
+fn runtime(msg: impl Into<String>) -> StartFailure {
+    StartFailure::Runtime(msg.into())
+}
+
+fn unavailable(msg: impl Into<String>) -> StartFailure {
+    StartFailure::Unavailable(msg.into())
+}
+
+fn resources(msg: impl Into<String>) -> StartFailure {
+    StartFailure::Resources(msg.into())
 }
 
 impl LocalBackend {
     /// Prepares the state directory and the read-only root filesystem. Fails with a clear message
     /// when runsc, the supervisor or its cell runtime is missing.
-    pub async fn new(cfg: LocalConfig) -> Result<Self, StartError> {
+    pub async fn new(cfg: LocalConfig) -> Result<Self, StartFailure> {
         let state_dir = std::path::absolute(&cfg.state_dir)?;
         let runsc_root = state_dir.join("runsc");
         let bundles = state_dir.join("bundles");
@@ -106,17 +114,17 @@ impl LocalBackend {
             .output()
             .await
             .map_err(|e| {
-                runtime(format!(
+                unavailable(format!(
                     "cannot run {:?} ({e}); install gVisor: apt-get install -y runsc",
                     cfg.runsc
                 ))
             })?;
         if !version.status.success() {
-            return Err(runtime(format!("{:?} --version failed", cfg.runsc)));
+            return Err(unavailable(format!("{:?} --version failed", cfg.runsc)));
         }
         let program = match cfg.program.clone() {
             Some(p) => p,
-            None => SupervisorProgram::locate().map_err(|e| runtime(e.to_string()))?,
+            None => SupervisorProgram::locate().map_err(|e| unavailable(e.to_string()))?,
         };
         for d in ["tmp", "proc", "dev", "sluice", "etc"] {
             tokio::fs::create_dir_all(rootfs.join(d)).await?;
@@ -124,7 +132,7 @@ impl LocalBackend {
         set_mode(&rootfs, 0o755)?;
         let binary = tokio::fs::canonicalize(&program.binary)
             .await
-            .map_err(|e| runtime(format!("supervisor {:?} not found: {e}", program.binary)))?;
+            .map_err(|e| unavailable(format!("supervisor {:?} not found: {e}", program.binary)))?;
         let host_paths = shared_libraries(&binary).await?;
         let mut mounts = vec![
             json!({"destination": "/proc", "type": "proc", "source": "proc"}),
@@ -190,7 +198,7 @@ impl LocalBackend {
     /// sandbox running `sluice-supervisor --probe` (a one-hook chain through a real cell); `auto` keeps
     /// the fastest that passes. A runsc that cannot make cells (bookworm's 20221219) fails here, at
     /// start, with the supervisor's reason.
-    async fn choose_platform(&mut self) -> Result<(), StartError> {
+    async fn choose_platform(&mut self) -> Result<(), StartFailure> {
         let candidates: Vec<String> = if self.cfg.platform == "auto" {
             vec!["systrap".into(), "ptrace".into()]
         } else {
@@ -215,7 +223,7 @@ impl LocalBackend {
                 self.cfg.platform = platform;
                 Ok(())
             }
-            None => Err(runtime(format!(
+            None => Err(unavailable(format!(
                 "{:?} cannot run the sandboxes cells need ({}); install runsc from Debian \
                  bookworm-backports (0.0~20240729 or newer): `make deps`",
                 self.cfg.runsc,
@@ -304,10 +312,10 @@ impl LocalBackend {
         })
     }
 
-    fn oci_spec(&self, id: &str, spec: &SandboxSpec) -> Result<serde_json::Value, StartError> {
+    fn oci_spec(&self, id: &str, spec: &SandboxSpec) -> Result<serde_json::Value, StartFailure> {
         let period: u64 = 100_000;
         let cpu_millis =
-            sluice_crds::quantity::cpu_millis(&spec.cpu).map_err(|e| runtime(e.to_string()))?;
+            sluice_crds::quantity::cpu_millis(&spec.cpu).map_err(|e| resources(e.to_string()))?;
         let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
             .map_err(|e| runtime(e.to_string()))?;
         let mut args = self.supervisor_args(spec)?;
@@ -334,7 +342,7 @@ impl LocalBackend {
 
     /// The supervisor's command line in a sandbox for `spec`. Settings are flags, never the
     /// environment.
-    fn supervisor_args(&self, spec: &SandboxSpec) -> Result<Vec<String>, StartError> {
+    fn supervisor_args(&self, spec: &SandboxSpec) -> Result<Vec<String>, StartFailure> {
         let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
             .map_err(|e| runtime(e.to_string()))?;
         Ok(self
@@ -349,7 +357,7 @@ impl LocalBackend {
         &self,
         id: &str,
         args: &[String],
-    ) -> Result<tokio::process::Child, StartError> {
+    ) -> Result<tokio::process::Child, StartFailure> {
         // In the sandbox's bundle, which goes with the sandbox.
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
         let file = self.bundles.join(id).join(format!("exec-{n}.json"));
@@ -482,7 +490,7 @@ fn short_hash(bytes: &[u8]) -> String {
 }
 
 /// The shared libraries `binary` loads (with the dynamic loader), as host paths.
-async fn shared_libraries(binary: &Path) -> Result<BTreeSet<String>, StartError> {
+async fn shared_libraries(binary: &Path) -> Result<BTreeSet<String>, StartFailure> {
     let ldd = Command::new("ldd")
         .arg(binary)
         .output()
@@ -504,6 +512,68 @@ async fn shared_libraries(binary: &Path) -> Result<BTreeSet<String>, StartError>
     Ok(paths)
 }
 
+impl LocalBackend {
+    /// Starts sandbox `id`; the failure names the sandbox and the chain.
+    async fn start_as(&self, id: String, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
+        let started: Result<Sandbox, StartFailure> = async {
+            let bundle = self.bundles.join(&id);
+            tokio::fs::create_dir_all(&bundle).await?;
+            let config = serde_json::to_vec(&self.oci_spec(&id, spec)?)
+                .map_err(|e| runtime(e.to_string()))?;
+            tokio::fs::write(bundle.join("config.json"), config).await?;
+            let spawned = self
+                .runsc_run(&self.cfg.platform, &bundle, &id)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn();
+            let mut child = match spawned {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = tokio::fs::remove_dir_all(&bundle).await;
+                    return Err(runtime(format!("cannot start {:?}: {e}", self.cfg.runsc)));
+                }
+            };
+            let (Some(stdin), Some(stdout), Some(stderr)) =
+                (child.stdin.take(), child.stdout.take(), child.stderr.take())
+            else {
+                return Err(runtime("runsc started without pipes"));
+            };
+            let stdout_bytes = Arc::new(AtomicU64::new(0));
+            let counter = stdout_bytes.clone();
+            let kept: Option<Reader> = if self.cfg.keep_stdout {
+                Some(Box::pin(stdout))
+            } else {
+                // Hooks' prints land here: read and dropped, so a chatty hook cannot bloat us. Past the
+                // bound nothing more is read: the writer blocks until the deadline ends it, and the
+                // failure names the output limit.
+                tokio::spawn(async move {
+                    discard_output(stdout, counter).await;
+                });
+                None
+            };
+            let handle = LocalHandle {
+                id: id.clone(),
+                runsc: self.cfg.runsc.clone(),
+                root: self.runsc_root.clone(),
+                bundle,
+                child: Mutex::new(Some(child)),
+                destroyed: AtomicBool::new(false),
+                stdout_bytes,
+            };
+            Ok(Sandbox {
+                id: id.clone(),
+                stdin: Box::pin(stdin),
+                protocol: Box::pin(stderr),
+                stdout: kept,
+                handle: Box::new(handle),
+            })
+        }
+        .await;
+        started.map_err(|failure| StartError::new(spec, failure).of(id))
+    }
+}
+
 #[async_trait]
 impl SandboxBackend for LocalBackend {
     async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
@@ -513,58 +583,7 @@ impl SandboxBackend for LocalBackend {
             self.prefix,
             self.seq.fetch_add(1, Ordering::Relaxed)
         );
-        let bundle = self.bundles.join(&id);
-        tokio::fs::create_dir_all(&bundle).await?;
-        let config =
-            serde_json::to_vec(&self.oci_spec(&id, spec)?).map_err(|e| runtime(e.to_string()))?;
-        tokio::fs::write(bundle.join("config.json"), config).await?;
-        let spawned = self
-            .runsc_run(&self.cfg.platform, &bundle, &id)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn();
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = tokio::fs::remove_dir_all(&bundle).await;
-                return Err(runtime(format!("cannot start {:?}: {e}", self.cfg.runsc)));
-            }
-        };
-        let (Some(stdin), Some(stdout), Some(stderr)) =
-            (child.stdin.take(), child.stdout.take(), child.stderr.take())
-        else {
-            return Err(runtime("runsc started without pipes"));
-        };
-        let stdout_bytes = Arc::new(AtomicU64::new(0));
-        let counter = stdout_bytes.clone();
-        let kept: Option<Reader> = if self.cfg.keep_stdout {
-            Some(Box::pin(stdout))
-        } else {
-            // Hooks' prints land here: read and dropped, so a chatty hook cannot bloat us. Past the
-            // bound nothing more is read: the writer blocks until the deadline ends it, and the
-            // failure names the output limit.
-            tokio::spawn(async move {
-                discard_output(stdout, counter).await;
-            });
-            None
-        };
-        let handle = LocalHandle {
-            id: id.clone(),
-            runsc: self.cfg.runsc.clone(),
-            root: self.runsc_root.clone(),
-            bundle,
-            child: Mutex::new(Some(child)),
-            destroyed: AtomicBool::new(false),
-            stdout_bytes,
-        };
-        Ok(Sandbox {
-            id,
-            stdin: Box::pin(stdin),
-            protocol: Box::pin(stderr),
-            stdout: kept,
-            handle: Box::new(handle),
-        })
+        self.start_as(id, spec).await
     }
 
     async fn clean_leftovers(&self) -> usize {

@@ -7,8 +7,8 @@
 #![allow(clippy::new_without_default)]
 
 use async_trait::async_trait;
-use sluice_engine::{
-    ProgramError, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError,
+use sluice_sandbox::{
+    ProgramError, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
     SupervisorProgram, discard_output,
 };
 use std::collections::BTreeSet;
@@ -45,7 +45,7 @@ impl SandboxBackend for ProcessBackend {
     async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
         let id = format!("process-{}", self.seq.fetch_add(1, Ordering::Relaxed));
         let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
-            .map_err(|e| StartError::Runtime(e.to_string()))?;
+            .map_err(|e| StartError::new(spec, StartFailure::Resources(e.to_string())))?;
         let args = self.program.args(
             &self.program.binary.to_string_lossy(),
             &self.program.runtime.to_string_lossy(),
@@ -58,13 +58,13 @@ impl SandboxBackend for ProcessBackend {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true)
-            .spawn()?;
+            .spawn()
+            .map_err(|e| StartError::new(spec, e).of(&id))?;
         let (Some(stdin), Some(stdout), Some(stderr)) =
             (child.stdin.take(), child.stdout.take(), child.stderr.take())
         else {
-            return Err(StartError::Runtime(
-                "the supervisor started without pipes".into(),
-            ));
+            let failure = StartFailure::Runtime("the supervisor started without pipes".into());
+            return Err(StartError::new(spec, failure).of(&id));
         };
         // Hooks' prints land here: read and dropped, up to the same bound the local backend keeps.
         let stdout_bytes = Arc::new(AtomicU64::new(0));

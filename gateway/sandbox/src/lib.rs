@@ -2,7 +2,12 @@
 //! pipes and a handle that destroys it. `sluice-sandbox-local` runs runsc on this machine;
 //! `sluice-sandbox-kube` claims a warm pod and reaches it over the exec API;
 //! `sluice-sandbox-process` runs the supervisor as a plain child process for tests. Everything above
-//! this trait is the same for all of them.
+//! this trait is the same for all of them. Its own crate, so that a backend depends on the seam
+//! and not on the engine.
+
+mod program;
+
+pub use program::{CELL_RUNTIME, ProgramError, SUPERVISOR_BINARY, SupervisorProgram};
 
 use async_trait::async_trait;
 use std::pin::Pin;
@@ -93,11 +98,55 @@ pub trait SandboxHandle: Send + Sync {
     }
 }
 
+/// Why a sandbox could not be started for a chain: the chain, the sandbox once the backend had named
+/// it, and what failed.
 #[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    #[error("sandbox runtime failed: {0}")]
+#[error("cannot start a sandbox for chain {chain}{}: {failure}", in_sandbox(.sandbox))]
+pub struct StartError {
+    /// `namespace/name` of the HookChain the sandbox was for.
+    pub chain: String,
+    /// The sandbox's id (a local sandbox) or pod (kube), when it had one before it failed.
+    pub sandbox: Option<String>,
+    pub failure: StartFailure,
+}
+
+fn in_sandbox(sandbox: &Option<String>) -> String {
+    sandbox
+        .as_ref()
+        .map(|s| format!(" (sandbox {s})"))
+        .unwrap_or_default()
+}
+
+impl StartError {
+    pub fn new(spec: &SandboxSpec, failure: impl Into<StartFailure>) -> Self {
+        Self {
+            chain: format!("{}/{}", spec.namespace, spec.chain),
+            sandbox: None,
+            failure: failure.into(),
+        }
+    }
+
+    /// The same failure, of the sandbox `id`.
+    pub fn of(mut self, id: impl Into<String>) -> Self {
+        self.sandbox = Some(id.into());
+        self
+    }
+}
+
+/// What failed when a sandbox did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartFailure {
+    /// The backend cannot start sandboxes here at all (no usable runsc, no supervisor binary): no
+    /// chain's fault, and no retry will help until the machine changes.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The chain's `spec.resources` cannot be given to a sandbox as written.
+    #[error("its resources: {0}")]
+    Resources(String),
+    /// The runtime failed or refused: runsc, the pod claim, the exec into the pod.
+    #[error("{0}")]
     Runtime(String),
-    #[error("io error starting the sandbox: {0}")]
+    #[error("{0}")]
     Io(#[from] std::io::Error),
 }
 
