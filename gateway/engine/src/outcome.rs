@@ -140,7 +140,7 @@ impl Walk {
     }
 
     /// The sandbox reported something no honest supervisor would: stop, whatever the policy.
-    fn untrusted(&mut self, index: usize, why: String) {
+    fn untrusted(&mut self, index: usize, why: Untrusted) {
         self.hooks.retain(|h| h.index < index);
         let message = format!("the sandbox returned an invalid result: {why}");
         self.hooks.push(HookOutcome {
@@ -180,7 +180,66 @@ fn shape_of(trigger_point: TriggerPoint) -> &'static [(&'static str, &'static st
     }
 }
 
-fn keeps_shape(trigger_point: TriggerPoint, incoming: &Value, out: &Value) -> Result<(), String> {
+/// Why the gateway does not trust what a sandbox answered for a hook: a supervisor that obeys the
+/// protocol never sends it, so the walk stops at that hook and the sandbox is retired.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Untrusted {
+    #[error("results continued after the walk ended")]
+    AfterTheEnd,
+    #[error("result for hook #{index} {name:?} where #{due} was due")]
+    OutOfOrder {
+        index: usize,
+        name: String,
+        due: usize,
+    },
+    #[error("{0}")]
+    Forged(String),
+    #[error("summary says {said} at {said_at:?}, results say {derived} at {derived_at:?}")]
+    SummaryDisagrees {
+        said: String,
+        said_at: Option<usize>,
+        derived: Action,
+        derived_at: Option<usize>,
+    },
+    #[error("the walk stopped at hook #{0} without a terminal action")]
+    NoTerminalAction(usize),
+    #[error("no result summary")]
+    NoSummary,
+    #[error("unknown action {0:?}")]
+    UnknownAction(String),
+    #[error("hook {hook:?} returned {returned} but declared {declared}")]
+    Undeclared {
+        hook: String,
+        returned: Action,
+        declared: Action,
+    },
+    #[error("modify without outgoing")]
+    ModifyWithoutOutgoing,
+    #[error("outgoing has the wrong type for {0}")]
+    WrongType(TriggerPoint),
+    #[error("outgoing {trigger_point} payload must keep {key:?} as {kind}")]
+    LostShape {
+        trigger_point: TriggerPoint,
+        key: &'static str,
+        kind: &'static str,
+    },
+    #[error("{what} is nested deeper than {limit} levels")]
+    TooDeep { what: &'static str, limit: usize },
+    #[error("{what} is {size} bytes, over the limit of {limit}")]
+    TooBig {
+        what: &'static str,
+        size: usize,
+        limit: usize,
+    },
+    #[error("message over {0} characters")]
+    MessageTooLong(usize),
+}
+
+fn keeps_shape(
+    trigger_point: TriggerPoint,
+    incoming: &Value,
+    out: &Value,
+) -> Result<(), Untrusted> {
     for (key, kind) in shape_of(trigger_point) {
         let Some(was) = incoming.get(key) else {
             continue;
@@ -192,9 +251,11 @@ fn keeps_shape(trigger_point: TriggerPoint, incoming: &Value, out: &Value) -> Re
             None => false,
         };
         if !same {
-            return Err(format!(
-                "outgoing {trigger_point} payload must keep {key:?} as {kind}"
-            ));
+            return Err(Untrusted::LostShape {
+                trigger_point,
+                key,
+                kind,
+            });
         }
     }
     Ok(())
@@ -218,18 +279,25 @@ fn depth(v: &Value) -> usize {
     deepest
 }
 
-fn bounded(v: &Value, what: &str, max_bytes: usize, limits: &Limits) -> Result<(), String> {
+fn bounded(
+    v: &Value,
+    what: &'static str,
+    max_bytes: usize,
+    limits: &Limits,
+) -> Result<(), Untrusted> {
     if depth(v) > limits.depth {
-        return Err(format!(
-            "{what} is nested deeper than {} levels",
-            limits.depth
-        ));
+        return Err(Untrusted::TooDeep {
+            what,
+            limit: limits.depth,
+        });
     }
     let size = json_size(v);
     if size > max_bytes {
-        return Err(format!(
-            "{what} is {size} bytes, over the limit of {max_bytes}"
-        ));
+        return Err(Untrusted::TooBig {
+            what,
+            size,
+            limit: max_bytes,
+        });
     }
     Ok(())
 }
@@ -364,16 +432,15 @@ pub(crate) fn fold(
     let mut expected = start;
     for r in &report.hooks {
         if walk.is_terminal() {
-            return walk.untrusted(r.index, "results continued after the walk ended".into());
+            return walk.untrusted(r.index, Untrusted::AfterTheEnd);
         }
         if r.index != expected || r.index >= hooks.len() || r.name != hooks[r.index].name {
-            return walk.untrusted(
-                expected,
-                format!(
-                    "result for hook #{} {:?} where #{expected} was due",
-                    r.index, r.name
-                ),
-            );
+            let why = Untrusted::OutOfOrder {
+                index: r.index,
+                name: r.name.clone(),
+                due: expected,
+            };
+            return walk.untrusted(expected, why);
         }
         let hook = &hooks[r.index];
         expected += 1;
@@ -388,25 +455,24 @@ pub(crate) fn fold(
             continue;
         }
         let Some(action) = Action::parse(&r.action) else {
-            return walk.untrusted(r.index, format!("unknown action {:?}", r.action));
+            return walk.untrusted(r.index, Untrusted::UnknownAction(r.action.clone()));
         };
         if action != Action::Pass && action != hook.action {
-            return walk.untrusted(
-                r.index,
-                format!(
-                    "hook {:?} returned {action} but declared {}",
-                    hook.name, hook.action
-                ),
-            );
+            let why = Untrusted::Undeclared {
+                hook: hook.name.clone(),
+                returned: action,
+                declared: hook.action,
+            };
+            return walk.untrusted(r.index, why);
         }
         let checked = (|| {
             if action == Action::Modify {
-                let out = r.outgoing.as_ref().ok_or("modify without outgoing")?;
+                let out = r
+                    .outgoing
+                    .as_ref()
+                    .ok_or(Untrusted::ModifyWithoutOutgoing)?;
                 if text != out.is_string() || (!text && !out.is_object()) {
-                    return Err(format!(
-                        "outgoing has the wrong type for {}",
-                        chain.spec.trigger_point
-                    ));
+                    return Err(Untrusted::WrongType(chain.spec.trigger_point));
                 }
                 bounded(out, "outgoing", limits.payload_bytes, limits)?;
                 keeps_shape(chain.spec.trigger_point, &walk.payload, out)?;
@@ -419,7 +485,7 @@ pub(crate) fn fold(
             }
             match &r.message {
                 Some(m) if m.chars().count() > limits.message_chars => {
-                    Err(format!("message over {} characters", limits.message_chars))
+                    Err(Untrusted::MessageTooLong(limits.message_chars))
                 }
                 _ => Ok(()),
             }
@@ -451,7 +517,8 @@ pub(crate) fn fold(
         }
     }
     if let Some(SandboxFailure::Forged(why)) = &report.failure {
-        return walk.untrusted(expected.min(hooks.len().saturating_sub(1)), why.clone());
+        let why = Untrusted::Forged(why.clone());
+        return walk.untrusted(expected.min(hooks.len().saturating_sub(1)), why);
     }
     if let Some(failure) = &report.failure {
         if walk.is_terminal() || expected >= hooks.len() {
@@ -473,25 +540,21 @@ pub(crate) fn fold(
     }
     match &report.summary {
         Some((action, terminal)) => {
-            let derived = (walk.action.as_str(), walk.terminal_index);
-            if (action.as_str(), *terminal) != derived {
-                walk.untrusted(
-                    expected.min(hooks.len().saturating_sub(1)),
-                    format!(
-                        "summary says {action} at {terminal:?}, results say {} at {:?}",
-                        derived.0, derived.1
-                    ),
-                );
+            if (action.as_str(), *terminal) != (walk.action.as_str(), walk.terminal_index) {
+                let why = Untrusted::SummaryDisagrees {
+                    said: action.clone(),
+                    said_at: *terminal,
+                    derived: walk.action,
+                    derived_at: walk.terminal_index,
+                };
+                walk.untrusted(expected.min(hooks.len().saturating_sub(1)), why);
             } else if !walk.is_terminal() && expected < hooks.len() {
-                walk.untrusted(
-                    expected,
-                    format!("the walk stopped at hook #{expected} without a terminal action"),
-                );
+                walk.untrusted(expected, Untrusted::NoTerminalAction(expected));
             }
         }
         None => walk.untrusted(
             expected.min(hooks.len().saturating_sub(1)),
-            "no result summary".into(),
+            Untrusted::NoSummary,
         ),
     }
 }
