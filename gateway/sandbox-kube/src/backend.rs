@@ -267,7 +267,6 @@ impl SandboxBackend for KubeBackend {
                     id: handle.key.clone(),
                     stdin: Box::pin(e.stdin),
                     protocol: Box::pin(e.protocol),
-                    stdout: None,
                     handle: Box::new(handle),
                 })
             }

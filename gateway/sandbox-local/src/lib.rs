@@ -13,7 +13,7 @@
 use async_trait::async_trait;
 use serde_json::json;
 use sluice_sandbox::{
-    Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
+    Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
     SupervisorProgram, discard_output,
 };
 use std::collections::BTreeSet;
@@ -50,12 +50,10 @@ pub struct LocalConfig {
     pub platform: String,
     /// Size of each sandbox's `/tmp`.
     pub tmp_bytes: u64,
-    /// Hand the supervisor's stdout to the caller (`Sandbox::stdout`) instead of draining it here:
-    /// for a test harness that forwards it somewhere (the fake exec endpoint's stdout channel).
-    pub keep_stdout: bool,
     /// Start sandboxes the way a warm pod starts: the supervisor listens for one attach
     /// (`--listen`) instead of serving its stdin, and callers reach it with [`LocalBackend::exec`].
-    /// For the fake API server, whose pods are local sandboxes.
+    /// For the fake API server, whose pods are local sandboxes, and the bench: feature `pods`.
+    #[cfg(feature = "pods")]
     pub pod_shape: bool,
 }
 
@@ -67,7 +65,7 @@ impl LocalConfig {
             program: None,
             platform: "auto".into(),
             tmp_bytes: 16 << 20,
-            keep_stdout: false,
+            #[cfg(feature = "pods")]
             pod_shape: false,
         }
     }
@@ -317,8 +315,10 @@ impl LocalBackend {
         let cpu_millis =
             sluice_crds::quantity::cpu_millis(&spec.cpu).map_err(|e| resources(e.to_string()))?;
         let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
-            .map_err(|e| runtime(e.to_string()))?;
+            .map_err(|e| resources(e.to_string()))?;
+        #[cfg_attr(not(feature = "pods"), allow(unused_mut))]
         let mut args = self.supervisor_args(spec)?;
+        #[cfg(feature = "pods")]
         if self.cfg.pod_shape {
             args.push("--listen".into());
         }
@@ -352,7 +352,8 @@ impl LocalBackend {
 
     /// Starts `args` as another process of sandbox `id` (`runsc exec`, the sandbox user, the
     /// sandbox's environment), stdio piped: what a kubelet does for a pod's exec and exec probes.
-    /// The supervisor is at [`SUPERVISOR_IN_SANDBOX`].
+    /// The supervisor is at [`SUPERVISOR_IN_SANDBOX`]. Feature `pods`.
+    #[cfg(feature = "pods")]
     pub async fn exec(
         &self,
         id: &str,
@@ -541,17 +542,12 @@ impl LocalBackend {
             };
             let stdout_bytes = Arc::new(AtomicU64::new(0));
             let counter = stdout_bytes.clone();
-            let kept: Option<Reader> = if self.cfg.keep_stdout {
-                Some(Box::pin(stdout))
-            } else {
-                // Hooks' prints land here: read and dropped, so a chatty hook cannot bloat us. Past the
-                // bound nothing more is read: the writer blocks until the deadline ends it, and the
-                // failure names the output limit.
-                tokio::spawn(async move {
-                    discard_output(stdout, counter).await;
-                });
-                None
-            };
+            // Hooks' prints land here: read and dropped, so a chatty hook cannot bloat us. Past the
+            // bound nothing more is read: the writer blocks until the deadline ends it, and the
+            // failure names the output limit.
+            tokio::spawn(async move {
+                discard_output(stdout, counter).await;
+            });
             let handle = LocalHandle {
                 id: id.clone(),
                 runsc: self.cfg.runsc.clone(),
@@ -565,7 +561,6 @@ impl LocalBackend {
                 id: id.clone(),
                 stdin: Box::pin(stdin),
                 protocol: Box::pin(stderr),
-                stdout: kept,
                 handle: Box::new(handle),
             })
         }

@@ -80,7 +80,6 @@ impl SandboxBackend for ProcessBackend {
             id: id.clone(),
             stdin: Box::pin(stdin),
             protocol: Box::pin(stderr),
-            stdout: None,
             handle: Box::new(ProcessHandle {
                 id,
                 child: tokio::sync::Mutex::new(Some(child)),

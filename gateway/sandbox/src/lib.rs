@@ -71,8 +71,6 @@ pub struct Sandbox {
     pub id: String,
     pub stdin: Writer,
     pub protocol: Reader,
-    /// The supervisor's stdout, only if the backend was asked not to drain it itself.
-    pub stdout: Option<Reader>,
     pub handle: Box<dyn SandboxHandle>,
 }
 

@@ -196,7 +196,6 @@ impl SandboxBackend for ScriptedBackend {
             id,
             stdin: Box::pin(stdin),
             protocol: Box::pin(protocol),
-            stdout: None,
             handle: Box::new(Handle {
                 task,
                 seq,
