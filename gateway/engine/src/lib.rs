@@ -9,7 +9,8 @@
 //!    one claimed sandbox, resumed in a fresh one under `Open`);
 //! 3. `supervisor` and `wire` (the conversation with a sandbox, `supervisor/PROTOCOL.md`) →
 //!    `outcome` (what the trusted side makes of it) → `state_vector`;
-//! 4. `sandbox` (the backend trait) and `sandbox_pool` (warm sandboxes per chain);
+//! 4. `sandbox` (the backend trait) and `pool` (warm sandboxes per chain: the set of pools, one
+//!    chain's pool, the gateway-wide boot scheduler, why a sandbox is retired);
 //! 5. `host_calls` (the trait the capability runner implements) and `host_call_guard` (the limits the
 //!    gateway keeps on them), `registry` and `chain` (what is
 //!    served), `request` (checking what callers send), `engine` (what runs share: audit, metrics,
@@ -31,13 +32,13 @@ mod log_text {
 mod metrics;
 mod outcome;
 mod pipeline;
+mod pool;
 mod program;
 mod registry;
 mod request;
 mod rollout;
 mod run;
 mod sandbox;
-mod sandbox_pool;
 mod state_vector;
 mod stream;
 mod supervisor;
@@ -53,6 +54,7 @@ pub use host_calls::{Caller, Capabilities, HostCallCode, HostCallError, HostCall
 pub use limits::Limits;
 pub use metrics::Metrics;
 pub use outcome::{HookOutcome, Layer, Walk};
+pub use pool::{ClaimError, Pools, WarmProgress};
 pub use program::{CELL_RUNTIME, ProgramError, SUPERVISOR_BINARY, SupervisorProgram};
 pub use registry::{CapabilityEntry, Registry};
 pub use request::{CallerAuth, EngineError, Identity, RunInput};
@@ -64,7 +66,6 @@ pub use sandbox::{
     OUTPUT_LIMIT, Reader, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, Writer,
     discard_output,
 };
-pub use sandbox_pool::{ClaimError, Pools, WarmProgress};
 pub use sluice_crds::log_text::Escaped;
 pub use state_vector::StateVector;
 pub use stream::{ClientStreamError, StreamError, StreamInput, StreamOpen, StreamOutput};
