@@ -8,6 +8,7 @@ use super::scheduler::{BOOT_RETRY, BootFor, BootSlot, boot_retry};
 use crate::chain::Chain;
 use crate::log_text::Escaped;
 use crate::metrics::ChainLabels;
+use crate::sandbox::SandboxSpec;
 use crate::supervisor::{CellEnd, SupervisorConn};
 use sluice_crds::Reuse;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -38,7 +39,7 @@ pub struct ChainPool {
     pub(super) name: String,
     /// The chain's labels in per-chain metrics.
     pub(super) labels: ChainLabels,
-    spec: crate::sandbox::SandboxSpec,
+    spec: SandboxSpec,
     /// The chain version new cells are opened for (code changes keep the pool, not its cells).
     chain: Mutex<Arc<Chain>>,
     reuse: Reuse,
