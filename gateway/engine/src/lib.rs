@@ -9,7 +9,8 @@
 //!    one claimed sandbox, resumed in a fresh one under `Open`);
 //! 3. `supervisor` and `wire` (the conversation with a sandbox, `supervisor/PROTOCOL.md`) →
 //!    `outcome` (what the trusted side makes of it) → `state_vector`;
-//! 4. `sandbox` (the backend trait) and `sandbox_pool` (warm sandboxes per chain);
+//! 4. `sandbox` (the backend trait) and `pool` (warm sandboxes per chain: the set of pools, one
+//!    chain's pool, the gateway-wide boot scheduler, why a sandbox is retired);
 //! 5. `host_calls` (the trait the capability runner implements) and `host_call_guard` (the limits the
 //!    gateway keeps on them), `registry` and `chain` (what is
 //!    served), `request` (checking what callers send), `engine` (what runs share: audit, metrics,
@@ -31,6 +32,7 @@ mod log_text {
 mod metrics;
 mod outcome;
 mod pipeline;
+mod pool;
 mod registry;
 mod request;
 mod rollout;
@@ -39,7 +41,6 @@ mod run;
 mod sandbox {
     pub(crate) use sluice_sandbox::*;
 }
-mod sandbox_pool;
 mod state_vector;
 mod stream;
 mod supervisor;
@@ -55,13 +56,13 @@ pub use host_calls::{Caller, Capabilities, HostCallCode, HostCallError, HostCall
 pub use limits::Limits;
 pub use metrics::Metrics;
 pub use outcome::{HookOutcome, Layer, Walk};
+pub use pool::{ClaimError, Pools, WarmProgress};
 pub use registry::{CapabilityEntry, Registry};
 pub use request::{CallerAuth, EngineError, Identity, RunInput};
 pub use rollout::{
     RevisionStatus, Role, RolloutSink, RolloutStatus, ShadowHook, ShadowSummary, Tally,
 };
 pub use run::RunResult;
-pub use sandbox_pool::{ClaimError, Pools, WarmProgress};
 pub use sluice_crds::log_text::Escaped;
 pub use sluice_sandbox::{
     CELL_RUNTIME, OUTPUT_LIMIT, ProgramError, Reader, SUPERVISOR_BINARY, Sandbox, SandboxBackend,

@@ -59,10 +59,10 @@ pub struct SupervisorConn {
     cell: Option<Arc<Chain>>,
     /// Trigger points this sandbox has served (cells ended).
     uses: u32,
-    /// Since when it has waited in its pool for a claim.
-    idle_since: Instant,
+    /// Since when it has waited in its pool for a claim. Tokio's clock, as the pool's timers are.
+    idle_since: tokio::time::Instant,
     /// When the supervisor last said anything: proof that the stream to it was alive then.
-    heard_at: Instant,
+    heard_at: tokio::time::Instant,
     /// Bytes printed before the open cell's trigger point: output is counted per trigger point.
     printed_before: u64,
 }
@@ -109,8 +109,8 @@ impl SupervisorConn {
             broken: false,
             cell: None,
             uses: 0,
-            idle_since: Instant::now(),
-            heard_at: Instant::now(),
+            idle_since: tokio::time::Instant::now(),
+            heard_at: tokio::time::Instant::now(),
             printed_before: 0,
         }
     }
@@ -163,7 +163,7 @@ impl SupervisorConn {
         let read = wire::read_message(&mut self.reader, &mut self.buf, self.max_line);
         match tokio::time::timeout(budget, read).await {
             Ok(Ok(msg)) => {
-                self.heard_at = Instant::now();
+                self.heard_at = tokio::time::Instant::now();
                 Ok(msg)
             }
             Ok(Err(e)) => {
@@ -217,7 +217,7 @@ impl SupervisorConn {
 
     /// Notes that it starts waiting in its pool now.
     pub fn mark_idle(&mut self) {
-        self.idle_since = Instant::now();
+        self.idle_since = tokio::time::Instant::now();
     }
 
     /// How long it has waited in its pool.

@@ -30,6 +30,7 @@ pub(crate) struct ScriptedBackend {
     dirty: Option<String>,
     host_results: Arc<Mutex<Vec<Value>>>,
     boot_delay: std::time::Duration,
+    chunk_delay: std::time::Duration,
     /// Sandboxes started before this many have been are outdated once it has (an upgrade).
     outdated_before: Arc<AtomicU64>,
 }
@@ -43,6 +44,7 @@ impl ScriptedBackend {
             dirty: None,
             host_results: Arc::default(),
             boot_delay: std::time::Duration::ZERO,
+            chunk_delay: std::time::Duration::ZERO,
             outdated_before: Arc::default(),
         }
     }
@@ -57,6 +59,13 @@ impl ScriptedBackend {
     /// Takes this long to start each sandbox, like a real boot (without using the CPU).
     pub(crate) fn boot_delay(mut self, delay: std::time::Duration) -> Self {
         self.boot_delay = delay;
+        self
+    }
+
+    /// Takes this long over each chunk before answering, like a hook at work (on tokio's clock), so
+    /// that runs hold their sandboxes for a while.
+    pub(crate) fn chunk_delay(mut self, delay: std::time::Duration) -> Self {
+        self.chunk_delay = delay;
         self
     }
 
@@ -129,6 +138,7 @@ impl SandboxBackend for ScriptedBackend {
         let script = self.script.clone();
         let host_results = self.host_results.clone();
         let version = self.protocol;
+        let chunk_delay = self.chunk_delay;
         let ended = match &self.dirty {
             Some(reason) => json!({"type": "ended", "clean": false, "reason": reason}),
             None => json!({"type": "ended", "clean": true}),
@@ -163,6 +173,7 @@ impl SandboxBackend for ScriptedBackend {
                         }
                     }
                     Some("chunk") => {
+                        tokio::time::sleep(chunk_delay).await;
                         let state = msg["state"].as_array().cloned().unwrap_or_default();
                         let chunk = Chunk {
                             id: msg["id"].as_u64().unwrap_or_default(),
