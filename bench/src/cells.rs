@@ -8,7 +8,7 @@
 use crate::report::{Row, Table, percentile};
 use crate::{Bench, chain_yaml, text_1k};
 use anyhow::Context;
-use sluice_engine::{Limits, SandboxBackend, SandboxSpec, SupervisorConn};
+use sluice_engine::{Limits, SandboxBackend, SupervisorConn};
 use sluice_sandbox_local::{LocalBackend, LocalConfig};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -117,25 +117,15 @@ async fn start(reuse: &str, platform: &str, warm: u32, max: u32) -> anyhow::Resu
 /// (walk the 1 KiB payload through the open cell's three hooks, each in a fresh instance, end the
 /// cell, open the next), as fast as they go: the most the sandboxes themselves can serve.
 async fn cell_ceiling(platform: &str) -> anyhow::Result<f64> {
-    let state = tempfile::Builder::new()
-        .prefix("sluice-cells")
-        .tempdir_in("/tmp")?;
-    let mut cfg = LocalConfig::new(state.path());
-    cfg.platform = platform.into();
-    let backend = LocalBackend::new(cfg).await?;
+    let (_state, backend) = local_backend(platform).await?;
     let chain = Arc::new(crate::naive::bench_chain()?);
-    let spec: SandboxSpec = chain.sandbox.clone();
     let limits = Limits::default();
     let workers = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(2);
     let mut conns = Vec::new();
     for _ in 0..workers {
-        let mut conn = SupervisorConn::new(backend.start(&spec).await?, limits.max_line());
-        conn.wait_ready(Duration::from_secs(30)).await?;
-        conn.prepare(&chain, &limits.wire(), Duration::from_secs(30))
-            .await?;
-        conns.push(conn);
+        conns.push(open_sandbox(&backend, &chain, &limits).await?);
     }
     let payload = serde_json::Value::String(text_1k());
     let payload = &payload;
@@ -145,7 +135,6 @@ async fn cell_ceiling(platform: &str) -> anyhow::Result<f64> {
         let chain = &chain;
         let limits = &limits;
         let backend = &backend;
-        let spec = &spec;
         let deaths = &deaths;
         async move {
             let mut n = 0u64;
@@ -163,12 +152,7 @@ async fn cell_ceiling(platform: &str) -> anyhow::Result<f64> {
                         // Counted and reported: a sandbox that dies here is a finding, not noise.
                         deaths.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         eprintln!("cell ceiling: a sandbox died after {n} cells: {e}");
-                        let mut fresh =
-                            SupervisorConn::new(backend.start(spec).await?, limits.max_line());
-                        fresh.wait_ready(Duration::from_secs(30)).await?;
-                        fresh
-                            .prepare(chain, &limits.wire(), Duration::from_secs(30))
-                            .await?;
+                        let fresh = open_sandbox(backend, chain, limits).await?;
                         let dead = std::mem::replace(conn, fresh);
                         dead.close().await;
                     }
@@ -217,21 +201,17 @@ async fn burst(platform: &str) -> anyhow::Result<(Vec<Duration>, usize)> {
 /// `result` read, as the gateway's sandbox connection sees it. The cell is closed and the next one
 /// opened after each walk, and the sandbox left alone a moment, as between a client's calls.
 async fn straight_walks(platform: &str) -> anyhow::Result<Vec<Duration>> {
-    let state = tempfile::Builder::new()
-        .prefix("sluice-cells")
-        .tempdir_in("/tmp")?;
-    let mut cfg = LocalConfig::new(state.path());
-    cfg.platform = platform.into();
-    let backend = LocalBackend::new(cfg).await?;
+    let (_state, backend) = local_backend(platform).await?;
     let chain = Arc::new(crate::naive::bench_chain()?);
     let limits = Limits::default();
-    let mut conn = SupervisorConn::new(backend.start(&chain.sandbox).await?, limits.max_line());
-    conn.wait_ready(Duration::from_secs(30)).await?;
+    let mut conn = open_sandbox(&backend, &chain, &limits).await?;
     let payload = serde_json::Value::String(text_1k());
     let mut samples = Vec::new();
     for i in 0..63 {
-        conn.prepare(&chain, &limits.wire(), Duration::from_secs(30))
-            .await?;
+        if i > 0 {
+            conn.prepare(&chain, &limits.wire(), Duration::from_secs(30))
+                .await?;
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
         let began = Instant::now();
         walk(&mut conn, &payload, 3).await?;
@@ -459,12 +439,7 @@ fn sandbox_memory(cgroup: &str) -> Option<(u64, u64)> {
 /// A WebAssembly cell's cost: one sandbox on `platform`, a one-hook chain, `n` walks (each a fresh
 /// instance); CPU over them divided by `n`, and the sandbox's memory after them.
 async fn wasm_cell_cost(platform: &str, n: u32) -> anyhow::Result<WasmCost> {
-    let state = tempfile::Builder::new()
-        .prefix("sluice-cpu")
-        .tempdir_in("/tmp")?;
-    let mut cfg = LocalConfig::new(state.path());
-    cfg.platform = platform.into();
-    let backend = LocalBackend::new(cfg).await?;
+    let (_state, backend) = local_backend(platform).await?;
     let yaml = format!(
         "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {{name: cpu, namespace: default}}\nspec:\n  target: cpu\n  triggerPoint: input\n  hooks:\n    - name: redact-phone\n      action: modify\n      code: |\n{}",
         PHONE_HOOK
@@ -473,11 +448,7 @@ async fn wasm_cell_cost(platform: &str, n: u32) -> anyhow::Result<WasmCost> {
             .collect::<String>()
     );
     let chain = Arc::new(crate::naive::chain_from_yaml(&yaml)?);
-    let limits = Limits::default();
-    let mut conn = SupervisorConn::new(backend.start(&chain.sandbox).await?, limits.max_line());
-    conn.wait_ready(Duration::from_secs(30)).await?;
-    conn.prepare(&chain, &limits.wire(), Duration::from_secs(30))
-        .await?;
+    let mut conn = open_sandbox(&backend, &chain, &Limits::default()).await?;
     let payload = serde_json::Value::String(text_1k());
     for _ in 0..20 {
         walk(&mut conn, &payload, 1).await?;
@@ -516,6 +487,30 @@ async fn walk(
         "a walk failed: {r:?}"
     );
     Ok(())
+}
+
+/// A local backend on `platform` whose state lives in a temporary directory (kept with it).
+async fn local_backend(platform: &str) -> anyhow::Result<(tempfile::TempDir, LocalBackend)> {
+    let state = tempfile::Builder::new()
+        .prefix("sluice-cells")
+        .tempdir_in("/tmp")?;
+    let mut cfg = LocalConfig::new(state.path());
+    cfg.platform = platform.into();
+    let backend = LocalBackend::new(cfg).await?;
+    Ok((state, backend))
+}
+
+/// A sandbox of `backend` serving `chain`, its first cell open.
+async fn open_sandbox(
+    backend: &LocalBackend,
+    chain: &Arc<sluice_engine::Chain>,
+    limits: &Limits,
+) -> anyhow::Result<SupervisorConn> {
+    let mut conn = SupervisorConn::new(backend.start(&chain.sandbox).await?, limits.max_line());
+    conn.wait_ready(Duration::from_secs(30)).await?;
+    conn.prepare(chain, &limits.wire(), Duration::from_secs(30))
+        .await?;
+    Ok(conn)
 }
 
 /// Host CPU per hook of the fork cell (`fork_cell.py`, a namespaced fork of a warm Python per hook)

@@ -9,7 +9,7 @@ use crate::chain::Chain;
 use crate::log_text::Escaped;
 use crate::metrics::ChainLabels;
 use crate::sandbox::SandboxSpec;
-use crate::supervisor::{CellEnd, SupervisorConn};
+use crate::supervisor::{CellEnd, SandboxFailure, SupervisorConn};
 use sluice_crds::Reuse;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::{Deref, DerefMut};
@@ -406,11 +406,15 @@ impl ChainPool {
         });
     }
 
-    /// How long opening a cell for `chain` may take: its hooks' module code runs within the chain's
-    /// deadline (the supervisor stops it there), plus a margin for making the instances.
-    fn prepare_budget(&self, chain: &Chain) -> Duration {
-        (Duration::from_millis(chain.spec.timeout_ms as u64) + PREPARE_MARGIN)
-            .min(self.shared.limits.boot_timeout)
+    /// Opens a cell of the chain's current version in `conn`. It may take the chain's deadline (its
+    /// hooks' module code runs within it; the supervisor stops it there) plus a margin for making
+    /// the instances.
+    async fn open_cell(&self, conn: &mut SupervisorConn) -> Result<(), SandboxFailure> {
+        let chain = self.current_chain();
+        let budget = (Duration::from_millis(chain.spec.timeout_ms as u64) + PREPARE_MARGIN)
+            .min(self.shared.limits.boot_timeout);
+        conn.prepare(&chain, &self.shared.limits.wire(), budget)
+            .await
     }
 
     /// Starts a sandbox and opens its first cell. `slot` is handed back as soon as the supervisor is
@@ -429,14 +433,9 @@ impl ChainPool {
         let ready = match conn.wait_ready(budget).await {
             Ok(()) => {
                 slot.release();
-                let chain = self.current_chain();
-                conn.prepare(
-                    &chain,
-                    &self.shared.limits.wire(),
-                    self.prepare_budget(&chain),
-                )
-                .await
-                .map_err(|e| format!("its first cell did not open: {e}"))
+                self.open_cell(&mut conn)
+                    .await
+                    .map_err(|e| format!("its first cell did not open: {e}"))
             }
             Err(e) => Err(format!("supervisor did not start: {e}")),
         };
@@ -699,14 +698,9 @@ impl ChainPool {
         if self.is_closed() {
             return Err(Retirement::PoolClosed);
         }
-        let chain = self.current_chain();
-        conn.prepare(
-            &chain,
-            &self.shared.limits.wire(),
-            self.prepare_budget(&chain),
-        )
-        .await
-        .map_err(Retirement::NextCellFailed)?;
+        self.open_cell(conn)
+            .await
+            .map_err(Retirement::NextCellFailed)?;
         self.shared
             .metrics
             .cells_prepared
