@@ -179,10 +179,12 @@ async fn outdated_sandboxes_are_retired_after_their_trigger_point() {
         1,
         "the one old sandbox, once"
     );
-    assert_eq!(
-        h.engine.metrics().boots(),
-        boots + 1,
-        "replaced by one new sandbox"
+    // At least one new sandbox replaced it. Not exactly one: a claim is backfilled 25 ms after it
+    // (unless the run is back by then), and on a loaded machine a run can take longer; such a
+    // spare is new, so the count of outdated retirements above stays 1 either way.
+    assert!(
+        h.engine.metrics().boots() > boots,
+        "replaced by a new sandbox"
     );
 }
 
