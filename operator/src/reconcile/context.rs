@@ -111,7 +111,7 @@ impl Context {
         let ev = Event {
             type_,
             reason: reason.into(),
-            note: Some(bounded_note(note)),
+            note: Some(super::text::bounded(note, MAX_NOTE)),
             action: "Reconcile".into(),
             secondary: None,
         };
@@ -124,31 +124,8 @@ impl Context {
 
 /// The API server refuses Event notes over 1 kB; a long list of problems is cut, not lost (the
 /// condition message holds more).
-fn bounded_note(mut note: String) -> String {
-    const MAX: usize = 1000;
-    if note.len() > MAX {
-        let mut cut = MAX - '…'.len_utf8();
-        while !note.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        note.truncate(cut);
-        note.push('…');
-    }
-    note
-}
+const MAX_NOTE: usize = 1000;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::bounded_note;
-
-    #[test]
-    fn event_notes_fit_the_api_limit() {
-        assert_eq!(bounded_note("short".into()), "short");
-        let long = bounded_note("é".repeat(800));
-        assert!(long.len() <= 1000 && long.ends_with('…'), "{}", long.len());
-    }
 }

@@ -28,6 +28,7 @@ pub mod decide;
 mod read;
 mod rollout;
 pub mod status;
+mod text;
 pub mod validate;
 
 pub use apply::ApplyError;

@@ -47,16 +47,8 @@ pub struct Observed {
 /// Longest pod problem quoted in conditions and Events.
 const MAX_PROBLEM: usize = 300;
 
-fn bounded(mut s: String) -> String {
-    if s.len() > MAX_PROBLEM {
-        let mut cut = MAX_PROBLEM;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push('…');
-    }
-    s
+fn bounded(s: String) -> String {
+    crate::reconcile::text::bounded(s, MAX_PROBLEM)
 }
 
 /// Why `pod` is not ready, in the words of its status.

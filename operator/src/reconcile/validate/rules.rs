@@ -57,16 +57,8 @@ pub fn capability_problems(name: &str, spec: &CapabilitySpec) -> Vec<String> {
 /// Longest condition message the operator writes; the API server allows 32 KiB.
 const MAX_MESSAGE: usize = 2000;
 
-fn bounded(mut s: String) -> String {
-    if s.len() > MAX_MESSAGE {
-        let mut cut = MAX_MESSAGE;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push('…');
-    }
-    s
+fn bounded(s: String) -> String {
+    crate::reconcile::text::bounded(s, MAX_MESSAGE)
 }
 
 /// Why a HookChain's name cannot be used: it is the value of the `sluice.dev/chain` label on every
