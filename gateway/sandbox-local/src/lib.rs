@@ -344,7 +344,7 @@ impl LocalBackend {
     /// environment.
     fn supervisor_args(&self, spec: &SandboxSpec) -> Result<Vec<String>, StartFailure> {
         let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
-            .map_err(|e| runtime(e.to_string()))?;
+            .map_err(|e| resources(e.to_string()))?;
         Ok(self
             .program
             .args(SUPERVISOR_IN_SANDBOX, RUNTIME_IN_SANDBOX, memory_bytes))
@@ -514,58 +514,55 @@ async fn shared_libraries(binary: &Path) -> Result<BTreeSet<String>, StartFailur
 }
 
 impl LocalBackend {
-    /// Starts sandbox `id`; the failure names the sandbox and the chain.
-    async fn start_as(&self, id: String, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
-        let started: Result<Sandbox, StartFailure> = async {
-            let bundle = self.bundles.join(&id);
-            tokio::fs::create_dir_all(&bundle).await?;
-            let config = serde_json::to_vec(&self.oci_spec(&id, spec)?)
-                .map_err(|e| runtime(e.to_string()))?;
-            tokio::fs::write(bundle.join("config.json"), config).await?;
-            let spawned = self
-                .runsc_run(&self.cfg.platform, &bundle, &id)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn();
-            let mut child = match spawned {
-                Ok(c) => c,
-                Err(e) => {
-                    let _ = tokio::fs::remove_dir_all(&bundle).await;
-                    return Err(runtime(format!("cannot start {:?}: {e}", self.cfg.runsc)));
-                }
-            };
-            let (Some(stdin), Some(stdout), Some(stderr)) =
-                (child.stdin.take(), child.stdout.take(), child.stderr.take())
-            else {
-                return Err(runtime("runsc started without pipes"));
-            };
-            let stdout_bytes = Arc::new(AtomicU64::new(0));
-            let counter = stdout_bytes.clone();
-            // Hooks' prints land here: read and dropped, so a chatty hook cannot bloat us. Past the
-            // bound nothing more is read: the writer blocks until the deadline ends it, and the
-            // failure names the output limit.
-            tokio::spawn(async move {
-                discard_output(stdout, counter).await;
-            });
-            let handle = LocalHandle {
-                id: id.clone(),
-                runsc: self.cfg.runsc.clone(),
-                root: self.runsc_root.clone(),
-                bundle,
-                child: Mutex::new(Some(child)),
-                destroyed: AtomicBool::new(false),
-                stdout_bytes,
-            };
-            Ok(Sandbox {
-                id: id.clone(),
-                stdin: Box::pin(stdin),
-                protocol: Box::pin(stderr),
-                handle: Box::new(handle),
-            })
-        }
-        .await;
-        started.map_err(|failure| StartError::new(spec, failure).of(id))
+    /// Starts sandbox `id` for `spec`.
+    async fn start_as(&self, id: &str, spec: &SandboxSpec) -> Result<Sandbox, StartFailure> {
+        let id = id.to_string();
+        let bundle = self.bundles.join(&id);
+        tokio::fs::create_dir_all(&bundle).await?;
+        let config =
+            serde_json::to_vec(&self.oci_spec(&id, spec)?).map_err(|e| runtime(e.to_string()))?;
+        tokio::fs::write(bundle.join("config.json"), config).await?;
+        let spawned = self
+            .runsc_run(&self.cfg.platform, &bundle, &id)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = tokio::fs::remove_dir_all(&bundle).await;
+                return Err(runtime(format!("cannot start {:?}: {e}", self.cfg.runsc)));
+            }
+        };
+        let (Some(stdin), Some(stdout), Some(stderr)) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
+            return Err(runtime("runsc started without pipes"));
+        };
+        let stdout_bytes = Arc::new(AtomicU64::new(0));
+        let counter = stdout_bytes.clone();
+        // Hooks' prints land here: read and dropped, so a chatty hook cannot bloat us. Past the
+        // bound nothing more is read: the writer blocks until the deadline ends it, and the
+        // failure names the output limit.
+        tokio::spawn(async move {
+            discard_output(stdout, counter).await;
+        });
+        let handle = LocalHandle {
+            id: id.clone(),
+            runsc: self.cfg.runsc.clone(),
+            root: self.runsc_root.clone(),
+            bundle,
+            child: Mutex::new(Some(child)),
+            destroyed: AtomicBool::new(false),
+            stdout_bytes,
+        };
+        Ok(Sandbox {
+            id: id.clone(),
+            stdin: Box::pin(stdin),
+            protocol: Box::pin(stderr),
+            handle: Box::new(handle),
+        })
     }
 }
 
@@ -578,7 +575,9 @@ impl SandboxBackend for LocalBackend {
             self.prefix,
             self.seq.fetch_add(1, Ordering::Relaxed)
         );
-        self.start_as(id, spec).await
+        self.start_as(&id, spec)
+            .await
+            .map_err(|failure| StartError::new(spec, failure).of(id))
     }
 
     async fn clean_leftovers(&self) -> usize {
