@@ -400,9 +400,22 @@ restart() {
 
 # === up ===
 
+# The kubelet taints the node and evicts pods when the disk runs short (kubelet_config sets its
+# thresholds to 1 %), and containerd cannot unpack images on a full disk: either way installs then
+# time out waiting for pods that never start. Refuse to start on a disk that is already nearly full.
+MIN_FREE_GIB=${SLUICE_CLUSTER_MIN_FREE_GIB:-8}
+disk_room() {
+	local free_gib
+	mkdir -p "$STATE"
+	free_gib=$(($(df --output=avail -B1 "$STATE/" | tail -1) / 1024 / 1024 / 1024))
+	[ "$free_gib" -ge "$MIN_FREE_GIB" ] ||
+		die "only ${free_gib} GiB free on $STATE's disk (at least $MIN_FREE_GIB needed): the kubelet would evict pods; free space (.ci/prune-target prunes Cargo's build directory)"
+}
+
 up() {
 	need_root
 	deps
+	disk_room
 	BIN=$("$here/build.sh")
 	if running kube-apiserver || [ -e "$RUN/pids" ]; then
 		die "a cluster is already up (or was not taken down): make cluster-down first"

@@ -158,6 +158,25 @@ gateway_tls_diagnostics() {
 	} >&2
 }
 
+# helm <args>: helm, and when it fails (a --wait that timed out says only "not ready"), what the
+# node and the release's pods were doing.
+helm_() {
+	"$HELM" "$@" && return 0
+	{
+		echo "--- the node (conditions, taints, disk)"
+		kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{range .status.conditions[*]}  {.type}={.status} {.message}{"\n"}{end}  taints: {.spec.taints}{"\n"}{end}' || true
+		df -h "$STATE/" || true
+		echo "--- pods in $RELEASE_NS"
+		kubectl -n "$RELEASE_NS" get pods -o wide || true
+		kubectl -n "$RELEASE_NS" describe pods | grep -E -A12 '^(Name:|Events:)|State:|Last State:|Reason:' | head -150 || true
+		echo "--- recent events"
+		kubectl -n "$RELEASE_NS" get events --sort-by=.lastTimestamp | tail -30 || true
+		echo "--- logs"
+		kubectl -n "$RELEASE_NS" logs -l app.kubernetes.io/instance=sluice --all-containers --tail=30 --prefix || true
+	} >&2
+	return 1
+}
+
 case "$mode" in
 previous)
 	previous=$("$here/previous.sh" import)
@@ -183,7 +202,7 @@ webhook:
     caBundle: $(base64 -w0 <"$PKI/script-ca.crt")
 EOF
 	log "helm install sluice: the previous release's chart ($previous/chart)"
-	"$HELM" upgrade --install sluice "$previous/chart" --namespace "$RELEASE_NS" \
+	helm_ upgrade --install sluice "$previous/chart" --namespace "$RELEASE_NS" \
 		-f "$STATE/sluice-values-previous.yaml" -f "$STATE/sluice-tls-previous.yaml" --wait --timeout 5m
 	write_env "$PKI/script-ca.crt"
 	;;
@@ -191,7 +210,7 @@ upgrade)
 	[ -f "$STATE/sluice-values-previous.yaml" ] || die "no previous release installed here (install.sh previous)"
 	"$here/images.sh" import
 	log "helm upgrade sluice: this chart and its images, the previous release's values"
-	"$HELM" upgrade sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
+	helm_ upgrade sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
 		-f "$STATE/sluice-values-previous.yaml" -f "$STATE/sluice-tls-previous.yaml" --set image.tag="${TAG:-e2e}" \
 		--wait --timeout 5m
 	;;
@@ -203,7 +222,7 @@ current)
 	printf 'operator:\n  certificates:\n    checkInterval: 5s\nchainSelector: "sluice.dev/release!=other"\n' \
 		>"$STATE/sluice-certificates.yaml"
 	log "helm upgrade --install sluice charts/sluice"
-	"$HELM" upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
+	helm_ upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
 		-f "$STATE/sluice-values.yaml" -f "$STATE/sluice-certificates.yaml" --wait --timeout 5m
 	# After the upgrade test the gateway still serves the previous install's certificate until the
 	# kubelet projects the Secret the operator made (up to a minute or two): wait until every Ready
