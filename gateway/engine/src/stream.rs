@@ -467,7 +467,9 @@ impl Run<'_> {
             let commit = match window.take_batch() {
                 Some(batch) => {
                     stats.flushes += 1;
-                    let walk = pipeline.walk(Value::String(batch), &mut state).await;
+                    let walk = pipeline
+                        .walk(Value::String(batch.clone()), &mut state)
+                        .await;
                     stats.flushed(&walk);
                     if walk.is_terminal() {
                         // This walk is the final: its errors are counted when it is audited.
@@ -489,7 +491,7 @@ impl Run<'_> {
                     }
                     self.engine.count_hooks(self.chains, &walk);
                     let text = walk.payload.as_str().unwrap_or_default().to_string();
-                    window.settle(&text, last)
+                    window.settle(&batch, &text, last)
                 }
                 None if last => window.release_tail(),
                 None => String::new(),
