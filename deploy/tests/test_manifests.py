@@ -386,7 +386,8 @@ class ChartTest(ManifestCase):
                     "operator.replica=2", "gateway.claimTimeout=soon", "operator.claimDeadline=300", "operator.claimDeadline=5d", "gateway.claimTimeout=5", "image.pullPolicy=Sometimes", "gateway.replicas=0",
                     "networkPolicy.apiServer.ports[0]=https",
                     "webhook.failurePolicy=Sometimes", "webhook.timeoutSeconds=60", "webhook.certificate.source=vault",
-                    "webhook.certificat.source=secret"):
+                    "webhook.certificat.source=secret", "gateway.exec.pingEvery=0s", "gateway.exec.pingDeadline=soon",
+                    "gateway.exec.pingevery=5s"):
             proc = subprocess.run([HELM, "template", "sluice", CHART, *CLUSTER_VALUES, "--set", bad],
                                   capture_output=True, text=True, timeout=120)
             self.assertNotEqual(proc.returncode, 0, f"--set {bad} was accepted")
@@ -502,7 +503,8 @@ class ChartTest(ManifestCase):
         gateway = self.find(objs, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]["containers"][0]
         self.assertEqual(gateway["args"], ["--kube", f"--platform-namespace={NAMESPACE}", "--listen=0.0.0.0:50051",
                                            "--metrics=0.0.0.0:9464", "--claim-timeout=2s",
-                                           "--kube-hold=1", "--runtime-class=gvisor",
+                                           "--kube-hold=1", "--exec-timeout=20s", "--exec-ping-every=5s",
+                                           "--exec-ping-deadline=15s", "--runtime-class=gvisor",
                                            f"--sandbox-namespace={SANDBOXES}",
                                            "--tls-cert=/etc/sluice/tls/tls.crt", "--tls-key=/etc/sluice/tls/tls.key",
                                            "--callers=/etc/sluice/callers/callers.yaml"])

@@ -244,12 +244,7 @@ impl SandboxBackend for KubeBackend {
         };
         let exec = exec::start(&self.client, &pod_namespace, &pod, self.cfg.exec_keepalive);
         let exec = tokio::time::timeout(self.cfg.exec_timeout, exec).await;
-        let exec = exec.unwrap_or_else(|_| {
-            Err(format!(
-                "the exec did not open within {} ms",
-                self.cfg.exec_timeout.as_millis()
-            ))
-        });
+        let exec = exec.unwrap_or(Err(exec::ExecError::Timeout(self.cfg.exec_timeout)));
         match exec {
             Ok(e) => {
                 let heartbeat = tokio::spawn(claim::heartbeat(

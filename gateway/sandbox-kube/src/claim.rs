@@ -232,6 +232,15 @@ pub(crate) async fn try_claim(
     }
 }
 
+/// Why a pod could not be read back to see whose claim it carries.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReadBackError {
+    #[error("no answer to reading the pod back")]
+    Unanswered,
+    #[error("reading the pod back failed: {0}")]
+    Failed(#[from] kube::Error),
+}
+
 /// Whether pod `name` carries our claim (made at `stamp`), as the API server has it now.
 pub(crate) async fn claimed_by_us(
     api: &Api<Pod>,
@@ -239,10 +248,10 @@ pub(crate) async fn claimed_by_us(
     identity: &str,
     stamp: &str,
     deadline: Instant,
-) -> Result<bool, String> {
+) -> Result<bool, ReadBackError> {
     match tokio::time::timeout_at(deadline, api.get_opt(name)).await {
-        Err(_) => Err("no answer to reading the pod back".into()),
-        Ok(Err(e)) => Err(format!("reading the pod back failed: {e}")),
+        Err(_) => Err(ReadBackError::Unanswered),
+        Ok(Err(e)) => Err(e.into()),
         Ok(Ok(None)) => Ok(false),
         Ok(Ok(Some(pod))) => {
             let annotations = pod.metadata.annotations.unwrap_or_default();

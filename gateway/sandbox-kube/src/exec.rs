@@ -51,6 +51,30 @@ pub struct Keepalive {
     pub deadline: Duration,
 }
 
+/// Heartbeat timings that cannot work.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KeepaliveError {
+    #[error("the exec ping interval must be more than 0")]
+    NoInterval,
+    #[error(
+        "the exec ping deadline ({deadline:?}) is shorter than the interval between pings ({every:?}): every connection would be taken for lost"
+    )]
+    DeadlineBeforePing { every: Duration, deadline: Duration },
+}
+
+impl Keepalive {
+    /// A ping every `every`, the connection lost when one is unanswered for `deadline`.
+    pub fn new(every: Duration, deadline: Duration) -> Result<Self, KeepaliveError> {
+        if every.is_zero() {
+            return Err(KeepaliveError::NoInterval);
+        }
+        if deadline < every {
+            return Err(KeepaliveError::DeadlineBeforePing { every, deadline });
+        }
+        Ok(Self { every, deadline })
+    }
+}
+
 impl Default for Keepalive {
     /// kubectl's exec pings every 5 s; a deadline of a few pings rides out a busy API server.
     fn default() -> Self {
@@ -115,23 +139,37 @@ enum Ended {
     Lost(String),
 }
 
+/// Why the exec into a claimed pod did not open.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ExecError {
+    #[error("cannot make the exec request: {0}")]
+    Request(#[from] kube::core::request::Error),
+    #[error(transparent)]
+    Connect(#[from] kube::Error),
+    /// The API server did not answer in time (the client would retry a 429 or 503 for minutes).
+    #[error("the exec did not open within {} ms", .0.as_millis())]
+    Timeout(Duration),
+}
+
 /// Attaches to the supervisor waiting in `pod` and starts driving the connection.
 pub(crate) async fn start(
     client: &kube::Client,
     namespace: &str,
     pod: &str,
     keepalive: Keepalive,
-) -> Result<Exec, String> {
+) -> Result<Exec, ExecError> {
     let params = AttachParams::default()
         .container(labels::CONTAINER)
         .stdin(true)
         .stdout(true)
         .stderr(true)
         .tty(false);
-    let request = kube::core::Request::new(format!("/api/v1/namespaces/{namespace}/pods"))
-        .exec(pod, labels::attach_command(), &params)
-        .map_err(|e| e.to_string())?;
-    let connection = client.connect(request).await.map_err(|e| e.to_string())?;
+    let request = kube::core::Request::new(format!("/api/v1/namespaces/{namespace}/pods")).exec(
+        pod,
+        labels::attach_command(),
+        &params,
+    )?;
+    let connection = client.connect(request).await?;
     let v5 = connection.supports_stream_close();
     let (stdin_reader, stdin) = tokio::io::simplex(BUFFER);
     let (protocol, stderr) = tokio::io::simplex(BUFFER);
@@ -305,4 +343,32 @@ fn failure_of(status: &[u8]) -> Option<String> {
         status["message"].as_str().unwrap_or("no message"),
         status["reason"].as_str().unwrap_or("no reason")
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heartbeat_timings_that_cannot_work_are_refused() {
+        let s = Duration::from_secs;
+        assert_eq!(Keepalive::new(s(5), s(15)), Ok(Keepalive::default()));
+        assert_eq!(Keepalive::new(s(0), s(15)), Err(KeepaliveError::NoInterval));
+        let late = Keepalive::new(s(10), s(5)).unwrap_err();
+        assert_eq!(
+            late,
+            KeepaliveError::DeadlineBeforePing {
+                every: s(10),
+                deadline: s(5)
+            }
+        );
+        assert!(
+            late.to_string().contains("shorter than the interval"),
+            "{late}"
+        );
+        assert!(
+            Keepalive::new(s(5), s(5)).is_ok(),
+            "one ping's worth is enough"
+        );
+    }
 }

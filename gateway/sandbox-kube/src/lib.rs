@@ -16,7 +16,7 @@ mod watch;
 
 pub use backend::{KubeBackend, KubeConfig};
 pub use client::client;
-pub use exec::Keepalive as ExecKeepalive;
+pub use exec::{Keepalive as ExecKeepalive, KeepaliveError as ExecKeepaliveError};
 /// Names shared with the operator.
 pub use sluice_crds::sandbox_pod as labels;
 pub use source::{AnnotateRollback, KubeSource, publish_shadows};

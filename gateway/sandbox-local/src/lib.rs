@@ -231,7 +231,7 @@ impl LocalBackend {
     }
 
     /// Boots one sandbox on `platform` that runs the supervisor's self-test; its time to pass.
-    async fn probe(&self, platform: &str) -> Result<Duration, String> {
+    async fn probe(&self, platform: &str) -> Result<Duration, ProbeError> {
         let id = format!(
             "{}-probe-{}",
             self.prefix,
@@ -245,16 +245,16 @@ impl LocalBackend {
             memory: "256Mi".into(),
             pids: 64,
         };
-        let mut config = self.oci_spec(&id, &spec).map_err(|e| e.to_string())?;
-        let mut args = self.supervisor_args(&spec).map_err(|e| e.to_string())?;
+        let mut config = self.oci_spec(&id, &spec)?;
+        let mut args = self.supervisor_args(&spec)?;
         args.push("--probe".into());
         config["process"]["args"] = json!(args);
         tokio::fs::create_dir_all(&bundle)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(ProbeError::Bundle)?;
         tokio::fs::write(bundle.join("config.json"), config.to_string())
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(ProbeError::Bundle)?;
         let began = std::time::Instant::now();
         let run = self
             .runsc_run(platform, &bundle, &id)
@@ -263,17 +263,22 @@ impl LocalBackend {
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .output();
-        let outcome = match tokio::time::timeout(Duration::from_secs(60), run).await {
+        let outcome = match tokio::time::timeout(PROBE_TIMEOUT, run).await {
             Ok(Ok(out)) if out.status.success() => Ok(began.elapsed()),
-            Ok(Ok(out)) => Err(String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .rev()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("the probe failed without a message")
-                .trim()
-                .to_string()),
-            Ok(Err(e)) => Err(format!("cannot start {:?}: {e}", self.cfg.runsc)),
-            Err(_) => Err("the probe hung for 60 s".into()),
+            Ok(Ok(out)) => Err(ProbeError::Failed(
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("the probe failed without a message")
+                    .trim()
+                    .to_string(),
+            )),
+            Ok(Err(source)) => Err(ProbeError::Spawn {
+                runsc: self.cfg.runsc.clone(),
+                source,
+            }),
+            Err(_) => Err(ProbeError::Hung(PROBE_TIMEOUT)),
         };
         Self::force_delete(&self.cfg.runsc, &self.runsc_root, &id).await;
         let _ = tokio::fs::remove_dir_all(&bundle).await;
@@ -398,8 +403,36 @@ impl LocalBackend {
     }
 }
 
+/// Why the platform probe failed on one platform (its sandbox did not run the self-test).
+#[derive(Debug, thiserror::Error)]
+enum ProbeError {
+    #[error(transparent)]
+    Setup(#[from] StartFailure),
+    #[error("cannot write its bundle: {0}")]
+    Bundle(std::io::Error),
+    /// The last line the probe's sandbox printed.
+    #[error("{0}")]
+    Failed(String),
+    #[error("cannot start {runsc:?}: {source}")]
+    Spawn {
+        runsc: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the probe hung for {} s", .0.as_secs())]
+    Hung(Duration),
+}
+
+/// A runsc command that did not finish.
+#[derive(Debug, thiserror::Error)]
+enum RunscCommandError {
+    #[error("cannot run it: {0}")]
+    Spawn(#[from] std::io::Error),
+    #[error("hung for {} s and was killed", .0.as_secs())]
+    Hung(Duration),
+}
+
 /// `runsc delete --force ID`, bounded in time: Ok(true) when runsc reports success.
-async fn runsc_delete(runsc: &Path, root: &Path, id: &str) -> Result<bool, String> {
+async fn runsc_delete(runsc: &Path, root: &Path, id: &str) -> Result<bool, RunscCommandError> {
     let status = Command::new(runsc)
         .arg("--root")
         .arg(root)
@@ -411,11 +444,8 @@ async fn runsc_delete(runsc: &Path, root: &Path, id: &str) -> Result<bool, Strin
         .status();
     match tokio::time::timeout(RUNSC_COMMAND, status).await {
         Ok(Ok(s)) => Ok(s.success()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!(
-            "hung for {} s and was killed",
-            RUNSC_COMMAND.as_secs()
-        )),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Err(RunscCommandError::Hung(RUNSC_COMMAND)),
     }
 }
 
@@ -698,6 +728,8 @@ struct LocalHandle {
 
 /// Longest a runsc management command (delete, list) may take before it is killed.
 const RUNSC_COMMAND: Duration = Duration::from_secs(10);
+/// Longest the platform probe's sandbox may take to boot and pass its self-test.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long a sandbox whose stdin was closed gets to exit on its own before it is force-deleted.
 const GRACE: Duration = Duration::from_secs(2);

@@ -524,6 +524,32 @@ fn the_binary_refuses_a_plain_non_loopback_listener_without_insecure() {
     );
 }
 
+/// Heartbeat timings that would take every exec connection for lost are refused before the gateway
+/// looks for the API server (the kubeconfig here does not exist).
+#[test]
+fn the_binary_refuses_an_exec_ping_deadline_shorter_than_its_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice-gateway"))
+        .args([
+            "--kube",
+            "--exec-ping-every",
+            "10s",
+            "--exec-ping-deadline",
+            "5s",
+        ])
+        .env("KUBECONFIG", dir.path().join("missing"))
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--exec-ping-deadline")
+            && stderr.contains("shorter than the interval between pings"),
+        "{stderr}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_serves_tls_and_the_caller_policy_from_its_flags() {
     let ca = Ca::new("test CA");

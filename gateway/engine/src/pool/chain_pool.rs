@@ -8,7 +8,7 @@ use super::scheduler::{BOOT_RETRY, BootFor, BootSlot, boot_retry};
 use crate::chain::Chain;
 use crate::log_text::Escaped;
 use crate::metrics::ChainLabels;
-use crate::sandbox::SandboxSpec;
+use crate::sandbox::{SandboxSpec, StartError};
 use crate::supervisor::{CellEnd, SandboxFailure, SupervisorConn};
 use sluice_crds::Reuse;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -32,6 +32,19 @@ pub enum ClaimError {
         waited_ms: u64,
         detail: String,
     },
+}
+
+/// Why a boot gave no warm sandbox: the log line, and the detail of a claim that timed out.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum BootError {
+    /// The backend could not start it (names the chain and, once known, the sandbox).
+    #[error(transparent)]
+    Start(#[from] StartError),
+    #[error("supervisor did not start: {0}")]
+    Supervisor(SandboxFailure),
+    /// Its first cell did not open: the chain's module code failed or overran, or the sandbox died.
+    #[error("its first cell did not open: {0}")]
+    FirstCell(SandboxFailure),
 }
 
 /// The pool of one chain (one namespace/name and one sandbox spec).
@@ -66,7 +79,8 @@ struct Counts {
     /// Warm sandboxes taken out for a keepalive `ping`.
     probing: usize,
     tearing_down: usize,
-    last_error: Option<String>,
+    /// Why the last boot failed, until one succeeds.
+    last_error: Option<Arc<BootError>>,
     /// Tickets of claims waiting, oldest first, with the tenant each claims for.
     waiting: BTreeMap<u64, Arc<str>>,
     next_ticket: u64,
@@ -370,13 +384,13 @@ impl ChainPool {
                         Some(Ok(conn))
                     }
                     Err(e) => {
-                        tracing::warn!(chain = %Escaped(&pool.name), error = %Escaped(&e), "sandbox failed to boot");
+                        tracing::warn!(chain = %Escaped(&pool.name), error = %Escaped(&e.to_string()), "sandbox failed to boot");
                         pool.shared
                             .metrics
                             .sandbox_boot_failures
                             .with_label_values(&pool.labels.with(&[]))
                             .inc();
-                        c.last_error = Some(e.clone());
+                        c.last_error = Some(Arc::new(e));
                         c.failed_boots = c.failed_boots.saturating_add(1);
                         let wait = boot_retry(c.failed_boots);
                         c.failed_at = Some(Instant::now());
@@ -420,14 +434,9 @@ impl ChainPool {
     /// Starts a sandbox and opens its first cell. `slot` is handed back as soon as the supervisor is
     /// up: the cell's module code is the chain's own (it may sleep), and must not keep other chains
     /// from booting. Err: why, for the log and a claim's timeout.
-    async fn boot(&self, slot: &BootSlot) -> Result<SupervisorConn, String> {
+    async fn boot(&self, slot: &BootSlot) -> Result<SupervisorConn, BootError> {
         let began = Instant::now();
-        let sandbox = self
-            .shared
-            .backend
-            .start(&self.spec)
-            .await
-            .map_err(|e| e.to_string())?;
+        let sandbox = self.shared.backend.start(&self.spec).await?;
         let mut conn = SupervisorConn::new(sandbox, self.shared.limits.max_line());
         let budget = self.shared.limits.boot_timeout;
         let ready = match conn.wait_ready(budget).await {
@@ -435,9 +444,9 @@ impl ChainPool {
                 slot.release();
                 self.open_cell(&mut conn)
                     .await
-                    .map_err(|e| format!("its first cell did not open: {e}"))
+                    .map_err(BootError::FirstCell)
             }
-            Err(e) => Err(format!("supervisor did not start: {e}")),
+            Err(e) => Err(BootError::Supervisor(e)),
         };
         match ready {
             Ok(()) => {

@@ -9,7 +9,7 @@ use sluice_gateway::observability::{self, TracingConfig};
 use sluice_gateway::{
     KubeOptions, LocalOptions, OpenAiOptions, Security, TlsFiles, start_kube, start_local,
 };
-use sluice_sandbox_kube::KubeConfig;
+use sluice_sandbox_kube::{ExecKeepalive, KubeConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -52,6 +52,19 @@ struct Args {
     /// kube mode: how long a run waits for a warm pod (e.g. 2s, 500ms).
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     claim_timeout: std::time::Duration,
+    /// kube mode: how long the exec into a claimed pod may take to open; past it the pod is given
+    /// back and the boot fails (the API server client would retry a 429 or 503 for minutes).
+    #[arg(long, default_value = "20s", value_parser = parse_duration)]
+    exec_timeout: std::time::Duration,
+    /// kube mode: how often a websocket ping goes out on each exec connection (kubectl pings every
+    /// 5 s); the API server answers each with a pong.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    exec_ping_every: std::time::Duration,
+    /// kube mode: a ping unanswered this long ends the exec connection as lost (half-open, or a
+    /// proxy that stopped relaying): the run on it fails at once and the pod is retired. At least
+    /// --exec-ping-every.
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    exec_ping_deadline: std::time::Duration,
     /// kube mode: pods per chain (at most its pool.warm) this gateway keeps claimed and attached
     /// ahead of demand, so a run pays neither the claim nor the exec; 0 claims per run.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
@@ -209,6 +222,8 @@ async fn main() -> anyhow::Result<()> {
             start_local(opts).await?
         }
         None => {
+            let exec_keepalive = ExecKeepalive::new(args.exec_ping_every, args.exec_ping_deadline)
+                .context("--exec-ping-every/--exec-ping-deadline")?;
             let config = kube::Config::infer()
                 .await
                 .context("finding the Kubernetes API (in-cluster or KUBECONFIG)")?;
@@ -224,6 +239,8 @@ async fn main() -> anyhow::Result<()> {
             cfg.selector = args.selector.clone().filter(|s| !s.is_empty());
             cfg.sandbox_namespace = args.sandbox_namespace.clone().filter(|ns| !ns.is_empty());
             cfg.claim_timeout = args.claim_timeout;
+            cfg.exec_timeout = args.exec_timeout;
+            cfg.exec_keepalive = exec_keepalive;
             cfg.hold = args.kube_hold as usize;
             cfg.runtime_class = Some(args.runtime_class.clone()).filter(|r| !r.is_empty());
             let mut opts = KubeOptions::new(client, cfg);
