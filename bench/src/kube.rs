@@ -52,7 +52,7 @@ async fn claims(table: &mut Table) -> anyhow::Result<()> {
     let backend = KubeBackend::new(
         api.client(),
         KubeConfig::new("bench"),
-        sluice_engine::Metrics::new(),
+        sluice_engine::Metrics::new().pod_claims,
         Duration::from_secs(10),
     )
     .await?;

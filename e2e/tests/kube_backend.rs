@@ -367,7 +367,7 @@ async fn two_claimers_one_warm_pod_exactly_one_wins() {
         KubeBackend::new(
             api.client(),
             cfg,
-            sluice_engine::Metrics::new(),
+            sluice_engine::Metrics::new().pod_claims,
             Duration::from_secs(10),
         )
     };
@@ -413,7 +413,7 @@ async fn one_warm_pod() -> (FakeApiServer, KubeBackend, SandboxSpec, String) {
     let backend = KubeBackend::new(
         api.client(),
         cfg,
-        sluice_engine::Metrics::new(),
+        sluice_engine::Metrics::new().pod_claims,
         Duration::from_secs(10),
     )
     .await

@@ -64,12 +64,13 @@ pub use rollout::{
 };
 pub use run::RunResult;
 pub use sluice_crds::log_text::Escaped;
+/// What a backend implements, for callers that assemble an engine; the rest of the seam is
+/// `sluice-sandbox`'s.
 pub use sluice_sandbox::{
-    CELL_RUNTIME, OUTPUT_LIMIT, ProgramError, Reader, SUPERVISOR_BINARY, Sandbox, SandboxBackend,
-    SandboxHandle, SandboxSpec, StartError, StartFailure, SupervisorProgram, Writer,
-    discard_output,
+    Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
+    SupervisorProgram,
 };
 pub use state_vector::StateVector;
 pub use stream::{ClientStreamError, StreamError, StreamInput, StreamOpen, StreamOutput};
 pub use supervisor::{CellEnd, SandboxFailure, SupervisorConn, WalkReport};
-pub use window::{Window, chunk_at, split_tail};
+pub use window::chunk_at;

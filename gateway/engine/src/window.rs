@@ -13,7 +13,7 @@
 //! always rewrites the end cannot stall a stream.
 
 /// Splits `text` so that the second part holds its last `keep` characters (never splitting one).
-pub fn split_tail(text: &str, keep: usize) -> (&str, &str) {
+pub(crate) fn split_tail(text: &str, keep: usize) -> (&str, &str) {
     let chars = text.chars().count();
     if chars <= keep {
         return ("", text);
@@ -46,7 +46,7 @@ pub fn chunk_at(text: &str, cuts: &[usize]) -> Vec<String> {
 
 /// The stream path's window: what was received but not yet run, and what was run but held back.
 #[derive(Debug, Default)]
-pub struct Window {
+pub(crate) struct Window {
     /// Raw text received since the last flush.
     pending: String,
     pending_chars: usize,
@@ -60,7 +60,7 @@ pub struct Window {
 }
 
 impl Window {
-    pub fn new(flush_chars: usize, lookback_chars: usize) -> Self {
+    pub(crate) fn new(flush_chars: usize, lookback_chars: usize) -> Self {
         Self {
             flush_chars: flush_chars.max(1),
             lookback_chars,
@@ -69,20 +69,20 @@ impl Window {
     }
 
     /// Adds received text; true when enough is buffered to run the chain.
-    pub fn push(&mut self, chunk: &str) -> bool {
+    pub(crate) fn push(&mut self, chunk: &str) -> bool {
         self.pending.push_str(chunk);
         self.pending_chars += chunk.chars().count();
         self.pending_chars >= self.flush_chars
     }
 
     /// Bytes received and not yet run.
-    pub fn pending_len(&self) -> usize {
+    pub(crate) fn pending_len(&self) -> usize {
         self.pending.len()
     }
 
     /// The batch to run now (held-back tail + new text), or None when nothing new arrived and
     /// nothing held back still needs the chain.
-    pub fn take_batch(&mut self) -> Option<String> {
+    pub(crate) fn take_batch(&mut self) -> Option<String> {
         if self.pending.is_empty() && !self.tail_has_raw {
             return None;
         }
@@ -95,7 +95,7 @@ impl Window {
 
     /// Takes the chain's result for `batch`; returns the part safe to commit now. On the last batch
     /// everything is committed.
-    pub fn settle(&mut self, batch: &str, result: &str, last: bool) -> String {
+    pub(crate) fn settle(&mut self, batch: &str, result: &str, last: bool) -> String {
         if last {
             return result.to_string();
         }
@@ -114,7 +114,7 @@ impl Window {
 
     /// What is still held back, released as-is at the end when no new text came after it (never
     /// raw text: `take_batch` hands that to the chain first).
-    pub fn release_tail(&mut self) -> String {
+    pub(crate) fn release_tail(&mut self) -> String {
         debug_assert!(!self.tail_has_raw, "raw text is run before it is released");
         std::mem::take(&mut self.tail)
     }

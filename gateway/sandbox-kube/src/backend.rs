@@ -16,8 +16,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use sluice_engine::{
-    Metrics, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
+use prometheus::IntCounterVec;
+use sluice_sandbox::{
+    Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
 };
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -100,7 +101,8 @@ pub struct KubeBackend {
     changed: Arc<Notify>,
     /// Pods this gateway claimed and has not yet seen deleted: "namespace/name".
     live: Arc<Mutex<HashSet<String>>>,
-    metrics: Metrics,
+    /// Claim attempts by result (`sluice_gateway_pod_claims_total`).
+    claims: IntCounterVec,
     _watches: Tasks,
 }
 
@@ -109,11 +111,12 @@ fn selector() -> String {
 }
 
 impl KubeBackend {
-    /// Starts the pod watch and waits (up to `sync_timeout`) for its first full list.
+    /// Starts the pod watch and waits (up to `sync_timeout`) for its first full list. `claims`
+    /// counts claim attempts by `result` (the engine's `sluice_gateway_pod_claims_total`).
     pub async fn new(
         client: kube::Client,
         cfg: KubeConfig,
-        metrics: Metrics,
+        claims: IntCounterVec,
         sync_timeout: Duration,
     ) -> anyhow::Result<Self> {
         let changed = Arc::new(Notify::new());
@@ -152,7 +155,7 @@ impl KubeBackend {
             pods,
             changed,
             live: Arc::default(),
-            metrics,
+            claims,
             _watches: Tasks(watches),
         })
     }
@@ -217,7 +220,7 @@ impl KubeBackend {
     }
 
     fn metric(&self, result: &str) {
-        self.metrics.pod_claims.with_label_values(&[result]).inc();
+        self.claims.with_label_values(&[result]).inc();
     }
 
     fn live(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {

@@ -12,8 +12,9 @@ use anyhow::Context as _;
 use sluice_capabilities::{Runner, Trust};
 use sluice_engine::{Audit, Engine, Limits, Metrics, Pools, SandboxBackend};
 use sluice_proto::gateway_server::GatewayServer;
-use sluice_sandbox_kube::{KubeBackend, KubeConfig, KubeSource};
+use sluice_sandbox_kube::{KubeBackend, KubeConfig};
 use sluice_sandbox_local::{LocalBackend, LocalConfig};
+use sluice_source_kube::KubeSource;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -338,7 +339,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     let backend = KubeBackend::new(
         opts.client.clone(),
         opts.kube.clone(),
-        metrics.clone(),
+        metrics.pod_claims.clone(),
         opts.sync_timeout,
     )
     .await
@@ -370,7 +371,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     );
     // A canary this gateway finds out of bounds is rolled back for the whole cluster: the
     // operator and the other gateways follow the annotation as they would a person's.
-    engine.report_rollbacks_to(Arc::new(sluice_sandbox_kube::AnnotateRollback::new(
+    engine.report_rollbacks_to(Arc::new(sluice_source_kube::AnnotateRollback::new(
         opts.client.clone(),
     )));
     let mut source = KubeSource::start(
@@ -386,7 +387,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     registry.log_summary();
     engine.set_registry(registry).await;
     let feed = tokio::spawn(source.feed(engine.clone()));
-    let shadows = tokio::spawn(sluice_sandbox_kube::publish_shadows(
+    let shadows = tokio::spawn(sluice_source_kube::publish_shadows(
         opts.client.clone(),
         opts.kube.identity.clone(),
         opts.kube.shadow_status_every,

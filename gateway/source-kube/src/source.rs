@@ -7,7 +7,6 @@
 //! and the hook code analyser, once per generation); a generation that fails keeps the chain's last
 //! valid generation serving, marked as such in the audit, and the problem is reported.
 
-use crate::watch::{Tasks, apis};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use kube::api::Api;
@@ -20,6 +19,7 @@ use sluice_crds::manifest::{Located, Object};
 use sluice_crds::rollout;
 use sluice_crds::{Capability, HookChain, HookChainSpec};
 use sluice_engine::{Engine, Registry};
+use sluice_sandbox_kube::watch::{Tasks, apis};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
