@@ -114,7 +114,7 @@ impl AllowedEndpoints {
 
     /// Whether a Capability may use `endpoint`; the refusal says why and what to do. A Service
     /// counts only by its full name: a short one resolves in the gateway's namespace.
-    pub fn check(&self, endpoint: &Endpoint) -> Result<(), String> {
+    pub fn check(&self, endpoint: &Endpoint) -> Result<(), EndpointRefused> {
         let Some(url) = endpoint.grpc.as_deref().or(endpoint.http.as_deref()) else {
             return Ok(());
         };
@@ -122,22 +122,13 @@ impl AllowedEndpoints {
         if self.entries.iter().any(|e| e.allows(&host, port)) {
             return Ok(());
         }
-        let listed = if self.entries.is_empty() {
-            "none are: the platform team lists them with --allowed-endpoints or the chart's \
-             capabilities.allowedEndpoints"
-                .to_string()
-        } else {
-            let texts: Vec<&str> = self.entries.iter().map(|e| e.text.as_str()).collect();
-            format!("allowed: {}", texts.join(", "))
-        };
-        let hint = if host.contains('.') || host.starts_with('[') || host == "localhost" {
-            ""
-        } else {
-            "; name a Service as <service>.<namespace>.svc"
-        };
-        Err(format!(
-            "endpoint {url:?} is not among the platform's allowed endpoints ({listed}){hint}"
-        ))
+        Err(EndpointRefused::NotAllowed {
+            url: url.to_string(),
+            allowed: self.entries.iter().map(|e| e.text.clone()).collect(),
+            short_service_name: !(host.contains('.')
+                || host.starts_with('[')
+                || host == "localhost"),
+        })
     }
 
     /// [`Self::check`] as a problem of a Capability's spec, for the places that list problems.
@@ -147,9 +138,9 @@ impl AllowedEndpoints {
         } else {
             "spec.endpoint.http"
         };
-        self.check(&spec.endpoint).err().map(|message| Problem {
+        self.check(&spec.endpoint).err().map(|refused| Problem {
             field: field.into(),
-            message,
+            message: refused.to_string(),
         })
     }
 }
@@ -164,31 +155,73 @@ impl std::fmt::Display for AllowedEndpoints {
     }
 }
 
+/// Why a Capability's endpoint may not be used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointRefused {
+    #[error("endpoint {url:?} is not a URL: {reason}")]
+    NotUrl { url: String, reason: String },
+    #[error("endpoint {url:?} must start with http:// or https://")]
+    Scheme { url: String },
+    #[error("endpoint {url:?} names no host")]
+    NoHost { url: String },
+    #[error(
+        "endpoint {url:?} carries user information: name the credentials in spec.endpoint.credentials"
+    )]
+    UserInfo { url: String },
+    /// A well-formed URL no entry of the list allows. `short_service_name`: its host is one word,
+    /// which the refusal explains (a Service counts only by its full name).
+    #[error(
+        "endpoint {url:?} is not among the platform's allowed endpoints ({}){}",
+        listed(allowed),
+        if *short_service_name { "; name a Service as <service>.<namespace>.svc" } else { "" }
+    )]
+    NotAllowed {
+        url: String,
+        allowed: Vec<String>,
+        short_service_name: bool,
+    },
+}
+
+/// The allowed entries as a refusal names them, or where to list them when there are none.
+fn listed(allowed: &[String]) -> String {
+    if allowed.is_empty() {
+        "none are: the platform team lists them with --allowed-endpoints or the chart's \
+         capabilities.allowedEndpoints"
+            .to_string()
+    } else {
+        format!("allowed: {}", allowed.join(", "))
+    }
+}
+
 /// The host (normalised) and port (explicit or the scheme's) of an endpoint URL.
-fn host_and_port(url: &str) -> Result<(String, u16), String> {
-    let uri: http::Uri = url
-        .parse()
-        .map_err(|e| format!("endpoint {url:?} is not a URL: {e}"))?;
+fn host_and_port(url: &str) -> Result<(String, u16), EndpointRefused> {
+    let uri: http::Uri =
+        url.parse()
+            .map_err(|e: http::uri::InvalidUri| EndpointRefused::NotUrl {
+                url: url.to_string(),
+                reason: e.to_string(),
+            })?;
     let default_port = match uri.scheme_str() {
         Some("http") => 80,
         Some("https") => 443,
         _ => {
-            return Err(format!(
-                "endpoint {url:?} must start with http:// or https://"
-            ));
+            return Err(EndpointRefused::Scheme {
+                url: url.to_string(),
+            });
         }
     };
-    let authority = uri
-        .authority()
-        .ok_or_else(|| format!("endpoint {url:?} names no host"))?;
+    let no_host = || EndpointRefused::NoHost {
+        url: url.to_string(),
+    };
+    let authority = uri.authority().ok_or_else(no_host)?;
     if authority.as_str().contains('@') {
-        return Err(format!(
-            "endpoint {url:?} carries user information: name the credentials in spec.endpoint.credentials"
-        ));
+        return Err(EndpointRefused::UserInfo {
+            url: url.to_string(),
+        });
     }
     let host = normal_host(authority.host());
     if host.is_empty() {
-        return Err(format!("endpoint {url:?} names no host"));
+        return Err(no_host());
     }
     Ok((host, authority.port_u16().unwrap_or(default_port)))
 }
@@ -338,13 +371,25 @@ mod tests {
             ..Default::default()
         };
         assert!(none.check(&builtin).is_ok());
-        let err = none.check(&http("http://ledger.billing.svc/")).unwrap_err();
+        let err = none
+            .check(&http("http://ledger.billing.svc/"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("--allowed-endpoints"), "{err}");
-        let err = "billing/ledger"
+        let refused = "billing/ledger"
             .parse::<AllowedEndpoints>()
             .unwrap()
             .check(&http("http://ledger:80/"))
             .unwrap_err();
+        assert_eq!(
+            refused,
+            EndpointRefused::NotAllowed {
+                url: "http://ledger:80/".into(),
+                allowed: vec!["billing/ledger".into()],
+                short_service_name: true,
+            }
+        );
+        let err = refused.to_string();
         assert!(
             err.contains("allowed: billing/ledger") && err.contains("<service>.<namespace>.svc"),
             "{err}"

@@ -7,11 +7,22 @@
 #
 #   images.sh build      write $OUT/sluice-{operator,gateway,supervisor}.tar
 #   images.sh import     build, then `ctr -n k8s.io images import` each (the cluster must be up)
+#   images.sh binaries   only the release binaries and cell runtime, in target/release
 #
 # Image names: $REGISTRY/sluice-<component>:$TAG (defaults sluice.test/sluice-*:e2e), as the chart's
 # image.registry and image.tag expect. The root filesystem (debootstrap, from Debian's packages) is
 # cached in $SLUICE_CLUSTER_CACHE, keyed by the suite and the package list.
 set -euo pipefail
+
+# Build as from a shell, whoever runs this: a test binary (the upgrade test runs install.sh upgrade)
+# passes on Cargo's variables for its package (CARGO_PKG_NAME, CARGO_MANIFEST_DIR, ...), ring's build
+# script runs again when they change, and everything above ring would be compiled again (5-9 min
+# here, and as long again for the next build from a shell).
+for var in $(compgen -e); do
+	case $var in
+	CARGO_PKG_* | CARGO_MANIFEST_* | CARGO_CRATE_NAME | CARGO_BIN_NAME | CARGO_BIN_EXE_* | CARGO_PRIMARY_PACKAGE | CARGO_TARGET_TMPDIR | OUT_DIR) unset "$var" ;;
+	esac
+done
 
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -101,5 +112,6 @@ import() {
 case "${1:-}" in
 build) build ;;
 import) import ;;
-*) die "usage: images.sh build|import" ;;
+binaries) release_binaries ;;
+*) die "usage: images.sh build|import|binaries" ;;
 esac

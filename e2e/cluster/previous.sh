@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # The previous release, for the upgrade test of make test-cluster: its chart and its images, made
 # from its commit (e2e/cluster/previous-release: commit and version) into the cache once, keyed by
-# the commit, with a build directory of its own (never this checkout's target/), then kept as OCI
-# archives only.
+# the commit, then kept as OCI archives only.
 #
 #   previous.sh build     make them if missing; print the directory (chart/, images/*.tar)
 #   previous.sh import    build, then import the images into the cluster's containerd
 #
 # The images are tagged :previous, so the current ones (:e2e) replace them on upgrade.
 set -euo pipefail
+
+# Build as from a shell, whoever runs this: a test binary (the upgrade test runs install.sh upgrade)
+# passes on Cargo's variables for its package (CARGO_PKG_NAME, CARGO_MANIFEST_DIR, ...), ring's build
+# script runs again when they change, and everything above ring would be compiled again (5-9 min
+# here, and as long again for the next build from a shell).
+for var in $(compgen -e); do
+	case $var in
+	CARGO_PKG_* | CARGO_MANIFEST_* | CARGO_CRATE_NAME | CARGO_BIN_NAME | CARGO_BIN_EXE_* | CARGO_PRIMARY_PACKAGE | CARGO_TARGET_TMPDIR | OUT_DIR) unset "$var" ;;
+	esac
+done
 
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -28,13 +37,21 @@ build() {
 		die "release $version ($sha) is not in this clone's history (a shallow clone?): git fetch --unshallow"
 	log "release $version ($sha): chart and images, built once into $dir"
 	rm -rf "$dir"
-	mkdir -p "$dir/src" "$dir/target"
+	mkdir -p "$dir/src"
 	git -C "$repo" archive "$sha" | tar -x -C "$dir/src"
-	ln -s "$dir/target" "$dir/src/target"
-	(cd "$dir/src" && OUT="$dir/images" TAG=previous SLUICE_CLUSTER_STATE="$dir" e2e/cluster/images.sh build)
+	# Built in this checkout's build directory, named by the very path this checkout's builds use
+	# (Cargo compares the build-script output directories its dependencies were compiled with, by
+	# path): the release shares nearly every dependency with this checkout, so only its own crates
+	# and the few whose features differ are compiled, not all of them (16 min on 2 cores). Its
+	# binaries land in target/release over this checkout's, which are put back right after: a build
+	# of what is fresh only links them again.
+	ln -s "$repo/target" "$dir/src/target"
+	(cd "$dir/src" && CARGO_TARGET_DIR="$repo/target" OUT="$dir/images" TAG=previous SLUICE_CLUSTER_STATE="$dir" \
+		e2e/cluster/images.sh build)
+	"$here/images.sh" binaries
 	cp -r "$dir/src/charts/sluice" "$dir/chart"
 	cp "$dir/src/e2e/cluster/install.sh" "$dir/install.sh"
-	rm -rf "$dir/target" "$dir/src"
+	rm -rf "$dir/src"
 	touch "$dir/done"
 	echo "$dir"
 }

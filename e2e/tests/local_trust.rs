@@ -328,7 +328,8 @@ async fn a_capability_outside_the_allowed_endpoints_is_refused_before_any_gate()
                 http: Some(url.to_string()).filter(|_| name != "llm.run"),
                 ..Default::default()
             })
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(out["error"].as_str().unwrap().ends_with(&reason), "{out}");
     }
     assert!(services.calls().is_empty(), "{:?}", services.calls());

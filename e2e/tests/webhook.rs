@@ -412,7 +412,8 @@ async fn a_capability_pointing_outside_the_allowed_endpoints_is_refused_as_check
         let reason = rules()
             .allowed_endpoints
             .check(&serde_json::from_value(object["spec"]["endpoint"].clone()).unwrap())
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(
             said.iter().any(|m| m.ends_with(&reason)),
             "{said:?} lacks {reason}"

@@ -28,7 +28,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use protocol::Channel;
-use runtime::Runtime;
+use runtime::{Runtime, RuntimeError, SelfCheckError};
 use supervisor::Supervisor;
 
 const USAGE: &str = "usage:
@@ -189,10 +189,18 @@ fn serve(opts: &Options) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// Why the supervisor cannot create cells: said before it exits, never `ready`.
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error(transparent)]
+    SelfCheck(#[from] SelfCheckError),
+}
+
 /// Loads the runtime and proves an instance works here before the sandbox says `ready`.
-fn start(opts: &Options) -> Result<Runtime, String> {
-    let runtime = Runtime::load(&opts.runtime, &opts.runtime_sha256, opts.memory_bytes)
-        .map_err(|e| e.to_string())?;
+fn start(opts: &Options) -> Result<Runtime, StartError> {
+    let runtime = Runtime::load(&opts.runtime, &opts.runtime_sha256, opts.memory_bytes)?;
     runtime.self_check()?;
     Ok(runtime)
 }

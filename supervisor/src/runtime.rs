@@ -164,7 +164,7 @@ pub(crate) struct Called {
 }
 
 /// How one call in an instance ended, when it did not return.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub(crate) enum CallError {
     #[error("ran out of time")]
     Deadline,
@@ -480,15 +480,27 @@ fn trap_text(e: &wasmtime::Error) -> String {
 
 const SELF_CHECK_HOOK: &str = "import os\ndef execute(context, settings):\n    return {'action': 'detect', 'findings': {'n': len(context['outgoing'])}}\n";
 
+/// Why the self-check (one hook loaded and called before the sandbox says `ready`) failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SelfCheckError {
+    #[error("the self-check hook did not load: {0}")]
+    Refused(String),
+    #[error("the self-check hook did not load: {0}")]
+    Load(CallError),
+    #[error("the self-check hook failed: {0}")]
+    Call(CallError),
+    #[error("the self-check hook answered {0}")]
+    Answer(String),
+}
+
 impl Runtime {
     /// One hook loaded and called in real instances: the runtime works here.
-    pub(crate) fn self_check(&self) -> Result<(), String> {
+    pub(crate) fn self_check(&self) -> Result<(), SelfCheckError> {
         let timeout = Duration::from_secs(10);
-        let code = match self.load_hook("self-check", SELF_CHECK_HOOK, timeout) {
-            Ok(Ok(code)) => code,
-            Ok(Err(refusal)) => return Err(format!("the self-check hook did not load: {refusal}")),
-            Err(e) => return Err(format!("the self-check hook did not load: {e}")),
-        };
+        let code = self
+            .load_hook("self-check", SELF_CHECK_HOOK, timeout)
+            .map_err(SelfCheckError::Load)?
+            .map_err(SelfCheckError::Refused)?;
         let hook = HookCode {
             key: [0; 32],
             name: "self-check".into(),
@@ -503,9 +515,9 @@ impl Runtime {
                 timeout,
             )
             .answer
-            .map_err(|e| format!("the self-check hook failed: {e}"))?;
+            .map_err(SelfCheckError::Call)?;
         if answer != r#"{"value": {"action": "detect", "findings": {"n": 3}}}"# {
-            return Err(format!("the self-check hook answered {answer}"));
+            return Err(SelfCheckError::Answer(answer));
         }
         Ok(())
     }

@@ -26,21 +26,68 @@ struct Hook {
     name: String,
     action: String,
     settings: Value,
-    code: Option<HookCode>,
-    error: Option<String>,
-    line: Option<u64>,
+    /// Its compiled code, or why it cannot be called.
+    code: Result<HookCode, NotLoaded>,
 }
 
 impl Hook {
     fn ack(&self) -> Value {
-        let mut out = json!({"name": self.name, "ok": self.error.is_none()});
-        if let Some(error) = &self.error {
-            out["error"] = json!(error);
-            if let Some(line) = self.line {
+        let mut out = json!({"name": self.name, "ok": self.code.is_ok()});
+        if let Err(error) = &self.code {
+            out["error"] = json!(error.to_string());
+            if let NotLoaded::Refused {
+                line: Some(line), ..
+            } = error
+            {
                 out["line"] = json!(line);
             }
         }
         out
+    }
+}
+
+/// Why a hook of the open cell cannot be called: said in its ack, and as its error in every walk.
+#[derive(Clone, Debug, thiserror::Error)]
+enum NotLoaded {
+    #[error("declared action {0} is not one of modify, block, skip, detect")]
+    Action(String),
+    /// The cell's runner refused the code (it does not compile, or its module code raised): the
+    /// runner's own words, and the line when it names one.
+    #[error("{message}")]
+    Refused { message: String, line: Option<u64> },
+    #[error(
+        "its module code did not finish within the chain's spec.timeoutMs ({} ms, for the module code of all its hooks together)",
+        .0.as_millis()
+    )]
+    TimedOut(Duration),
+    #[error("its module code failed: {0}")]
+    Failed(CallError),
+}
+
+impl NotLoaded {
+    /// The runner's refusal, a JSON object `{"error": ..., "line": ...}`.
+    fn refused(refusal: &str) -> Self {
+        let refusal: Value =
+            serde_json::from_str(refusal).unwrap_or_else(|_| json!({"error": refusal}));
+        NotLoaded::Refused {
+            message: refusal["error"]
+                .as_str()
+                .unwrap_or("the hook's code did not load")
+                .to_string(),
+            line: refusal["line"].as_u64(),
+        }
+    }
+}
+
+/// A declared action a hook may have: any but `pass`, which is only ever an answer.
+fn declared_action(spec: &Value) -> Result<(), NotLoaded> {
+    match spec["action"].as_str() {
+        Some(action) if action != "pass" && ACTIONS.contains(&action) => Ok(()),
+        _ => Err(NotLoaded::Action(
+            spec.get("action")
+                .map(Value::to_string)
+                .unwrap_or_else(|| "None".into()),
+        )),
     }
 }
 
@@ -52,7 +99,7 @@ struct OpenCell {
     hooks: Vec<Hook>,
 }
 
-type Loaded = Result<Arc<Vec<u8>>, (String, Option<u64>)>;
+type Loaded = Result<Arc<Vec<u8>>, NotLoaded>;
 
 /// How long past the chain's deadline `init` waits for its hooks' instances to be prepared before it
 /// answers anyway (a hook whose instance is not ready then is instantiated when it runs).
@@ -166,57 +213,14 @@ impl Supervisor {
         // All hooks' module code together runs within the chain's deadline, as a walk's hooks do.
         let mut left = timeout;
         for (index, spec) in specs.iter().enumerate() {
-            let name = spec["name"]
-                .as_str()
-                .map(str::to_string)
-                .unwrap_or_else(|| format!("hook-{index}"));
-            let action = spec["action"].as_str().unwrap_or("").to_string();
-            let mut hook = Hook {
-                index,
-                name,
-                action,
-                settings: spec
-                    .get("settings")
-                    .cloned()
-                    .filter(|s| !s.is_null())
-                    .unwrap_or_else(|| json!({})),
-                code: None,
-                error: None,
-                line: None,
+            let began = Instant::now();
+            let hook = self.open_hook(index, spec, left, timeout);
+            // A hook that ran out of time has failed; the hooks after it get the whole deadline
+            // again, as in a walk.
+            left = match &hook.code {
+                Err(NotLoaded::TimedOut(_)) => timeout,
+                _ => left.saturating_sub(began.elapsed()),
             };
-            if !ACTIONS.contains(&hook.action.as_str()) || hook.action == "pass" {
-                hook.error = Some(format!(
-                    "declared action {} is not one of modify, block, skip, detect",
-                    spec.get("action")
-                        .map(Value::to_string)
-                        .unwrap_or_else(|| "None".into())
-                ));
-            } else {
-                let began = Instant::now();
-                let code = spec["code"].as_str().unwrap_or("");
-                let key = hook_key(&hook.name, code);
-                let loaded = self.load(key, &hook.name, code, left, timeout);
-                // A hook that ran out of time has failed; the hooks after it get the whole deadline
-                // again, as in a walk.
-                left = match &loaded {
-                    Err((error, _)) if *error == Self::load_timed_out(timeout) => timeout,
-                    _ => left.saturating_sub(began.elapsed()),
-                };
-                match loaded {
-                    Ok(code) => {
-                        hook.code = Some(HookCode {
-                            key,
-                            name: hook.name.clone(),
-                            code,
-                            timeout,
-                        })
-                    }
-                    Err((error, line)) => {
-                        hook.error = Some(error);
-                        hook.line = line;
-                    }
-                }
-            }
             hooks.push(hook);
         }
         // Each hook gets an instance with its module code run before the trigger point needs it, so
@@ -226,8 +230,10 @@ impl Supervisor {
             // The gateway waits for the ack up to the deadline + 5 s: answer within that.
             let wait = (timeout + PREPARE_GRACE)
                 .min((timeout + ACK_WITHIN).saturating_sub(opened.elapsed()));
-            self.runtime
-                .prepare(hooks.iter().filter_map(|h| h.code.clone()).collect(), wait);
+            self.runtime.prepare(
+                hooks.iter().filter_map(|h| h.code.clone().ok()).collect(),
+                wait,
+            );
         }
         let ack = json!({"type": "ack", "hooks": hooks.iter().map(Hook::ack).collect::<Vec<_>>()});
         self.cell = Some(OpenCell {
@@ -241,6 +247,41 @@ impl Supervisor {
             hooks,
         });
         self.send(&ack);
+    }
+
+    /// One hook of a new cell, set up step by step:
+    /// 1. its declaration: name (or its place), declared action, settings;
+    /// 2. the declared action is one a hook may have;
+    /// 3. its code compiled, or found compiled, its module code run within `left` of the chain's
+    ///    deadline (`timeout`).
+    fn open_hook(&mut self, index: usize, spec: &Value, left: Duration, timeout: Duration) -> Hook {
+        let name = spec["name"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("hook-{index}"));
+        let action = spec["action"].as_str().unwrap_or("").to_string();
+        let settings = spec
+            .get("settings")
+            .cloned()
+            .filter(|s| !s.is_null())
+            .unwrap_or_else(|| json!({}));
+        let code = declared_action(spec).and_then(|()| {
+            let text = spec["code"].as_str().unwrap_or("");
+            let key = hook_key(&name, text);
+            Ok(HookCode {
+                key,
+                name: name.clone(),
+                code: self.load(key, &name, text, left, timeout)?,
+                timeout,
+            })
+        });
+        Hook {
+            index,
+            name,
+            action,
+            settings,
+            code,
+        }
     }
 
     /// A hook's compiled code: from the cache when this exact code was loaded before, else compiled
@@ -258,35 +299,20 @@ impl Supervisor {
             return found.clone();
         }
         if left.is_zero() {
-            return Err((Self::load_timed_out(timeout), None));
+            return Err(NotLoaded::TimedOut(timeout));
         }
         let loaded = match self.runtime.load_hook(name, code, left) {
             Ok(Ok(compiled)) => Ok(Arc::new(compiled)),
-            Ok(Err(refusal)) => {
-                let refusal: Value =
-                    serde_json::from_str(&refusal).unwrap_or_else(|_| json!({"error": refusal}));
-                let error = refusal["error"]
-                    .as_str()
-                    .unwrap_or("the hook's code did not load")
-                    .to_string();
-                Err((error, refusal["line"].as_u64()))
-            }
+            Ok(Err(refusal)) => Err(NotLoaded::refused(&refusal)),
             // A load that ran out of time or memory says so; it is not cached (it may pass later).
-            Err(CallError::Deadline) => return Err((Self::load_timed_out(timeout), None)),
-            Err(e) => return Err((format!("its module code failed: {e}"), None)),
+            Err(CallError::Deadline) => return Err(NotLoaded::TimedOut(timeout)),
+            Err(e) => return Err(NotLoaded::Failed(e)),
         };
         if self.loaded.len() >= LOADED_CACHE_ENTRIES {
             self.loaded.clear();
         }
         self.loaded.insert(key, loaded.clone());
         loaded
-    }
-
-    fn load_timed_out(timeout: Duration) -> String {
-        format!(
-            "its module code did not finish within the chain's spec.timeoutMs ({} ms, for the module code of all its hooks together)",
-            timeout.as_millis()
-        )
     }
 
     fn chunk(&mut self, msg: &Value) {
@@ -309,7 +335,7 @@ impl Supervisor {
             cell.hooks
                 .iter()
                 .skip(start)
-                .filter_map(|h| h.code.as_ref().map(|c| &c.key)),
+                .filter_map(|h| h.code.as_ref().ok().map(|c| &c.key)),
         );
         let budget = Arc::new(AtomicU64::new(cell.limits.host_calls));
         let mut terminal = Value::Null;
@@ -401,13 +427,10 @@ impl Supervisor {
         left: &mut Duration,
         output: &mut Map<String, Value>,
     ) -> Result<Map<String, Value>, HookError> {
-        if let Some(error) = &hook.error {
-            return Err(HookError(error.clone()));
-        }
         let code = hook
             .code
             .as_ref()
-            .ok_or_else(|| HookError("the hook's code did not load".into()))?;
+            .map_err(|why| HookError(why.to_string()))?;
         let mut request = json!({"outgoing": payload, "state": state, "context": context, "settings": hook.settings});
         // Under `--trace-lines` the instance stops itself when the time left is up, at the line it
         // is on; the hard deadline comes `TRACE_GRACE` later, for a hook that does not stop.

@@ -36,7 +36,10 @@ pub enum CallError {
     },
     /// The capability, or a gate or dispatch step of it, points where the platform does not allow.
     #[error("{name:?} is refused: {reason}")]
-    EndpointNotAllowed { name: String, reason: String },
+    EndpointNotAllowed {
+        name: String,
+        reason: sluice_crds::endpoints::EndpointRefused,
+    },
     #[error("payload for {name:?} does not match its schema: {reason}")]
     Schema { name: String, reason: String },
     #[error("{name:?} denied by gate {gate:?}: {reason}")]

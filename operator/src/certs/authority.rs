@@ -28,7 +28,7 @@ pub struct KeyedCert {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Renewal {
     Missing,
-    Unreadable(String),
+    Unreadable(Unreadable),
     /// Less than a third of its lifetime left (or past it).
     Expiring {
         not_after: i64,
@@ -56,6 +56,23 @@ impl fmt::Display for Renewal {
     }
 }
 
+/// Why the certificate or key stored is not used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Unreadable {
+    #[error("its key: {0}")]
+    Key(String),
+    #[error("no PEM certificate")]
+    NoCertificate,
+    /// The PEM block is malformed.
+    #[error("{0}")]
+    Pem(String),
+    /// The certificate's DER does not parse.
+    #[error("{0}")]
+    Der(String),
+    #[error("it is not a CA certificate with a subject key identifier")]
+    NotCa,
+}
+
 /// What the decisions need of a parsed certificate.
 #[derive(Clone, Debug)]
 struct Facts {
@@ -67,9 +84,9 @@ struct Facts {
     dns_names: Vec<String>,
 }
 
-fn facts(pem: &str) -> Result<Facts, String> {
+fn facts(pem: &str) -> Result<Facts, Unreadable> {
     let der = first_der(pem)?;
-    let (_, cert) = X509Certificate::from_der(&der).map_err(|e| e.to_string())?;
+    let (_, cert) = X509Certificate::from_der(&der).map_err(|e| Unreadable::Der(e.to_string()))?;
     let mut out = Facts {
         not_before: cert.validity().not_before.timestamp(),
         not_after: cert.validity().not_after.timestamp(),
@@ -99,14 +116,14 @@ fn facts(pem: &str) -> Result<Facts, String> {
 }
 
 /// The DER of the first certificate in a PEM text.
-fn first_der(pem: &str) -> Result<Vec<u8>, String> {
+fn first_der(pem: &str) -> Result<Vec<u8>, Unreadable> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
     CertificateDer::pem_slice_iter(pem.as_bytes())
         .next()
-        .ok_or_else(|| "no PEM certificate".to_string())?
+        .ok_or(Unreadable::NoCertificate)?
         .map(|der| der.to_vec())
-        .map_err(|e| e.to_string())
+        .map_err(|e| Unreadable::Pem(e.to_string()))
 }
 
 /// Each `CERTIFICATE` block of a PEM text, as its own PEM text.
@@ -138,13 +155,13 @@ pub fn ca_renewal(ca: Option<&KeyedCert>, now: i64) -> Option<Renewal> {
         return Some(Renewal::Missing);
     };
     if let Err(e) = KeyPair::from_pem(&ca.key) {
-        return Some(Renewal::Unreadable(format!("its key: {e}")));
+        return Some(Renewal::Unreadable(Unreadable::Key(e.to_string())));
     }
     match facts(&ca.cert) {
         Err(e) => Some(Renewal::Unreadable(e)),
-        Ok(f) if !f.is_ca || f.subject_key_id.is_none() => Some(Renewal::Unreadable(
-            "it is not a CA certificate with a subject key identifier".into(),
-        )),
+        Ok(f) if !f.is_ca || f.subject_key_id.is_none() => {
+            Some(Renewal::Unreadable(Unreadable::NotCa))
+        }
         Ok(f) if nearing_end(&f, now) => Some(Renewal::Expiring {
             not_after: f.not_after,
         }),
@@ -164,7 +181,7 @@ pub fn leaf_renewal(
         return Some(Renewal::Missing);
     };
     if let Err(e) = KeyPair::from_pem(&leaf.key) {
-        return Some(Renewal::Unreadable(format!("its key: {e}")));
+        return Some(Renewal::Unreadable(Unreadable::Key(e.to_string())));
     }
     let f = match facts(&leaf.cert) {
         Ok(f) => f,
@@ -289,10 +306,10 @@ mod tests {
             cert: "not a certificate".into(),
             key: ca.key.clone(),
         };
-        assert!(matches!(
+        assert_eq!(
             ca_renewal(Some(&garbled), NOW),
-            Some(Renewal::Unreadable(_))
-        ));
+            Some(Renewal::Unreadable(Unreadable::NoCertificate))
+        );
         let leaf = make_leaf(
             &ca,
             &names(&["a.svc"]),
@@ -300,8 +317,9 @@ mod tests {
             NOW,
         )
         .unwrap();
-        assert!(
-            matches!(ca_renewal(Some(&leaf), NOW), Some(Renewal::Unreadable(why)) if why.contains("not a CA")),
+        assert_eq!(
+            ca_renewal(Some(&leaf), NOW),
+            Some(Renewal::Unreadable(Unreadable::NotCa)),
             "a serving certificate put where the CA belongs is not used to sign"
         );
     }
@@ -339,7 +357,7 @@ mod tests {
         };
         assert!(matches!(
             renewal(Some(&bad_key), &ca.cert, &dns, NOW),
-            Some(Renewal::Unreadable(_))
+            Some(Renewal::Unreadable(Unreadable::Key(_)))
         ));
     }
 

@@ -85,7 +85,10 @@ fn judge(
         "spec and JSON Schema are usable".into(),
     );
     if let Err(why) = allowed.check(&spec.endpoint) {
-        return vec![valid, cond(READY, "False", ENDPOINT_NOT_ALLOWED, why)];
+        return vec![
+            valid,
+            cond(READY, "False", ENDPOINT_NOT_ALLOWED, why.to_string()),
+        ];
     }
     let mut missing = Vec::new();
     let mut invalid = Vec::new();
@@ -318,7 +321,7 @@ mod tests {
                 ..Default::default()
             })
             .unwrap_err();
-        assert_eq!(c[1].message, expected);
+        assert_eq!(c[1].message, expected.to_string());
         let llm = cap(
             "llm.run",
             serde_json::json!({"endpoint": {"builtin": "echo"}, "gates": ["credit.check"]}),

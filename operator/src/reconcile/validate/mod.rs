@@ -55,7 +55,12 @@ fn capability_state(ctx: &Context, namespace: &str, name: &str) -> CapabilitySta
         }
         Some(DeserializeGuard(Ok(cap))) => {
             let mut problems = rules::capability_problems(name, &cap.spec);
-            problems.extend(ctx.allowed_endpoints.check(&cap.spec.endpoint).err());
+            problems.extend(
+                ctx.allowed_endpoints
+                    .check(&cap.spec.endpoint)
+                    .err()
+                    .map(|refused| refused.to_string()),
+            );
             if problems.is_empty() {
                 CapabilityState::Valid
             } else {
