@@ -116,12 +116,12 @@ async fn the_platform_baseline_stops_a_conversation_over_its_turn_limit_before_t
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_upstream_that_cannot_be_reached_is_a_502_error_object() {
-    // A port nothing listens on.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // A port bound and never listened on, held for the whole test: a connection is refused at once.
+    // (A port bound and freed again can be taken by another test's server meanwhile, which accepts
+    // and never answers: the proxy's upstream timeout, a 504, instead of the 502.)
+    let closed = tokio::net::TcpSocket::new_v4().unwrap();
+    closed.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = closed.local_addr().unwrap().port();
     let h = gateway(&format!("http://127.0.0.1:{port}/v1")).await;
     for stream in [false, true] {
         let (status, body) = post(
@@ -140,6 +140,7 @@ async fn an_upstream_that_cannot_be_reached_is_a_502_error_object() {
             "{v}"
         );
     }
+    drop(closed);
     h.stop_and_check_leaks().await;
 }
 
