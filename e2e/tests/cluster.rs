@@ -455,8 +455,13 @@ async fn applied_chain_gets_a_warm_gvisor_pool_and_serves_run() {
 
     // The pool is what the contract says: hardened gVisor pods of the chain (owned by it beside it,
     // labelled with its namespace and uid in the sandbox namespace), and a deny-all policy.
-    let warm = c.pool_pods("shout", "warm").await;
-    assert!(warm.len() >= 2, "warm pods: {:?}", names(&warm));
+    // The gateway may claim a warm pod to hold (--kube-hold) right after PoolReady; the operator
+    // then creates another, so the pool is back to two warm pods a moment later.
+    let warm = poll(POOL_READY, "two warm pods", || async {
+        let warm = c.pool_pods("shout", "warm").await;
+        (warm.len() >= 2).then_some(warm)
+    })
+    .await;
     for pod in &warm {
         let labels = pod.metadata.labels.clone().unwrap_or_default();
         assert_eq!(
