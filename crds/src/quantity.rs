@@ -27,7 +27,6 @@ pub enum QuantityError {
     },
 }
 
-/// Bridge for callers that still return `Result<_, String>` (the gateway's `SandboxSpec`).
 /// CPU in millicores: `250m` → 250, `1` → 1000, `0.5` → 500, `1e3` → 1 000 000.
 pub fn cpu_millis(q: &str) -> Result<u64, QuantityError> {
     whole("cpu", "250m or 0.5", q, 1000.0)
