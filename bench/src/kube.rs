@@ -296,8 +296,9 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
             .read_line(&mut line)
             .await?;
         let took = began.elapsed();
+        let said: Option<serde_json::Value> = serde_json::from_str(&line).ok();
         anyhow::ensure!(
-            line.starts_with("{\"type\":\"ready\""),
+            said.as_ref().and_then(|v| v.get("type")?.as_str()) == Some("ready"),
             "exec {command:?} said {line:?}"
         );
         if i >= 6 {

@@ -44,16 +44,18 @@ fn machine_cpu_seconds() -> f64 {
     busy / 100.0
 }
 
-/// One hook doing the work of the three HOOKS, so it runs inline (no worker processes).
+/// One hook doing the work of the three HOOKS, so it runs inline (no worker processes). A hook may
+/// return only its declared action (or pass), so this one, declared `modify`, replaces an injection
+/// with a marker where the chain's third hook blocks: the same work, one action.
 fn combined_chain() -> String {
-    let code = "import re\nP = re.compile(r'\\b\\d{3}-\\d{4}-\\d{4}\\b')\nE = re.compile(r'[\\w.+-]+@[\\w-]+\\.[\\w.]+')\ndef execute(context, settings):\n    t = E.sub('[email]', P.sub('[phone]', context['outgoing']))\n    if 'ignore previous instructions' in t.lower():\n        return {'action': 'block', 'message': 'no'}\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n";
+    let code = "import re\nP = re.compile(r'\\b\\d{3}-\\d{4}-\\d{4}\\b')\nE = re.compile(r'[\\w.+-]+@[\\w-]+\\.[\\w.]+')\ndef execute(context, settings):\n    t = E.sub('[email]', P.sub('[phone]', context['outgoing']))\n    if 'ignore previous instructions' in t.lower():\n        return {'action': 'modify', 'outgoing': '[blocked]'}\n    return {'action': 'modify', 'outgoing': t} if t != context['outgoing'] else {'action': 'pass'}\n";
     let mut y = String::from(
-        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: one, namespace: default}\nspec:\n  target: one\n  triggerPoint: input\n  timeoutMs: 5000\n  pool: {warm: 2, max: 8}\n  resources: {cpu: '1', memory: 256Mi, pids: 64}\n  hooks:\n    - name: all-in-one\n      action: block\n      code: |\n",
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: one, namespace: default}\nspec:\n  target: one\n  triggerPoint: input\n  timeoutMs: 5000\n  pool: {warm: 2, max: 8}\n  resources: {cpu: '1', memory: 256Mi, pids: 64}\n  hooks:\n    - name: all-in-one\n      action: modify\n      code: |\n",
     );
     for l in code.lines() {
         y.push_str(&format!("        {l}\n"));
     }
-    y.replace("action: block\n", "action: modify\n")
+    y
 }
 
 pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
