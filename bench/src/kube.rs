@@ -169,8 +169,8 @@ async fn exec_path(table: &mut Table) -> anyhow::Result<()> {
 
     // The same runs from a gateway holding one pod claimed and attached per chain (`--kube-hold 1`),
     // each run starting once the replacement is held again (paced below the backfill rate, as the
-    // local warm-pool figure is).
-    // The pod held before the first run; each run's replacement is added before it.
+    // local warm-pool figure is). One pod to hold before the first run; each run's replacement is
+    // added before it.
     api.add_warm_pod(&spec).await?;
     let mut opts = KubeOptions::new(api.client(), KubeConfig::new("bench-held"));
     opts.limits.claim_timeout = Duration::from_secs(60);
