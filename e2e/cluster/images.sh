@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The project's images for the test cluster, without a registry or a container engine: OCI archives
-# of the operator, the gateway and the supervisor, made from this checkout's release binaries and a
-# Debian root filesystem with Python (the operator and the gateway check hook code with python3; the
+# of the operator, the gateway and the supervisor, made from this checkout's binaries and a Debian
+# root filesystem with Python (the operator and the gateway check hook code with python3; the
 # supervisor runs hooks in its own CPython, WebAssembly, and needs only glibc), then imported into the
 # cluster's containerd.
 #
 #   images.sh build      write $OUT/sluice-{operator,gateway,supervisor}.tar
 #   images.sh import     build, then `ctr -n k8s.io images import` each (the cluster must be up)
-#   images.sh binaries   only the release binaries and cell runtime, in target/release
+#   images.sh binaries   only the binaries and the cell runtime, in target/<profile>
+#
+# SLUICE_IMAGE_PROFILE picks the Cargo profile: `release` (the default: what `make cluster-install`
+# gives a user, and what `make bench-cluster` measures) or `dev`, the build `make test` has already
+# linked (test.sh's choice: the same code, with the supervisor's WebAssembly runtime optimised in
+# that profile too, and no second build of everything). SLUICE_IMAGE_BINARIES names a directory
+# that already holds the five files instead (sluice-{operator,gateway,supervisor},
+# sluice-cell.cwasm and its .sha256): nothing is built (previous.sh, for the previous release).
 #
 # Image names: $REGISTRY/sluice-<component>:$TAG (defaults sluice.test/sluice-*:e2e), as the chart's
 # image.registry and image.tag expect. The root filesystem (debootstrap, from Debian's packages) is
@@ -34,9 +41,17 @@ SUITE=bookworm
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 PACKAGES=python3
 CARGO=${CARGO:-cargo}
+PROFILE=${SLUICE_IMAGE_PROFILE:-release}
 
 log() { echo "images: $*" >&2; }
 die() { echo "images: $*" >&2; exit 1; }
+
+case "$PROFILE" in
+release) cargo_flags=(--release) cell_profile=release ;;
+dev) cargo_flags=() cell_profile=debug ;;
+*) die "SLUICE_IMAGE_PROFILE must be release or dev, not $PROFILE" ;;
+esac
+BINARIES=${SLUICE_IMAGE_BINARIES:-$repo/target/$cell_profile}
 
 # A Debian root filesystem with Python as one uncompressed layer, built once per key.
 base_layer() {
@@ -60,10 +75,17 @@ base_layer() {
 	echo "$layer"
 }
 
-release_binaries() {
-	log "cargo build --release (operator, gateway, supervisor and its cell runtime)"
-	(cd "$repo" && nice -n 5 "$CARGO" build -q --release --locked -p sluice-operator -p sluice-gateway --bins)
-	(cd "$repo" && nice -n 5 supervisor/build-cell.sh release >/dev/null)
+binaries() {
+	if [ -n "${SLUICE_IMAGE_BINARIES:-}" ]; then
+		local file
+		for file in sluice-operator sluice-gateway sluice-supervisor sluice-cell.cwasm sluice-cell.cwasm.sha256; do
+			[ -f "$BINARIES/$file" ] || die "SLUICE_IMAGE_BINARIES=$BINARIES has no $file"
+		done
+		return
+	fi
+	log "cargo build, $PROFILE profile (operator, gateway, supervisor and its cell runtime)"
+	(cd "$repo" && nice -n 5 "$CARGO" build -q "${cargo_flags[@]}" --locked -p sluice-operator -p sluice-gateway --bins)
+	(cd "$repo" && nice -n 5 supervisor/build-cell.sh "$cell_profile" >/dev/null)
 }
 
 oci() { python3 "$here/oci.py" "$@" >/dev/null; }
@@ -71,32 +93,32 @@ oci() { python3 "$here/oci.py" "$@" >/dev/null; }
 # The sandbox image: what every warm pod runs under gVisor (supervisor/Dockerfile's contents). The
 # one place to change when the supervisor changes form.
 supervisor_image() {
-	local base=$1 release="$repo/target/release"
+	local base=$1
 	oci --name "$REGISTRY/sluice-supervisor:$TAG" --out "$OUT/sluice-supervisor.tar" --layer "$base" \
-		--file "$release/sluice-supervisor:/opt/sluice/sluice-supervisor:0555" \
-		--file "$release/sluice-cell.cwasm:/opt/sluice/sluice-cell.cwasm:0444" \
-		--file "$release/sluice-cell.cwasm.sha256:/opt/sluice/sluice-cell.cwasm.sha256:0444" \
+		--file "$BINARIES/sluice-supervisor:/opt/sluice/sluice-supervisor:0555" \
+		--file "$BINARIES/sluice-cell.cwasm:/opt/sluice/sluice-cell.cwasm:0444" \
+		--file "$BINARIES/sluice-cell.cwasm.sha256:/opt/sluice/sluice-cell.cwasm.sha256:0444" \
 		--user 65534:65534 --workdir /tmp \
 		--cmd=/opt/sluice/sluice-supervisor --cmd=--listen --cmd=--runtime --cmd=/opt/sluice/sluice-cell.cwasm
 }
 
-# The operator and the gateway: a release binary on the same root filesystem (deploy/docker/).
+# The operator and the gateway: their binary on the same root filesystem (deploy/docker/).
 component_image() {
 	local base=$1 component=$2
 	oci --name "$REGISTRY/sluice-$component:$TAG" --out "$OUT/sluice-$component.tar" --layer "$base" \
-		--file "$repo/target/release/sluice-$component:/usr/local/bin/sluice-$component:0755" \
+		--file "$BINARIES/sluice-$component:/usr/local/bin/sluice-$component:0755" \
 		--env PYTHONDONTWRITEBYTECODE=1 --user 65534:65534 --entrypoint "/usr/local/bin/sluice-$component"
 }
 
 build() {
 	local base
 	base=$(base_layer)
-	release_binaries
+	binaries
 	mkdir -p "$OUT"
 	supervisor_image "$base"
 	component_image "$base" operator
 	component_image "$base" gateway
-	log "built $REGISTRY/sluice-{supervisor,operator,gateway}:$TAG in $OUT"
+	log "built $REGISTRY/sluice-{supervisor,operator,gateway}:$TAG in $OUT (from $BINARIES)"
 }
 
 import() {
@@ -112,6 +134,6 @@ import() {
 case "${1:-}" in
 build) build ;;
 import) import ;;
-binaries) release_binaries ;;
+binaries) binaries ;;
 *) die "usage: images.sh build|import|binaries" ;;
 esac

@@ -25,8 +25,17 @@ CACHE=${SLUICE_CLUSTER_CACHE:-/var/cache/sluice-cluster}
 read -r sha version <"$here/previous-release"
 dir=$CACHE/previous-$version-$sha
 
+CARGO=${CARGO:-cargo}
+
 log() { echo "previous: $*" >&2; }
 die() { echo "previous: $*" >&2; exit 1; }
+
+# The images are the previous release's code whichever profile built them, so the cache key has none.
+case "${SLUICE_IMAGE_PROFILE:-release}" in
+release) cargo_flags=(--release) cell_profile=release ;;
+dev) cargo_flags=() cell_profile=debug ;;
+*) die "SLUICE_IMAGE_PROFILE must be release or dev, not $SLUICE_IMAGE_PROFILE" ;;
+esac
 
 build() {
 	if [ -f "$dir/done" ]; then
@@ -35,20 +44,29 @@ build() {
 	fi
 	git -C "$repo" cat-file -e "$sha^{commit}" 2>/dev/null ||
 		die "release $version ($sha) is not in this clone's history (a shallow clone?): git fetch --unshallow"
-	log "release $version ($sha): chart and images, built once into $dir"
+	log "release $version ($sha): chart and images (${SLUICE_IMAGE_PROFILE:-release} profile), built once into $dir"
 	rm -rf "$dir"
 	mkdir -p "$dir/src"
 	git -C "$repo" archive "$sha" | tar -x -C "$dir/src"
 	# Built in this checkout's build directory, named by the very path this checkout's builds use
 	# (Cargo compares the build-script output directories its dependencies were compiled with, by
-	# path): the release shares nearly every dependency with this checkout, so only its own crates
-	# and the few whose features differ are compiled, not all of them (16 min on 2 cores). Its
-	# binaries land in target/release over this checkout's, which are put back right after: a build
-	# of what is fresh only links them again.
+	# path), in the profile images.sh builds (SLUICE_IMAGE_PROFILE): the release shares nearly every
+	# dependency with this checkout, so only its own crates and the few whose features differ are
+	# compiled, not all of them (16 min on 2 cores). Its binaries land in target/<profile> over this
+	# checkout's, which are put back right after: a build of what is fresh only links them again.
 	ln -s "$repo/target" "$dir/src/target"
-	(cd "$dir/src" && CARGO_TARGET_DIR="$repo/target" OUT="$dir/images" TAG=previous SLUICE_CLUSTER_STATE="$dir" \
-		e2e/cluster/images.sh build)
+	(cd "$dir/src" && CARGO_TARGET_DIR="$repo/target" nice -n 5 "$CARGO" build -q "${cargo_flags[@]}" --locked \
+		-p sluice-operator -p sluice-gateway --bins)
+	(cd "$dir/src" && CARGO_TARGET_DIR="$repo/target" nice -n 5 supervisor/build-cell.sh "$cell_profile" >/dev/null)
+	mkdir -p "$dir/bin"
+	cp "$repo/target/$cell_profile"/{sluice-operator,sluice-gateway,sluice-supervisor,sluice-cell.cwasm,sluice-cell.cwasm.sha256} \
+		"$dir/bin/"
 	"$here/images.sh" binaries
+	# Put together by this checkout's images.sh from the release's binaries: the release's own
+	# images.sh (at d1aa27e) lays the three images out the same way (files, modes, user, command) but
+	# builds `--release` only. When previous-release moves on, check that this still holds.
+	OUT="$dir/images" TAG=previous SLUICE_IMAGE_BINARIES="$dir/bin" "$here/images.sh" build
+	rm -rf "$dir/bin"
 	cp -r "$dir/src/charts/sluice" "$dir/chart"
 	cp "$dir/src/e2e/cluster/install.sh" "$dir/install.sh"
 	rm -rf "$dir/src"

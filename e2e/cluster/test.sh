@@ -9,6 +9,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 STATE=${SLUICE_CLUSTER_STATE:-/var/lib/sluice-cluster}
 CARGO=${CARGO:-cargo}
+# The images (this checkout's and the previous release's) from the dev profile: `make test` has
+# linked those binaries already, and a release build of both would be 26 of a cold CI run's minutes.
+# What is tested is the same code; users' installs and make bench-cluster stay on release.
+export SLUICE_IMAGE_PROFILE=${SLUICE_IMAGE_PROFILE:-dev}
 
 "$here/cluster.sh" down >/dev/null 2>&1 || true
 trap '"$here/cluster.sh" down || status=1' EXIT
