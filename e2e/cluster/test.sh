@@ -35,8 +35,17 @@ fi
 . "$STATE/e2e.env"
 suite --skip "$UPGRADE" "$@" || status=$?
 if [ "$status" != 0 ]; then
-	echo "test-cluster: the suite failed; component logs were in $STATE/logs (copied to /tmp/sluice-cluster-logs)" >&2
-	rm -rf /tmp/sluice-cluster-logs && cp -r "$STATE/logs" /tmp/sluice-cluster-logs 2>/dev/null || true
-	KUBECONFIG=$STATE/admin.kubeconfig kubectl get pods -A -o wide >&2 || true
+	logs=/tmp/sluice-cluster-logs
+	echo "test-cluster: the suite failed; the cluster's logs, Sluice's pods' logs and the events are in $logs" >&2
+	rm -rf "$logs" && cp -r "$STATE/logs" "$logs" 2>/dev/null || mkdir -p "$logs"
+	export KUBECONFIG=$STATE/admin.kubeconfig
+	# The operator's and gateway's own logs go with the pods at `cluster.sh down`: keep them.
+	for pod in $(kubectl -n sluice-system get pods -o name 2>/dev/null); do
+		kubectl -n sluice-system logs "$pod" --all-containers >"$logs/${pod#pod/}.log" 2>&1
+		kubectl -n sluice-system logs "$pod" --all-containers --previous >"$logs/${pod#pod/}.previous.log" 2>/dev/null ||
+			rm -f "$logs/${pod#pod/}.previous.log"
+	done
+	kubectl get events -A --sort-by=.lastTimestamp >"$logs/events.txt" 2>&1 || true
+	kubectl get pods -A -o wide >&2 || true
 fi
 exit $status

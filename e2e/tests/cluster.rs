@@ -20,7 +20,7 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
-use sluice_crds::HookChain;
+use sluice_crds::{HookChain, sandbox_pod};
 use sluice_proto::client::{Client as GatewayClient, ClientAuth};
 use sluice_proto::{self as proto, Action};
 use std::collections::BTreeSet;
@@ -777,6 +777,15 @@ async fn recycled_pods_serve_many_trigger_points_and_retire_at_max_uses() {
     c.wait_pool_ready("recycle").await;
     let mut seen = BTreeSet::new();
     for i in 0..12 {
+        // Paced by the pool, not the clock: back to back, two pods' five uses are spent in about a
+        // second, and a replacement takes 3 to 4 s from creation to Ready on this node; a run that
+        // finds every pod used up waits only its start deadline and is refused (the pool is
+        // exhausted, which is not what this test is about). So each run waits for a warm pod the
+        // gateway can claim when the one it holds retires.
+        poll(Duration::from_secs(60), "a Ready warm pod", || async {
+            any_ready(&c.pool_pods("recycle", "warm").await).then_some(())
+        })
+        .await;
         let r = c
             .run("recycle-bot", &format!("trigger point {i}"))
             .await
@@ -942,12 +951,14 @@ fn cluster_ctl(args: &[&str]) -> Option<()> {
     Some(())
 }
 
-/// Every pod of a chain (warm and claimed), by name.
-async fn chain_pods(c: &Cluster, chain: &str) -> BTreeSet<String> {
-    names(&c.pool_pods(chain, "warm").await)
-        .union(&names(&c.pool_pods(chain, "claimed").await))
-        .cloned()
-        .collect()
+/// True if any of `pods` is Ready (what the gateway needs to claim it).
+fn any_ready(pods: &[Pod]) -> bool {
+    pods.iter().any(|p| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+    })
 }
 
 /// `Unhealthy` events (failed probes) of a chain's pods.
@@ -979,16 +990,72 @@ async fn probe_failures(c: &Cluster, chain: &str) -> Vec<String> {
 /// Waits until the chain settles: no more claimed pods than one gateway holds plus none in flight,
 /// and no more pods than `max` (nothing leaked by a restart).
 async fn wait_no_leak(c: &Cluster, chain: &str, max: usize) {
-    poll(
-        Duration::from_secs(120),
-        &format!("{chain}: at most one held pod and {max} pods in all"),
-        || async {
-            let claimed = c.pool_pods(chain, "claimed").await.len();
-            let all = chain_pods(c, chain).await.len();
-            (claimed <= 1 && all <= max).then_some(())
-        },
+    let limit = Duration::from_secs(120);
+    let deadline = Instant::now() + limit;
+    loop {
+        let pods = c.live_pods(chain, "").await;
+        let claimed = pods
+            .iter()
+            .filter(|p| pool_of(p) == sandbox_pod::POOL_CLAIMED)
+            .count();
+        if claimed <= 1 && pods.len() <= max {
+            return;
+        }
+        // What was left, so that a failure says which pod outlived what.
+        let seen: Vec<String> = pods.iter().map(describe_pod).collect();
+        assert!(
+            Instant::now() < deadline,
+            "{chain}: not at most one held pod and {max} pods in all within {limit:?}: {seen:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// A pod's `sluice.dev/pool` label.
+fn pool_of(pod: &Pod) -> &str {
+    pod.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(sandbox_pod::LABEL_POOL))
+        .map_or("", String::as_str)
+}
+
+/// One line on a pod for a failure message: name, pool, phase, its container's state, who holds it.
+fn describe_pod(pod: &Pod) -> String {
+    let status = pod.status.as_ref();
+    let container = status
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.first())
+        .and_then(|c| c.state.as_ref())
+        .map_or("no container status".to_string(), |s| {
+            if s.running.is_some() {
+                "running".into()
+            } else if let Some(t) = &s.terminated {
+                format!("terminated ({})", t.reason.as_deref().unwrap_or("?"))
+            } else {
+                "waiting".into()
+            }
+        });
+    let annotation = |k: &str| {
+        pod.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(k))
+            .map_or("-", String::as_str)
+    };
+    format!(
+        "{} pool={} phase={} container={} claimed-by={} claimed-at={} created={}",
+        pod.metadata.name.as_deref().unwrap_or("?"),
+        pool_of(pod),
+        status.and_then(|s| s.phase.as_deref()).unwrap_or("?"),
+        container,
+        annotation(sandbox_pod::ANNOTATION_CLAIMED_BY),
+        annotation(sandbox_pod::ANNOTATION_CLAIMED_AT),
+        pod.metadata
+            .creation_timestamp
+            .as_ref()
+            .map_or("?".to_string(), |t| t.0.to_string()),
     )
-    .await;
 }
 
 /// The certificates the operator makes (the chart's default TLS, issue 29), under a real API server
