@@ -5,8 +5,8 @@
 //! Reading order: `hookchain` and `capability` (the types) → `validate` (semantic rules, with
 //! `quantity`) → `code` (hook code analysis) and `schema` (capability schemas) → `definition` (what
 //! the gateway serves, without the Kubernetes envelope) → `manifest` (YAML files) → `sandbox_pod`
-//! (labels and commands operator and gateway agree on). `log_text` is how any of them writes a
-//! string someone else chose into a text log.
+//! (labels and commands operator and gateway agree on) → `watch` (how both watch the API server).
+//! `log_text` is how any of them writes a string someone else chose into a text log.
 //!
 //! Without the default `kube` feature the crate holds only what needs no Kubernetes client: the specs,
 //! validation, code and schema checks and `definition`. The `HookChain`/`Capability` objects,
@@ -32,6 +32,8 @@ pub mod rollout;
 pub mod sandbox_pod;
 pub mod schema;
 pub mod validate;
+#[cfg(feature = "kube")]
+pub mod watch;
 
 pub use capability::{Builtin, CapabilitySpec, Endpoint};
 #[cfg(feature = "kube")]

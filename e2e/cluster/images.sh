@@ -41,16 +41,12 @@ SUITE=bookworm
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 PACKAGES=python3
 CARGO=${CARGO:-cargo}
-PROFILE=${SLUICE_IMAGE_PROFILE:-release}
 
 log() { echo "images: $*" >&2; }
 die() { echo "images: $*" >&2; exit 1; }
 
-case "$PROFILE" in
-release) cargo_flags=(--release) cell_profile=release ;;
-dev) cargo_flags=() cell_profile=debug ;;
-*) die "SLUICE_IMAGE_PROFILE must be release or dev, not $PROFILE" ;;
-esac
+# shellcheck source=profile.sh
+. "$here/profile.sh"
 BINARIES=${SLUICE_IMAGE_BINARIES:-$repo/target/$cell_profile}
 
 # A Debian root filesystem with Python as one uncompressed layer, built once per key.

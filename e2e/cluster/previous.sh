@@ -31,11 +31,8 @@ log() { echo "previous: $*" >&2; }
 die() { echo "previous: $*" >&2; exit 1; }
 
 # The images are the previous release's code whichever profile built them, so the cache key has none.
-case "${SLUICE_IMAGE_PROFILE:-release}" in
-release) cargo_flags=(--release) cell_profile=release ;;
-dev) cargo_flags=() cell_profile=debug ;;
-*) die "SLUICE_IMAGE_PROFILE must be release or dev, not $SLUICE_IMAGE_PROFILE" ;;
-esac
+# shellcheck source=profile.sh
+. "$here/profile.sh"
 
 build() {
 	if [ -f "$dir/done" ]; then
@@ -44,7 +41,7 @@ build() {
 	fi
 	git -C "$repo" cat-file -e "$sha^{commit}" 2>/dev/null ||
 		die "release $version ($sha) is not in this clone's history (a shallow clone?): git fetch --unshallow"
-	log "release $version ($sha): chart and images (${SLUICE_IMAGE_PROFILE:-release} profile), built once into $dir"
+	log "release $version ($sha): chart and images ($PROFILE profile), built once into $dir"
 	rm -rf "$dir"
 	mkdir -p "$dir/src"
 	git -C "$repo" archive "$sha" | tar -x -C "$dir/src"

@@ -1736,6 +1736,32 @@ async fn apiserver_restart_with_held_pods() {
     wait_no_leak(&c, "held", 4).await;
     let failures = probe_failures(&c, "held").await;
     assert!(failures.is_empty(), "probe failures: {failures:?}");
+    // The gateway's watches came back in time: a chain applied now is served within a few seconds
+    // of the operator making it Ready, and its first Run finds a warm pod. Their retries once
+    // backed off to 30 s: a watch refused while the API server was down, then expired on its
+    // return, left the gateway blind to new chains and pods for up to half a minute.
+    c.apply_chain(
+        "later",
+        "later-bot",
+        "input",
+        json!({}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("later").await;
+    let r = poll(
+        Duration::from_secs(10),
+        "the gateway serves a chain applied after the API server restart",
+        || async {
+            match c.run("later-bot", "later").await {
+                Err(s) if s.code() == tonic::Code::NotFound => None,
+                answered => Some(answered),
+            }
+        },
+    )
+    .await
+    .expect("the first Run of a chain applied after the API server restart");
+    assert_eq!(text(&r), "LATER");
 }
 
 /// What a hook in a pod's cell finds of the sandbox and of other hooks, and leaves for the next.

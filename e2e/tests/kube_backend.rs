@@ -400,6 +400,17 @@ async fn two_claimers_one_warm_pod_exactly_one_wins() {
     api.stop().await;
 }
 
+/// Waits (up to 10 s) until `done`, or panics naming `what`.
+async fn until(done: impl Fn() -> bool, what: &str) {
+    for _ in 0..100 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(done(), "{what}: not within 10 s");
+}
+
 /// A fake with one warm pod of a one-hook chain, and a backend claiming as `gw-a` (2 s claim timeout).
 async fn one_warm_pod() -> (FakeApiServer, KubeBackend, SandboxSpec, String) {
     let api = FakeApiServer::start(ExecProtocol::V5)
@@ -408,17 +419,22 @@ async fn one_warm_pod() -> (FakeApiServer, KubeBackend, SandboxSpec, String) {
     let chain = chain_yaml("faulty", "bot", "input", "", &[("d", "modify", REDACT)]);
     let spec = sandbox_of(&chain);
     let pod = api.add_warm_pod(&spec).await.expect("pod");
+    let backend = claiming_backend(&api).await;
+    (api, backend, spec, pod)
+}
+
+/// A backend on `api` claiming as `gw-a`, with a 2 s claim timeout.
+async fn claiming_backend(api: &FakeApiServer) -> KubeBackend {
     let mut cfg = KubeConfig::new("gw-a");
     cfg.claim_timeout = Duration::from_secs(2);
-    let backend = KubeBackend::new(
+    KubeBackend::new(
         api.client(),
         cfg,
         sluice_engine::Metrics::new().pod_claims,
         Duration::from_secs(10),
     )
     .await
-    .expect("backend");
-    (api, backend, spec, pod)
+    .expect("backend")
 }
 
 /// Far more than any claim or boot deadline here (2 s, 20 s): a start still going then hangs on
@@ -459,6 +475,42 @@ async fn a_claim_under_429_ends_at_its_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_claim_under_503_ends_at_its_deadline() {
     a_claim_refused_with(503).await;
+}
+
+/// A claim while the pod watch is failing (its connection dropped and every new watch refused: the
+/// API server answers lists but not watches) reads the chain's pods from the API server: a warm pod
+/// made meanwhile is claimed. The cache stopped at the drop, and a claim that trusted it refused
+/// runs although the pool was Ready (after an API server restart, until the watch was back). The
+/// refusal is a 500: kube's client retries a 503 or 429 itself, and the watch would not fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_while_the_pod_watch_fails_finds_a_pod_made_meanwhile() {
+    let api = FakeApiServer::start(ExecProtocol::V5)
+        .await
+        .expect("fake API");
+    let chain = chain_yaml("stale", "bot", "input", "", &[("d", "modify", REDACT)]);
+    let spec = sandbox_of(&chain);
+    let backend = claiming_backend(&api).await;
+    let pod_watches = |since: usize| {
+        api.requests()[since..]
+            .iter()
+            .filter(|r| r.path.ends_with("/pods") && r.query.contains("watch=true"))
+            .count()
+    };
+    // The watch is up before it is cut, and asks again (refused) after.
+    until(|| pod_watches(0) > 0, "the pod watch started").await;
+    let before = api.requests().len();
+    api.inject(Injected::answer("GET", "/pods", 500).watches_only());
+    api.restart();
+    until(|| pod_watches(before) > 0, "the pod watch tried again").await;
+    let pod = api.add_warm_pod(&spec).await.expect("pod");
+    let s = tokio::time::timeout(HANGS, backend.start(&spec))
+        .await
+        .expect("a claim ends by its deadline")
+        .expect("the pod made while the watch was failing is claimed");
+    assert_eq!(s.id, format!("default/{pod}"));
+    s.handle.destroy(true).await;
+    assert!(sluice_e2e::pod_deleted(&api, "default", &pod));
+    api.stop().await;
 }
 
 /// A claim PATCH that was applied but answered 504 (the API server timed out on etcd, which

@@ -27,6 +27,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, applier, watcher};
 use kube::{Api, Client, ResourceExt};
+use sluice_crds::watch::WatchBackoff;
 use sluice_crds::{Capability, HookChain};
 use std::future::Future;
 use std::sync::Arc;
@@ -166,7 +167,7 @@ async fn run_namespace(
         None => watcher::Config::default(),
     };
     let chain_events = watcher(api::<Chain>(&client, &namespace), objects.clone())
-        .default_backoff()
+        .backoff(WatchBackoff::default())
         .reflect(chain_writer)
         .inspect(move |ev| {
             if let Ok(watcher::Event::Delete(chain)) = ev {
@@ -197,7 +198,7 @@ async fn run_namespace(
         ),
     };
     let pod_events = watcher(pod_api, watcher::Config::default().labels(&pod_selector))
-        .default_backoff()
+        .backoff(WatchBackoff::default())
         .reflect(pod_writer)
         .touched_objects();
 
@@ -206,7 +207,7 @@ async fn run_namespace(
         api::<DeserializeGuard<Capability>>(&client, &namespace),
         objects,
     )
-    .default_backoff()
+    .backoff(WatchBackoff::default())
     .reflect(cap_writer)
     .inspect(move |ev| {
         // A change may touch the others of its namespace too (it may be their gate): all of the

@@ -64,7 +64,8 @@ pub enum ExecProtocol {
 }
 
 /// An answer the fake gives instead of the real one, to requests that match: what API Priority and
-/// Fairness (429), an API server going away (503) or a timed-out write that committed (504) look like.
+/// Fairness (429), an API server going away (503), a timed-out write that committed (504) or one
+/// that cannot serve the request at all (500) look like.
 #[derive(Clone, Debug)]
 pub struct Fault {
     method: String,
@@ -73,6 +74,7 @@ pub struct Fault {
     retry_after: Option<u64>,
     commit: bool,
     times: Option<usize>,
+    watches_only: bool,
 }
 
 impl Fault {
@@ -86,6 +88,7 @@ impl Fault {
             retry_after: None,
             commit: false,
             times: None,
+            watches_only: false,
         }
     }
 
@@ -101,20 +104,31 @@ impl Fault {
         self
     }
 
+    /// Only watch requests (`?watch=true`): lists and gets of the same path are answered truly, as
+    /// when an API server's watch cache is not ready yet but etcd reads work.
+    pub fn watches_only(mut self) -> Self {
+        self.watches_only = true;
+        self
+    }
+
     /// Only the next `n` matching requests (default: all of them, until `clear_faults`).
     pub fn times(mut self, n: usize) -> Self {
         self.times = Some(n);
         self
     }
 
-    fn matches(&self, method: &str, path: &str) -> bool {
-        self.method == method && path.contains(&self.path_contains) && self.times != Some(0)
+    fn matches(&self, method: &str, path: &str, watch: bool) -> bool {
+        self.method == method
+            && path.contains(&self.path_contains)
+            && self.times != Some(0)
+            && (watch || !self.watches_only)
     }
 
     fn response(&self) -> Response<Body> {
         let code = StatusCode::from_u16(self.code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
         let reason = match self.code {
             429 => "TooManyRequests",
+            500 => "InternalError",
             504 => "Timeout",
             _ => "ServiceUnavailable",
         };
@@ -853,7 +867,7 @@ impl Shared {
             let mut faults = lock(&self.faults);
             faults
                 .iter_mut()
-                .find(|f| f.matches(method.as_str(), &path))
+                .find(|f| f.matches(method.as_str(), &path, is_watch(&query)))
                 .map(|f| {
                     if let Some(n) = f.times.as_mut() {
                         *n -= 1;
@@ -940,9 +954,7 @@ impl Shared {
             Err(e) => store_error(route.resource, name, &e),
         };
         match (method.as_str(), &route.name) {
-            ("GET", None)
-                if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) =>
-            {
+            ("GET", None) if is_watch(&query) => {
                 let flag = |k: &str| params.get(k).is_some_and(|v| v == "true" || v == "1");
                 self.store.watch(
                     route.resource,
@@ -1011,6 +1023,14 @@ impl Shared {
             ),
         }
     }
+}
+
+/// True if a request's query string asks for a watch.
+fn is_watch(query: &str) -> bool {
+    matches!(
+        store::query_params(query).get("watch").map(String::as_str),
+        Some("true" | "1")
+    )
 }
 
 fn store_error(resource: Resource, name: &str, e: &StoreError) -> Response<Body> {

@@ -17,11 +17,12 @@ use kube::api::{Api, DeleteParams, ListParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use prometheus::IntCounterVec;
+use sluice_crds::watch::WatchBackoff;
 use sluice_sandbox::{
     Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
 };
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -99,6 +100,10 @@ pub struct KubeBackend {
     pods: Vec<Store<Pod>>,
     /// Woken on every change the pod watch sees: a claim waiting for a warm pod looks again.
     changed: Arc<Notify>,
+    /// Pod watches whose last word was an error: they are retrying, and their cache may be behind
+    /// the API server (after an API server restart, by a whole relist). While any is, a claim reads
+    /// the chain's pods from the API server instead of the cache.
+    failing: Arc<AtomicUsize>,
     /// Pods this gateway claimed and has not yet seen deleted: "namespace/name".
     live: Arc<Mutex<HashSet<String>>>,
     /// Claim attempts by result (`sluice_gateway_pod_claims_total`).
@@ -120,21 +125,43 @@ impl KubeBackend {
         sync_timeout: Duration,
     ) -> anyhow::Result<Self> {
         let changed = Arc::new(Notify::new());
+        let failing = Arc::new(AtomicUsize::new(0));
         let mut pods = Vec::new();
         let mut watches = Vec::new();
         for api in apis::<Pod>(&client, &cfg.pod_namespaces()) {
             let (store, writer) = reflector::store();
             let stream = reflector::reflector(
                 writer,
-                watcher(api, watcher::Config::default().labels(&selector())).default_backoff(),
+                watcher(api, watcher::Config::default().labels(&selector()))
+                    .backoff(WatchBackoff::default()),
             );
             let notify = changed.clone();
+            let failing = failing.clone();
             watches.push(tokio::spawn(async move {
                 let mut stream = std::pin::pin!(stream);
+                let mut failed = false;
                 while let Some(event) = stream.next().await {
                     match event {
-                        Ok(_) => notify.notify_waiters(),
-                        Err(e) => tracing::warn!(error = %e, "pod watch failed; retrying"),
+                        Ok(event) => {
+                            // Mid-relist the cache still holds the old list (it is swapped at
+                            // `InitDone`): it is current again only after that, or a watch event.
+                            let relisting = matches!(
+                                event,
+                                watcher::Event::Init | watcher::Event::InitApply(_)
+                            );
+                            if !relisting && std::mem::take(&mut failed) {
+                                failing.fetch_sub(1, Ordering::Relaxed);
+                            }
+                            notify.notify_waiters();
+                        }
+                        Err(e) => {
+                            if !std::mem::replace(&mut failed, true) {
+                                failing.fetch_add(1, Ordering::Relaxed);
+                            }
+                            tracing::warn!(error = %e, "pod watch failed; retrying");
+                            // Claims waiting on the cache read the API server from now on.
+                            notify.notify_waiters();
+                        }
                     }
                 }
             }));
@@ -154,6 +181,7 @@ impl KubeBackend {
             cfg,
             pods,
             changed,
+            failing,
             live: Arc::default(),
             claims,
             _watches: Tasks(watches),
@@ -170,7 +198,13 @@ impl KubeBackend {
             let changed = self.changed.notified();
             let mut changed = std::pin::pin!(changed);
             changed.as_mut().enable();
-            let pods: Vec<Arc<Pod>> = self.pods.iter().flat_map(|s| s.state()).collect();
+            let behind = self.failing.load(Ordering::Relaxed) > 0;
+            let listed = if behind {
+                self.listed_pods(&api, spec, deadline).await
+            } else {
+                None
+            };
+            let pods = listed.unwrap_or_else(|| self.pods.iter().flat_map(|s| s.state()).collect());
             let wanted = claim::Wanted {
                 namespace: &spec.namespace,
                 pod_namespace,
@@ -207,7 +241,15 @@ impl KubeBackend {
                     }
                 }
             }
-            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+            // A watch that is retrying wakes nobody: read the API server again a moment later.
+            let look_again = if behind {
+                deadline.min(Instant::now() + RELIST_EVERY)
+            } else {
+                deadline
+            };
+            if tokio::time::timeout_at(look_again, changed).await.is_err()
+                && Instant::now() >= deadline
+            {
                 self.metric("none");
                 let failure = StartFailure::Runtime(format!(
                     "no warm pod within {} ms (is the operator running and the pool Ready? `kubectl get hc -n {}`)",
@@ -216,6 +258,30 @@ impl KubeBackend {
                 ));
                 return Err(StartError::new(spec, failure));
             }
+        }
+    }
+
+    /// The chain's pods as the API server has them now (None if it did not answer by `deadline`):
+    /// for a claim while the pod watch is retrying, so that pods made meanwhile are not missed.
+    async fn listed_pods(
+        &self,
+        api: &Api<Pod>,
+        spec: &SandboxSpec,
+        deadline: Instant,
+    ) -> Option<Vec<Arc<Pod>>> {
+        let params = ListParams::default().labels(&format!(
+            "{},{}={}",
+            selector(),
+            labels::LABEL_CHAIN,
+            spec.chain
+        ));
+        match tokio::time::timeout_at(deadline, api.list(&params)).await {
+            Ok(Ok(list)) => Some(list.items.into_iter().map(Arc::new).collect()),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "listing a chain's pods while the pod watch retries");
+                None
+            }
+            Err(_) => None,
         }
     }
 
@@ -344,6 +410,9 @@ impl SandboxBackend for KubeBackend {
         false
     }
 }
+
+/// How often a claim reads the API server again while the pod watch is retrying.
+const RELIST_EVERY: Duration = Duration::from_millis(500);
 
 /// How long one try of a pod's delete may take.
 const DELETE_TRY: Duration = Duration::from_secs(10);

@@ -17,6 +17,7 @@ use kube::{Resource as _, ResourceExt};
 use sluice_crds::definition::{Definition, Directed, NotServed, Origin};
 use sluice_crds::manifest::{Located, Object};
 use sluice_crds::rollout;
+use sluice_crds::watch::WatchBackoff;
 use sluice_crds::{Capability, HookChain, HookChainSpec};
 use sluice_engine::{Engine, Registry};
 use sluice_sandbox_kube::watch::{Tasks, apis};
@@ -117,7 +118,10 @@ where
         Some(selector) => watcher::Config::default().labels(selector),
         None => watcher::Config::default(),
     };
-    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
+    let stream = reflector::reflector(
+        writer,
+        watcher(api, config).backoff(WatchBackoff::default()),
+    );
     let task = tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         // The operator writes status (warm and claimed counts) on nearly every claim; only a change
