@@ -432,9 +432,9 @@ class ChartTest(ManifestCase):
         objs = helm_template()
         want = expected_rbac("", SANDBOXES, objs=objs)
         role = self.find(objs, "Role", "sluice-gateway-sandboxes")
-        role["rules"][0]["verbs"].append("get")
+        role["rules"][0]["verbs"].append("update")
         self.assertNotEqual(granted(objs)["gateway"], want["gateway"], "an extra verb went unnoticed")
-        role["rules"][0]["verbs"] = [v for v in role["rules"][0]["verbs"] if v not in ("get", "delete")]
+        role["rules"][0]["verbs"] = [v for v in role["rules"][0]["verbs"] if v not in ("update", "delete")]
         self.assertTrue(want["gateway"] - granted(objs)["gateway"], "a missing verb went unnoticed")
 
     def test_shapes_that_would_widen_rights_are_refused(self):

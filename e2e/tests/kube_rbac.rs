@@ -9,7 +9,7 @@
 //! fails there. `SLUICE_UPDATE_RBAC=1` rewrites the file from what this run saw.
 
 use sluice_e2e::{Harness, action, chain_yaml, manifest_json, operator};
-use sluice_fake_apiserver::{FakeApiServer, Logged, Resource};
+use sluice_fake_apiserver::{FakeApiServer, Fault, Logged, Resource};
 use sluice_operator::reconcile::build::Settings;
 use sluice_proto::Action;
 use std::collections::{BTreeMap, BTreeSet};
@@ -227,8 +227,27 @@ async fn the_rules_each_component_needs_are_the_ones_the_chart_is_held_to() {
         opts.kube.shadow_status_every = Duration::from_millis(300);
     })
     .await;
+    // The first claim is stored but answered 504 (an API server that timed out after the write
+    // committed): the gateway reads the pod back to learn whether the claim is its own, a read its
+    // Role must allow (it once did not: every read-back was refused, and a claim whose answer was
+    // lost left the pod claimed and idle until the operator's claim deadline).
+    api.inject(
+        Fault::answer("PATCH", "/pods/", 504)
+            .after_commit()
+            .times(1),
+    );
     let r = h.run_text("bot", "input", "call 555").await.expect("run");
     assert_eq!(action(&r), Action::Modify, "{r:?}");
+    assert!(
+        api.requests()
+            .iter()
+            .any(|l| l.client.as_deref() == Some("gateway")
+                && l.method == "GET"
+                && l.path
+                    .starts_with(&format!("/api/v1/namespaces/{SANDBOXES}/pods/"))
+                && !l.path.ends_with("/exec")),
+        "the gateway never read back the pod whose claim was answered 504"
+    );
 
     // A shadow candidate that blocks everything: the gateway writes its comparison into the
     // chain's status (its own entry).

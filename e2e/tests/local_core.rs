@@ -377,6 +377,17 @@ async fn printing_does_not_corrupt_the_protocol() {
     h.stop_and_check_leaks().await;
 }
 
+/// Files removed when dropped.
+struct RemoveOnDrop(Vec<std::path::PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hooks_cannot_reach_host_files_network_or_environment() {
     // A file in the gateway's working directory and one in the host's /tmp.
@@ -386,6 +397,8 @@ async fn hooks_cannot_reach_host_files_network_or_environment() {
     std::fs::write(&cwd_file, "host secret cwd").unwrap();
     let tmp_file = format!("/tmp/sluice-secret-{}.txt", std::process::id());
     std::fs::write(&tmp_file, "host secret tmp").unwrap();
+    // Removed however the test ends (a failed run once left its secrets in the source tree).
+    let _cleanup = RemoveOnDrop(vec![cwd_file.clone(), tmp_file.clone().into()]);
     // A listener on loopback that records any connection.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -431,8 +444,6 @@ def execute(c, s):
     let h = Harness::start(&[("probe.yaml", &chain)]).await;
     let r = h.run_text("t-probe", "input", "x").await.unwrap();
     let report = text(&r).to_string();
-    std::fs::remove_file(&cwd_file).ok();
-    std::fs::remove_file(&tmp_file).ok();
     assert!(
         !report.contains("host secret"),
         "a hook read a host file:\n{report}"

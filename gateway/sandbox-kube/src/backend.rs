@@ -436,6 +436,15 @@ async fn give_back_if_ours(api: Api<Pod>, name: String, identity: String, stamp:
                 return;
             }
             Ok(false) => return,
+            Err(claim::ReadBackError::Failed(kube::Error::Api(s))) if s.code == 403 => {
+                tracing::warn!(
+                    pod = %name,
+                    error = %s.message,
+                    "may not read the pod back to check a lost claim (the gateway's Role needs \
+                     `get` on pods); the operator's claim deadline will"
+                );
+                return;
+            }
             Err(why) => tracing::debug!(pod = %name, %why, "checking a lost claim"),
         }
         tokio::time::sleep(pause).await;
