@@ -252,3 +252,96 @@ async fn a_canary_in_a_cluster_survives_a_gateway_restart_and_a_failing_one_is_r
     h.stop_kube_and_check(&api).await;
     operator::stop(running).await;
 }
+
+/// The gateway's requests to the chain's status (its shadow comparisons), so far.
+fn status_writes(api: &FakeApiServer) -> usize {
+    api.requests()
+        .iter()
+        .filter(|l| {
+            l.client.as_deref() == Some("gateway")
+                && l.method == "PATCH"
+                && l.path
+                    .ends_with(&format!("/namespaces/default/hookchains/{CHAIN}/status"))
+        })
+        .count()
+}
+
+/// A chain deleted while the gateway shadows it: the gateway stops writing its comparison into
+/// the gone chain's status. (It once kept trying every period for as long as it ran, a failed
+/// request and a warning per deleted chain, piling up with every chain deleted mid-shadow.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_chain_deleted_mid_shadow_is_not_written_to_again() {
+    let api = FakeApiServer::builder()
+        .start()
+        .await
+        .expect("fake API server");
+    api.apply(Resource::HookChains, chain());
+    let running = operator::start(
+        api.client(),
+        operator::config("operator-shadow", Default::default()),
+    );
+    wait_for(&api, "rolled out", |hc| {
+        hc["status"]["rollout"]["phase"] == "RolledOut"
+    })
+    .await;
+    let period = Duration::from_millis(200);
+    let gateway_client = api.client_as("gateway");
+    let h = Harness::start_kube_with(&api, "gw-shadow", Duration::from_secs(30), |opts| {
+        opts.client = gateway_client;
+        opts.kube.shadow_status_every = period;
+    })
+    .await;
+    update(&api, |hc| {
+        hc["spec"]["hooks"][0]["code"] = json!(tagging("v2"));
+        hc["spec"]["rollout"] = json!({"strategy": "Shadow"});
+    });
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut i = 0;
+    loop {
+        assert_eq!(
+            run(&h, &format!("s-{i}")).await,
+            "hi v1",
+            "the live revision answers"
+        );
+        i += 1;
+        let hc = api
+            .get(Resource::HookChains, "default", CHAIN)
+            .expect("the chain");
+        let compared = hc["status"]["rollout"]["shadow"]
+            .as_array()
+            .is_some_and(|entries| {
+                entries
+                    .iter()
+                    .any(|e| e["gateway"] == "gw-shadow" && e["runs"].as_u64() >= Some(1))
+            });
+        if compared {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the gateway never wrote its comparison: {:#}",
+            hc["status"]
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    assert!(api.delete(Resource::HookChains, "default", CHAIN).await);
+    let until = Instant::now() + Duration::from_secs(60);
+    while api.get(Resource::HookChains, "default", CHAIN).is_some() {
+        assert!(Instant::now() < until, "the chain was never deleted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The gateway learns of the deletion from its watch and may try once more before it does.
+    tokio::time::sleep(period * 5).await;
+    let before = status_writes(&api);
+    tokio::time::sleep(period * 15).await;
+    let after = status_writes(&api);
+    assert!(
+        after - before <= 1,
+        "the gateway wrote to the deleted chain's status {} times in {:?}",
+        after - before,
+        period * 15
+    );
+    h.stop_kube_and_check(&api).await;
+    operator::stop(running).await;
+}

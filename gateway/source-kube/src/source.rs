@@ -501,9 +501,13 @@ pub async fn publish_shadows(
             .cloned()
             .collect();
         for chain in gone {
-            // An apply without the entry takes it away (this manager owned nothing else there).
-            if apply_status(&client, &chain, &params, serde_json::json!({})).await {
-                written.remove(&chain);
+            // An apply without the entry takes it away (this manager owned nothing else there); a
+            // chain deleted meanwhile took it along.
+            match apply_status(&client, &chain, &params, serde_json::json!({})).await {
+                StatusWrite::Written | StatusWrite::NoChain => {
+                    written.remove(&chain);
+                }
+                StatusWrite::Failed => {}
             }
         }
         for (chain, entry) in now {
@@ -513,22 +517,36 @@ pub async fn publish_shadows(
             let mut stamped = entry.clone();
             stamped.updated_at = jiff::Timestamp::now().to_string();
             let status = serde_json::json!({"rollout": {"shadow": [stamped]}});
-            if apply_status(&client, &chain, &params, status).await {
-                written.insert(chain, entry);
+            match apply_status(&client, &chain, &params, status).await {
+                // A chain not (or no longer) in the API server counts as written until its numbers
+                // change: it is not retried every period for as long as the gateway runs.
+                StatusWrite::Written | StatusWrite::NoChain => {
+                    written.insert(chain, entry);
+                }
+                StatusWrite::Failed => {}
             }
         }
     }
 }
 
-/// Server-side applies `status` to the chain `namespace/name`; false (logged) when it failed.
+/// How a write of this gateway's entry into a chain's status went.
+enum StatusWrite {
+    Written,
+    /// The chain is not in the API server (deleted): there is no status to write or clear.
+    NoChain,
+    /// Failed otherwise (logged): tried again next period.
+    Failed,
+}
+
+/// Server-side applies `status` to the chain `namespace/name`.
 async fn apply_status(
     client: &kube::Client,
     chain: &str,
     params: &kube::api::PatchParams,
     status: serde_json::Value,
-) -> bool {
+) -> StatusWrite {
     let Some((namespace, name)) = chain.split_once('/') else {
-        return false;
+        return StatusWrite::NoChain;
     };
     let api: Api<HookChain> = Api::namespaced(client.clone(), namespace);
     let patch = serde_json::json!({
@@ -540,10 +558,14 @@ async fn apply_status(
         .patch_status(name, params, &kube::api::Patch::Apply(&patch))
         .await
     {
-        Ok(_) => true,
+        Ok(_) => StatusWrite::Written,
+        Err(kube::Error::Api(s)) if s.code == 404 => {
+            tracing::debug!(chain, "no shadow comparison to write: the chain is gone");
+            StatusWrite::NoChain
+        }
         Err(e) => {
             tracing::warn!(chain, error = %e, "cannot write this gateway's shadow comparison into the chain's status");
-            false
+            StatusWrite::Failed
         }
     }
 }
