@@ -56,6 +56,17 @@ async fn wait_for(api: &FakeApiServer, what: &str, f: impl Fn(&Value) -> bool) -
     }
 }
 
+/// A fake API server holding the chain, and the real operator (named `name`) reconciling it.
+async fn with_operator(name: &str) -> (FakeApiServer, operator::Running) {
+    let api = FakeApiServer::builder()
+        .start()
+        .await
+        .expect("fake API server");
+    api.apply(Resource::HookChains, chain());
+    let running = operator::start(api.client(), operator::config(name, Default::default()));
+    (api, running)
+}
+
 async fn run(h: &Harness, session: &str) -> String {
     let r = h
         .run_in_session("bot", "input", "hi", session)
@@ -116,15 +127,7 @@ async fn a_canary_in_a_cluster_survives_a_gateway_restart_and_a_failing_one_is_r
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    let api = FakeApiServer::builder()
-        .start()
-        .await
-        .expect("fake API server");
-    api.apply(Resource::HookChains, chain());
-    let running = operator::start(
-        api.client(),
-        operator::config("operator-rollout", Default::default()),
-    );
+    let (api, running) = with_operator("operator-rollout").await;
     let v1: HookChainSpec = serde_json::from_value(chain()["spec"].clone()).expect("a valid spec");
     let hc = wait_for(&api, "rolled out", |hc| {
         hc["status"]["rollout"]["phase"] == "RolledOut"
@@ -271,15 +274,7 @@ fn status_writes(api: &FakeApiServer) -> usize {
 /// request and a warning per deleted chain, piling up with every chain deleted mid-shadow.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_chain_deleted_mid_shadow_is_not_written_to_again() {
-    let api = FakeApiServer::builder()
-        .start()
-        .await
-        .expect("fake API server");
-    api.apply(Resource::HookChains, chain());
-    let running = operator::start(
-        api.client(),
-        operator::config("operator-shadow", Default::default()),
-    );
+    let (api, running) = with_operator("operator-shadow").await;
     wait_for(&api, "rolled out", |hc| {
         hc["status"]["rollout"]["phase"] == "RolledOut"
     })
