@@ -259,6 +259,7 @@ async fn attach_vs_start(table: &mut Table) -> anyhow::Result<()> {
         namespace: "default".into(),
         chain: "attachbench".into(),
         cpu: "1".into(),
+        cpu_limit: None,
         memory: "256Mi".into(),
         pids: 64,
     };

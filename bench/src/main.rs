@@ -1,6 +1,6 @@
 //! `make bench`: every number an issue asks for, printed as a table beside baselines measured in the
 //! same run on the same machine. `sluice-bench [SECTION...]` runs some sections only
-//! (cells, cpu, run, stream, host_call, load, tenants, rollout, openai, kube; kube-recycle runs the kube section's
+//! (cells, cpu, cpu-model, run, stream, host_call, load, tenants, rollout, openai, kube; kube-recycle runs the kube section's
 //! recycled-pod rows alone; kube-cluster measures a real cluster, `make bench-cluster`).
 
 use anyhow::Context as _;
@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 mod cells;
 mod cluster;
+mod cpu;
 mod kube;
 mod load;
 mod naive;
@@ -234,6 +235,9 @@ async fn main() -> anyhow::Result<()> {
         cells::cpu_per_hook(&mut table)
             .await
             .context("CPU per hook")?;
+    }
+    if on("cpu-model") {
+        cpu::bench(&mut table).await.context("cpu model")?;
     }
     if on("run") {
         run_latency(&mut table).await.context("run latency")?;

@@ -150,6 +150,7 @@ pub(crate) async fn boot_ceiling(window: Duration) -> anyhow::Result<f64> {
         namespace: "bench".into(),
         chain: "boot-ceiling".into(),
         cpu: "1".into(),
+        cpu_limit: None,
         memory: "256Mi".into(),
         pids: 64,
     };

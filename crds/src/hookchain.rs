@@ -376,11 +376,14 @@ fn default_max_uses() -> u32 {
     1000
 }
 
-/// cgroup limits of each sandbox.
+/// What each sandbox is given: CPU guaranteed (a request), memory and processes (limits).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ResourceSpec {
-    /// CPU limit as a Kubernetes quantity (250m is a quarter of a core).
+    /// CPU each sandbox is guaranteed, as a Kubernetes quantity (250m is a quarter of a core): the
+    /// pod's CPU request, its share of the node under contention. It is not a limit: a sandbox may
+    /// burst up to the platform's sandbox CPU limit (one core by default), so a walk is never
+    /// throttled to this; a runaway hook is stopped by its deadline (`timeoutMs`).
     #[serde(default = "default_cpu")]
     pub cpu: String,
     /// Memory limit as a Kubernetes quantity (128Mi); the sandbox is killed past it.

@@ -17,6 +17,8 @@
 #[allow(unreachable_pub)]
 mod capability;
 pub mod code;
+#[cfg(feature = "kube")]
+pub mod cpu;
 pub mod definition;
 pub mod duration;
 pub mod endpoints;

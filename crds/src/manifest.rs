@@ -450,6 +450,8 @@ pub fn to_yaml<T: serde::Serialize>(value: &T) -> Result<String, serde_saphyr::S
 pub struct PlatformRules {
     pub platform_namespace: String,
     pub allowed_endpoints: crate::endpoints::AllowedEndpoints,
+    /// The most CPU one sandbox may use; a chain may not ask to be guaranteed more.
+    pub sandbox_cpu_limit: crate::cpu::SandboxCpuLimit,
 }
 
 impl PlatformRules {
@@ -458,6 +460,7 @@ impl PlatformRules {
         Self {
             platform_namespace: crate::DEFAULT_PLATFORM_NAMESPACE.to_string(),
             allowed_endpoints,
+            sandbox_cpu_limit: crate::cpu::SandboxCpuLimit::default(),
         }
     }
 }
@@ -486,6 +489,12 @@ pub fn object_problems(object: &Object, rules: &PlatformRules) -> Vec<String> {
             if hc.spec.enforced && ns != platform_namespace {
                 out.push(format!(
                     "HookChain {:?}: spec.enforced is honoured only in the platform namespace ({platform_namespace:?} unless the gateway runs with --platform-namespace), not in {ns:?}; the gateway will not serve it",
+                    hc.metadata.name.clone().unwrap_or_default()
+                ));
+            }
+            if let Some(p) = rules.sandbox_cpu_limit.refuses(&hc.spec.resources.cpu) {
+                out.push(format!(
+                    "HookChain {:?}: {p}",
                     hc.metadata.name.clone().unwrap_or_default()
                 ));
             }
@@ -622,6 +631,38 @@ spec:
         let err = got[0].as_ref().unwrap_err();
         assert!(err.message.starts_with("invalid YAML"), "{err}");
         assert!(err.line >= 3, "{err}");
+    }
+
+    #[test]
+    fn a_chain_asking_more_cpu_than_the_platform_allows_is_a_problem() {
+        let text = |cpu: &str| {
+            format!(
+                "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {{name: c}}\nspec:\n  target: bot\n  triggerPoint: input\n  resources: {{cpu: '{cpu}'}}\n  hooks: [{{name: a, action: block, code: 'x'}}]\n"
+            )
+        };
+        let rules = PlatformRules::new(Default::default());
+        let problems = |cpu: &str| {
+            let object = parse(Path::new("c.yaml"), &text(cpu))
+                .remove(0)
+                .unwrap()
+                .value;
+            object_problems(&object, &rules)
+        };
+        assert_eq!(problems("1"), Vec::<String>::new());
+        let over = problems("1500m");
+        assert!(
+            over.len() == 1 && over[0].contains("sandbox CPU limit (1)"),
+            "{over:?}"
+        );
+        let unlimited = PlatformRules {
+            sandbox_cpu_limit: crate::cpu::SandboxCpuLimit(None),
+            ..rules.clone()
+        };
+        let object = parse(Path::new("c.yaml"), &text("8"))
+            .remove(0)
+            .unwrap()
+            .value;
+        assert!(object_problems(&object, &unlimited).is_empty());
     }
 
     #[test]

@@ -116,7 +116,7 @@ class MonitoringTest(unittest.TestCase):
         for wanted in ("SluiceGatewayErrorRate", "SluiceHookErrorRate", "SluiceUnavailable", "SluiceClaimWaitHigh",
                        "SluiceOperatorReconcileErrors", "SluiceWebhookErrors", "SluiceWebhookReviewFailures",
                        "SluiceGatewayCertificateExpiresSoon", "SluiceHookBlockRateSpike", "SluiceHookLatencyHigh",
-                       "SluicePoolEmpty"):
+                       "SluicePoolEmpty", "SluiceSandboxCpuThrottled", "SluiceSandboxPodCpuThrottled"):
             self.assertIn(wanted, alerts)
 
     def test_rules_read_only_metrics_the_code_has(self):
@@ -144,6 +144,17 @@ class MonitoringTest(unittest.TestCase):
             # in 60 days.
             {"series": 'sluice_gateway_tls_certificate_expiry_timestamp_seconds{pod="gw-a"}', "values": f"{3 * 86400}x200"},
             {"series": 'sluice_gateway_tls_certificate_expiry_timestamp_seconds{pod="gw-b"}', "values": f"{60 * 86400}x200"},
+            # bot's sandboxes are throttled twice per 10 runs; ok-bot's never. Pod p1 is throttled in
+            # half its CFS periods, p2 in none.
+            {"series": f'sluice_gateway_runs_total{{{chain}, mode="run", action="pass"}}', "values": "0+10x30"},
+            {"series": f'sluice_gateway_sandbox_cpu_throttled_periods_total{{{chain}}}', "values": "0+2x30"},
+            {"series": f'sluice_gateway_runs_total{{{healthy}, mode="run", action="pass"}}', "values": "0+10x30"},
+            {"series": f'sluice_gateway_sandbox_cpu_throttled_periods_total{{{healthy}}}', "values": "0x30"},
+            *[{"series": f'{metric}{{namespace="sluice-sandboxes", pod="{pod}", container="supervisor"}}', "values": v}
+              for metric, pod, v in (("container_cpu_cfs_periods_total", "p1", "0+600x30"),
+                                     ("container_cpu_cfs_throttled_periods_total", "p1", "0+300x30"),
+                                     ("container_cpu_cfs_periods_total", "p2", "0+600x30"),
+                                     ("container_cpu_cfs_throttled_periods_total", "p2", "0x30"))],
         ]
         labels = {"namespace": "team", "target": "bot", "trigger_point": "input", "severity": "warning"}
         rules = {r["alert"]: r for g in self.rules[0]["spec"]["groups"] for r in g["rules"] if "alert" in r}
@@ -171,6 +182,14 @@ class MonitoringTest(unittest.TestCase):
                      "exp_alerts": [{"exp_labels": {"pod": "gw-a", "severity": "warning"}, "exp_annotations": {
                          "summary": "The Sluice gateway's TLS certificate expires in 2d 22h 30m 0s",
                          "description": rules["SluiceGatewayCertificateExpiresSoon"]["annotations"]["description"]}}]},
+                    {"eval_time": "25m", "alertname": "SluiceSandboxCpuThrottled",
+                     "exp_alerts": fired("SluiceSandboxCpuThrottled",
+                                         "Sandboxes of Sluice chain team/bot (input) are CPU-throttled 0.20 times per trigger point")},
+                    {"eval_time": "25m", "alertname": "SluiceSandboxPodCpuThrottled",
+                     "exp_alerts": [{"exp_labels": {"namespace": "sluice-sandboxes", "pod": "p1", "severity": "warning"},
+                                     "exp_annotations": {
+                         "summary": "Sandbox pod sluice-sandboxes/p1 is CPU-throttled in 50% of its CFS periods",
+                         "description": rules["SluiceSandboxPodCpuThrottled"]["annotations"]["description"]}}]},
                     # Before `for:` has passed nothing fires.
                     {"eval_time": "3m", "alertname": "SluiceGatewayErrorRate", "exp_alerts": []},
                 ],

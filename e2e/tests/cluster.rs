@@ -2307,3 +2307,86 @@ async fn upgrade_from_the_previous_release_with_traffic_running() {
         "traffic ran through the upgrade: {seen:?}"
     );
 }
+
+/// CFS periods a pod was throttled in so far, from its pod cgroup on this machine (the test
+/// cluster's node, cgroupfs layout); `None` when it is not found here.
+fn pod_throttled_periods(pod: &Pod) -> Option<u64> {
+    let dir = format!("pod{}", pod.metadata.uid.as_deref()?);
+    ["cpu", "cpu,cpuacct"].iter().find_map(|hierarchy| {
+        ["kubepods", "kubepods/burstable", "kubepods/besteffort"]
+            .iter()
+            .find_map(|qos| {
+                let stat = std::fs::read_to_string(format!(
+                    "/sys/fs/cgroup/{hierarchy}/{qos}/{dir}/cpu.stat"
+                ))
+                .ok()?;
+                sluice_sandbox::CpuThrottling::from_cpu_stat(&stat).map(|t| t.periods)
+            })
+    })
+}
+
+/// The chart's defaults as a platform team gets them: a chain's `cpu` is its pods' request, the
+/// platform's sandbox CPU limit (one core) their limit, and the chain's status says a walk fits. A
+/// smoke row for the trigger point's latency and throttling is printed (the figures are `make
+/// bench-cluster`'s; this only shows a regression).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_resources_request_cpu_and_walks_fit_the_limit() {
+    let Some(c) = cluster("cpu").await else {
+        return;
+    };
+    c.apply_chain(
+        "cpu",
+        "cpu-bot",
+        "input",
+        json!({"pool": {"warm": 2, "max": 4, "reuse": "Recycle"}}),
+        &[
+            ("upper", "modify", UPPER),
+            ("digits", "modify", DIGITS),
+            ("lower", "modify", LOWER),
+        ],
+    )
+    .await;
+    let chain = c.wait_pool_ready("cpu").await;
+    let fits = chain
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "CpuSufficient"))
+        .unwrap_or_else(|| panic!("no CpuSufficient condition: {:?}", chain.status));
+    assert_eq!(
+        (fits.status.as_str(), fits.reason.as_str()),
+        ("True", "WalkFits"),
+        "{fits:?}"
+    );
+    let pods = c.pool_pods("cpu", "warm").await;
+    let resources = pods[0].spec.as_ref().unwrap().containers[0]
+        .resources
+        .clone()
+        .expect("resources");
+    assert_eq!(resources.requests.as_ref().unwrap()["cpu"].0, "250m");
+    assert_eq!(resources.limits.as_ref().unwrap()["cpu"].0, "1");
+    c.run("cpu-bot", "warm").await.expect("Run");
+    let held = c.pool_pods("cpu", "claimed").await;
+    let before: Option<u64> = held.iter().map(pod_throttled_periods).sum();
+    let mut took = Vec::new();
+    for i in 0..30 {
+        let began = Instant::now();
+        let r = c
+            .run("cpu-bot", &format!("Call 555-{i:04}"))
+            .await
+            .expect("Run");
+        took.push(began.elapsed());
+        assert_eq!(text(&r), "call ###-####", "the three hooks ran in order");
+    }
+    let after: Option<u64> = held.iter().map(pod_throttled_periods).sum();
+    took.sort();
+    println!(
+        "SMOKE cluster Run, 3 hooks, chart defaults, held pod: p50 {:?} · max {:?} (n={}); throttled CFS periods per trigger point: {}",
+        took[took.len() / 2],
+        took[took.len() - 1],
+        took.len(),
+        match (before, after) {
+            (Some(b), Some(a)) => format!("{:.2}", a.saturating_sub(b) as f64 / took.len() as f64),
+            _ => "not readable here".into(),
+        }
+    );
+}

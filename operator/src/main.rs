@@ -2,6 +2,7 @@
 
 use clap::{Args, Parser, Subcommand};
 use kube::{Api, Client};
+use sluice_crds::cpu::SandboxCpuLimit;
 use sluice_crds::duration::parse_duration;
 use sluice_crds::endpoints::AllowedEndpoints;
 use sluice_crds::manifest::PlatformRules;
@@ -53,6 +54,10 @@ struct PodArgs {
     /// only. A chain's pods there are deleted with it through the operator's finalizer.
     #[arg(long)]
     sandbox_namespace: Option<String>,
+    /// The most CPU one sandbox pod may use (its CPU limit; `none` for no limit). A chain's
+    /// `resources.cpu` is its pods' request, and may not be more than this.
+    #[arg(long, default_value = sluice_crds::cpu::DEFAULT_SANDBOX_CPU_LIMIT)]
+    sandbox_cpu_limit: SandboxCpuLimit,
 }
 
 impl PodArgs {
@@ -61,6 +66,7 @@ impl PodArgs {
             runtime_class: self.runtime_class.clone(),
             supervisor_image: self.supervisor_image.clone(),
             sandbox_namespace: self.sandbox_namespace.clone().filter(|ns| !ns.is_empty()),
+            sandbox_cpu_limit: self.sandbox_cpu_limit,
         }
     }
 }
@@ -272,6 +278,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let rules = PlatformRules {
         platform_namespace: args.platform_namespace.clone(),
         allowed_endpoints: args.allowed_endpoints.clone(),
+        sandbox_cpu_limit: args.pod.sandbox_cpu_limit,
     };
     if let Some(webhook) = args.webhook.config(&rules) {
         let webhook = Webhook::bind(webhook).await?.with_metrics(metrics.clone());

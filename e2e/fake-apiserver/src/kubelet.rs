@@ -118,10 +118,14 @@ fn sandbox_spec(namespace: &str, pod: &Value) -> Result<SandboxSpec, ContainerEr
     };
     let memory_bytes = flag("--memory-bytes")?.unwrap_or(256 << 20);
     let pids = flag("--pids")?.unwrap_or(64);
-    let cpu = container["resources"]["limits"]["cpu"]
+    // As a kubelet: the request is the sandbox's share, the limit (if any) its CFS quota.
+    let resources = &container["resources"];
+    let cpu = resources["requests"]["cpu"]
         .as_str()
+        .or(resources["limits"]["cpu"].as_str())
         .unwrap_or("1")
         .to_string();
+    let cpu_limit = resources["limits"]["cpu"].as_str().map(str::to_string);
     let chain = pod["metadata"]["labels"][sluice_crds::sandbox_pod::LABEL_CHAIN]
         .as_str()
         .or_else(|| pod["metadata"]["name"].as_str())
@@ -131,6 +135,7 @@ fn sandbox_spec(namespace: &str, pod: &Value) -> Result<SandboxSpec, ContainerEr
         namespace: namespace.to_string(),
         chain,
         cpu,
+        cpu_limit,
         // The sandbox's memory limit is the pod's; the supervisor's flag says it in bytes.
         memory: memory_bytes.to_string(),
         pids: u32::try_from(pids).unwrap_or(u32::MAX),
@@ -585,7 +590,7 @@ mod tests {
             "metadata": {"name": "c-x", "labels": {"sluice.dev/chain": "c"}},
             "spec": {"containers": [{
                 "command": sluice_crds::sandbox_pod::supervisor_command(1 << 27, 48),
-                "resources": {"limits": {"cpu": "250m"}},
+                "resources": {"requests": {"cpu": "250m"}, "limits": {"cpu": "1"}},
                 "readinessProbe": {"exec": {"command": ["true"]}, "periodSeconds": 4, "failureThreshold": 2},
             }]},
         });
@@ -599,6 +604,7 @@ mod tests {
             ),
             ("c", "134217728", 48, "250m")
         );
+        assert_eq!(spec.cpu_limit.as_deref(), Some("1"));
         let p = Probe::of(&pod).unwrap();
         assert_eq!(
             (

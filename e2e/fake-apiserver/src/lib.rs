@@ -731,7 +731,7 @@ impl Shared {
                         sluice_crds::quantity::memory_bytes(&spec.memory).unwrap_or(256 << 20),
                         spec.pids,
                     ),
-                    "resources": {"limits": {"cpu": spec.cpu}},
+                    "resources": {"requests": {"cpu": spec.cpu}, "limits": {"cpu": spec.cpu_limit.as_deref().unwrap_or(spec.cpu.as_str())}},
                     // As the operator's pods: a startup probe every second until it passes, then
                     // nothing (an attached pod is not probed).
                     "startupProbe": {

@@ -16,6 +16,7 @@ fn spec(chain: &str) -> SandboxSpec {
         namespace: "default".into(),
         chain: chain.into(),
         cpu: "250m".into(),
+        cpu_limit: None,
         memory: "256Mi".into(),
         pids: 64,
     }

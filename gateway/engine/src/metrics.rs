@@ -10,7 +10,8 @@ use crate::chain::Chain;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{
-    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    CounterVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry,
 };
 use std::sync::{Arc, Mutex};
 
@@ -83,6 +84,8 @@ pub struct Metrics {
     pub sandbox_boot_seconds: HistogramVec,
     pub sandbox_retirements: IntCounterVec,
     pub cells_prepared: IntCounterVec,
+    pub sandbox_cpu_throttled_periods: IntCounterVec,
+    pub sandbox_cpu_throttled_seconds: CounterVec,
     pub claims: IntCounterVec,
     pub claim_wait_seconds: HistogramVec,
     pub pool_warm: IntGaugeVec,
@@ -201,6 +204,19 @@ impl Metrics {
             "Cells opened ahead of a claim (each hook of the trigger point in a fresh process), by chain; rate() is cells per second",
             &CHAIN,
         );
+        let sandbox_cpu_throttled_periods = counter_vec(
+            "sluice_gateway_sandbox_cpu_throttled_periods_total",
+            "CFS periods in which a sandbox used up its CPU quota (the sandbox CPU limit) and waited, by chain, counted at the end of each trigger point; local mode (a pod's are the kubelet's container_cpu_cfs_throttled_periods_total)",
+            &CHAIN,
+        );
+        let sandbox_cpu_throttled_seconds = CounterVec::new(
+            Opts::new(
+                "sluice_gateway_sandbox_cpu_throttled_seconds_total",
+                "Time sandboxes waited throttled at their CPU quota, by chain; local mode",
+            ),
+            &CHAIN,
+        )
+        .expect("valid metric");
         let claims = counter_vec(
             "sluice_gateway_claims_total",
             "Sandbox claims by chain and result: warm (one was waiting), cold (waited for a boot or a recycle), timeout, shadow (a rollout's shadow run took one no run was waiting for)",
@@ -314,6 +330,8 @@ impl Metrics {
             Box::new(sandbox_boot_seconds.clone()),
             Box::new(sandbox_retirements.clone()),
             Box::new(cells_prepared.clone()),
+            Box::new(sandbox_cpu_throttled_periods.clone()),
+            Box::new(sandbox_cpu_throttled_seconds.clone()),
             Box::new(claims.clone()),
             Box::new(claim_wait_seconds.clone()),
             Box::new(pool_warm.clone()),
@@ -347,6 +365,8 @@ impl Metrics {
             sandbox_boot_seconds,
             sandbox_retirements,
             cells_prepared,
+            sandbox_cpu_throttled_periods,
+            sandbox_cpu_throttled_seconds,
             claims,
             claim_wait_seconds,
             pool_warm,

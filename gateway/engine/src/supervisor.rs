@@ -65,6 +65,8 @@ pub struct SupervisorConn {
     heard_at: tokio::time::Instant,
     /// Bytes printed before the open cell's trigger point: output is counted per trigger point.
     printed_before: u64,
+    /// The sandbox's CPU throttling when it was last counted.
+    throttling_counted: crate::sandbox::CpuThrottling,
 }
 
 /// How a cell ended: clean, or why the sandbox must not serve again.
@@ -112,7 +114,16 @@ impl SupervisorConn {
             idle_since: tokio::time::Instant::now(),
             heard_at: tokio::time::Instant::now(),
             printed_before: 0,
+            throttling_counted: Default::default(),
         }
+    }
+
+    /// CPU throttling the sandbox met since this was last asked (None: its backend cannot see it).
+    pub fn throttling_since_counted(&mut self) -> Option<crate::sandbox::CpuThrottling> {
+        let now = self.handle.cpu_throttling()?;
+        let added = now.since(self.throttling_counted);
+        self.throttling_counted = now;
+        Some(added)
     }
 
     /// False once a deadline passed or the sandbox misbehaved: it must not be used again.

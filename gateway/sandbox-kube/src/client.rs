@@ -7,7 +7,10 @@
 //!   instead of staying open forever;
 //! - a TCP user timeout: data sent and not acknowledged (a request, a run's payload on an exec)
 //!   fails the connection after `USER_TIMEOUT`, instead of the ~15 minutes of retransmissions
-//!   Linux allows by default.
+//!   Linux allows by default;
+//! - `TCP_NODELAY`: the exec websocket carries small protocol frames (a hook's answer, the next
+//!   request) that must leave at once, not wait for the previous segment's acknowledgement
+//!   (Nagle's algorithm with delayed ACKs holds them up to 40 ms).
 //!
 //! Neither sees a connection whose peer's kernel still acknowledges but whose other end stopped
 //! relaying (a stalled proxy): the exec's websocket heartbeat (`exec.rs`) covers that.
@@ -35,6 +38,7 @@ fn connector() -> HttpConnector {
     connector.set_keepalive_interval(Some(KEEPALIVE_INTERVAL));
     connector.set_keepalive_retries(Some(KEEPALIVE_PROBES));
     connector.set_tcp_user_timeout(Some(USER_TIMEOUT));
+    connector.set_nodelay(true);
     connector
 }
 
@@ -66,7 +70,7 @@ mod tests {
 
     /// The options reach the sockets: a connection the connector makes carries them.
     #[tokio::test]
-    async fn connections_carry_keepalive_and_a_user_timeout() {
+    async fn connections_carry_keepalive_a_user_timeout_and_nodelay() {
         use tower::Service;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -82,6 +86,10 @@ mod tests {
         assert_eq!(socket.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
         assert_eq!(socket.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
         assert_eq!(socket.tcp_user_timeout().unwrap(), Some(USER_TIMEOUT));
+        assert!(
+            socket.tcp_nodelay().unwrap(),
+            "small exec frames leave at once"
+        );
         drop(accepted);
     }
 }

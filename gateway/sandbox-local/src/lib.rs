@@ -12,8 +12,9 @@
 
 use async_trait::async_trait;
 use serde_json::json;
+use sluice_crds::cpu::SandboxCpuLimit;
 use sluice_sandbox::{
-    Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
+    CpuThrottling, Sandbox, SandboxBackend, SandboxHandle, SandboxSpec, StartError, StartFailure,
     SupervisorProgram, discard_output,
 };
 use std::collections::BTreeSet;
@@ -50,6 +51,9 @@ pub struct LocalConfig {
     pub platform: String,
     /// Size of each sandbox's `/tmp`.
     pub tmp_bytes: u64,
+    /// The most CPU one sandbox may use (its CFS quota), unless its spec carries its own; a
+    /// sandbox's `cpu` is its `cpu.shares` (sluice_crds::cpu).
+    pub cpu_limit: SandboxCpuLimit,
     /// Start sandboxes the way a warm pod starts: the supervisor listens for one attach
     /// (`--listen`) instead of serving its stdin, and callers reach it with [`LocalBackend::exec`].
     /// For the fake API server, whose pods are local sandboxes, and the bench: feature `pods`.
@@ -65,6 +69,7 @@ impl LocalConfig {
             program: None,
             platform: "auto".into(),
             tmp_bytes: 16 << 20,
+            cpu_limit: SandboxCpuLimit::default(),
             #[cfg(feature = "pods")]
             pod_shape: false,
         }
@@ -242,6 +247,7 @@ impl LocalBackend {
             namespace: "sluice".into(),
             chain: "probe".into(),
             cpu: "1".into(),
+            cpu_limit: None,
             memory: "256Mi".into(),
             pids: 64,
         };
@@ -316,9 +322,7 @@ impl LocalBackend {
     }
 
     fn oci_spec(&self, id: &str, spec: &SandboxSpec) -> Result<serde_json::Value, StartFailure> {
-        let period: u64 = 100_000;
-        let cpu_millis =
-            sluice_crds::quantity::cpu_millis(&spec.cpu).map_err(|e| resources(e.to_string()))?;
+        let cpu = self.cpu(spec)?;
         let memory_bytes = sluice_crds::quantity::memory_bytes(&spec.memory)
             .map_err(|e| resources(e.to_string()))?;
         #[cfg_attr(not(feature = "pods"), allow(unused_mut))]
@@ -339,10 +343,31 @@ impl LocalBackend {
                 "resources": {
                     "memory": {"limit": memory_bytes + RUNTIME_MEMORY},
                     "pids": {"limit": spec.pids as u64 + RUNTIME_THREADS},
-                    "cpu": {"quota": (cpu_millis * period / 1000).max(1000), "period": period}
+                    "cpu": cpu
                 }
             }
         }))
+    }
+
+    /// The OCI `linux.resources.cpu` of a sandbox for `spec`, the same model as a pod's: the chain's
+    /// cpu as `cpu.shares` (1024 a core, as the kubelet converts a request), the limit as a CFS
+    /// quota per 100 ms period, none without one.
+    fn cpu(&self, spec: &SandboxSpec) -> Result<serde_json::Value, StartFailure> {
+        let millis =
+            |q: &str| sluice_crds::quantity::cpu_millis(q).map_err(|e| resources(e.to_string()));
+        let shares = (millis(&spec.cpu)? * 1024 / 1000).max(2);
+        let limit = match &spec.cpu_limit {
+            Some(q) => SandboxCpuLimit(Some(millis(q)?)),
+            None => self.cfg.cpu_limit,
+        };
+        let period = sluice_crds::cpu::CFS_PERIOD.as_micros() as u64;
+        Ok(match limit.quota() {
+            // runsc's floor for a quota is 1 ms.
+            Some(quota) => {
+                json!({"shares": shares, "quota": (quota.as_micros() as u64).max(1000), "period": period})
+            }
+            None => json!({"shares": shares}),
+        })
     }
 
     /// The supervisor's command line in a sandbox for `spec`. Settings are flags, never the
@@ -767,6 +792,18 @@ impl SandboxHandle for LocalHandle {
 
     fn stdout_bytes(&self) -> u64 {
         self.stdout_bytes.load(Ordering::Relaxed)
+    }
+
+    fn cpu_throttling(&self) -> Option<CpuThrottling> {
+        // cgroup v1 mounts the cpu controller as `cpu` (or `cpu,cpuacct`); v2 has one hierarchy.
+        ["cpu", "cpu,cpuacct", ""].iter().find_map(|hierarchy| {
+            let path = Path::new(CGROUP_ROOT)
+                .join(hierarchy)
+                .join(CGROUP_PARENT)
+                .join(&self.id)
+                .join("cpu.stat");
+            CpuThrottling::from_cpu_stat(&std::fs::read_to_string(path).ok()?)
+        })
     }
 }
 

@@ -24,8 +24,13 @@ pub struct SandboxSpec {
     /// The HookChain the sandbox serves: the `kube` backend claims that chain's warm pods.
     pub namespace: String,
     pub chain: String,
-    /// CPU limit, a Kubernetes quantity.
+    /// CPU the sandbox is guaranteed (the chain's `resources.cpu`), a Kubernetes quantity: a pod's
+    /// request, a local sandbox's `cpu.shares`.
     pub cpu: String,
+    /// The most CPU this sandbox may use, a Kubernetes quantity, when it has one of its own (a pod's
+    /// CPU limit, which the fake kubelet passes on); `None`: the backend's setting (the platform's
+    /// sandbox CPU limit).
+    pub cpu_limit: Option<String>,
     /// Memory limit, a Kubernetes quantity.
     pub memory: String,
     pub pids: u32,
@@ -37,6 +42,7 @@ impl SandboxSpec {
             namespace: namespace.to_string(),
             chain: chain.to_string(),
             cpu: r.cpu.clone(),
+            cpu_limit: None,
             memory: r.memory.clone(),
             pids: r.pids,
         }
@@ -93,6 +99,90 @@ pub trait SandboxHandle: Send + Sync {
     /// reaches pods a gateway holds without failing a run.
     fn outdated(&self) -> bool {
         false
+    }
+    /// The CPU throttling the sandbox met since it started, when the backend can see its cgroup
+    /// (the local backend reads `cpu.stat`; a pod's is the kubelet's
+    /// `container_cpu_cfs_throttled_periods_total`, so the `kube` backend says `None`).
+    fn cpu_throttling(&self) -> Option<CpuThrottling> {
+        None
+    }
+}
+
+/// CFS throttling of one sandbox, counted from its start: the periods in which it used up its quota
+/// and had to wait, and how long it waited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuThrottling {
+    pub periods: u64,
+    pub time: std::time::Duration,
+}
+
+impl CpuThrottling {
+    /// Parses a cgroup's `cpu.stat`: v1 (`nr_throttled`, `throttled_time` in ns) or v2
+    /// (`nr_throttled`, `throttled_usec`).
+    pub fn from_cpu_stat(text: &str) -> Option<Self> {
+        let mut out = Self::default();
+        let mut seen = false;
+        for line in text.lines() {
+            let Some((key, value)) = line.split_once(' ') else {
+                continue;
+            };
+            let Ok(value) = value.trim().parse::<u64>() else {
+                continue;
+            };
+            match key {
+                "nr_throttled" => {
+                    out.periods = value;
+                    seen = true;
+                }
+                "throttled_time" => out.time = std::time::Duration::from_nanos(value),
+                "throttled_usec" => out.time = std::time::Duration::from_micros(value),
+                _ => {}
+            }
+        }
+        seen.then_some(out)
+    }
+
+    /// What was added since `before`.
+    pub fn since(self, before: Self) -> Self {
+        Self {
+            periods: self.periods.saturating_sub(before.periods),
+            time: self.time.saturating_sub(before.time),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CpuThrottling;
+    use std::time::Duration;
+
+    #[test]
+    fn cpu_stat_of_either_cgroup_version_parses() {
+        let v1 = "nr_periods 120\nnr_throttled 7\nthrottled_time 45000000\n";
+        assert_eq!(
+            CpuThrottling::from_cpu_stat(v1),
+            Some(CpuThrottling {
+                periods: 7,
+                time: Duration::from_millis(45)
+            })
+        );
+        let v2 = "usage_usec 10\nnr_periods 3\nnr_throttled 2\nthrottled_usec 1500\n";
+        assert_eq!(
+            CpuThrottling::from_cpu_stat(v2).map(|t| t.time),
+            Some(Duration::from_micros(1500))
+        );
+        assert_eq!(CpuThrottling::from_cpu_stat("usage_usec 10\n"), None);
+        let later = CpuThrottling {
+            periods: 9,
+            time: Duration::from_millis(50),
+        };
+        assert_eq!(
+            later.since(CpuThrottling::from_cpu_stat(v1).unwrap()),
+            CpuThrottling {
+                periods: 2,
+                time: Duration::from_millis(5)
+            }
+        );
     }
 }
 

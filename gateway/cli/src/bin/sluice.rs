@@ -40,6 +40,10 @@ enum Command {
         /// mode allows.
         #[arg(long, env = "SLUICE_ALLOWED_ENDPOINTS", value_name = "LIST")]
         allowed_endpoints: Option<sluice_crds::endpoints::AllowedEndpoints>,
+        /// The platform's sandbox CPU limit (the operator's --sandbox-cpu-limit): a chain asking
+        /// for more `resources.cpu` is reported.
+        #[arg(long, env = "SLUICE_SANDBOX_CPU_LIMIT", value_name = "CPU", default_value = sluice_crds::cpu::DEFAULT_SANDBOX_CPU_LIMIT)]
+        sandbox_cpu_limit: sluice_crds::cpu::SandboxCpuLimit,
     },
     /// Run declarative test cases (YAML) against their chains in local gVisor sandboxes.
     ///
@@ -240,10 +244,15 @@ async fn main() -> ExitCode {
             files,
             python,
             allowed_endpoints,
+            sandbox_cpu_limit,
         } => {
             let allowed = allowed_endpoints
                 .unwrap_or_else(sluice_crds::endpoints::AllowedEndpoints::loopback);
-            return check(&files, &python, &PlatformRules::new(allowed));
+            let rules = PlatformRules {
+                sandbox_cpu_limit,
+                ..PlatformRules::new(allowed)
+            };
+            return check(&files, &python, &rules);
         }
         Command::Test {
             files,

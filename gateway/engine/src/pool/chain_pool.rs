@@ -457,6 +457,9 @@ impl ChainPool {
                     .observe(began.elapsed().as_secs_f64());
                 m.sandboxes_started.with_label_values(&labels).inc();
                 m.cells_prepared.with_label_values(&labels).inc();
+                // A boot's throttling is the boot's (sandbox_boot_seconds shows it), not the first
+                // trigger point's.
+                let _ = conn.throttling_since_counted();
                 Ok(conn)
             }
             Err(e) => {
@@ -643,8 +646,25 @@ impl ChainPool {
         }
     }
 
+    /// Adds the CPU throttling the sandbox met since it was last counted (its trigger point, and the
+    /// preparation of the cell before it) to the chain's metrics.
+    fn count_throttling(&self, conn: &mut SupervisorConn) {
+        let Some(t) = conn.throttling_since_counted() else {
+            return;
+        };
+        let labels = self.labels.with(&[]);
+        let m = &self.shared.metrics;
+        m.sandbox_cpu_throttled_periods
+            .with_label_values(&labels)
+            .inc_by(t.periods);
+        m.sandbox_cpu_throttled_seconds
+            .with_label_values(&labels)
+            .inc_by(t.time.as_secs_f64());
+    }
+
     /// The trigger point is over: recycle the sandbox for the next one, or retire it.
     fn release(self: &Arc<Self>, mut conn: SupervisorConn) {
+        self.count_throttling(&mut conn);
         let retire = self.retirement_on_release(&conn);
         {
             let mut c = self.lock();

@@ -127,6 +127,11 @@ struct Args {
     /// at start; either must be able to make cells or the gateway does not start).
     #[arg(long, default_value = "auto", value_parser = ["auto", "ptrace", "systrap", "kvm"])]
     platform: String,
+    /// Local mode: the most CPU one sandbox may use (its CFS quota per 100 ms; `none` for no
+    /// limit), as the operator's `--sandbox-cpu-limit` sets a pod's. A chain's `resources.cpu` is
+    /// its sandboxes' share (`cpu.shares`), not a limit.
+    #[arg(long, default_value = sluice_crds::cpu::DEFAULT_SANDBOX_CPU_LIMIT)]
+    sandbox_cpu_limit: sluice_crds::cpu::SandboxCpuLimit,
     /// Namespace whose HookChains marked `enforced: true` are platform baselines: they run before
     /// every tenant's chain at their trigger point and cannot be bypassed.
     #[arg(long, default_value = sluice_crds::DEFAULT_PLATFORM_NAMESPACE)]
@@ -210,6 +215,7 @@ async fn main() -> anyhow::Result<()> {
                 );
             }
             opts.sandbox.platform = args.platform;
+            opts.sandbox.cpu_limit = args.sandbox_cpu_limit;
             opts.platform_namespace = args.platform_namespace;
             if let Some(allowed) = args.allowed_endpoints {
                 opts.trust.allowed = allowed;

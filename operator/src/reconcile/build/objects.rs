@@ -11,6 +11,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use sha2::{Digest, Sha256};
 use sluice_crds::HookChain;
+use sluice_crds::cpu::SandboxCpuLimit;
 use std::collections::BTreeMap;
 
 pub use sluice_crds::sandbox_pod::{
@@ -39,6 +40,9 @@ pub struct Settings {
     /// Where sandbox pods and their NetworkPolicies live (`--sandbox-namespace`). `None`: beside
     /// their HookChain, owned by it.
     pub sandbox_namespace: Option<String>,
+    /// The most CPU one sandbox may use (`--sandbox-cpu-limit`): every pod's CPU limit, above the
+    /// chain's `resources.cpu`, its request.
+    pub sandbox_cpu_limit: SandboxCpuLimit,
 }
 
 impl Default for Settings {
@@ -47,6 +51,7 @@ impl Default for Settings {
             runtime_class: "gvisor".into(),
             supervisor_image: default_supervisor_image(),
             sandbox_namespace: None,
+            sandbox_cpu_limit: SandboxCpuLimit::default(),
         }
     }
 }
@@ -70,12 +75,14 @@ pub fn default_supervisor_image() -> String {
 /// needs no new pods.
 pub fn template_hash(chain: &HookChain, settings: &Settings) -> String {
     let r = &chain.spec.resources;
+    let cpu_limit = settings.sandbox_cpu_limit.to_string();
     let parts = [
         // Bump when the shape of the pod built below changes, so running pools roll.
-        "v4",
+        "v5",
         settings.supervisor_image.as_str(),
         settings.runtime_class.as_str(),
         r.cpu.as_str(),
+        cpu_limit.as_str(),
         r.memory.as_str(),
         &r.pids.to_string(),
         TMP_SIZE,
@@ -165,16 +172,22 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
     let r = &chain.spec.resources;
     // Validated before any pod is built; 0 (no address-space limit, the cgroup still holds) otherwise.
     let memory_bytes = sluice_crds::quantity::memory_bytes(&r.memory).unwrap_or(0);
-    // requests = limits: a sandbox gets exactly what the chain asked for (Guaranteed QoS).
-    // The chain's memory bounds each hook's instance; gVisor and the supervisor's runtime come on top.
-    let pod_memory = format!(
+    // Memory: request = limit, what the chain asked for each hook's instance with gVisor and the
+    // supervisor's runtime on top. CPU: the chain's cpu is requested (guaranteed, its share under
+    // contention); the platform's sandbox CPU limit caps it. A limit equal to the request would
+    // throttle every walk past its quota per 100 ms period (sluice_crds::cpu).
+    let pod_memory = quantity(&format!(
         "{}Mi",
         (memory_bytes + sluice_crds::sandbox_pod::RUNTIME_MEMORY_BYTES).div_ceil(1 << 20)
-    );
-    let amounts = BTreeMap::from([
+    ));
+    let requests = BTreeMap::from([
         ("cpu".to_string(), quantity(&r.cpu)),
-        ("memory".to_string(), quantity(&pod_memory)),
+        ("memory".to_string(), pod_memory.clone()),
     ]);
+    let mut limits = BTreeMap::from([("memory".to_string(), pod_memory)]);
+    if let Some(cpu) = settings.sandbox_cpu_limit.quantity() {
+        limits.insert("cpu".to_string(), quantity(&cpu));
+    }
     let security = SecurityContext {
         allow_privilege_escalation: Some(false),
         read_only_root_filesystem: Some(true),
@@ -197,8 +210,8 @@ pub fn pod(chain: &HookChain, settings: &Settings) -> Pod {
         // Settings are flags: every process of the sandbox can read the initial environment.
         command: Some(supervisor_command(memory_bytes, r.pids)),
         resources: Some(ResourceRequirements {
-            requests: Some(amounts.clone()),
-            limits: Some(amounts),
+            requests: Some(requests),
+            limits: Some(limits),
             ..Default::default()
         }),
         // Ready once the supervisor answers, its runtime loaded and its self-check passed. A
@@ -333,6 +346,13 @@ pub(crate) mod tests {
         c
     }
 
+    fn pod_of(chain: &HookChain, settings: &Settings) -> ResourceRequirements {
+        pod(chain, settings).spec.unwrap().containers[0]
+            .resources
+            .clone()
+            .unwrap()
+    }
+
     pub(crate) fn simple() -> HookChain {
         chain(serde_json::json!({
             "target": "bot", "triggerPoint": "input",
@@ -386,15 +406,30 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn resources_are_requests_and_limits_and_tmp_is_small_memory() {
+    fn cpu_is_requested_up_to_the_platform_limit_and_memory_is_exact() {
         let pod = pod(&simple(), &Settings::default());
         let spec = pod.spec.unwrap();
         let res = spec.containers[0].resources.clone().unwrap();
-        for amounts in [res.requests.unwrap(), res.limits.unwrap()] {
-            assert_eq!(amounts["cpu"].0, "500m");
+        let (requests, limits) = (res.requests.unwrap(), res.limits.unwrap());
+        // The chain's cpu is guaranteed; the platform's default limit (one core) caps the bursts.
+        assert_eq!(requests["cpu"].0, "500m");
+        assert_eq!(limits["cpu"].0, "1");
+        for amounts in [&requests, &limits] {
             // The chain's 256Mi for its hooks, 256Mi for gVisor and the supervisor's runtime.
             assert_eq!(amounts["memory"].0, "512Mi");
         }
+        // No limit at all when the platform says none; another limit rolls the pool.
+        let unlimited = Settings {
+            sandbox_cpu_limit: SandboxCpuLimit(None),
+            ..Settings::default()
+        };
+        let res = pod_of(&simple(), &unlimited);
+        assert!(!res.limits.unwrap().contains_key("cpu"));
+        assert_eq!(res.requests.unwrap()["cpu"].0, "500m");
+        assert_ne!(
+            template_hash(&simple(), &unlimited),
+            template_hash(&simple(), &Settings::default())
+        );
         let vol = &spec.volumes.unwrap()[0];
         let dir = vol.empty_dir.clone().unwrap();
         assert_eq!(dir.medium.as_deref(), Some("Memory"));
@@ -455,6 +490,7 @@ pub(crate) mod tests {
             runtime_class: "runsc-kvm".into(),
             supervisor_image: "registry.local/sup:dev".into(),
             sandbox_namespace: None,
+            ..Settings::default()
         };
         let spec = pod(&simple(), &settings).spec.unwrap();
         assert_eq!(spec.runtime_class_name.as_deref(), Some("runsc-kvm"));

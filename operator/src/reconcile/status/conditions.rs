@@ -5,12 +5,15 @@
 use crate::reconcile::decide::pool::{Hold, Plan};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
+use sluice_crds::cpu::SandboxCpuLimit;
 use sluice_crds::{HookChain, HookChainStatus};
 
 pub const CODE_VALID: &str = "CodeValid";
 pub const POOL_READY: &str = "PoolReady";
 pub const READY: &str = "Ready";
 pub const ROLLED_OUT: &str = "RolledOut";
+/// Whether one walk of the chain fits in one CFS period of the platform's sandbox CPU limit.
+pub const CPU_SUFFICIENT: &str = "CpuSufficient";
 
 /// The verdict on a chain's spec, hook code and capabilities.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,6 +52,31 @@ pub fn condition(
         message,
         observed_generation: generation,
         last_transition_time: since,
+    }
+}
+
+/// `CpuSufficient`: (status, reason, message). Not part of `Ready`: a throttled chain serves, slowly.
+pub fn cpu_sufficient(
+    hooks: usize,
+    limit: SandboxCpuLimit,
+) -> (&'static str, &'static str, String) {
+    match limit.walk_fits(hooks) {
+        Ok(()) if limit.0.is_none() => (
+            "True",
+            "NoLimit",
+            "sandboxes have no CPU limit (the platform's --sandbox-cpu-limit is none)".into(),
+        ),
+        Ok(()) => (
+            "True",
+            "WalkFits",
+            format!(
+                "a walk of {hooks} hooks takes about {} ms of CPU, within the {} ms per {} ms period of the sandbox CPU limit ({limit})",
+                sluice_crds::cpu::walk_cpu(hooks).as_millis(),
+                limit.quota().unwrap_or_default().as_millis(),
+                sluice_crds::cpu::CFS_PERIOD.as_millis()
+            ),
+        ),
+        Err(throttled) => ("False", "WalkThrottled", throttled.to_string()),
     }
 }
 
@@ -109,6 +137,7 @@ pub fn status(
     verdict: &Verdict,
     plan: &Plan,
     rollout: Option<sluice_crds::rollout::RolloutState>,
+    cpu_limit: SandboxCpuLimit,
     now: Timestamp,
 ) -> HookChainStatus {
     let previous = chain
@@ -140,7 +169,9 @@ pub fn status(
         )
     };
     let ready = condition(previous, READY, rs, rr, rm, generation, now);
-    let mut conditions = vec![ready, code, pool];
+    let (cs, cr, cm) = cpu_sufficient(chain.spec.hooks.len(), cpu_limit);
+    let cpu = condition(previous, CPU_SUFFICIENT, cs, cr, cm, generation, now);
+    let mut conditions = vec![ready, code, pool, cpu];
     // `kubectl wait --for=condition=RolledOut`: true once spec.hooks are what serves everyone.
     if let Some(r) = &rollout {
         let current = r.phase == "RolledOut"
@@ -210,6 +241,16 @@ mod tests {
 
     fn t(s: &str) -> Timestamp {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn the_status_says_when_a_walk_cannot_fit_the_sandbox_cpu_limit() {
+        let (status, reason, _) = cpu_sufficient(3, SandboxCpuLimit::default());
+        assert_eq!((status, reason), ("True", "WalkFits"));
+        let (status, reason, message) = cpu_sufficient(3, SandboxCpuLimit(Some(100)));
+        assert_eq!((status, reason), ("False", "WalkThrottled"));
+        assert!(message.contains("--sandbox-cpu-limit"), "{message}");
+        assert_eq!(cpu_sufficient(40, SandboxCpuLimit(None)).1, "NoLimit");
     }
 
     #[test]

@@ -40,7 +40,14 @@ pub(crate) async fn write(
     now: Timestamp,
     ctx: &Context,
 ) -> Result<Option<Duration>, StatusError> {
-    let status = conditions::status(chain, verdict, &applied.plan, rollout, now);
+    let status = conditions::status(
+        chain,
+        verdict,
+        &applied.plan,
+        rollout,
+        ctx.settings.sandbox_cpu_limit,
+        now,
+    );
     let mut deferred = None;
     // The gateways' own entries (status.rollout.shadow) are theirs: not the operator's to compare
     // or to write.

@@ -19,9 +19,10 @@ pub(crate) async fn validate(
     ctx: &Context,
 ) -> Verdict {
     let code = code_check(chain, ctx).await;
-    rules::verdict(name, &chain.spec, namespace, &code, |cap| {
+    let verdict = rules::verdict(name, &chain.spec, namespace, &code, |cap| {
         capability_state(ctx, namespace, cap)
-    })
+    });
+    rules::within_cpu_limit(verdict, &chain.spec, ctx.settings.sandbox_cpu_limit)
 }
 
 async fn code_check(chain: &HookChain, ctx: &Context) -> rules::CodeCheck {

@@ -155,9 +155,51 @@ pub fn verdict(
     }
 }
 
+/// The verdict once the platform's sandbox CPU limit is applied: a chain that asks to be guaranteed
+/// more CPU than one sandbox may use is invalid (the webhook refuses it too; this catches objects
+/// written past it and limits lowered after the chain was applied).
+pub fn within_cpu_limit(
+    verdict: Verdict,
+    spec: &HookChainSpec,
+    limit: sluice_crds::cpu::SandboxCpuLimit,
+) -> Verdict {
+    let Some(problem) = limit.refuses(&spec.resources.cpu) else {
+        return verdict;
+    };
+    let message = if verdict.is_invalid() {
+        format!("{}; {problem}", verdict.message)
+    } else {
+        problem
+    };
+    Verdict {
+        status: "False",
+        reason: if verdict.is_invalid() {
+            verdict.reason
+        } else {
+            "CpuOverLimit"
+        },
+        message: bounded(message),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_chain_asking_more_cpu_than_the_platform_limit_is_invalid() {
+        let mut s = spec(GOOD, &[]);
+        let valid = verdict("chain", &s, "ns", &check_code(&s), |_| {
+            CapabilityState::Valid
+        });
+        assert_eq!(valid.status, "True", "{valid:?}");
+        let one = sluice_crds::cpu::SandboxCpuLimit(Some(1000));
+        assert_eq!(within_cpu_limit(valid.clone(), &s, one), valid);
+        s.resources.cpu = "2".into();
+        let v = within_cpu_limit(valid, &s, one);
+        assert_eq!((v.status, v.reason), ("False", "CpuOverLimit"), "{v:?}");
+        assert!(v.message.contains("spec.resources.cpu 2"), "{}", v.message);
+    }
 
     fn spec(code: &str, caps: &[&str]) -> HookChainSpec {
         serde_json::from_value(serde_json::json!({
