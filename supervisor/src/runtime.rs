@@ -96,8 +96,55 @@ fn engine_config() -> Config {
         .linear_memory_keep_resident(KEEP_RESIDENT_BYTES)
         .table_keep_resident(1 << 20);
     config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    portable_isa(&mut config);
     config
 }
+
+/// The CPU features the generated code may use: a fixed set (x86-64-v3: SSE4.2, POPCNT, AVX2, FMA,
+/// BMI1/2, LZCNT), not whatever the build machine has. The artefact is made once, by the build, and
+/// runs inside gVisor on other machines, whose `cpuid` can differ: gVisor hides AVX-VNNI (and some
+/// hosts' AVX-512) from the sandbox, and an artefact compiled where the host had them was refused
+/// in every sandbox ("compilation settings of module incompatible with native host").
+#[cfg(target_arch = "x86_64")]
+fn portable_isa(config: &mut Config) {
+    let on = [
+        "has_sse3",
+        "has_ssse3",
+        "has_cmpxchg16b",
+        "has_sse41",
+        "has_sse42",
+        "has_popcnt",
+        "has_avx",
+        "has_avx2",
+        "has_fma",
+        "has_bmi1",
+        "has_bmi2",
+        "has_lzcnt",
+    ];
+    let off = [
+        "has_avx_vnni",
+        "has_avx512bitalg",
+        "has_avx512dq",
+        "has_avx512vl",
+        "has_avx512vbmi",
+        "has_avx512f",
+        "has_avx512vnni",
+    ];
+    for (flags, value) in [(&on[..], "true"), (&off[..], "false")] {
+        for flag in flags {
+            // Safety: wasmtime checks every enabled feature against the host when the engine is
+            // made (a host without AVX2 is refused with an error, never run into); disabling one
+            // is always safe.
+            #[allow(unsafe_code)]
+            unsafe {
+                config.cranelift_flag_set(flag, value);
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn portable_isa(_: &mut Config) {}
 
 /// Compiles the component (`guest/runner.py` as componentize-py made it) to the native artefact the
 /// supervisor loads. Done by the build, never inside a sandbox.
@@ -520,5 +567,53 @@ impl Runtime {
             return Err(SelfCheckError::Answer(answer));
         }
         Ok(())
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// What a gVisor sandbox's `cpuid` shows of a host that has AVX-VNNI and AVX-512: neither (the
+    /// rest as the host has it).
+    fn gvisor_cpu(feature: &str) -> Option<bool> {
+        if feature == "avxvnni" || feature.starts_with("avx512") {
+            return Some(false);
+        }
+        Some(match feature {
+            "sse3" => std::is_x86_feature_detected!("sse3"),
+            "ssse3" => std::is_x86_feature_detected!("ssse3"),
+            "cmpxchg16b" => std::is_x86_feature_detected!("cmpxchg16b"),
+            "sse4.1" => std::is_x86_feature_detected!("sse4.1"),
+            "sse4.2" => std::is_x86_feature_detected!("sse4.2"),
+            "popcnt" => std::is_x86_feature_detected!("popcnt"),
+            "avx" => std::is_x86_feature_detected!("avx"),
+            "avx2" => std::is_x86_feature_detected!("avx2"),
+            "fma" => std::is_x86_feature_detected!("fma"),
+            "bmi1" => std::is_x86_feature_detected!("bmi1"),
+            "bmi2" => std::is_x86_feature_detected!("bmi2"),
+            "lzcnt" => std::is_x86_feature_detected!("lzcnt"),
+            _ => return None,
+        })
+    }
+
+    #[test]
+    fn an_artefact_built_on_the_host_loads_where_gvisor_hides_cpu_features() {
+        let built = Engine::new(&engine_config()).expect("engine");
+        let empty_module = b"\0asm\x01\0\0\0";
+        let artefact = wasmtime::Module::new(&built, empty_module)
+            .expect("module")
+            .serialize()
+            .expect("serialised");
+        let mut config = engine_config();
+        // Safety: the features it reports absent are not used; the others are the host's own.
+        #[allow(unsafe_code)]
+        unsafe {
+            config.detect_host_feature(gvisor_cpu);
+        }
+        let sandbox = Engine::new(&config).expect("engine in the sandbox");
+        #[allow(unsafe_code)]
+        let loaded = unsafe { wasmtime::Module::deserialize(&sandbox, &artefact) };
+        assert!(loaded.is_ok(), "{:?}", loaded.err());
     }
 }
