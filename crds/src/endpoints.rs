@@ -347,6 +347,95 @@ mod tests {
     }
 
     #[test]
+    fn a_service_entry_allows_no_domain_after_svc_but_the_cluster_domain() {
+        for url in [
+            "http://ledger.billing.svc.attacker.example/x",
+            "http://ledger.billing.svc.cluster.local.attacker.example/x",
+            "http://ledger.billing.svc.cluster/x",
+            "http://ledger.billing.svc.local/x",
+            "http://ledger.billing.svc.svc/x",
+            "http://ledger.billing.svc.cluster.local.cluster.local/x",
+        ] {
+            assert!(!allowed("billing/ledger", url), "{url}");
+            assert!(!allowed("billing/*", url), "{url}");
+            assert!(!allowed("*/ledger", url), "{url}");
+        }
+    }
+
+    /// The names a Service entry `ns/name` allows, as lowercase hosts without the root's dot.
+    fn service_names(ns: &str, name: &str, domain: &str) -> [String; 3] {
+        [
+            format!("{name}.{ns}"),
+            format!("{name}.{ns}.svc"),
+            format!("{name}.{ns}.svc.{domain}"),
+        ]
+    }
+
+    /// Hostnames an attacker would try against `billing/ledger`: the allowed names with labels
+    /// added before, after or between, the cluster domain replaced or repeated, case and the root's
+    /// dot changed, user information and ports put in.
+    fn hostile_host() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let label = "[a-z0-9-]{1,12}";
+        let base = prop_oneof![
+            Just("ledger.billing".to_string()),
+            Just("ledger.billing.svc".to_string()),
+            Just("ledger.billing.svc.cluster.local".to_string()),
+            Just("ledger.billing.svc.cluster".to_string()),
+            label.prop_map(|l| format!("ledger.billing.svc.{l}")),
+            (label, label).prop_map(|(a, b)| format!("{a}.{b}")),
+        ];
+        let edit = prop_oneof![
+            Just(String::new()),
+            label.prop_map(|l| format!(".{l}")),
+            (label, label).prop_map(|(a, b)| format!(".{a}.{b}")),
+            Just(".cluster.local".to_string()),
+            Just(".attacker.example".to_string()),
+            Just(".".to_string()),
+            Just("@evil.example".to_string()),
+        ];
+        (
+            prop::option::of(label),
+            base,
+            edit,
+            any::<bool>(),
+            prop::option::of(1u16..),
+        )
+            .prop_map(|(before, base, after, upper, port)| {
+                let mut host = match before {
+                    Some(b) => format!("{b}.{base}{after}"),
+                    None => format!("{base}{after}"),
+                };
+                if upper {
+                    host = host.to_ascii_uppercase();
+                }
+                match port {
+                    Some(p) => format!("{host}:{p}"),
+                    None => host,
+                }
+            })
+    }
+
+    proptest::proptest! {
+        /// A Service entry allows its three names and nothing else, whatever an attacker puts
+        /// around them.
+        #[test]
+        fn a_service_entry_allows_exactly_its_names(authority in hostile_host()) {
+            let url = format!("http://{authority}/x");
+            let host = authority.rsplit_once(':').map_or(authority.as_str(), |(h, _)| h);
+            let names = service_names("billing", "ledger", "cluster.local");
+            let expected = !host.contains('@')
+                && names.contains(&host.trim_end_matches('.').to_ascii_lowercase());
+            proptest::prop_assert_eq!(allowed("billing/ledger", &url), expected, "{}", url);
+            let any_service = !host.contains('@')
+                && host.trim_end_matches('.').to_ascii_lowercase().starts_with("ledger.");
+            if allowed("*/ledger", &url) {
+                proptest::prop_assert!(any_service, "{}", url);
+            }
+        }
+    }
+
+    #[test]
     fn host_entries_match_exactly_or_below_a_domain_and_ports_narrow() {
         assert!(allowed("api.example.com", "https://api.example.com/v1"));
         assert!(!allowed(
