@@ -40,6 +40,10 @@ enum Command {
         /// mode allows.
         #[arg(long, env = "SLUICE_ALLOWED_ENDPOINTS", value_name = "LIST")]
         allowed_endpoints: Option<sluice_crds::endpoints::AllowedEndpoints>,
+        /// The cluster's DNS domain (the gateway's and operator's --cluster-domain): a Service
+        /// entry allows no other domain after `.svc`.
+        #[arg(long, env = "SLUICE_CLUSTER_DOMAIN", default_value_t = Default::default(), value_name = "DOMAIN")]
+        cluster_domain: sluice_crds::endpoints::ClusterDomain,
     },
     /// Run declarative test cases (YAML) against their chains in local gVisor sandboxes.
     ///
@@ -240,9 +244,11 @@ async fn main() -> ExitCode {
             files,
             python,
             allowed_endpoints,
+            cluster_domain,
         } => {
             let allowed = allowed_endpoints
-                .unwrap_or_else(sluice_crds::endpoints::AllowedEndpoints::loopback);
+                .unwrap_or_else(sluice_crds::endpoints::AllowedEndpoints::loopback)
+                .in_cluster_domain(cluster_domain);
             return check(&files, &python, &PlatformRules::new(allowed));
         }
         Command::Test {
