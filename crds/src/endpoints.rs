@@ -440,7 +440,9 @@ mod tests {
         assert!(ok("http://ledger.billing.svc.corp.internal/x"));
         assert!(ok("http://ledger.billing.svc/x"));
         assert!(!ok("http://ledger.billing.svc.cluster.local/x"));
-        assert!(!ok("http://ledger.billing.svc.corp.internal.evil.example/x"));
+        assert!(!ok(
+            "http://ledger.billing.svc.corp.internal.evil.example/x"
+        ));
         for bad in ["", ".", "a..b", "bad domain", "*.local"] {
             assert!(bad.parse::<ClusterDomain>().is_err(), "{bad:?}");
         }

@@ -571,7 +571,10 @@ async fn a_shadow_never_reaches_a_gate_or_dispatch_step_not_safe_to_repeat() {
     };
     let capabilities = || {
         vec![
-            capability("echo", json!({"endpoint": {"builtin": "echo"}, "safeToRepeat": true})),
+            capability(
+                "echo",
+                json!({"endpoint": {"builtin": "echo"}, "safeToRepeat": true}),
+            ),
             capability(
                 "gated",
                 json!({"endpoint": {"builtin": "echo"}, "safeToRepeat": true, "gates": ["credit.check"]}),
@@ -608,8 +611,16 @@ async fn a_shadow_never_reaches_a_gate_or_dispatch_step_not_safe_to_repeat() {
     let seen = h.capabilities.seen.lock().unwrap().clone();
     let count = |name: &str| seen.iter().filter(|c| c.name == name).count() as u64;
     assert_eq!(count("gated"), 4, "only the live runs reached credit.check");
-    assert_eq!(count("settled"), 4, "only the live runs reached credit.consume");
-    assert_eq!(count("echo"), 4 + shadow.runs, "echo has no steps: shadows call it");
+    assert_eq!(
+        count("settled"),
+        4,
+        "only the live runs reached credit.consume"
+    );
+    assert_eq!(
+        count("echo"),
+        4 + shadow.runs,
+        "echo has no steps: shadows call it"
+    );
     assert_eq!(
         shadow.host_calls_refused,
         2 * shadow.runs,
