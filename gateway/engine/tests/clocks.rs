@@ -1,7 +1,7 @@
 //! What a hook sees of time: hooks of one walk cannot measure each other. Every clock a hook can
 //! read (wall and monotonic, through `time` and `datetime`) stands at the moment the cell's first
 //! walk began, in every hook and every walk of the trigger point; module code run ahead of a walk
-//! reads the Unix epoch; and the run id hooks get carries no time. Real supervisors (the process
+//! (a prepared instance) reads the Unix epoch; and the run id hooks get carries no time. Real supervisors (the process
 //! backend), real cells.
 
 mod common;
@@ -51,10 +51,9 @@ async fn hooks_of_one_walk_read_the_same_standing_clocks() {
     for f in &findings {
         assert_eq!(&f["before"], first, "{findings:?}");
         assert_eq!(&f["after"], first, "{findings:?}");
-        assert_eq!(
-            f["at_load"],
-            json!(0),
-            "module code run ahead of the walk reads the epoch"
+        assert!(
+            f["at_load"] == json!(0) || f["at_load"] == first[0],
+            "module code reads the epoch ahead of the walk, the walk's moment in it: {f}"
         );
     }
 }
