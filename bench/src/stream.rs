@@ -191,9 +191,10 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// host_call round trip inside a running hook, built-in echo, measured by the hook itself.
+/// host_call round trip inside a running hook, built-in echo: a hook's 200 calls, timed by the
+/// supervisor around the hook (a hook's own clocks stand still, docs/hooks.md), per call.
 pub(crate) async fn host_call(table: &mut Table) -> anyhow::Result<()> {
-    let chain = "apiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: echo, namespace: default}\nspec: {endpoint: {builtin: echo}}\n---\napiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: hc, namespace: default}\nspec:\n  target: caller\n  triggerPoint: input\n  timeoutMs: 10000\n  pool: {warm: 1, max: 4}\n  resources: {cpu: '1', memory: 256Mi}\n  hooks:\n    - name: caller\n      action: detect\n      capabilities: [echo]\n      code: |\n        import time\n        def execute(context, settings):\n            out = []\n            for i in range(200):\n                t = time.perf_counter()\n                context.host_call('echo', {'i': i})\n                out.append(time.perf_counter() - t)\n            return {'action': 'detect', 'findings': {'s': out}}\n".to_string();
+    let chain = "apiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: echo, namespace: default}\nspec: {endpoint: {builtin: echo}}\n---\napiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: hc, namespace: default}\nspec:\n  target: caller\n  triggerPoint: input\n  timeoutMs: 10000\n  pool: {warm: 1, max: 4}\n  resources: {cpu: '1', memory: 256Mi}\n  hooks:\n    - name: caller\n      action: detect\n      capabilities: [echo]\n      code: |\n        def execute(context, settings):\n            for i in range(200):\n                context.host_call('echo', {'i': i})\n            return {'action': 'detect', 'findings': {'calls': 200}}\n".to_string();
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("c.yaml"), chain)?;
     let state = tempfile::Builder::new()
@@ -210,7 +211,7 @@ pub(crate) async fn host_call(table: &mut Table) -> anyhow::Result<()> {
     let mut client =
         proto::gateway_client::GatewayClient::connect(format!("http://{}", gateway.addr)).await?;
     let mut samples = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..10 {
         gateway
             .engine
             .pools()
@@ -224,26 +225,20 @@ pub(crate) async fn host_call(table: &mut Table) -> anyhow::Result<()> {
             ..Default::default()
         };
         let r = client.run(req).await?.into_inner();
-        let findings = r
+        let hook = r
             .hooks
             .first()
-            .and_then(|h| h.findings.clone())
-            .map(|f| sluice_proto::convert::from_proto(&f));
-        let list = findings
-            .as_ref()
-            .and_then(|f| f["s"].as_array().cloned())
-            .ok_or_else(|| anyhow::anyhow!("no samples: {r:?}"))?;
-        samples.extend(
-            list.iter()
-                .skip(5)
-                .filter_map(|v| v.as_f64())
-                .map(Duration::from_secs_f64),
-        );
+            .filter(|h| h.error.is_empty())
+            .ok_or_else(|| anyhow::anyhow!("the hook did not run: {r:?}"))?;
+        samples.push(Duration::from_micros(hook.latency_us) / 200);
     }
     gateway.shutdown().await;
     table.push(
-        Row::latency("host_call round trip in a hook (builtin echo)", &samples)
-            .target("p50 ≤ 0.5 ms"),
+        Row::latency(
+            "host_call round trip in a hook (builtin echo, mean of 200 per run)",
+            &samples,
+        )
+        .target("p50 ≤ 0.5 ms"),
     );
     Ok(())
 }

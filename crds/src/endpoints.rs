@@ -6,8 +6,10 @@
 //!
 //! An entry is one of:
 //! - `<namespace>/<service>`: a Service of the cluster, reached as `<service>.<namespace>`,
-//!   `<service>.<namespace>.svc` or `<service>.<namespace>.svc.<cluster domain>`. Either part may be
-//!   `*` (`billing/*`: every Service of `billing`).
+//!   `<service>.<namespace>.svc` or `<service>.<namespace>.svc.<cluster domain>`, and by no other
+//!   name (`ledger.billing.svc.attacker.example` is someone else's). The cluster domain is the
+//!   platform's setting ([`ClusterDomain`], `cluster.local` unless told). Either part may be `*`
+//!   (`billing/*`: every Service of `billing`).
 //! - a host: `ledger.example.com`, `*.example.com` (any name below `example.com`, not itself),
 //!   `127.0.0.1`, `[::1]`.
 //!
@@ -23,6 +25,46 @@ use crate::{CapabilitySpec, Endpoint};
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AllowedEndpoints {
     entries: Vec<Entry>,
+    /// The only domain a Service's name may end in after `.svc`.
+    cluster_domain: ClusterDomain,
+}
+
+/// The cluster's DNS domain (the kubelet's `clusterDomain`): a Service's full name is
+/// `<service>.<namespace>.svc.<cluster domain>`. `cluster.local` unless the platform says otherwise
+/// (`--cluster-domain`, the chart's `clusterDomain`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterDomain(String);
+
+impl Default for ClusterDomain {
+    fn default() -> Self {
+        Self(DEFAULT_CLUSTER_DOMAIN.to_string())
+    }
+}
+
+/// Kubernetes' default cluster domain.
+pub const DEFAULT_CLUSTER_DOMAIN: &str = "cluster.local";
+
+/// A cluster domain that is not a DNS name.
+#[derive(Debug, thiserror::Error)]
+#[error("cluster domain {0:?}: write it as a DNS name, such as cluster.local")]
+pub struct BadClusterDomain(String);
+
+impl std::str::FromStr for ClusterDomain {
+    type Err = BadClusterDomain;
+
+    fn from_str(s: &str) -> Result<Self, BadClusterDomain> {
+        let domain = normal_host(s.trim());
+        if domain.is_empty() || !domain.split('.').all(dns_label) {
+            return Err(BadClusterDomain(s.to_string()));
+        }
+        Ok(Self(domain))
+    }
+}
+
+impl std::fmt::Display for ClusterDomain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -93,7 +135,20 @@ impl AllowedEndpoints {
             .into_iter()
             .map(Entry::parse)
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { entries })
+        Ok(Self {
+            entries,
+            cluster_domain: ClusterDomain::default(),
+        })
+    }
+
+    /// This list, for a cluster whose DNS domain is `domain` (instead of `cluster.local`).
+    pub fn in_cluster_domain(mut self, domain: ClusterDomain) -> Self {
+        self.cluster_domain = domain;
+        self
+    }
+
+    pub fn cluster_domain(&self) -> &ClusterDomain {
+        &self.cluster_domain
     }
 
     /// `localhost`, `127.0.0.1` and `[::1]`, any port: what local mode and `sluice check` allow
@@ -119,7 +174,11 @@ impl AllowedEndpoints {
             return Ok(());
         };
         let (host, port) = host_and_port(url)?;
-        if self.entries.iter().any(|e| e.allows(&host, port)) {
+        if self
+            .entries
+            .iter()
+            .any(|e| e.allows(&host, port, &self.cluster_domain))
+        {
             return Ok(());
         }
         Err(EndpointRefused::NotAllowed {
@@ -282,7 +341,7 @@ impl Entry {
         })
     }
 
-    fn allows(&self, host: &str, port: u16) -> bool {
+    fn allows(&self, host: &str, port: u16, cluster_domain: &ClusterDomain) -> bool {
         if self.port.is_some_and(|p| p != port) {
             return false;
         }
@@ -292,13 +351,22 @@ impl Entry {
                 .strip_suffix(suffix.as_str())
                 .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
             Place::Service { namespace, name } => {
-                let labels: Vec<&str> = host.split('.').collect();
-                let service = match labels.as_slice() {
-                    [svc, ns] => Some((svc, ns)),
-                    [svc, ns, "svc", ..] => Some((svc, ns)),
-                    _ => None,
+                // <svc>.<ns>, then nothing, `svc`, or `svc.<the cluster domain>`: nothing else.
+                let mut labels = host.splitn(3, '.');
+                let (Some(svc), Some(ns)) = (labels.next(), labels.next()) else {
+                    return false;
                 };
-                service.is_some_and(|(svc, ns)| namespace.matches(ns) && name.matches(svc))
+                let in_cluster = match labels.next() {
+                    None | Some("svc") => true,
+                    Some(rest) => rest
+                        .strip_prefix("svc.")
+                        .is_some_and(|domain| domain == cluster_domain.0),
+                };
+                in_cluster
+                    && dns_label(svc)
+                    && dns_label(ns)
+                    && namespace.matches(ns)
+                    && name.matches(svc)
             }
         }
     }
@@ -344,6 +412,114 @@ mod tests {
         }
         assert!(allowed("billing/*", "http://anything.billing.svc/"));
         assert!(!allowed("billing/*", "http://anything.other.svc/"));
+    }
+
+    #[test]
+    fn a_service_entry_allows_no_domain_after_svc_but_the_cluster_domain() {
+        for url in [
+            "http://ledger.billing.svc.attacker.example/x",
+            "http://ledger.billing.svc.cluster.local.attacker.example/x",
+            "http://ledger.billing.svc.cluster/x",
+            "http://ledger.billing.svc.local/x",
+            "http://ledger.billing.svc.svc/x",
+            "http://ledger.billing.svc.cluster.local.cluster.local/x",
+        ] {
+            assert!(!allowed("billing/ledger", url), "{url}");
+            assert!(!allowed("billing/*", url), "{url}");
+            assert!(!allowed("*/ledger", url), "{url}");
+        }
+    }
+
+    #[test]
+    fn the_cluster_domain_is_the_platforms() {
+        let list = "billing/ledger"
+            .parse::<AllowedEndpoints>()
+            .unwrap()
+            .in_cluster_domain("Corp.Internal.".parse().unwrap());
+        let ok = |url: &str| list.check(&http(url)).is_ok();
+        assert!(ok("http://ledger.billing.svc.corp.internal/x"));
+        assert!(ok("http://ledger.billing.svc/x"));
+        assert!(!ok("http://ledger.billing.svc.cluster.local/x"));
+        assert!(!ok(
+            "http://ledger.billing.svc.corp.internal.evil.example/x"
+        ));
+        for bad in ["", ".", "a..b", "bad domain", "*.local"] {
+            assert!(bad.parse::<ClusterDomain>().is_err(), "{bad:?}");
+        }
+        assert_eq!(ClusterDomain::default().to_string(), "cluster.local");
+    }
+
+    /// The names a Service entry `ns/name` allows, as lowercase hosts without the root's dot.
+    fn service_names(ns: &str, name: &str, domain: &str) -> [String; 3] {
+        [
+            format!("{name}.{ns}"),
+            format!("{name}.{ns}.svc"),
+            format!("{name}.{ns}.svc.{domain}"),
+        ]
+    }
+
+    /// Hostnames an attacker would try against `billing/ledger`: the allowed names with labels
+    /// added before, after or between, the cluster domain replaced or repeated, case and the root's
+    /// dot changed, user information and ports put in.
+    fn hostile_host() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let label = "[a-z0-9-]{1,12}";
+        let base = prop_oneof![
+            Just("ledger.billing".to_string()),
+            Just("ledger.billing.svc".to_string()),
+            Just("ledger.billing.svc.cluster.local".to_string()),
+            Just("ledger.billing.svc.cluster".to_string()),
+            label.prop_map(|l| format!("ledger.billing.svc.{l}")),
+            (label, label).prop_map(|(a, b)| format!("{a}.{b}")),
+        ];
+        let edit = prop_oneof![
+            Just(String::new()),
+            label.prop_map(|l| format!(".{l}")),
+            (label, label).prop_map(|(a, b)| format!(".{a}.{b}")),
+            Just(".cluster.local".to_string()),
+            Just(".attacker.example".to_string()),
+            Just(".".to_string()),
+            Just("@evil.example".to_string()),
+        ];
+        (
+            prop::option::of(label),
+            base,
+            edit,
+            any::<bool>(),
+            prop::option::of(1u16..),
+        )
+            .prop_map(|(before, base, after, upper, port)| {
+                let mut host = match before {
+                    Some(b) => format!("{b}.{base}{after}"),
+                    None => format!("{base}{after}"),
+                };
+                if upper {
+                    host = host.to_ascii_uppercase();
+                }
+                match port {
+                    Some(p) => format!("{host}:{p}"),
+                    None => host,
+                }
+            })
+    }
+
+    proptest::proptest! {
+        /// A Service entry allows its three names and nothing else, whatever an attacker puts
+        /// around them.
+        #[test]
+        fn a_service_entry_allows_exactly_its_names(authority in hostile_host()) {
+            let url = format!("http://{authority}/x");
+            let host = authority.rsplit_once(':').map_or(authority.as_str(), |(h, _)| h);
+            let names = service_names("billing", "ledger", "cluster.local");
+            let expected = !host.contains('@')
+                && names.contains(&host.trim_end_matches('.').to_ascii_lowercase());
+            proptest::prop_assert_eq!(allowed("billing/ledger", &url), expected, "{}", url);
+            let any_service = !host.contains('@')
+                && host.trim_end_matches('.').to_ascii_lowercase().starts_with("ledger.");
+            if allowed("*/ledger", &url) {
+                proptest::prop_assert!(any_service, "{}", url);
+            }
+        }
     }
 
     #[test]

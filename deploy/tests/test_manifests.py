@@ -876,8 +876,17 @@ class CapabilitiesChartTest(ManifestCase):
 
         for pod in containers(helm_template()).values():
             args = pod["containers"][0]["args"]
-            self.assertFalse([a for a in args if a.startswith(("--allowed-endpoints", "--capability-credentials"))])
+            self.assertFalse([a for a in args if a.startswith(("--allowed-endpoints", "--capability-credentials",
+                                                               "--cluster-domain"))])
             self.assertFalse([v for v in pod["volumes"] if v["name"].startswith("capability-credentials")])
+
+        # Another cluster domain reaches both, with the list or without it.
+        for values in ({"capabilities": {"clusterDomain": "corp.internal"}},
+                       {"capabilities": {**self.ENDPOINTS["capabilities"], "clusterDomain": "corp.internal"}}):
+            for name, pod in containers(helm_template(values=values)).items():
+                args = pod["containers"][0]["args"]
+                self.assertEqual([a for a in args if a.startswith("--cluster-domain")],
+                                 ["--cluster-domain=corp.internal"], name)
 
         pods = containers(helm_template(values=self.ENDPOINTS))
         listed = "--allowed-endpoints=" + ",".join(self.ENDPOINTS["capabilities"]["allowedEndpoints"])

@@ -330,3 +330,59 @@ async fn the_example_stream_redactor_masks_a_key_split_across_many_chunks() {
     assert!(!final_text.contains("MIIEvQ"), "{final_text}");
     h.stop_and_check_leaks().await;
 }
+
+/// A streamed run, real sandboxes and the real capability runner: a hook that calls a capability on
+/// each of 200 flushes and on the final pass gets the run's 16 host_calls in all (docs/hooks.md §6).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_flushes_and_final_pass_share_the_runs_host_calls() {
+    let chain = "apiVersion: sluice.dev/v1alpha1\nkind: Capability\nmetadata: {name: echo, namespace: default}\nspec: {endpoint: {builtin: echo}}\n---\napiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: calls, namespace: default}\nspec:\n  target: t-calls\n  triggerPoint: output\n  streaming: {flushChars: 4, lookbackChars: 0}\n  pool: {warm: 1, max: 4}\n  hooks:\n    - name: ask\n      action: detect\n      capabilities: [echo]\n      code: |\n        def execute(context, settings):\n            try:\n                context.host_call('echo', {'n': len(context['outgoing'])})\n                ok = 1\n            except HostCallError:\n                ok = 0\n            return {'action': 'detect', 'findings': {'ok': ok}}\n";
+    let h = Harness::start(&[("calls.yaml", chain)]).await;
+    let (tx, mut responses) = h.open_stream("t-calls", "output").await;
+    // One chunk at a time, each committed before the next is sent: 200 flushes.
+    for _ in 0..200 {
+        tx.send(proto::StreamRequest {
+            msg: Some(proto::stream_request::Msg::Chunk("abcd".into())),
+        })
+        .await
+        .expect("send a chunk");
+        match responses.message().await.expect("the stream goes on") {
+            Some(proto::StreamResponse {
+                msg: Some(proto::stream_response::Msg::Commit(c)),
+            }) => assert_eq!(c, "abcd"),
+            other => panic!("expected a commit, got {other:?}"),
+        }
+    }
+    tx.send(proto::StreamRequest {
+        msg: Some(proto::stream_request::Msg::Finish(proto::StreamFinish {})),
+    })
+    .await
+    .expect("send finish");
+    let final_ = loop {
+        match responses.message().await.expect("the stream goes on") {
+            Some(proto::StreamResponse {
+                msg: Some(proto::stream_response::Msg::Final(f)),
+            }) => break f,
+            Some(_) => {}
+            None => panic!("the stream ended without its final"),
+        }
+    };
+    assert_eq!(final_.hooks.len(), 1, "{final_:?}");
+    drop(tx);
+    let event = h
+        .audit()
+        .into_iter()
+        .find(|e| e["mode"] == "stream")
+        .expect("the stream's audit event");
+    let counts = event["host_call_summary"]["by"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let ok: u64 = counts
+        .iter()
+        .filter(|c| c["result"] == "ok")
+        .filter_map(|c| c["count"].as_u64())
+        .sum();
+    assert_eq!(ok, 16, "one budget for the whole stream: {event}");
+    assert_eq!(event["host_call_summary"]["total"], 201, "{event}");
+    h.stop_and_check_leaks().await;
+}

@@ -4,7 +4,7 @@ use clap::{Args, Parser, Subcommand};
 use kube::{Api, Client};
 use sluice_crds::cpu::SandboxCpuLimit;
 use sluice_crds::duration::parse_duration;
-use sluice_crds::endpoints::AllowedEndpoints;
+use sluice_crds::endpoints::{AllowedEndpoints, ClusterDomain};
 use sluice_crds::manifest::PlatformRules;
 use sluice_operator::certs::{CertConfig, Keeper, ServingCert, WebhookFiles};
 use sluice_operator::controller::{self, LeaseTiming, RunConfig};
@@ -223,6 +223,11 @@ struct RunArgs {
     /// the same list.
     #[arg(long, env = "SLUICE_ALLOWED_ENDPOINTS", default_value = "")]
     allowed_endpoints: AllowedEndpoints,
+    /// The cluster's DNS domain: a `<namespace>/<service>` entry of --allowed-endpoints allows
+    /// `<service>.<namespace>.svc.<this>` and no other domain after `.svc`. Give the gateway the
+    /// same.
+    #[arg(long, env = "SLUICE_CLUSTER_DOMAIN", default_value_t = ClusterDomain::default(), value_name = "DOMAIN")]
+    cluster_domain: ClusterDomain,
     /// This replica's identity in the Lease and in Events.
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
@@ -275,9 +280,13 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     // Every replica answers admission reviews; only the leader reconciles. Bound before /healthz
     // answers, so a replica is never ready (in the webhook Service) without its webhook.
+    let allowed_endpoints = args
+        .allowed_endpoints
+        .clone()
+        .in_cluster_domain(args.cluster_domain.clone());
     let rules = PlatformRules {
         platform_namespace: args.platform_namespace.clone(),
-        allowed_endpoints: args.allowed_endpoints.clone(),
+        allowed_endpoints: allowed_endpoints.clone(),
         sandbox_cpu_limit: args.pod.sandbox_cpu_limit,
     };
     if let Some(webhook) = args.webhook.config(&rules) {
@@ -296,7 +305,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         namespace: args.namespace,
         selector: args.selector.filter(|s| !s.is_empty()),
         platform_namespace: args.platform_namespace,
-        allowed_endpoints: args.allowed_endpoints,
+        allowed_endpoints,
         identity: identity(args.identity),
     };
     tracing::info!(identity = %config.identity, runtime_class = %config.settings.runtime_class,

@@ -13,6 +13,7 @@
 
 mod attach;
 mod checks;
+mod clock;
 mod deadline;
 mod output;
 mod prepare;

@@ -9,7 +9,7 @@
 //! survives into the next (the slot's memory is reset to the image, tables and globals are new).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -17,6 +17,7 @@ use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
+use crate::clock::{Clocks, Moment};
 use crate::deadline::{Deadline, Timer};
 use crate::output::Output;
 use crate::prepare::{Preparer, Slot, Slots};
@@ -160,10 +161,11 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// What one instance's store holds: its WASI context (no preopened directory, no environment, no
-/// arguments; stdout and stderr into its own bounded `Output`), its limits, the deadline it is
-/// running under, and the relay for host calls.
+/// arguments; stdout and stderr into its own bounded `Output`; clocks that stand still, see
+/// `clock`), its limits, the deadline it is running under, and the relay for host calls.
 pub(crate) struct HookState {
     wasi: WasiCtx,
+    clocks: Clocks,
     output: Output,
     table: ResourceTable,
     limits: Limits,
@@ -200,6 +202,8 @@ pub(crate) struct Core {
 pub(crate) struct Runtime {
     core: Arc<Core>,
     preparer: Preparer,
+    /// What the clocks of the hooks called from now on read (`None`: running clocks).
+    clock: Mutex<Option<Moment>>,
 }
 
 /// One hook call: what the instance answered, the time left of the budget it was given, and the
@@ -298,7 +302,11 @@ impl Runtime {
             memory_bytes: memory_bytes.min(MAX_MEMORY_BYTES),
         });
         let preparer = Preparer::start(core.clone());
-        Ok(Self { core, preparer })
+        Ok(Self {
+            core,
+            preparer,
+            clock: Mutex::new(Some(Moment::EPOCH)),
+        })
     }
 
     /// Compiles and loads a hook's code in a fresh instance (its module code runs once, as a check),
@@ -333,6 +341,16 @@ impl Runtime {
         self.preparer.walk_begins(hooks);
     }
 
+    /// The clocks of every hook called from now on read `at` (`None`: they run, for the line
+    /// tracer of `--trace-lines`).
+    pub(crate) fn stand_clocks_at(&self, at: Option<Moment>) {
+        *self.clock.lock().unwrap_or_else(|p| p.into_inner()) = at;
+    }
+
+    fn clock(&self) -> Option<Moment> {
+        *self.clock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// The walk has answered: the preparer resets the used instances and prepares new ones.
     pub(crate) fn walk_ended(&self) {
         self.preparer.walk_ended();
@@ -351,6 +369,7 @@ impl Runtime {
         if let Some(mut prepared) = self.preparer.take(&hook.key) {
             let store = &mut prepared.instance.store;
             store.data_mut().relay = relay;
+            store.data().clocks.set(self.clock());
             let cell = &prepared.cell;
             let (answer, left) = self
                 .core
@@ -365,6 +384,7 @@ impl Runtime {
             };
         }
         let mut instance = self.core.store(relay);
+        instance.store.data().clocks.set(self.clock());
         let (answer, left) = self.core.run(&mut instance.store, timeout, |store, cell| {
             cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
             cell.call_call(store, request)
@@ -388,14 +408,18 @@ impl Core {
             peak: 0,
         };
         let output = Output::default();
+        let clocks = Clocks::standing();
         let wasi = WasiCtxBuilder::new()
             .stdout(output.clone())
             .stderr(output.clone())
+            .wall_clock(clocks.wall())
+            .monotonic_clock(clocks.monotonic())
             .build();
         let mut store = Store::new(
             &self.engine,
             HookState {
                 wasi,
+                clocks,
                 output,
                 table: ResourceTable::new(),
                 limits,

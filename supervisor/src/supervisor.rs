@@ -10,6 +10,7 @@ use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::checks::{ACTIONS, HookError, Limits, TERMINAL, check_result};
+use crate::clock::Moment;
 use crate::protocol::{Channel, Incoming};
 use crate::relay::{Link, Relay};
 use crate::runtime::{CallError, HookCode, Runtime};
@@ -97,6 +98,8 @@ struct OpenCell {
     limits: Limits,
     timeout: Duration,
     hooks: Vec<Hook>,
+    /// When its first walk began: what its hooks' clocks read in every walk of it (`clock`).
+    first_walk: Option<Moment>,
 }
 
 type Loaded = Result<Arc<Vec<u8>>, NotLoaded>;
@@ -245,6 +248,7 @@ impl Supervisor {
             limits: Limits::from_init(&msg["limits"]),
             timeout,
             hooks,
+            first_walk: None,
         });
         self.send(&ack);
     }
@@ -316,6 +320,12 @@ impl Supervisor {
     }
 
     fn chunk(&mut self, msg: &Value) {
+        if let Some(cell) = self.cell.as_mut() {
+            // Hooks of the cell cannot time each other: their clocks stand at its first walk's start.
+            let at = *cell.first_walk.get_or_insert_with(Moment::now);
+            self.runtime
+                .stand_clocks_at((!self.trace_lines).then_some(at));
+        }
         let Some(cell) = self.cell.as_ref() else {
             self.send(
                 &json!({"type": "error", "message": "chunk without an open cell: send init first"}),

@@ -631,17 +631,61 @@ fn a_ping_is_answered_with_or_without_a_cell() {
 fn a_walk_only_calls_execute_its_module_code_ran_before() {
     // Module code (0.7 s) and execute (0.5 s) together exceed the 1 s deadline; each alone fits.
     // The instance each hook runs in was prepared, its module code run, before the trigger point:
-    // the walk only calls execute, so every trigger point passes within its deadline.
-    let slow = "import time\ntime.sleep(0.7)\nLOADED_AT = time.monotonic()\ndef execute(context, settings):\n    time.sleep(0.5)\n    return {'action': 'detect', 'findings': {'waited': time.monotonic() - LOADED_AT >= 0.5}}\n";
+    // the walk only calls execute, so every trigger point passes within its deadline. (Module code
+    // run ahead of the walk reads the clocks at the epoch; execute reads the walk's start.)
+    let slow = "import time\ntime.sleep(0.7)\nLOADED_AT = time.monotonic()\ndef execute(context, settings):\n    time.sleep(0.5)\n    return {'action': 'detect', 'findings': {'loaded_ahead': LOADED_AT == 0, 'now': time.monotonic() > 0}}\n";
     let mut s = Supervisor::start(256 << 20);
     for _ in 0..3 {
         let ack = s.init("input", 1000, &[("slow", "detect", slow)]);
         assert_eq!(ack["hooks"][0]["ok"], true, "{ack}");
         let r = s.chunk(json!("x"), no_host);
         assert_eq!(r[0].get("error"), None, "{r:?}");
-        assert_eq!(findings(&r[0])["waited"], true, "{r:?}");
+        assert_eq!(findings(&r[0])["loaded_ahead"], true, "{r:?}");
+        assert_eq!(findings(&r[0])["now"], true, "{r:?}");
         s.end();
     }
+}
+
+/// Hooks of one walk cannot time each other: every clock an instance can read stands at the
+/// moment the cell's first walk began, in every hook and every walk of the cell; module code reads
+/// the epoch when it ran ahead of the walk (a prepared instance), that same moment when it runs in
+/// the walk. The next cell reads its own first walk's moment.
+#[test]
+fn the_clocks_of_a_cell_stand_at_its_first_walk() {
+    let reader = "import time, datetime\nAT_LOAD = [time.time_ns(), time.monotonic_ns()]\ndef execute(context, settings):\n    before = [time.time_ns(), time.monotonic_ns(), time.perf_counter_ns(), datetime.datetime.now().timestamp()]\n    n = sum(i % 7 for i in range(200000))\n    after = [time.time_ns(), time.monotonic_ns(), time.perf_counter_ns(), datetime.datetime.now().timestamp()]\n    return {'action': 'detect', 'findings': {'before': before, 'after': after, 'at_load': AT_LOAD, 'n': n}}\n";
+    let mut s = Supervisor::start(256 << 20);
+    let mut cells = Vec::new();
+    for _ in 0..2 {
+        s.init(
+            "input",
+            5000,
+            &[("a", "detect", reader), ("b", "detect", reader)],
+        );
+        let mut readings = Vec::new();
+        for _ in 0..2 {
+            for r in s.chunk(json!("x"), no_host) {
+                if r["type"] == "hook_result" {
+                    let f = findings(&r);
+                    let walk = json!([f["before"][0], f["before"][1]]);
+                    assert!(f["at_load"] == json!([0, 0]) || f["at_load"] == walk, "{r}");
+                    readings.push(f["before"].clone());
+                    readings.push(f["after"].clone());
+                }
+            }
+        }
+        s.end();
+        assert_eq!(readings.len(), 8, "{readings:?}");
+        assert!(
+            readings[0][0].as_u64().is_some_and(|ns| ns > 0),
+            "{readings:?}"
+        );
+        assert!(readings.iter().all(|r| r == &readings[0]), "{readings:?}");
+        cells.push(readings[0].clone());
+    }
+    assert_ne!(
+        cells[0], cells[1],
+        "each cell reads its own first walk's moment"
+    );
 }
 
 /// Resident memory of a process, in bytes.

@@ -190,11 +190,17 @@ matchExpression. Set-based terms (in, notin) need webhook.objectSelector given e
 {{- define "sluice.role.platform" -}}{{ .Release.Name }}-platform{{- end -}}
 {{- define "sluice.role.capabilityAdmin" -}}{{ .Release.Name }}-capability-admin{{- end -}}
 
-{{/* --allowed-endpoints, for the operator and the gateway alike; nothing when the list is empty. */}}
+{{/* --allowed-endpoints, for the operator and the gateway alike (nothing when the list is empty),
+and the cluster domain its Service entries end in (nothing when it is the binaries' default). */}}
 {{- define "sluice.allowedEndpointsArg" -}}
+{{- $args := list -}}
 {{- with .Values.capabilities.allowedEndpoints -}}
-- {{ printf "--allowed-endpoints=%s" (join "," .) | quote }}
+{{- $args = append $args (printf "- %s" (printf "--allowed-endpoints=%s" (join "," .) | quote)) -}}
 {{- end -}}
+{{- if ne .Values.capabilities.clusterDomain "cluster.local" -}}
+{{- $args = append $args (printf "- --cluster-domain=%s" .Values.capabilities.clusterDomain) -}}
+{{- end -}}
+{{- join "\n" $args -}}
 {{- end -}}
 
 {{/* Where the gateway mounts the credential sets of capabilities.credentials, one directory each. */}}

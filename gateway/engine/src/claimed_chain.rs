@@ -37,6 +37,17 @@ pub(crate) struct ClaimedChain<'e> {
     shadow: Option<Arc<ShadowHostCalls>>,
 }
 
+/// The run id as hooks see it: the run's ULID with its time part zeroed (`00000000006K...`), so that
+/// no hook learns when the run began (hooks of one walk must not be able to time each other), while
+/// its random part still names the run the audit and the capabilities' `caller` name in full. An id
+/// that is not a ULID is replaced by a random one.
+fn timeless(run_id: &str) -> String {
+    let random = ulid::Ulid::from_string(run_id)
+        .unwrap_or_else(|_| ulid::Ulid::new())
+        .random();
+    ulid::Ulid::from_parts(0, random).to_string()
+}
+
 /// How long a shadow run waits for a sandbox that no run is waiting for, before it is dropped.
 const SHADOW_CLAIM_PATIENCE: Duration = Duration::from_millis(250);
 
@@ -57,7 +68,7 @@ impl<'e> ClaimedChain<'e> {
             "target": target.key.target,
             "trigger_point": target.key.trigger_point.as_str(),
             "session_id": target.session_id,
-            "run_id": run_id,
+            "run_id": timeless(run_id),
             "caller": app_context,
         });
         let registry = engine.registry();

@@ -161,13 +161,31 @@ impl Capabilities for NoHostCalls {
 }
 
 /// The host_calls of a rollout's candidate running in shadow: only capabilities marked
-/// `safeToRepeat` are called (the live run already made whatever calls the trigger point needed);
-/// the others answer the hook `forbidden`, and are counted.
+/// `safeToRepeat` are called, and only when every gate and dispatch step they run is marked so too
+/// (the live run already made whatever calls the trigger point needed, and already reserved and
+/// charged for them); the others answer the hook `forbidden`, and are counted.
 pub(crate) struct ShadowHostCalls {
     inner: Arc<dyn HostCalls>,
     registry: Arc<Registry>,
     namespace: String,
     refused: std::sync::atomic::AtomicU64,
+}
+
+/// Why a call is not made in shadow: the capability called, or one of its steps, is not safe to repeat.
+#[derive(Debug, thiserror::Error)]
+enum NotInShadow {
+    #[error(
+        "capability {0:?} is not called in shadow: only capabilities with safeToRepeat: true are (this hook is a rollout's candidate; its answers are compared, not used)"
+    )]
+    Capability(String),
+    #[error(
+        "capability {name:?} is not called in shadow: its {role} {step:?} is not safeToRepeat, and a shadow calls no gate or dispatch step that is not (this hook is a rollout's candidate; its answers are compared, not used)"
+    )]
+    Step {
+        name: String,
+        role: &'static str,
+        step: String,
+    },
 }
 
 impl ShadowHostCalls {
@@ -183,30 +201,62 @@ impl ShadowHostCalls {
     pub(crate) fn refused(&self) -> u64 {
         self.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
-}
 
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "capability {0:?} is not called in shadow: only capabilities with safeToRepeat: true are (this hook is a rollout's candidate; its answers are compared, not used)"
-)]
-struct NotInShadow(String);
+    fn repeatable(&self, name: &str) -> bool {
+        self.registry
+            .capability(&self.namespace, name)
+            .is_some_and(|c| c.spec.safe_to_repeat)
+    }
+
+    /// Whether `name` may be called in shadow: it, each of its gates and each of its dispatch steps
+    /// is safe to repeat (a step that does not exist is not).
+    fn admit(&self, name: &str) -> Result<(), NotInShadow> {
+        let cap = self
+            .registry
+            .capability(&self.namespace, name)
+            .filter(|c| c.spec.safe_to_repeat)
+            .ok_or_else(|| NotInShadow::Capability(name.to_string()))?;
+        let gates = cap.spec.gates.iter().map(|g| ("gate", g));
+        let steps = gates.chain(cap.spec.dispatch.iter().map(|d| ("dispatch step", d)));
+        for (role, step) in steps {
+            if !self.repeatable(step) {
+                return Err(NotInShadow::Step {
+                    name: name.to_string(),
+                    role,
+                    step: step.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn refuse(&self, why: NotInShadow) -> HostCallError {
+        self.refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        HostCallError::Refused {
+            code: HostCallCode::Forbidden,
+            error: Box::new(why),
+        }
+    }
+}
 
 #[async_trait]
 impl HostCalls for ShadowHostCalls {
     async fn call(&self, hook: usize, name: &str, payload: Value) -> Result<Value, HostCallError> {
-        let repeatable = self
-            .registry
-            .capability(&self.namespace, name)
-            .is_some_and(|c| c.spec.safe_to_repeat);
-        if !repeatable {
-            self.refused
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return Err(HostCallError::Refused {
-                code: HostCallCode::Forbidden,
-                error: Box::new(NotInShadow(name.to_string())),
-            });
-        }
+        self.admit(name).map_err(|why| self.refuse(why))?;
         self.inner.call(hook, name, payload).await
+    }
+
+    /// As `call`, handing the budget on: whoever answers bounds its own steps by it.
+    async fn call_within(
+        &self,
+        hook: usize,
+        name: &str,
+        payload: Value,
+        budget: Duration,
+    ) -> Result<Value, HostCallError> {
+        self.admit(name).map_err(|why| self.refuse(why))?;
+        self.inner.call_within(hook, name, payload, budget).await
     }
 
     fn audit(&self) -> Vec<AuditHostCall> {

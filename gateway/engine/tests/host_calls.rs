@@ -366,3 +366,32 @@ async fn a_stream_with_failures_and_a_baseline_stays_within_one_budget() {
         .count();
     assert_eq!(tenant_calls, 16, "one budget for the whole stream");
 }
+
+/// A long stream: a hook that calls a capability on each of 200 flushes and again on the final pass
+/// gets the run's 16 host_calls in all, not 16 for the stream path and 16 more for the final pass.
+#[tokio::test]
+async fn a_long_streams_flushes_and_final_pass_make_one_runs_host_calls() {
+    let h = Harness::process(vec![tenant(
+        "output",
+        vec![json!({"name": "ask", "action": "detect", "capabilities": ["echo"], "code":
+            "def execute(context, settings):\n    try:\n        context.host_call('echo', {'n': len(context['outgoing'])})\n        ok = 1\n    except HostCallError:\n        ok = 0\n    return {'action': 'detect', 'findings': {'ok': ok}}\n"})],
+        json!({"streaming": {"flushChars": 4, "lookbackChars": 0}}),
+    )])
+    .await;
+    let chunks = vec!["abcd"; 200];
+    let s = h.stream(&chunks).await;
+    assert!(s.error.is_none(), "{:?}", s.error);
+    let final_ = s.final_.expect("a final");
+    assert_eq!(
+        h.capabilities.seen.lock().unwrap().len(),
+        16,
+        "one budget for the stream path and the final pass together"
+    );
+    assert_eq!(
+        final_.walk.hooks[0].findings,
+        Some(json!({"ok": 0})),
+        "the final pass finds the budget spent by the flushes"
+    );
+    let event = &h.audit.events()[0];
+    assert_eq!(event["host_call_summary"]["total"], json!(201), "{event}");
+}

@@ -538,3 +538,96 @@ async fn hooks_in_shadow_call_only_capabilities_safe_to_repeat() {
     );
     let _ = (PLATFORM, TARGET);
 }
+
+/// A capability safe to repeat is still not called in shadow when one of its gates or dispatch
+/// steps is not: they would reserve or charge a second time for what the live run already paid.
+#[tokio::test]
+async fn a_shadow_never_reaches_a_gate_or_dispatch_step_not_safe_to_repeat() {
+    let capability = |name: &str, spec: Value| Definition {
+        origin: Origin {
+            file: "caps.yaml".into(),
+            line: 1,
+        },
+        namespace: NS.into(),
+        name: name.into(),
+        spec: Spec::Capability(Box::new(
+            serde_json::from_value(spec).expect("a valid Capability spec"),
+        )),
+        superseded: None,
+        code_lines: Vec::new(),
+        orders: Default::default(),
+        directed: None,
+    };
+    let calling = |tag: &str| {
+        let mut hook = py(
+            "tag",
+            "modify",
+            &format!(
+                "for name in ('echo', 'gated', 'settled'):\n    try:\n        context.host_call(name, {{'n': 1}})\n    except HostCallError:\n        pass\nreturn {{'action': 'modify', 'outgoing': {tag:?}}}"
+            ),
+        );
+        hook["capabilities"] = json!(["echo", "gated", "settled"]);
+        hook
+    };
+    let capabilities = || {
+        vec![
+            capability(
+                "echo",
+                json!({"endpoint": {"builtin": "echo"}, "safeToRepeat": true}),
+            ),
+            capability(
+                "gated",
+                json!({"endpoint": {"builtin": "echo"}, "safeToRepeat": true, "gates": ["credit.check"]}),
+            ),
+            capability(
+                "settled",
+                json!({"endpoint": {"builtin": "echo"}, "safeToRepeat": true, "dispatch": ["credit.consume"]}),
+            ),
+            capability("credit.check", json!({"endpoint": {"builtin": "echo"}})),
+            capability(
+                "credit.consume",
+                json!({"endpoint": {"builtin": "echo"}, "safeToRepeat": false}),
+            ),
+        ]
+    };
+    let mut live = vec![chain(vec![calling("v1")], json!({}))];
+    live.extend(capabilities());
+    let h = Harness::process(live).await;
+    let mut shadowed = vec![chain(
+        vec![calling("v2")],
+        json!({"rollout": {"strategy": "Shadow"}}),
+    )];
+    shadowed.extend(capabilities());
+    h.apply(shadowed).await;
+    for i in 0..4 {
+        assert_eq!(text(&h, "hi", &format!("s-{i}")).await, "v1");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let shadow = shadows_settled(&h, 4)
+        .await
+        .shadow
+        .expect("a shadow summary");
+    assert!(shadow.runs >= 1, "{shadow:?}");
+    let seen = h.capabilities.seen.lock().unwrap().clone();
+    let count = |name: &str| seen.iter().filter(|c| c.name == name).count() as u64;
+    assert_eq!(count("gated"), 4, "only the live runs reached credit.check");
+    assert_eq!(
+        count("settled"),
+        4,
+        "only the live runs reached credit.consume"
+    );
+    assert_eq!(
+        count("echo"),
+        4 + shadow.runs,
+        "echo has no steps: shadows call it"
+    );
+    assert_eq!(
+        shadow.host_calls_refused,
+        2 * shadow.runs,
+        "two refused per shadow run"
+    );
+    assert_eq!(
+        metric(&h, "sluice_gateway_shadow_host_calls_refused_total", &[]),
+        2 * shadow.runs
+    );
+}

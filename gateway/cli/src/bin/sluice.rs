@@ -44,6 +44,10 @@ enum Command {
         /// for more `resources.cpu` is reported.
         #[arg(long, env = "SLUICE_SANDBOX_CPU_LIMIT", value_name = "CPU", default_value = sluice_crds::cpu::DEFAULT_SANDBOX_CPU_LIMIT)]
         sandbox_cpu_limit: sluice_crds::cpu::SandboxCpuLimit,
+        /// The cluster's DNS domain (the gateway's and operator's --cluster-domain): a Service
+        /// entry allows no other domain after `.svc`.
+        #[arg(long, env = "SLUICE_CLUSTER_DOMAIN", default_value_t = Default::default(), value_name = "DOMAIN")]
+        cluster_domain: sluice_crds::endpoints::ClusterDomain,
     },
     /// Run declarative test cases (YAML) against their chains in local gVisor sandboxes.
     ///
@@ -245,9 +249,11 @@ async fn main() -> ExitCode {
             python,
             allowed_endpoints,
             sandbox_cpu_limit,
+            cluster_domain,
         } => {
             let allowed = allowed_endpoints
-                .unwrap_or_else(sluice_crds::endpoints::AllowedEndpoints::loopback);
+                .unwrap_or_else(sluice_crds::endpoints::AllowedEndpoints::loopback)
+                .in_cluster_domain(cluster_domain);
             let rules = PlatformRules {
                 sandbox_cpu_limit,
                 ..PlatformRules::new(allowed)

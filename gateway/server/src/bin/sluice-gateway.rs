@@ -3,7 +3,7 @@
 
 use anyhow::Context as _;
 use clap::Parser;
-use sluice_crds::endpoints::AllowedEndpoints;
+use sluice_crds::endpoints::{AllowedEndpoints, ClusterDomain};
 use sluice_engine::Audit;
 use sluice_gateway::observability::{self, TracingConfig};
 use sluice_gateway::{
@@ -142,6 +142,11 @@ struct Args {
     /// mode; given, it replaces the default. The operator takes the same list.
     #[arg(long, env = "SLUICE_ALLOWED_ENDPOINTS", value_name = "LIST")]
     allowed_endpoints: Option<AllowedEndpoints>,
+    /// The cluster's DNS domain: a `<namespace>/<service>` entry of --allowed-endpoints allows
+    /// `<service>.<namespace>.svc.<this>` and no other domain after `.svc`. Give the operator the
+    /// same.
+    #[arg(long, env = "SLUICE_CLUSTER_DOMAIN", default_value_t = ClusterDomain::default(), value_name = "DOMAIN")]
+    cluster_domain: ClusterDomain,
     /// Directory of the credential sets Capabilities may name (`spec.endpoint.credentials`): one
     /// subdirectory per set, holding `token`, `tls.crt` and `tls.key`, and/or `ca.crt`.
     #[arg(long, value_name = "DIR")]
@@ -220,6 +225,8 @@ async fn main() -> anyhow::Result<()> {
             if let Some(allowed) = args.allowed_endpoints {
                 opts.trust.allowed = allowed;
             }
+            opts.trust.allowed = std::mem::take(&mut opts.trust.allowed)
+                .in_cluster_domain(args.cluster_domain.clone());
             opts.trust.credentials = args.capability_credentials;
             opts.audit = audit;
             opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
@@ -258,6 +265,8 @@ async fn main() -> anyhow::Result<()> {
             if let Some(allowed) = args.allowed_endpoints {
                 opts.trust.allowed = allowed;
             }
+            opts.trust.allowed = std::mem::take(&mut opts.trust.allowed)
+                .in_cluster_domain(args.cluster_domain.clone());
             opts.trust.credentials = args.capability_credentials;
             if let Some(python) = args.python {
                 opts.python = python;
