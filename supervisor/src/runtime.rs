@@ -13,10 +13,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
+use wasmtime::component::{Component, HasSelf, Linker, ResourceTable, WasmStr};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
+use crate::blocking::{self, Waits};
 use crate::deadline::{Deadline, Timer};
 use crate::output::Output;
 use crate::prepare::{Preparer, Slot, Slots};
@@ -133,6 +134,16 @@ impl WasiView for HookState {
     }
 }
 
+impl HookState {
+    /// What the bounded waits (`blocking`) see of the instance.
+    fn waits(&mut self) -> Waits<'_> {
+        Waits {
+            table: &mut self.table,
+            deadline: self.deadline.as_ref(),
+        }
+    }
+}
+
 impl CellImports for HookState {
     fn host_call(&mut self, name: String, payload_json: String) -> Result<String, String> {
         self.relay.host_call(name, payload_json)
@@ -144,6 +155,7 @@ impl CellImports for HookState {
 pub(crate) struct Core {
     engine: Engine,
     pre: CellPre<HookState>,
+    indices: CellIndices,
     timer: Timer,
     slots: Slots,
     memory_bytes: usize,
@@ -155,11 +167,10 @@ pub(crate) struct Runtime {
     preparer: Preparer,
 }
 
-/// One hook call: what the instance answered, the time left of the budget it was given, and the
-/// end of what the hook wrote to stdout and stderr (None when it wrote nothing).
+/// One hook call: what the instance answered, and the end of what the hook wrote to stdout and
+/// stderr (None when it wrote nothing).
 pub(crate) struct Called {
     pub(crate) answer: Result<String, CallError>,
-    pub(crate) left: Duration,
     pub(crate) output: Option<String>,
 }
 
@@ -172,6 +183,12 @@ pub(crate) enum CallError {
     Memory(usize),
     #[error("the hook's instance failed: {0}")]
     Trap(String),
+    /// The answer was longer than any result that passes the checks: refused before it is copied
+    /// out of the instance, so a huge return costs the sandbox nothing.
+    #[error(
+        "returned {0} bytes of JSON, over the {1} a hook's result may have (outgoing, state, findings and message each within its limit): refused unread"
+    )]
+    TooLong(usize, usize),
 }
 
 /// A hook an instance can be prepared for: its name, compiled code and the time its module code
@@ -194,7 +211,7 @@ pub(crate) struct Instance {
 /// A fresh instance with one hook's module code already run in it: its call only runs `execute`.
 pub(crate) struct Prepared {
     instance: Instance,
-    cell: Cell,
+    exports: wasmtime::component::Instance,
 }
 
 impl Runtime {
@@ -231,6 +248,8 @@ impl Runtime {
         })?;
         let mut linker = Linker::<HookState>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(RuntimeError::Engine)?;
+        // Waits (sleep, select, any poll) end at the hook's deadline.
+        blocking::add_to_linker(&mut linker, HookState::waits).map_err(RuntimeError::Engine)?;
         Cell::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state)
             .map_err(RuntimeError::Engine)?;
         let pre = linker
@@ -239,6 +258,10 @@ impl Runtime {
                 path: shown.clone(),
                 source,
             })?;
+        let indices = CellIndices::new(&pre).map_err(|source| RuntimeError::Load {
+            path: shown.clone(),
+            source,
+        })?;
         let pre = CellPre::new(pre).map_err(|source| RuntimeError::Load {
             path: shown,
             source,
@@ -247,6 +270,7 @@ impl Runtime {
             timer: Timer::start(engine.clone()),
             engine,
             pre,
+            indices,
             slots: Slots::new(POOL_SLOTS),
             memory_bytes: memory_bytes.min(MAX_MEMORY_BYTES),
         });
@@ -265,11 +289,20 @@ impl Runtime {
         let mut instance = self.core.store(Relay::refusing(
             "a hook's module code cannot call host_call",
         ));
-        self.core
-            .run(&mut instance.store, timeout, |store, cell| {
+        let deadline = self.arm(timeout);
+        let loaded = self
+            .core
+            .run(&mut instance.store, &deadline, |store, cell, _| {
                 cell.call_load(store, name, code)
-            })
-            .0
+            });
+        deadline.disarm();
+        loaded
+    }
+
+    /// A deadline `timeout` from now, paused while a host call waits: the one a walk's hooks run
+    /// under, until one of them runs out of it.
+    pub(crate) fn arm(&self, timeout: Duration) -> Deadline {
+        self.core.timer.arm(timeout)
     }
 
     /// Keeps an instance prepared for each of `hooks` (the open cell's, in walk order) from now on,
@@ -291,43 +324,68 @@ impl Runtime {
         self.preparer.walk_ended();
     }
 
-    /// One call of a hook (`key`) within `timeout` (host-call time excluded): in the instance
-    /// prepared for it when there is one, else in a fresh instance where its module code runs first,
-    /// within the same `timeout`.
+    /// One call of a hook (`key`) under `deadline` (paused while host calls wait): in the instance
+    /// prepared for it when there is one, else in a fresh instance where its module code runs
+    /// first, under the same deadline. An answer over `max_answer` bytes is refused unread.
     pub(crate) fn call_hook(
         &self,
         hook: &HookCode,
         request: &str,
         relay: Relay,
-        timeout: Duration,
+        deadline: &Deadline,
+        max_answer: usize,
     ) -> Called {
         if let Some(mut prepared) = self.preparer.take(&hook.key) {
             let store = &mut prepared.instance.store;
             store.data_mut().relay = relay;
-            let cell = &prepared.cell;
-            let (answer, left) = self
-                .core
-                .enter(store, timeout, |store| cell.call_call(store, request));
+            let exports = prepared.exports;
+            let answer = self.core.enter(store, deadline, |store| {
+                answer_of(store, &exports, request, max_answer)
+            });
+            let answer = answer.and_then(|a| a);
             let output = store.data().output.text();
-            // Its slot is reset by the preparer, after this answer has gone out.
-            self.preparer.discard(prepared);
-            return Called {
-                answer,
-                left,
-                output,
-            };
+            if store.data().limits.peak > PREPARED_MEMORY_BYTES {
+                // An instance that grew is reset now, before the walk goes on: a walk of hooks
+                // each within its memory limit never holds more than one such instance at once.
+                drop(prepared);
+            } else {
+                // Its slot is reset by the preparer, after this answer has gone out.
+                self.preparer.discard(prepared);
+            }
+            return Called { answer, output };
         }
         let mut instance = self.core.store(relay);
-        let (answer, left) = self.core.run(&mut instance.store, timeout, |store, cell| {
-            cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
-            cell.call_call(store, request)
-        });
+        let answer = self
+            .core
+            .run(&mut instance.store, deadline, |store, cell, exports| {
+                cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
+                answer_of(store, exports, request, max_answer)
+            })
+            .and_then(|a| a);
         Called {
             answer,
-            left,
             output: instance.store.data().output.text(),
         }
     }
+}
+
+/// Calls `execute` in an instance (its `call` export) and reads the answer, refused before it is
+/// copied out of the instance's memory when it is over `max` bytes.
+fn answer_of(
+    store: &mut Store<HookState>,
+    exports: &wasmtime::component::Instance,
+    request: &str,
+    max: usize,
+) -> wasmtime::Result<Result<String, CallError>> {
+    let call = exports.get_typed_func::<(&str,), (WasmStr,)>(&mut *store, "call")?;
+    let (answer,) = call.call(&mut *store, (request,))?;
+    // UTF-8 in the instance's memory: borrowed, not copied, until it is known to be short enough.
+    let text = answer.to_str(&*store)?;
+    Ok(if text.len() > max {
+        Err(CallError::TooLong(text.len(), max))
+    } else {
+        Ok(text.into_owned())
+    })
 }
 
 impl Core {
@@ -366,36 +424,53 @@ impl Core {
         Instance { store, _slot: slot }
     }
 
-    /// Instantiates in `store` and runs `f` in the new instance, all within `timeout`.
+    /// A new instance in `store`: its bindings and its exports.
+    fn instantiate(
+        &self,
+        store: &mut Store<HookState>,
+    ) -> wasmtime::Result<(Cell, wasmtime::component::Instance)> {
+        let exports = self.pre.instance_pre().instantiate(&mut *store)?;
+        let cell = self.indices.load(&mut *store, &exports)?;
+        Ok((cell, exports))
+    }
+
+    /// Instantiates in `store` and runs `f` in the new instance, all under `deadline`.
     fn run<R>(
         &self,
         store: &mut Store<HookState>,
-        timeout: Duration,
-        f: impl FnOnce(&mut Store<HookState>, &Cell) -> wasmtime::Result<R>,
-    ) -> (Result<R, CallError>, Duration) {
-        let pre = &self.pre;
-        self.enter(store, timeout, |store| {
-            let cell = pre.instantiate(&mut *store)?;
-            f(store, &cell)
+        deadline: &Deadline,
+        f: impl FnOnce(
+            &mut Store<HookState>,
+            &Cell,
+            &wasmtime::component::Instance,
+        ) -> wasmtime::Result<R>,
+    ) -> Result<R, CallError> {
+        self.enter(store, deadline, |store| {
+            let (cell, exports) = self.instantiate(store)?;
+            f(store, &cell, &exports)
         })
     }
 
-    /// Runs `f` (guest code) within `timeout`: what it returned and the time left of `timeout`
-    /// (host-call time not counted).
+    /// Runs `f` (guest code) under `deadline` (armed by the caller, paused while host calls wait).
     fn enter<R>(
         &self,
         store: &mut Store<HookState>,
-        timeout: Duration,
+        deadline: &Deadline,
         f: impl FnOnce(&mut Store<HookState>) -> wasmtime::Result<R>,
-    ) -> (Result<R, CallError>, Duration) {
-        let deadline = self.timer.arm(timeout);
+    ) -> Result<R, CallError> {
         store.data_mut().relay.set_deadline(deadline.clone());
         store.data_mut().deadline = Some(deadline.clone());
+        // Set before the deadline is looked at: a deadline that passes after the look ticks the
+        // epoch after this, and stops the code; one that passed before is never entered.
         store.set_epoch_deadline(1);
+        if deadline.expired() {
+            store.data_mut().deadline = None;
+            return Err(CallError::Deadline);
+        }
         let result = f(&mut *store);
-        let (expired, left) = deadline.disarm();
+        let expired = deadline.expired();
         store.data_mut().deadline = None;
-        let result = result.map_err(|e| {
+        result.map_err(|e| {
             if expired
                 || matches!(
                     e.downcast_ref::<wasmtime::Trap>(),
@@ -408,8 +483,7 @@ impl Core {
             } else {
                 CallError::Trap(trap_text(&e))
             }
-        });
-        (result, left)
+        })
     }
 
     /// A fresh instance with `hook`'s module code run in it, or None when that failed in a way a
@@ -419,15 +493,16 @@ impl Core {
         let mut instance = self.store(Relay::refusing(
             "a hook's module code cannot call host_call",
         ));
-        let pre = &self.pre;
-        let (cell, _) = self.enter(&mut instance.store, hook.timeout, |store| {
-            let cell = pre.instantiate(&mut *store)?;
+        let deadline = self.timer.arm(hook.timeout);
+        let prepared = self.enter(&mut instance.store, &deadline, |store| {
+            let (cell, exports) = self.instantiate(store)?;
             cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
-            Ok(cell)
+            Ok(exports)
         });
-        let cell = cell.ok()?;
+        deadline.disarm();
+        let exports = prepared.ok()?;
         (instance.store.data().limits.peak <= PREPARED_MEMORY_BYTES)
-            .then_some(Prepared { instance, cell })
+            .then_some(Prepared { instance, exports })
     }
 }
 
@@ -507,15 +582,18 @@ impl Runtime {
             code: Arc::new(code),
             timeout,
         };
+        let deadline = self.arm(timeout);
         let answer = self
             .call_hook(
                 &hook,
                 r#"{"outgoing": "abc", "state": null, "context": {}, "settings": {}}"#,
                 Relay::refusing("no host calls in the self-check"),
-                timeout,
+                &deadline,
+                1 << 10,
             )
-            .answer
-            .map_err(SelfCheckError::Call)?;
+            .answer;
+        deadline.disarm();
+        let answer = answer.map_err(SelfCheckError::Call)?;
         if answer != r#"{"value": {"action": "detect", "findings": {"n": 3}}}"# {
             return Err(SelfCheckError::Answer(answer));
         }
