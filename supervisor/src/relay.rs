@@ -53,11 +53,9 @@ impl Relay {
         self.deadline = Some(deadline);
     }
 
-    pub(crate) fn host_call(
-        &mut self,
-        name: String,
-        payload_json: String,
-    ) -> Result<String, String> {
+    /// One host call, its name and payload read in the instance's memory: each is checked
+    /// against its bound before anything of it is copied.
+    pub(crate) fn host_call(&mut self, name: &str, payload_json: &str) -> Result<String, String> {
         let link = match &self.link {
             Ok(link) => link.clone(),
             Err(why) => return Err(refusal(*why, "forbidden")),
@@ -97,7 +95,7 @@ impl Relay {
                 "invalid",
             ));
         }
-        let payload: Value = serde_json::from_str(&payload_json)
+        let payload: Value = serde_json::from_str(payload_json)
             .map_err(|e| refusal(format!("host_call payload is not JSON: {e}"), "invalid"))?;
         let payload = bounded_json(
             payload,

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use wasmtime::component::{Component, HasSelf, Linker, ResourceTable, WasmStr};
+use wasmtime::component::{Component, Linker, ResourceTable, WasmStr};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
@@ -123,6 +123,9 @@ pub(crate) struct HookState {
     limits: Limits,
     deadline: Option<Deadline>,
     relay: Relay,
+    /// What the running call answered (`answer`), and the longest answer it may give.
+    answer: Option<Result<String, CallError>>,
+    max_answer: usize,
 }
 
 impl WasiView for HookState {
@@ -144,10 +147,37 @@ impl HookState {
     }
 }
 
-impl CellImports for HookState {
-    fn host_call(&mut self, name: String, payload_json: String) -> Result<String, String> {
-        self.relay.host_call(name, payload_json)
-    }
+/// The cell's imports (`wit/cell.wit`), defined by hand rather than through the bindings: their
+/// strings are read in the instance's memory (`WasmStr`), so that one longer than any it may be is
+/// refused before it is copied out.
+fn add_imports(linker: &mut Linker<HookState>) -> wasmtime::Result<()> {
+    let mut root = linker.root();
+    root.func_wrap(
+        "host-call",
+        |store: wasmtime::StoreContextMut<'_, HookState>, (name, payload): (WasmStr, WasmStr)| {
+            let mut relay = store.data().relay.clone();
+            let name = name.to_str(&store)?;
+            let payload = payload.to_str(&store)?;
+            Ok((relay.host_call(&name, &payload),))
+        },
+    )?;
+    root.func_wrap(
+        "answer",
+        |mut store: wasmtime::StoreContextMut<'_, HookState>, (json,): (WasmStr,)| {
+            let max = store.data().max_answer;
+            let read = {
+                let text = json.to_str(&store)?;
+                if text.len() > max {
+                    Err(CallError::TooLong(text.len(), max))
+                } else {
+                    Ok(text.into_owned())
+                }
+            };
+            store.data_mut().answer = Some(read);
+            Ok(())
+        },
+    )?;
+    Ok(())
 }
 
 /// What makes instances: engine, linked component, deadlines and the instance slots. Shared by the
@@ -155,7 +185,6 @@ impl CellImports for HookState {
 pub(crate) struct Core {
     engine: Engine,
     pre: CellPre<HookState>,
-    indices: CellIndices,
     timer: Timer,
     slots: Slots,
     memory_bytes: usize,
@@ -189,6 +218,8 @@ pub(crate) enum CallError {
         "returned {0} bytes of JSON, over the {1} a hook's result may have (outgoing, state, findings and message each within its limit): refused unread"
     )]
     TooLong(usize, usize),
+    #[error("the hook's instance gave no answer")]
+    NoAnswer,
 }
 
 /// A hook an instance can be prepared for: its name, compiled code and the time its module code
@@ -211,7 +242,7 @@ pub(crate) struct Instance {
 /// A fresh instance with one hook's module code already run in it: its call only runs `execute`.
 pub(crate) struct Prepared {
     instance: Instance,
-    exports: wasmtime::component::Instance,
+    cell: Cell,
 }
 
 impl Runtime {
@@ -250,18 +281,13 @@ impl Runtime {
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(RuntimeError::Engine)?;
         // Waits (sleep, select, any poll) end at the hook's deadline.
         blocking::add_to_linker(&mut linker, HookState::waits).map_err(RuntimeError::Engine)?;
-        Cell::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state)
-            .map_err(RuntimeError::Engine)?;
+        add_imports(&mut linker).map_err(RuntimeError::Engine)?;
         let pre = linker
             .instantiate_pre(&component)
             .map_err(|source| RuntimeError::Load {
                 path: shown.clone(),
                 source,
             })?;
-        let indices = CellIndices::new(&pre).map_err(|source| RuntimeError::Load {
-            path: shown.clone(),
-            source,
-        })?;
         let pre = CellPre::new(pre).map_err(|source| RuntimeError::Load {
             path: shown,
             source,
@@ -270,7 +296,6 @@ impl Runtime {
             timer: Timer::start(engine.clone()),
             engine,
             pre,
-            indices,
             slots: Slots::new(POOL_SLOTS),
             memory_bytes: memory_bytes.min(MAX_MEMORY_BYTES),
         });
@@ -292,7 +317,7 @@ impl Runtime {
         let deadline = self.arm(timeout);
         let loaded = self
             .core
-            .run(&mut instance.store, &deadline, |store, cell, _| {
+            .run(&mut instance.store, &deadline, |store, cell| {
                 cell.call_load(store, name, code)
             });
         deadline.disarm();
@@ -338,9 +363,9 @@ impl Runtime {
         if let Some(mut prepared) = self.preparer.take(&hook.key) {
             let store = &mut prepared.instance.store;
             store.data_mut().relay = relay;
-            let exports = prepared.exports;
+            let cell = &prepared.cell;
             let answer = self.core.enter(store, deadline, |store| {
-                answer_of(store, &exports, request, max_answer)
+                answer_of(store, cell, request, max_answer)
             });
             let answer = answer.and_then(|a| a);
             let output = store.data().output.text();
@@ -357,9 +382,9 @@ impl Runtime {
         let mut instance = self.core.store(relay);
         let answer = self
             .core
-            .run(&mut instance.store, deadline, |store, cell, exports| {
+            .run(&mut instance.store, deadline, |store, cell| {
                 cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
-                answer_of(store, exports, request, max_answer)
+                answer_of(store, cell, request, max_answer)
             })
             .and_then(|a| a);
         Called {
@@ -369,23 +394,22 @@ impl Runtime {
     }
 }
 
-/// Calls `execute` in an instance (its `call` export) and reads the answer, refused before it is
-/// copied out of the instance's memory when it is over `max` bytes.
+/// Calls `execute` in an instance (its `call` export) and takes the answer it gave (`answer`),
+/// refused before it was copied out of the instance's memory when it was over `max` bytes.
 fn answer_of(
     store: &mut Store<HookState>,
-    exports: &wasmtime::component::Instance,
+    cell: &Cell,
     request: &str,
     max: usize,
 ) -> wasmtime::Result<Result<String, CallError>> {
-    let call = exports.get_typed_func::<(&str,), (WasmStr,)>(&mut *store, "call")?;
-    let (answer,) = call.call(&mut *store, (request,))?;
-    // UTF-8 in the instance's memory: borrowed, not copied, until it is known to be short enough.
-    let text = answer.to_str(&*store)?;
-    Ok(if text.len() > max {
-        Err(CallError::TooLong(text.len(), max))
-    } else {
-        Ok(text.into_owned())
-    })
+    store.data_mut().answer = None;
+    store.data_mut().max_answer = max;
+    cell.call_call(&mut *store, request)?;
+    Ok(store
+        .data_mut()
+        .answer
+        .take()
+        .unwrap_or(Err(CallError::NoAnswer)))
 }
 
 impl Core {
@@ -412,6 +436,8 @@ impl Core {
                 limits,
                 deadline: None,
                 relay,
+                answer: None,
+                max_answer: 0,
             },
         );
         store.limiter(|state| &mut state.limits);
@@ -424,30 +450,16 @@ impl Core {
         Instance { store, _slot: slot }
     }
 
-    /// A new instance in `store`: its bindings and its exports.
-    fn instantiate(
-        &self,
-        store: &mut Store<HookState>,
-    ) -> wasmtime::Result<(Cell, wasmtime::component::Instance)> {
-        let exports = self.pre.instance_pre().instantiate(&mut *store)?;
-        let cell = self.indices.load(&mut *store, &exports)?;
-        Ok((cell, exports))
-    }
-
     /// Instantiates in `store` and runs `f` in the new instance, all under `deadline`.
     fn run<R>(
         &self,
         store: &mut Store<HookState>,
         deadline: &Deadline,
-        f: impl FnOnce(
-            &mut Store<HookState>,
-            &Cell,
-            &wasmtime::component::Instance,
-        ) -> wasmtime::Result<R>,
+        f: impl FnOnce(&mut Store<HookState>, &Cell) -> wasmtime::Result<R>,
     ) -> Result<R, CallError> {
         self.enter(store, deadline, |store| {
-            let (cell, exports) = self.instantiate(store)?;
-            f(store, &cell, &exports)
+            let cell = self.pre.instantiate(&mut *store)?;
+            f(store, &cell)
         })
     }
 
@@ -495,14 +507,14 @@ impl Core {
         ));
         let deadline = self.timer.arm(hook.timeout);
         let prepared = self.enter(&mut instance.store, &deadline, |store| {
-            let (cell, exports) = self.instantiate(store)?;
+            let cell = self.pre.instantiate(&mut *store)?;
             cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
-            Ok(exports)
+            Ok(cell)
         });
         deadline.disarm();
-        let exports = prepared.ok()?;
+        let cell = prepared.ok()?;
         (instance.store.data().limits.peak <= PREPARED_MEMORY_BYTES)
-            .then_some(Prepared { instance, exports })
+            .then_some(Prepared { instance, cell })
     }
 }
 
