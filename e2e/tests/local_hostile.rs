@@ -386,11 +386,20 @@ async fn hooks_within_their_memory_limit_never_exceed_the_sandbox(reuse: &str) {
     let h = Harness::start(&[("big.yaml", &y)]).await;
     for _ in 0..2 {
         let r = h.run_text("big", "input", "m").await.unwrap();
-        let errors: Vec<&str> = r.hooks.iter().map(|o| o.error.as_str()).filter(|e| !e.is_empty()).collect();
+        let errors: Vec<&str> = r
+            .hooks
+            .iter()
+            .map(|o| o.error.as_str())
+            .filter(|e| !e.is_empty())
+            .collect();
         assert!(errors.is_empty(), "{reuse}: {errors:?}");
         assert_eq!(text(&r), "m 0:100 1:100 2:100 3:100", "{reuse}: {r:?}");
     }
-    let broken: Vec<(String, u64)> = h.retirements().into_iter().filter(|(r, _)| r == "broken").collect();
+    let broken: Vec<(String, u64)> = h
+        .retirements()
+        .into_iter()
+        .filter(|(r, _)| r == "broken")
+        .collect();
     assert!(broken.is_empty(), "{reuse}: {broken:?}");
     h.stop_and_check_leaks().await;
 }

@@ -84,7 +84,11 @@ impl Relay {
             ));
         }
         // Python writes JSON with a space after every `,` and `:`: under twice the compact size.
-        let most = link.limits.payload_bytes.saturating_mul(2).saturating_add(1 << 10);
+        let most = link
+            .limits
+            .payload_bytes
+            .saturating_mul(2)
+            .saturating_add(1 << 10);
         if payload_json.len() > most {
             return Err(refusal(
                 format!(

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::checks::{ACTIONS, ERROR_BYTES, HookError, Limits, TERMINAL, check_result, relayed_text};
+use crate::checks::{
+    ACTIONS, ERROR_BYTES, HookError, Limits, TERMINAL, check_result, relayed_text,
+};
 use crate::deadline::Deadline;
 use crate::protocol::{Channel, Incoming};
 use crate::relay::{Link, Relay};
@@ -459,13 +461,9 @@ impl Supervisor {
             request["trace_s"] = json!(left.saturating_sub(TRACE_GRACE).as_secs_f64());
         }
         let request = request.to_string();
-        let called = self.runtime.call_hook(
-            code,
-            &request,
-            relay,
-            deadline,
-            cell.limits.answer_bytes(),
-        );
+        let called =
+            self.runtime
+                .call_hook(code, &request, relay, deadline, cell.limits.answer_bytes());
         if let Some(text) = called.output {
             output.insert("output".into(), json!(text));
         }
@@ -490,7 +488,10 @@ impl Supervisor {
             &hook.action,
             &cell.trigger_point,
             &cell.limits,
-            answer.get_mut("value").map(Value::take).unwrap_or(Value::Null),
+            answer
+                .get_mut("value")
+                .map(Value::take)
+                .unwrap_or(Value::Null),
         )
     }
 

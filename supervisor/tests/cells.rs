@@ -717,7 +717,8 @@ fn a_sleeping_hook_is_stopped_at_its_deadline_in_execute_and_in_module_code() {
     // Epoch interruption stops running code only; a hook waiting in the host (sleep, select, any
     // poll) runs none. Each wait must still end at the deadline, as the hook's own error.
     let sleeper = "import time\ndef execute(context, settings):\n    time.sleep(3600)\n";
-    let napper = "import time\ndef execute(context, settings):\n    while True:\n        time.sleep(0.01)\n";
+    let napper =
+        "import time\ndef execute(context, settings):\n    while True:\n        time.sleep(0.01)\n";
     let slow_module = "import time\ntime.sleep(3600)\ndef execute(context, settings):\n    return {'action': 'pass'}\n";
     let after = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'] + '!'}\n";
     let mut s = Supervisor::start(256 << 20);
@@ -811,7 +812,11 @@ fn a_huge_return_is_refused_unread_as_that_hooks_error() {
     let huge = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': 'x' * (100 << 20)}\n";
     let after = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'] + '!'}\n";
     let mut s = Supervisor::start(512 << 20);
-    s.init("input", 20000, &[("huge", "modify", huge), ("after", "modify", after)]);
+    s.init(
+        "input",
+        20000,
+        &[("huge", "modify", huge), ("after", "modify", after)],
+    );
     let r = s.chunk(json!("x"), no_host);
     let error = r[0]["error"].as_str().unwrap_or_default();
     assert!(error.contains("refused unread"), "{error:.300}");
@@ -819,7 +824,11 @@ fn a_huge_return_is_refused_unread_as_that_hooks_error() {
     // The instance's own memory holds the text and its JSON (~200 MiB, within its 512 MiB);
     // nothing of it is copied beside them.
     let peak = peak_rss_of(s.child.id());
-    assert!(peak < 550 << 20, "the supervisor peaked at {} MiB", peak >> 20);
+    assert!(
+        peak < 550 << 20,
+        "the supervisor peaked at {} MiB",
+        peak >> 20
+    );
     s.end();
 }
 

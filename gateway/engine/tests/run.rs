@@ -316,7 +316,8 @@ async fn under_open_two_hooks_out_of_time_cost_two_hook_errors_never_the_sandbox
     // A user text that makes two regex detectors backtrack: each runs out of the chain's deadline,
     // the one after the first with a fresh deadline on both sides, so the gateway's backstop
     // (each hook's deadline plus its grace) never fires and the sandbox serves on.
-    let backtrack = "import re\nre.match(r'(a+)+$', context['outgoing'])\nreturn {'action': 'pass'}";
+    let backtrack =
+        "import re\nre.match(r'(a+)+$', context['outgoing'])\nreturn {'action': 'pass'}";
     let h = Harness::process(vec![tenant(
         "input",
         vec![
