@@ -1,7 +1,8 @@
 //! The hostile-hook suite: one hostile hook between two honest ones, in real sandboxes, in both pool
 //! modes (`reuse: Recycle`, where the next trigger point may run in the same sandbox, and `None`).
 //! For every case the honest hooks' results are intact (in the hostile trigger point and in the next
-//! one), the run ends within bounds, the gateway keeps serving, and at the end nothing is left
+//! one), the run ends within bounds, the hostile hook costs its own error and never the sandbox (no
+//! deadline kill, no broken stream), the gateway keeps serving, and at the end nothing is left
 //! behind.
 
 use sluice_e2e::{Harness, action, text};
@@ -274,7 +275,14 @@ async fn hostile_hooks_never_break_honest_ones_or_the_gateway(reuse: &str) {
 
     let mut failures = Vec::new();
     let mut runs = 0;
+    let broken = || {
+        h.retirements()
+            .into_iter()
+            .find(|(reason, _)| reason == "broken")
+            .map_or(0, |(_, n)| n)
+    };
     for (name, _) in &cases {
+        let broken_before = broken();
         // The hostile trigger point, then the next one: in Recycle mode it runs in the same
         // sandbox whenever the supervisor found it clean.
         for attempt in ["hostile", "next"] {
@@ -301,6 +309,14 @@ async fn hostile_hooks_never_break_honest_ones_or_the_gateway(reuse: &str) {
                 failures.push(format!("{name} ({attempt}): {}", found.join("; ")));
             }
         }
+        // A sandbox is retired as broken when it is dropped after the run: the count has moved by
+        // the time the next run claims one, so a case's kills show by the end of the next case
+        // at the latest; the last case is checked after the final run below.
+        if broken() > broken_before {
+            failures.push(format!(
+                "{name}: the hostile hook cost a sandbox (a deadline kill or a broken stream)"
+            ));
+        }
     }
     assert!(
         listener.accept().is_err(),
@@ -313,6 +329,9 @@ async fn hostile_hooks_never_break_honest_ones_or_the_gateway(reuse: &str) {
         .await
         .unwrap();
     assert!(text(&r).ends_with(" [A] [B]"), "{r:?}");
+    if broken() > 0 && failures.iter().all(|f| !f.contains("cost a sandbox")) {
+        failures.push(format!("{} sandboxes were retired as broken", broken()));
+    }
     assert!(
         failures.is_empty(),
         "{reuse}: hostile cases that broke something:\n{}",
@@ -352,4 +371,45 @@ async fn a_trigger_point_cannot_see_the_previous_ones_files_or_processes() {
         assert!(out.contains("FOUND:[]"), "{out}");
     }
     h.stop_and_check_leaks().await;
+}
+
+/// Four hooks of 100 MiB each, every one within the chain's 128 MiB: each instance is reset as soon
+/// as its hook answered, so the walk fits in the sandbox (memory + the runtime's allowance) and no
+/// hook is OOM-killed for memory the hooks before it used.
+async fn hooks_within_their_memory_limit_never_exceed_the_sandbox(reuse: &str) {
+    let mut y = format!(
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {{name: big, namespace: default}}\nspec:\n  target: big\n  triggerPoint: input\n  failurePolicy: Closed\n  timeoutMs: 20000\n  pool: {{warm: 1, max: 2, reuse: {reuse}}}\n  resources: {{cpu: '1', memory: 128Mi, pids: 32}}\n  hooks:\n"
+    );
+    for i in 0..4 {
+        y.push_str(&format!("    - name: big-{i}\n      action: modify\n      code: |\n        def execute(context, settings):\n            blob = b'x' * (100 << 20)\n            return {{'action': 'modify', 'outgoing': context['outgoing'] + ' {i}:' + str(len(blob) >> 20)}}\n"));
+    }
+    let h = Harness::start(&[("big.yaml", &y)]).await;
+    for _ in 0..2 {
+        let r = h.run_text("big", "input", "m").await.unwrap();
+        let errors: Vec<&str> = r
+            .hooks
+            .iter()
+            .map(|o| o.error.as_str())
+            .filter(|e| !e.is_empty())
+            .collect();
+        assert!(errors.is_empty(), "{reuse}: {errors:?}");
+        assert_eq!(text(&r), "m 0:100 1:100 2:100 3:100", "{reuse}: {r:?}");
+    }
+    let broken: Vec<(String, u64)> = h
+        .retirements()
+        .into_iter()
+        .filter(|(r, _)| r == "broken")
+        .collect();
+    assert!(broken.is_empty(), "{reuse}: {broken:?}");
+    h.stop_and_check_leaks().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hooks_within_their_memory_limit_never_exceed_the_sandbox_recycle() {
+    hooks_within_their_memory_limit_never_exceed_the_sandbox("Recycle").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hooks_within_their_memory_limit_never_exceed_the_sandbox_none() {
+    hooks_within_their_memory_limit_never_exceed_the_sandbox("None").await;
 }

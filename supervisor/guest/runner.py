@@ -194,6 +194,9 @@ class WitWorld(wit_world.WitWorld):
         prepare_module(name, marshal.loads(code))
 
     def call(self, request_json):
+        wit_world.answer(self.answer_of(request_json))
+
+    def answer_of(self, request_json):
         if PREPARED is None:
             return json.dumps({"error": "this instance was not prepared for a hook"})
         name, execute, error = PREPARED

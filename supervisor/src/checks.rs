@@ -58,6 +58,47 @@ impl Limits {
     }
 }
 
+impl Limits {
+    /// The longest answer an instance may give for one call (the JSON of what `execute` returned):
+    /// room for an `outgoing`, a `state` and `findings` at their limits written as Python writes
+    /// JSON (a space after every `,` and `:`, under twice the compact size), and a `message` of
+    /// escaped characters. A longer answer cannot pass the checks: it is refused unread.
+    pub(crate) fn answer_bytes(&self) -> usize {
+        let json = self
+            .payload_bytes
+            .saturating_add(self.state_bytes)
+            .saturating_add(self.findings_bytes);
+        json.saturating_mul(2)
+            .saturating_add(self.message_chars.saturating_mul(6))
+            .saturating_add(64 << 10)
+    }
+}
+
+/// The longest error text relayed for one hook (its exception and traceback, a refusal of its
+/// code, how its instance failed): what the runner says can be forged by the hook beside it.
+pub(crate) const ERROR_BYTES: usize = 8 << 10;
+/// The longest capability name a `host_call` may carry: a Capability's name is a Kubernetes
+/// object's name, at most 253 characters.
+pub(crate) const HOST_CALL_NAME_BYTES: usize = 253;
+
+/// `text` as the supervisor relays it: whole when it is at most `max` bytes, else its first `max`
+/// bytes (at a character boundary) and how much was cut. Every text a hook or its instance can
+/// make long goes out through here, so that no answer outgrows the gateway's line limit.
+pub(crate) fn relayed_text(text: String, max: usize) -> String {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{} [{} more bytes cut: at most {max} are relayed]",
+        &text[..end],
+        text.len() - end
+    )
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub(crate) struct HookError(pub(crate) String);
@@ -240,6 +281,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(ok["outgoing"], json!({"a": 1}));
+    }
+
+    #[test]
+    fn relayed_text_is_cut_at_a_character_boundary_and_says_so() {
+        assert_eq!(relayed_text("short".into(), 10), "short");
+        let cut = relayed_text("ééééé".into(), 3);
+        assert_eq!(cut, "é [8 more bytes cut: at most 3 are relayed]");
     }
 
     #[test]

@@ -97,6 +97,16 @@ impl Deadline {
         self.with(|inner| inner.expired).unwrap_or(true)
     }
 
+    /// The time left, or None once it has run out (or the deadline was disarmed).
+    pub(crate) fn left(&self) -> Option<Duration> {
+        self.with(|inner| match inner.at {
+            _ if inner.expired => None,
+            Some(at) => Some(at.saturating_duration_since(Instant::now())),
+            None => Some(inner.left),
+        })
+        .flatten()
+    }
+
     /// Ends this deadline: whether it had expired, and the time that was left.
     pub(crate) fn disarm(&self) -> (bool, Duration) {
         let mut deadlines = self

@@ -7,11 +7,12 @@
 //! stays the wall around the whole sandbox.
 //!
 //! Reading order: `protocol` (the wire) → `runtime` (wasmtime: engine, instances) → `prepare`
-//! (instances made ahead of their call) → `deadline` → `relay`
+//! (instances made ahead of their call) → `deadline` → `blocking` (waits end at the deadline) → `relay`
 //! (host calls) → `checks` (what a hook may return) → `supervisor` (the protocol loop) → this file
 //! (the command line).
 
 mod attach;
+mod blocking;
 mod checks;
 mod clock;
 mod deadline;

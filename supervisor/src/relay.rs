@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
 
-use crate::checks::{Limits, bounded_json};
+use crate::checks::{HOST_CALL_NAME_BYTES, Limits, bounded_json};
 use crate::deadline::Deadline;
 use crate::protocol::{Channel, Incoming};
 
@@ -53,11 +53,9 @@ impl Relay {
         self.deadline = Some(deadline);
     }
 
-    pub(crate) fn host_call(
-        &mut self,
-        name: String,
-        payload_json: String,
-    ) -> Result<String, String> {
+    /// One host call, its name and payload read in the instance's memory: each is checked
+    /// against its bound before anything of it is copied.
+    pub(crate) fn host_call(&mut self, name: &str, payload_json: &str) -> Result<String, String> {
         let link = match &self.link {
             Ok(link) => link.clone(),
             Err(why) => return Err(refusal(*why, "forbidden")),
@@ -73,7 +71,35 @@ impl Relay {
             ));
         }
         link.budget.store(left - 1, Ordering::Relaxed);
-        let payload: Value = serde_json::from_str(&payload_json)
+        // Every field a host_call relays is bounded before it is read further: a name no
+        // capability can have, or a payload whose text is over what its JSON may be, is the
+        // hook's error, not a line over the gateway's limit.
+        if name.len() > HOST_CALL_NAME_BYTES {
+            return Err(refusal(
+                format!(
+                    "host_call name is {} bytes, over the limit of {HOST_CALL_NAME_BYTES} (a capability's name is a Kubernetes object name)",
+                    name.len()
+                ),
+                "invalid",
+            ));
+        }
+        // Python writes JSON with a space after every `,` and `:`: under twice the compact size.
+        let most = link
+            .limits
+            .payload_bytes
+            .saturating_mul(2)
+            .saturating_add(1 << 10);
+        if payload_json.len() > most {
+            return Err(refusal(
+                format!(
+                    "host_call payload is {} bytes, over the limit of {}",
+                    payload_json.len(),
+                    link.limits.payload_bytes
+                ),
+                "invalid",
+            ));
+        }
+        let payload: Value = serde_json::from_str(payload_json)
             .map_err(|e| refusal(format!("host_call payload is not JSON: {e}"), "invalid"))?;
         let payload = bounded_json(
             payload,

@@ -13,10 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
+use wasmtime::component::{Component, Linker, ResourceTable, WasmStr};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
+use crate::blocking::{self, Waits};
 use crate::clock::{Clocks, Moment};
 use crate::deadline::{Deadline, Timer};
 use crate::output::Output;
@@ -171,6 +172,9 @@ pub(crate) struct HookState {
     limits: Limits,
     deadline: Option<Deadline>,
     relay: Relay,
+    /// What the running call answered (`answer`), and the longest answer it may give.
+    answer: Option<Result<String, CallError>>,
+    max_answer: usize,
 }
 
 impl WasiView for HookState {
@@ -182,10 +186,47 @@ impl WasiView for HookState {
     }
 }
 
-impl CellImports for HookState {
-    fn host_call(&mut self, name: String, payload_json: String) -> Result<String, String> {
-        self.relay.host_call(name, payload_json)
+impl HookState {
+    /// What the bounded waits (`blocking`) see of the instance.
+    fn waits(&mut self) -> Waits<'_> {
+        Waits {
+            table: &mut self.table,
+            deadline: self.deadline.as_ref(),
+        }
     }
+}
+
+/// The cell's imports (`wit/cell.wit`), defined by hand rather than through the bindings: their
+/// strings are read in the instance's memory (`WasmStr`), so that one longer than any it may be is
+/// refused before it is copied out.
+fn add_imports(linker: &mut Linker<HookState>) -> wasmtime::Result<()> {
+    let mut root = linker.root();
+    root.func_wrap(
+        "host-call",
+        |store: wasmtime::StoreContextMut<'_, HookState>, (name, payload): (WasmStr, WasmStr)| {
+            let mut relay = store.data().relay.clone();
+            let name = name.to_str(&store)?;
+            let payload = payload.to_str(&store)?;
+            Ok((relay.host_call(&name, &payload),))
+        },
+    )?;
+    root.func_wrap(
+        "answer",
+        |mut store: wasmtime::StoreContextMut<'_, HookState>, (json,): (WasmStr,)| {
+            let max = store.data().max_answer;
+            let read = {
+                let text = json.to_str(&store)?;
+                if text.len() > max {
+                    Err(CallError::TooLong(text.len(), max))
+                } else {
+                    Ok(text.into_owned())
+                }
+            };
+            store.data_mut().answer = Some(read);
+            Ok(())
+        },
+    )?;
+    Ok(())
 }
 
 /// What makes instances: engine, linked component, deadlines and the instance slots. Shared by the
@@ -206,11 +247,10 @@ pub(crate) struct Runtime {
     clock: Mutex<Option<Moment>>,
 }
 
-/// One hook call: what the instance answered, the time left of the budget it was given, and the
-/// end of what the hook wrote to stdout and stderr (None when it wrote nothing).
+/// One hook call: what the instance answered, and the end of what the hook wrote to stdout and
+/// stderr (None when it wrote nothing).
 pub(crate) struct Called {
     pub(crate) answer: Result<String, CallError>,
-    pub(crate) left: Duration,
     pub(crate) output: Option<String>,
 }
 
@@ -223,6 +263,14 @@ pub(crate) enum CallError {
     Memory(usize),
     #[error("the hook's instance failed: {0}")]
     Trap(String),
+    /// The answer was longer than any result that passes the checks: refused before it is copied
+    /// out of the instance, so a huge return costs the sandbox nothing.
+    #[error(
+        "returned {0} bytes of JSON, over the {1} a hook's result may have (outgoing, state, findings and message each within its limit): refused unread"
+    )]
+    TooLong(usize, usize),
+    #[error("the hook's instance gave no answer")]
+    NoAnswer,
 }
 
 /// A hook an instance can be prepared for: its name, compiled code and the time its module code
@@ -282,8 +330,9 @@ impl Runtime {
         })?;
         let mut linker = Linker::<HookState>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(RuntimeError::Engine)?;
-        Cell::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state)
-            .map_err(RuntimeError::Engine)?;
+        // Waits (sleep, select, any poll) end at the hook's deadline.
+        blocking::add_to_linker(&mut linker, HookState::waits).map_err(RuntimeError::Engine)?;
+        add_imports(&mut linker).map_err(RuntimeError::Engine)?;
         let pre = linker
             .instantiate_pre(&component)
             .map_err(|source| RuntimeError::Load {
@@ -320,11 +369,20 @@ impl Runtime {
         let mut instance = self.core.store(Relay::refusing(
             "a hook's module code cannot call host_call",
         ));
-        self.core
-            .run(&mut instance.store, timeout, |store, cell| {
+        let deadline = self.arm(timeout);
+        let loaded = self
+            .core
+            .run(&mut instance.store, &deadline, |store, cell| {
                 cell.call_load(store, name, code)
-            })
-            .0
+            });
+        deadline.disarm();
+        loaded
+    }
+
+    /// A deadline `timeout` from now, paused while a host call waits: the one a walk's hooks run
+    /// under, until one of them runs out of it.
+    pub(crate) fn arm(&self, timeout: Duration) -> Deadline {
+        self.core.timer.arm(timeout)
     }
 
     /// Keeps an instance prepared for each of `hooks` (the open cell's, in walk order) from now on,
@@ -356,45 +414,69 @@ impl Runtime {
         self.preparer.walk_ended();
     }
 
-    /// One call of a hook (`key`) within `timeout` (host-call time excluded): in the instance
-    /// prepared for it when there is one, else in a fresh instance where its module code runs first,
-    /// within the same `timeout`.
+    /// One call of a hook (`key`) under `deadline` (paused while host calls wait): in the instance
+    /// prepared for it when there is one, else in a fresh instance where its module code runs
+    /// first, under the same deadline. An answer over `max_answer` bytes is refused unread.
     pub(crate) fn call_hook(
         &self,
         hook: &HookCode,
         request: &str,
         relay: Relay,
-        timeout: Duration,
+        deadline: &Deadline,
+        max_answer: usize,
     ) -> Called {
         if let Some(mut prepared) = self.preparer.take(&hook.key) {
             let store = &mut prepared.instance.store;
             store.data_mut().relay = relay;
             store.data().clocks.set(self.clock());
             let cell = &prepared.cell;
-            let (answer, left) = self
-                .core
-                .enter(store, timeout, |store| cell.call_call(store, request));
+            let answer = self.core.enter(store, deadline, |store| {
+                answer_of(store, cell, request, max_answer)
+            });
+            let answer = answer.and_then(|a| a);
             let output = store.data().output.text();
-            // Its slot is reset by the preparer, after this answer has gone out.
-            self.preparer.discard(prepared);
-            return Called {
-                answer,
-                left,
-                output,
-            };
+            if store.data().limits.peak > PREPARED_MEMORY_BYTES {
+                // An instance that grew is reset now, before the walk goes on: a walk of hooks
+                // each within its memory limit never holds more than one such instance at once.
+                drop(prepared);
+            } else {
+                // Its slot is reset by the preparer, after this answer has gone out.
+                self.preparer.discard(prepared);
+            }
+            return Called { answer, output };
         }
         let mut instance = self.core.store(relay);
         instance.store.data().clocks.set(self.clock());
-        let (answer, left) = self.core.run(&mut instance.store, timeout, |store, cell| {
-            cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
-            cell.call_call(store, request)
-        });
+        let answer = self
+            .core
+            .run(&mut instance.store, deadline, |store, cell| {
+                cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
+                answer_of(store, cell, request, max_answer)
+            })
+            .and_then(|a| a);
         Called {
             answer,
-            left,
             output: instance.store.data().output.text(),
         }
     }
+}
+
+/// Calls `execute` in an instance (its `call` export) and takes the answer it gave (`answer`),
+/// refused before it was copied out of the instance's memory when it was over `max` bytes.
+fn answer_of(
+    store: &mut Store<HookState>,
+    cell: &Cell,
+    request: &str,
+    max: usize,
+) -> wasmtime::Result<Result<String, CallError>> {
+    store.data_mut().answer = None;
+    store.data_mut().max_answer = max;
+    cell.call_call(&mut *store, request)?;
+    Ok(store
+        .data_mut()
+        .answer
+        .take()
+        .unwrap_or(Err(CallError::NoAnswer)))
 }
 
 impl Core {
@@ -425,6 +507,8 @@ impl Core {
                 limits,
                 deadline: None,
                 relay,
+                answer: None,
+                max_answer: 0,
             },
         );
         store.limiter(|state| &mut state.limits);
@@ -437,36 +521,39 @@ impl Core {
         Instance { store, _slot: slot }
     }
 
-    /// Instantiates in `store` and runs `f` in the new instance, all within `timeout`.
+    /// Instantiates in `store` and runs `f` in the new instance, all under `deadline`.
     fn run<R>(
         &self,
         store: &mut Store<HookState>,
-        timeout: Duration,
+        deadline: &Deadline,
         f: impl FnOnce(&mut Store<HookState>, &Cell) -> wasmtime::Result<R>,
-    ) -> (Result<R, CallError>, Duration) {
-        let pre = &self.pre;
-        self.enter(store, timeout, |store| {
-            let cell = pre.instantiate(&mut *store)?;
+    ) -> Result<R, CallError> {
+        self.enter(store, deadline, |store| {
+            let cell = self.pre.instantiate(&mut *store)?;
             f(store, &cell)
         })
     }
 
-    /// Runs `f` (guest code) within `timeout`: what it returned and the time left of `timeout`
-    /// (host-call time not counted).
+    /// Runs `f` (guest code) under `deadline` (armed by the caller, paused while host calls wait).
     fn enter<R>(
         &self,
         store: &mut Store<HookState>,
-        timeout: Duration,
+        deadline: &Deadline,
         f: impl FnOnce(&mut Store<HookState>) -> wasmtime::Result<R>,
-    ) -> (Result<R, CallError>, Duration) {
-        let deadline = self.timer.arm(timeout);
+    ) -> Result<R, CallError> {
         store.data_mut().relay.set_deadline(deadline.clone());
         store.data_mut().deadline = Some(deadline.clone());
+        // Set before the deadline is looked at: a deadline that passes after the look ticks the
+        // epoch after this, and stops the code; one that passed before is never entered.
         store.set_epoch_deadline(1);
+        if deadline.expired() {
+            store.data_mut().deadline = None;
+            return Err(CallError::Deadline);
+        }
         let result = f(&mut *store);
-        let (expired, left) = deadline.disarm();
+        let expired = deadline.expired();
         store.data_mut().deadline = None;
-        let result = result.map_err(|e| {
+        result.map_err(|e| {
             if expired
                 || matches!(
                     e.downcast_ref::<wasmtime::Trap>(),
@@ -479,8 +566,7 @@ impl Core {
             } else {
                 CallError::Trap(trap_text(&e))
             }
-        });
-        (result, left)
+        })
     }
 
     /// A fresh instance with `hook`'s module code run in it, or None when that failed in a way a
@@ -490,13 +576,14 @@ impl Core {
         let mut instance = self.store(Relay::refusing(
             "a hook's module code cannot call host_call",
         ));
-        let pre = &self.pre;
-        let (cell, _) = self.enter(&mut instance.store, hook.timeout, |store| {
-            let cell = pre.instantiate(&mut *store)?;
+        let deadline = self.timer.arm(hook.timeout);
+        let prepared = self.enter(&mut instance.store, &deadline, |store| {
+            let cell = self.pre.instantiate(&mut *store)?;
             cell.call_prepare(&mut *store, &hook.name, &hook.code)?;
             Ok(cell)
         });
-        let cell = cell.ok()?;
+        deadline.disarm();
+        let cell = prepared.ok()?;
         (instance.store.data().limits.peak <= PREPARED_MEMORY_BYTES)
             .then_some(Prepared { instance, cell })
     }
@@ -578,15 +665,18 @@ impl Runtime {
             code: Arc::new(code),
             timeout,
         };
+        let deadline = self.arm(timeout);
         let answer = self
             .call_hook(
                 &hook,
                 r#"{"outgoing": "abc", "state": null, "context": {}, "settings": {}}"#,
                 Relay::refusing("no host calls in the self-check"),
-                timeout,
+                &deadline,
+                1 << 10,
             )
-            .answer
-            .map_err(SelfCheckError::Call)?;
+            .answer;
+        deadline.disarm();
+        let answer = answer.map_err(SelfCheckError::Call)?;
         if answer != r#"{"value": {"action": "detect", "findings": {"n": 3}}}"# {
             return Err(SelfCheckError::Answer(answer));
         }

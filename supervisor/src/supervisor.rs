@@ -9,8 +9,11 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::checks::{ACTIONS, HookError, Limits, TERMINAL, check_result};
+use crate::checks::{
+    ACTIONS, ERROR_BYTES, HookError, Limits, TERMINAL, check_result, relayed_text,
+};
 use crate::clock::Moment;
+use crate::deadline::Deadline;
 use crate::protocol::{Channel, Incoming};
 use crate::relay::{Link, Relay};
 use crate::runtime::{CallError, HookCode, Runtime};
@@ -35,7 +38,7 @@ impl Hook {
     fn ack(&self) -> Value {
         let mut out = json!({"name": self.name, "ok": self.code.is_ok()});
         if let Err(error) = &self.code {
-            out["error"] = json!(error.to_string());
+            out["error"] = json!(relayed_text(error.to_string(), ERROR_BYTES));
             if let NotLoaded::Refused {
                 line: Some(line), ..
             } = error
@@ -351,8 +354,11 @@ impl Supervisor {
         let mut terminal = Value::Null;
         let mut top = "pass".to_string();
         let mut began = Instant::now();
-        // The chain's deadline holds for the whole walk, as the gateway counts it.
-        let mut left = cell.timeout;
+        // One deadline model on both sides (PROTOCOL.md, "Deadlines"): the walk's hooks share the
+        // chain's deadline, counted from here on the wall clock, the supervisor's own work between
+        // them included and time waiting for host_results not; a hook that runs out of it has
+        // failed, and the hooks after it share a fresh one. The gateway counts the same way.
+        let mut deadline = self.walk_deadline(cell);
         for hook in cell.hooks.iter().skip(start) {
             // The previous hook's result goes out before this hook runs, so that if this one takes
             // the sandbox down the gateway still knows how far the walk got.
@@ -380,14 +386,18 @@ impl Supervisor {
                 hook,
                 (&payload, state, &context),
                 Relay::new(link),
-                &mut left,
+                &deadline,
                 &mut result,
             ) {
                 Ok(fields) => result.extend(fields),
                 Err(HookError(error)) => {
                     result.insert("action".into(), json!("pass"));
-                    result.insert("error".into(), json!(error));
+                    result.insert("error".into(), json!(relayed_text(error, ERROR_BYTES)));
                 }
+            }
+            if deadline.expired() {
+                deadline.disarm();
+                deadline = self.walk_deadline(cell);
             }
             let ended = Instant::now();
             result.insert(
@@ -422,8 +432,20 @@ impl Supervisor {
                 top = action;
             }
         }
+        deadline.disarm();
         self.send(&json!({"type": "result", "id": run, "action": top, "terminal_index": terminal}));
         self.runtime.walk_ended();
+    }
+
+    /// The deadline a walk's hooks share, from now. Under `--trace-lines` the hard deadline is
+    /// `TRACE_GRACE` later, for a hook that does not stop itself.
+    fn walk_deadline(&self, cell: &OpenCell) -> Deadline {
+        let grace = if self.trace_lines {
+            TRACE_GRACE
+        } else {
+            Duration::ZERO
+        };
+        self.runtime.arm(cell.timeout + grace)
     }
 
     /// Runs one hook in a fresh instance; the fields of its `hook_result`, or its error. What the
@@ -434,7 +456,7 @@ impl Supervisor {
         hook: &Hook,
         (payload, state, context): (&Value, Value, &Value),
         relay: Relay,
-        left: &mut Duration,
+        deadline: &Deadline,
         output: &mut Map<String, Value>,
     ) -> Result<Map<String, Value>, HookError> {
         let code = hook
@@ -444,24 +466,17 @@ impl Supervisor {
         let mut request = json!({"outgoing": payload, "state": state, "context": context, "settings": hook.settings});
         // Under `--trace-lines` the instance stops itself when the time left is up, at the line it
         // is on; the hard deadline comes `TRACE_GRACE` later, for a hook that does not stop.
-        let grace = if self.trace_lines {
-            request["trace_s"] = json!(left.as_secs_f64());
-            TRACE_GRACE
-        } else {
-            Duration::ZERO
-        };
+        if self.trace_lines {
+            let left = deadline.left().unwrap_or_default();
+            request["trace_s"] = json!(left.saturating_sub(TRACE_GRACE).as_secs_f64());
+        }
         let request = request.to_string();
-        let called = self.runtime.call_hook(code, &request, relay, *left + grace);
+        let called =
+            self.runtime
+                .call_hook(code, &request, relay, deadline, cell.limits.answer_bytes());
         if let Some(text) = called.output {
             output.insert("output".into(), json!(text));
         }
-        // A hook that ran out of time has failed; under `Open` the hooks after it get the whole
-        // budget again, as they did in the fresh sandbox a gateway resumed such a walk in.
-        *left = if matches!(called.answer, Err(CallError::Deadline)) {
-            cell.timeout
-        } else {
-            called.left.saturating_sub(grace)
-        };
         let answer = called.answer.map_err(|e| match e {
             CallError::Deadline => HookError(format!(
                 "timed out after {} ms: an endless loop or slow code (the chain's spec.timeoutMs is {} ms for the whole chain, \
@@ -471,21 +486,22 @@ impl Supervisor {
             )),
             other => HookError(other.to_string()),
         })?;
-        let answer: Value = serde_json::from_str(&answer)
+        let mut answer: Value = serde_json::from_str(&answer)
             .map_err(|e| HookError(format!("the hook's instance answered malformed JSON: {e}")))?;
-        if let Some(error) = answer.get("error") {
-            return Err(HookError(
-                error
-                    .as_str()
-                    .map(str::to_string)
-                    .unwrap_or_else(|| error.to_string()),
-            ));
+        if let Some(error) = answer.get_mut("error").map(Value::take) {
+            return Err(HookError(match error {
+                Value::String(error) => error,
+                other => other.to_string(),
+            }));
         }
         check_result(
             &hook.action,
             &cell.trigger_point,
             &cell.limits,
-            answer.get("value").cloned().unwrap_or(Value::Null),
+            answer
+                .get_mut("value")
+                .map(Value::take)
+                .unwrap_or(Value::Null),
         )
     }
 

@@ -7,12 +7,21 @@ use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// How long a test waits for any one answer before it calls the supervisor hung: far beyond any
+/// deadline the tests set, so it only ever catches a supervisor that does not answer at all.
+const HUNG: Duration = Duration::from_secs(120);
 
 struct Supervisor {
     child: Child,
     stdin: ChildStdin,
-    answers: BufReader<std::process::ChildStderr>,
+    /// Protocol lines as read by a thread of their own, so that a hung supervisor fails the test.
+    answers: mpsc::Receiver<String>,
     next: u64,
+    /// The longest protocol line it sent so far, in bytes.
+    longest: usize,
 }
 
 fn runtime() -> PathBuf {
@@ -38,12 +47,27 @@ impl Supervisor {
             .spawn()
             .expect("the supervisor starts");
         let stdin = child.stdin.take().unwrap();
-        let answers = BufReader::new(child.stderr.take().unwrap());
+        let mut lines = BufReader::new(child.stderr.take().unwrap());
+        let (tx, answers) = mpsc::channel();
+        std::thread::spawn(move || {
+            loop {
+                let mut line = String::new();
+                match lines.read_line(&mut line) {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {
+                        if tx.send(line).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
         let mut s = Self {
             child,
             stdin,
             answers,
             next: 0,
+            longest: 0,
         };
         let ready = s.read();
         assert_eq!(ready["type"], "ready", "{ready}");
@@ -57,8 +81,11 @@ impl Supervisor {
     }
 
     fn read(&mut self) -> Value {
-        let mut line = String::new();
-        self.answers.read_line(&mut line).unwrap();
+        let line = self
+            .answers
+            .recv_timeout(HUNG)
+            .unwrap_or_else(|e| panic!("no answer from the supervisor within {HUNG:?}: {e}"));
+        self.longest = self.longest.max(line.len());
         serde_json::from_str(&line)
             .unwrap_or_else(|e| panic!("not a protocol line ({e}): {line:?}"))
     }
@@ -716,4 +743,164 @@ fn instances_that_hold_much_memory_are_not_kept_and_the_supervisor_stays_small()
     std::thread::sleep(std::time::Duration::from_millis(300));
     let rss = rss_of(s.child.id());
     assert!(rss < 150 << 20, "the supervisor holds {} MiB", rss >> 20);
+}
+
+/// Peak resident memory of a process, in bytes.
+fn peak_rss_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib << 10
+}
+
+#[test]
+fn a_sleeping_hook_is_stopped_at_its_deadline_in_execute_and_in_module_code() {
+    // Epoch interruption stops running code only; a hook waiting in the host (sleep, select, any
+    // poll) runs none. Each wait must still end at the deadline, as the hook's own error.
+    let sleeper = "import time\ndef execute(context, settings):\n    time.sleep(3600)\n";
+    let napper =
+        "import time\ndef execute(context, settings):\n    while True:\n        time.sleep(0.01)\n";
+    let slow_module = "import time\ntime.sleep(3600)\ndef execute(context, settings):\n    return {'action': 'pass'}\n";
+    let after = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'] + '!'}\n";
+    let mut s = Supervisor::start(256 << 20);
+    let ack = s.init(
+        "input",
+        300,
+        &[
+            ("sleeper", "detect", sleeper),
+            ("napper", "detect", napper),
+            ("slow-module", "detect", slow_module),
+            ("after", "modify", after),
+        ],
+    );
+    let error = ack["hooks"][2]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("did not finish"), "{ack}");
+    let r = s.chunk(json!("x"), no_host);
+    assert_eq!(r.len(), 4, "{r:?}");
+    for hook in &r[..2] {
+        let error = hook["error"].as_str().unwrap_or_default();
+        assert!(error.contains("timed out after 300 ms"), "{hook}");
+    }
+    assert_eq!(r[3]["outgoing"], "x!", "{r:?}");
+    s.end();
+}
+
+#[test]
+fn relayed_text_is_bounded_so_no_line_outgrows_the_gateways_limit() {
+    // A host_call name of 3 MiB; an error forged through the runner's own json.dumps (the hook
+    // shares its instance), at load (3 MiB) and at call (2 MiB, within what an answer may be):
+    // each is that hook's error, and every line the supervisor sends stays small.
+    let long_name = r#"
+def execute(context, settings):
+    try:
+        context.host_call('x' * (3 << 20), {})
+        return {'action': 'pass'}
+    except HostCallError as e:
+        return {'action': 'detect', 'findings': {'code': e.code, 'message': str(e)[:200]}}
+"#;
+    let forged_call = r#"
+import json
+real = json.dumps
+def execute(context, settings):
+    json.dumps = lambda *a, **k: real({'error': 'E' * (2 << 20)})
+    return {'action': 'pass'}
+"#;
+    let forged_load = r#"
+import json
+real = json.dumps
+json.dumps = lambda *a, **k: real({'error': 'L' * (3 << 20), 'line': 1})
+raise RuntimeError('at load')
+"#;
+    let mut s = Supervisor::start(256 << 20);
+    let ack = s.init(
+        "input",
+        5000,
+        &[
+            ("long-name", "detect", long_name),
+            ("forged-call", "detect", forged_call),
+            ("forged-load", "detect", forged_load),
+        ],
+    );
+    let load_error = ack["hooks"][2]["error"].as_str().unwrap_or_default();
+    assert!(load_error.contains("more bytes cut"), "{load_error:.300}");
+    let r = s.chunk(json!("x"), |call| {
+        json!({"ok": false, "error": format!("the host_call reached the gateway ({} bytes of name)", call["name"].as_str().map_or(0, str::len))})
+    });
+    let seen = findings(&r[0]);
+    assert_eq!(seen["code"], "invalid", "{seen}");
+    assert!(
+        seen["message"]
+            .as_str()
+            .unwrap()
+            .contains("host_call name is 3145728 bytes"),
+        "{seen}"
+    );
+    let call_error = r[1]["error"].as_str().unwrap_or_default();
+    assert!(call_error.starts_with("EEEE"), "{call_error:.300}");
+    assert!(call_error.contains("more bytes cut"), "{call_error:.300}");
+    assert!(
+        s.longest < 64 << 10,
+        "the supervisor sent a line of {} bytes",
+        s.longest
+    );
+    s.end();
+}
+
+#[test]
+fn a_huge_return_is_refused_unread_as_that_hooks_error() {
+    // 100 MiB returned: refused before it is copied out of the instance (copying, parsing and
+    // re-serialising it first peaked near 750 MiB), and the walk goes on.
+    let huge = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': 'x' * (100 << 20)}\n";
+    let after = "def execute(context, settings):\n    return {'action': 'modify', 'outgoing': context['outgoing'] + '!'}\n";
+    let mut s = Supervisor::start(512 << 20);
+    s.init(
+        "input",
+        20000,
+        &[("huge", "modify", huge), ("after", "modify", after)],
+    );
+    let r = s.chunk(json!("x"), no_host);
+    let error = r[0]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("refused unread"), "{error:.300}");
+    assert_eq!(r[1]["outgoing"], "x!", "{r:?}");
+    // The instance's own memory holds the text and its JSON (~200 MiB, within its 512 MiB);
+    // nothing of it is copied beside them.
+    let peak = peak_rss_of(s.child.id());
+    assert!(
+        peak < 550 << 20,
+        "the supervisor peaked at {} MiB",
+        peak >> 20
+    );
+    s.end();
+}
+
+#[test]
+fn a_walk_of_hooks_each_within_its_memory_limit_never_holds_them_all() {
+    // Four hooks of 100 MiB each, within a 128 MiB limit: each instance is reset as soon as its
+    // hook answered, so the walk needs one hook's memory, not four.
+    let big = "def execute(context, settings):\n    blob = b'x' * (100 << 20)\n    return {'action': 'detect', 'findings': {'n': len(blob)}}\n";
+    let mut s = Supervisor::start(128 << 20);
+    s.init(
+        "input",
+        20000,
+        &[
+            ("a", "detect", big),
+            ("b", "detect", big),
+            ("c", "detect", big),
+            ("d", "detect", big),
+        ],
+    );
+    let r = s.chunk(json!("x"), no_host);
+    for hook in &r {
+        assert_eq!(findings(hook)["n"], 100 << 20, "{hook}");
+    }
+    let peak = peak_rss_of(s.child.id());
+    assert!(
+        peak < 320 << 20,
+        "the supervisor peaked at {} MiB: more than one hook's memory at once",
+        peak >> 20
+    );
+    s.end();
 }

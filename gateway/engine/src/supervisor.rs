@@ -365,10 +365,14 @@ impl SupervisorConn {
             report.failure = Some(f);
             return report;
         }
-        // The supervisor stops a hook at the chain's deadline itself and reports it as that hook's
-        // error (the sandbox stays usable); this deadline is the backstop for a supervisor that does
-        // not, and ends the sandbox.
-        let mut remaining = budget + DEADLINE_GRACE;
+        // One deadline model on both sides (supervisor/PROTOCOL.md, "Deadlines"): the walk's hooks
+        // share `budget`, host_call time not counted; a hook that answers once it is used up has
+        // run out of it, and the hooks after it share a fresh one. The supervisor stops a hook at
+        // that deadline itself and reports it as that hook's error (the sandbox stays usable);
+        // this side counts the same on its own clock, which runs ahead of the supervisor's (it
+        // starts earlier and stops later), and waits each hook's deadline plus `DEADLINE_GRACE`:
+        // the backstop for a supervisor that does not stop a hook, which ends the sandbox.
+        let mut left = budget;
         // One span per hook, from when it can start (the chunk was sent, the previous hook
         // answered) to its result; a hook's host_calls are its children.
         let hook_names: Vec<String> = self.cell.as_ref().map_or_else(Vec::new, |c| {
@@ -387,7 +391,7 @@ impl SupervisorConn {
         let mut current = hook_span(start);
         loop {
             let began = Instant::now();
-            let msg = match self.recv(remaining).await {
+            let msg = match self.recv(left + DEADLINE_GRACE).await {
                 Ok(m) => m,
                 Err(SandboxFailure::Timeout(_)) => {
                     let printed = self.stdout_bytes();
@@ -407,9 +411,13 @@ impl SupervisorConn {
                     return report;
                 }
             };
-            remaining = remaining.saturating_sub(began.elapsed());
+            left = left.saturating_sub(began.elapsed());
             match msg {
                 FromSupervisor::HookResult(h) if h.id == id => {
+                    if left.is_zero() {
+                        // The hook ran out of the walk's deadline: the next one starts afresh.
+                        left = budget;
+                    }
                     // What the sandbox says is untrusted text: escaped, as in every log line.
                     current.record(
                         "action",

@@ -93,12 +93,24 @@ async fn max_uses_retires_the_sandbox_without_a_failed_run() {
 
 #[tokio::test]
 async fn a_deadline_kill_retires_the_sandbox_and_the_next_run_gets_a_fresh_one() {
-    let slow = "import time\nif context['outgoing'] == 'slow':\n    time.sleep(30)\nreturn {'action': 'modify', 'outgoing': context['outgoing'].upper()}";
-    let h = Harness::process(vec![tenant(
-        "input",
-        vec![py("slow", "modify", slow)],
-        json!({"timeoutMs": 300, "pool": {"warm": 1, "max": 1, "reuse": "Recycle"}}),
-    )])
+    // A supervisor that never answers a walk (the real one stops every hook at its deadline, so
+    // it stands in for one that cannot): the gateway's backstop kills it.
+    let backend = ScriptedBackend::new(Arc::new(|c: &Chunk| {
+        if c.outgoing == "slow" {
+            Vec::new()
+        } else {
+            honest(c, |t| t.to_uppercase())
+        }
+    }));
+    let h = Harness::with_backend(
+        Arc::new(backend),
+        vec![tenant(
+            "input",
+            vec![py("slow", "modify", UPPER)],
+            json!({"timeoutMs": 300, "pool": {"warm": 1, "max": 1, "reuse": "Recycle"}}),
+        )],
+        common::limits(),
+    )
     .await;
     settle(&h).await;
     let r = h.run("input", json!("slow")).await.unwrap();

@@ -251,8 +251,21 @@ async fn a_hook_past_its_deadline_is_killed_and_closed_blocks() {
     );
 }
 
+/// Waits until the pool holds a sandbox again (a used one is recycled or retired after the answer).
+async fn settle(h: &Harness) {
+    assert!(
+        h.engine
+            .pools()
+            .wait_warm(std::time::Duration::from_secs(20))
+            .await,
+        "the pool never refilled"
+    );
+}
+
 #[tokio::test]
-async fn under_open_a_walk_resumes_after_a_killed_hook_in_a_fresh_sandbox() {
+async fn under_open_a_sleeping_hook_is_stopped_at_its_deadline_and_the_sandbox_serves_on() {
+    // A hook waiting in `time.sleep` runs no code; its wait still ends at the deadline, so the
+    // supervisor reports it as the hook's error and the gateway's backstop never fires.
     let h = Harness::process(vec![tenant(
         "input",
         vec![
@@ -268,9 +281,10 @@ async fn under_open_a_walk_resumes_after_a_killed_hook_in_a_fresh_sandbox() {
                 "return {'action': 'modify', 'outgoing': context['outgoing'] + '!'}",
             ),
         ],
-        json!({"failurePolicy": "Open", "timeoutMs": 300}),
+        json!({"failurePolicy": "Open", "timeoutMs": 300, "pool": {"warm": 1, "max": 1}}),
     )])
     .await;
+    settle(&h).await;
     let r = h.run("input", json!("hi")).await.unwrap();
     assert_eq!(
         (r.walk.action, r.walk.terminal_index),
@@ -279,7 +293,7 @@ async fn under_open_a_walk_resumes_after_a_killed_hook_in_a_fresh_sandbox() {
     assert_eq!(
         r.walk.payload,
         json!("HI!"),
-        "the hook after the killed one ran"
+        "the hook after the stopped one ran"
     );
     let names: Vec<&str> = r.walk.hooks.iter().map(|h| h.name.as_str()).collect();
     assert_eq!(names, ["up", "slow", "exclaim"]);
@@ -288,8 +302,51 @@ async fn under_open_a_walk_resumes_after_a_killed_hook_in_a_fresh_sandbox() {
         error.starts_with("timed out after 300 ms: an endless loop or slow code (the chain's spec.timeoutMs is 300 ms"),
         "{error}"
     );
-    // The killed sandbox is never reused: the resumed walk (and the retry before it) booted others.
-    assert!(h.engine.metrics().boots() >= 3);
+    settle(&h).await;
+    assert_eq!(
+        h.engine.metrics().retirements("broken"),
+        0,
+        "the sleeping hook cost the sandbox"
+    );
+    assert_eq!(h.engine.metrics().boots(), 1);
+}
+
+#[tokio::test]
+async fn under_open_two_hooks_out_of_time_cost_two_hook_errors_never_the_sandbox() {
+    // A user text that makes two regex detectors backtrack: each runs out of the chain's deadline,
+    // the one after the first with a fresh deadline on both sides, so the gateway's backstop
+    // (each hook's deadline plus its grace) never fires and the sandbox serves on.
+    let backtrack =
+        "import re\nre.match(r'(a+)+$', context['outgoing'])\nreturn {'action': 'pass'}";
+    let h = Harness::process(vec![tenant(
+        "input",
+        vec![
+            py("regex-1", "detect", backtrack),
+            py("regex-2", "detect", backtrack),
+            py(
+                "exclaim",
+                "modify",
+                "return {'action': 'modify', 'outgoing': context['outgoing'][-1] + '!'}",
+            ),
+        ],
+        json!({"failurePolicy": "Open", "timeoutMs": 1000, "pool": {"warm": 1, "max": 1}}),
+    )])
+    .await;
+    settle(&h).await;
+    let text = format!("{}b", "a".repeat(64));
+    let r = h.run("input", json!(text)).await.unwrap();
+    assert_eq!(r.walk.payload, json!("b!"), "{:?}", r.walk);
+    for hook in &r.walk.hooks[..2] {
+        let error = hook.error.as_deref().unwrap_or_default();
+        assert!(error.starts_with("timed out after 1000 ms"), "{error}");
+    }
+    settle(&h).await;
+    assert_eq!(
+        h.engine.metrics().retirements("broken"),
+        0,
+        "two timeouts cost the sandbox"
+    );
+    assert_eq!(h.engine.metrics().boots(), 1);
 }
 
 #[tokio::test]
