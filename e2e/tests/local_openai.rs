@@ -10,8 +10,9 @@ use serde_json::{Value, json};
 use sluice_e2e::Harness;
 use sluice_example_services::{CONTACT_REPLY, FakeOpenAi};
 
-const EXAMPLES: [&str; 4] = [
+const EXAMPLES: [&str; 5] = [
     "pii-redaction.yaml",
+    "prompt-injection.yaml",
     "stream-redactor.yaml",
     "support-tools.yaml",
     "policies/baseline/hookchain.yaml",
@@ -425,7 +426,8 @@ async fn a_default_target_guards_unknown_models_and_unguarded_models_are_named()
     })
     .await;
     let addr = h.gateway().openai_addr.expect("the proxy is served");
-    let body = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "contact: hi"}]});
+    let body =
+        json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "contact: hi"}]});
     let (status, headers, answer) = post_with(addr, &body, &[]).await;
     assert_eq!(status, 200);
     assert_eq!(headers["x-sluice-target"], "support-bot");
@@ -440,7 +442,8 @@ async fn a_default_target_guards_unknown_models_and_unguarded_models_are_named()
     );
     // The model goes upstream as the application named it.
     assert_eq!(fake.stats.received()[0]["model"], "gpt-4o-mini");
-    let body = json!({"model": "fake-llm", "messages": [{"role": "user", "content": "contact: hi"}]});
+    let body =
+        json!({"model": "fake-llm", "messages": [{"role": "user", "content": "contact: hi"}]});
     let (status, headers, answer) = post_with(addr, &body, &[]).await;
     assert_eq!(status, 200);
     assert_eq!(headers["x-sluice-target"], "fake-llm");
@@ -461,7 +464,10 @@ async fn logprobs_are_refused_where_an_output_chain_runs() {
     let h = gateway(&format!("http://{}/v1", fake.addr)).await;
     let addr = h.gateway().openai_addr.expect("the proxy is served");
     for stream in [false, true] {
-        for extra in [json!({"logprobs": true}), json!({"logprobs": true, "top_logprobs": 2})] {
+        for extra in [
+            json!({"logprobs": true}),
+            json!({"logprobs": true, "top_logprobs": 2}),
+        ] {
             let mut body = json!({"model": "support-bot", "stream": stream,
                                   "messages": [{"role": "user", "content": "contact: hi"}]});
             for (k, v) in extra.as_object().unwrap() {
@@ -495,7 +501,8 @@ async fn side_fields_of_the_reply_never_carry_what_the_output_chain_removes() {
         .unwrap();
     let h = gateway(&format!("http://{}/v1", fake.addr)).await;
     let addr = h.gateway().openai_addr.expect("the proxy is served");
-    let body = json!({"model": "support-bot", "messages": [{"role": "user", "content": "side: hi"}]});
+    let body =
+        json!({"model": "support-bot", "messages": [{"role": "user", "content": "side: hi"}]});
     let (status, _, answer) = post_with(addr, &body, &[]).await;
     assert_eq!(status, 200);
     let text = String::from_utf8_lossy(&answer).to_string();
@@ -531,7 +538,10 @@ async fn side_fields_of_the_reply_never_carry_what_the_output_chain_removes() {
     }
     let refusal: String = events
         .iter()
-        .filter_map(|e| e.pointer("/choices/0/delta/refusal").and_then(Value::as_str))
+        .filter_map(|e| {
+            e.pointer("/choices/0/delta/refusal")
+                .and_then(Value::as_str)
+        })
         .collect();
     assert!(refusal.contains("call Sam on [phone]"), "{refusal:?}");
     h.stop_and_check_leaks().await;
@@ -641,7 +651,10 @@ async fn every_tool_call_form_is_guarded_or_refused() {
     }
     assert!(fake.stats.received().is_empty(), "nothing went upstream");
     // The upstream answers with a form before_tool cannot see.
-    for prompt in ["legacy: read_file /etc/passwd", "custom: read_file /etc/passwd"] {
+    for prompt in [
+        "legacy: read_file /etc/passwd",
+        "custom: read_file /etc/passwd",
+    ] {
         for stream in [false, true] {
             let body = json!({"model": "support-bot", "stream": stream,
                               "messages": [{"role": "user", "content": prompt}]});
@@ -682,7 +695,9 @@ async fn history_passes_its_chains_before_it_goes_upstream_once_per_text() {
         if turn == 3 {
             messages.push(json!({"role": "assistant", "content": null, "tool_calls": [
                 {"id": "call_9", "type": "function", "function": {"name": "read_file", "arguments": "{\"path\": \"/srv/support/db.conf\"}"}}]}));
-            messages.push(json!({"role": "tool", "tool_call_id": "call_9", "content": "password=hunter2"}));
+            messages.push(
+                json!({"role": "tool", "tool_call_id": "call_9", "content": "password=hunter2"}),
+            );
             messages.push(json!({"role": "assistant", "content": "noted"}));
         }
         messages.push(json!({"role": "user", "content": format!("turn {turn}")}));
