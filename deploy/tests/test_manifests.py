@@ -932,6 +932,14 @@ class CapabilitiesChartTest(ManifestCase):
         self.assertIn({"name": "openai", "port": 8080, "targetPort": "openai", "protocol": "TCP", "appProtocol": "http"},
                       self.find(objs, "Service", "sluice-gateway")["spec"]["ports"])
         self.assertValid(objs, "helm template with the OpenAI proxy")
+        # No default target and no unguarded model unless the platform names them (an unknown
+        # model is refused).
+        self.assertFalse([a for a in c["args"] if a.startswith(("--openai-default-target", "--openai-unguarded-model"))])
+        values["gateway"]["openai"].update(defaultTarget="support-bot", unguardedModels=["fake-llm", "other"])
+        (c,) = gateway(helm_template(values=values))["containers"]
+        self.assertIn("--openai-default-target=support-bot", c["args"])
+        self.assertIn("--openai-unguarded-model=fake-llm", c["args"])
+        self.assertIn("--openai-unguarded-model=other", c["args"])
         with self.assertRaises(AssertionError) as e:
             helm_template(values={"gateway": {"openai": {"enabled": True}}})
         self.assertIn("gateway.openai.upstream", str(e.exception))

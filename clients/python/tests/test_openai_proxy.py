@@ -215,6 +215,63 @@ class OpenAiProxyTest(unittest.TestCase):
         ])
         self.assertEqual(r.choices[0].message.content, "tool said: host=db password=[secret] key=[secret]")
 
+    # === nothing raw leaves (issue 42) ===
+
+    def test_nothing_raw_comes_back_or_goes_upstream_with_logprobs_n_functions_audio_and_history(self):
+        """Every way the API has to carry text past a chain, tried with the official client: what
+        comes back and what the upstream received hold no raw personal data."""
+        raw = ["0161-496-0321", "496-0321", "jo.bloggs@", "@example.net"]
+        session = {"x-sluice-session": f"py-history-{time.time()}"}
+        seen = []  # every answer and error body, as JSON text
+
+        def refused(param, **kw):
+            with self.assertRaises(openai.BadRequestError) as e:
+                self.client.chat.completions.create(
+                    model="support-bot", extra_headers=session,
+                    messages=[{"role": "user", "content": "contact: call me on 0161-496-0321"}], **kw)
+            seen.append(json.dumps(e.exception.body))
+            self.assertTrue((e.exception.body.get("param") or "").startswith(param), e.exception.body)
+
+        # Asking for what no chain reads, or for more than one choice, is refused before the model.
+        refused("logprobs", logprobs=True, top_logprobs=2)
+        refused("n", n=2)
+        refused("functions", functions=[{"name": "read_file", "parameters": {"type": "object"}}])
+        refused("audio", modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+        # Side fields of the reply (refusal, reasoning, audio transcript, unknown fields).
+        for stream in [False, True]:
+            r = self.client.chat.completions.create(
+                model="support-bot", stream=stream, extra_headers=session,
+                messages=[{"role": "user", "content": "side: how do I reach you?"}])
+            if stream:
+                with r:
+                    seen.extend(chunk.model_dump_json() for chunk in r)
+            else:
+                seen.append(r.model_dump_json())
+                self.assertIn("call Sam on [phone]", r.choices[0].message.refusal)
+        # A five-turn conversation, resent whole every turn, with personal data in turn 1; two
+        # turns streamed.
+        messages = [{"role": "user", "content": "I am on 0161-496-0321, mail jo.bloggs@example.net"}]
+        for turn in range(2, 7):
+            stream = turn % 2 == 0
+            r = self.client.chat.completions.create(model="support-bot", messages=messages,
+                                                    stream=stream, extra_headers=session)
+            if stream:
+                with r:
+                    chunks = list(r)
+                seen.extend(c.model_dump_json() for c in chunks)
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                seen.append(r.model_dump_json())
+                text = r.choices[0].message.content
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": f"and turn {turn}?"}]
+        self.assertEqual(len(messages), 11)
+        upstream = json.dumps(get_json(self.upstream + "/fake/requests"))
+        self.assertIn("I am on [phone], mail [email]", upstream)
+        for text in seen + [upstream]:
+            for r in raw + PERSONAL + FRAGMENTS:
+                self.assertNotIn(r, text)
+
     # === callers ===
 
     def test_callers_are_authenticated_by_their_bearer_token(self):
@@ -360,7 +417,9 @@ class OpenAiProxyTlsTest(unittest.TestCase):
                   "--callers", paths["callers.yaml"],
                   "--openai-listen", cls.proxy.removeprefix("https://"),
                   # Nothing listens there: these tests stop before the upstream or meet a 502.
-                  "--openai-upstream", f"http://127.0.0.1:{free_port()}/v1"],
+                  "--openai-upstream", f"http://127.0.0.1:{free_port()}/v1",
+                  # No chains here: the model is let through with the (absent) baseline alone.
+                  "--openai-unguarded-model", "support-bot"],
             client={"root_certificates": cls.certs.ca, "token": TOKEN},
         )
         try:

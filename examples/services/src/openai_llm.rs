@@ -12,10 +12,22 @@
 //!   repeated 200 times), for tests of a client that goes away mid-stream;
 //! - a user message starting with `contact:` is answered with contact details (phone numbers and
 //!   email addresses the user never wrote), for tests of the reply's redaction;
+//! - a user message starting with `side:` is answered with the contact details in `content` and
+//!   again in every side field a model may fill (`refusal`, `reasoning_content`, `audio.transcript` and
+//!   `audio.data`, `annotations`, and a field the API does not have, `extra_text`), streamed and not;
+//! - a user message starting with `legacy:` is answered with a legacy `function_call` (`legacy:
+//!   read_file /etc/x`), one starting with `custom:` with a custom tool call;
+//! - a user message starting with `more:` is answered with two choices of the contact details,
+//!   whatever `n` asked for;
 //! - a `tool` message (a tool result) is answered with `tool said: <result>`.
 //!
+//! Every text reply carries `logprobs` (each word a token, with its `bytes` and `top_logprobs`) when
+//! the request asks for them, and `n` choices when it asks for more than one (`n` read leniently:
+//! `2`, `2.0` and `"2"` are all two).
+//!
 //! `GET /fake/stats` tells how many streams were finished and how many were cancelled (the reader
-//! went away before the end): what the proxy's disconnect tests assert.
+//! went away before the end): what the proxy's disconnect tests assert. `GET /fake/requests` is every
+//! request body received, in order (also `OpenAiStats::received`): what tests search for raw text.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
@@ -42,6 +54,15 @@ pub struct OpenAiStats {
     pub requests: AtomicU64,
     pub streams_finished: AtomicU64,
     pub streams_cancelled: AtomicU64,
+    /// Every chat completion request's body, in order.
+    pub received: std::sync::Mutex<Vec<Value>>,
+}
+
+impl OpenAiStats {
+    /// The request bodies received so far.
+    pub fn received(&self) -> Vec<Value> {
+        self.received.lock().map(|r| r.clone()).unwrap_or_default()
+    }
 }
 
 /// The fake LLM, listening.
@@ -123,6 +144,7 @@ async fn answer(
                 "streams_cancelled": stats.streams_cancelled.load(Ordering::Relaxed),
             }),
         ),
+        ("GET", "/fake/requests") => json_response(StatusCode::OK, &json!(stats.received())),
         ("POST", "/v1/chat/completions") => {
             stats.requests.fetch_add(1, Ordering::Relaxed);
             let body = match http_body_util::Limited::new(req.into_body(), 4 << 20)
@@ -147,6 +169,9 @@ async fn answer(
                     "bad_json",
                 );
             };
+            if let Ok(mut r) = stats.received.lock() {
+                r.push(request.clone());
+            }
             completion(&request, stats)
         }
         _ => error(
@@ -170,6 +195,20 @@ enum Reply {
         name: String,
         arguments: String,
     },
+    /// The text in `content` and in every side field.
+    Side(String),
+    /// A legacy `function_call` (`legacy: NAME PATH`).
+    FunctionCall {
+        name: String,
+        arguments: String,
+    },
+    /// A custom tool call (`custom: NAME INPUT`).
+    Custom {
+        name: String,
+        input: String,
+    },
+    /// Two choices, whatever was asked.
+    More(String),
     Error,
 }
 
@@ -199,6 +238,28 @@ fn reply_to(request: &Value) -> Reply {
         return Reply::ToolCall {
             name: name.to_string(),
             arguments: json!({"path": path.trim()}).to_string(),
+        };
+    }
+    if content.starts_with("side:") {
+        return Reply::Side(CONTACT_REPLY.to_string());
+    }
+    if content.starts_with("more:") {
+        return Reply::More(CONTACT_REPLY.to_string());
+    }
+    if let Some(call) = content.strip_prefix("legacy:") {
+        let call = call.trim();
+        let (name, path) = call.split_once(' ').unwrap_or((call, ""));
+        return Reply::FunctionCall {
+            name: name.to_string(),
+            arguments: json!({"path": path.trim()}).to_string(),
+        };
+    }
+    if let Some(call) = content.strip_prefix("custom:") {
+        let call = call.trim();
+        let (name, input) = call.split_once(' ').unwrap_or((call, ""));
+        return Reply::Custom {
+            name: name.to_string(),
+            input: input.trim().to_string(),
         };
     }
     if content.starts_with("contact:") {
@@ -232,6 +293,30 @@ fn reply_to(request: &Value) -> Reply {
     }
 }
 
+/// How many choices a request asks for, read leniently (`2`, `2.0`, `"2"`), at most 8.
+fn choices_asked(request: &Value) -> usize {
+    let n = match request.get("n") {
+        Some(Value::Number(n)) => n.as_f64().unwrap_or(1.0),
+        Some(Value::String(s)) => s.trim().parse().unwrap_or(1.0),
+        _ => 1.0,
+    };
+    (n.max(1.0) as usize).min(8)
+}
+
+/// The `logprobs` of `text`: each word a token, with its bytes and one alternative.
+fn logprobs_of(text: &str) -> Value {
+    let token = |t: &str| json!({"token": t, "bytes": t.as_bytes(), "logprob": -0.5});
+    let content: Vec<Value> = text
+        .split_inclusive(' ')
+        .map(|t| {
+            let mut v = token(t);
+            v["top_logprobs"] = json!([token(t)]);
+            v
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
 fn completion(request: &Value, stats: Arc<OpenAiStats>) -> Response<Body> {
     let model = request
         .get("model")
@@ -246,12 +331,17 @@ fn completion(request: &Value, stats: Arc<OpenAiStats>) -> Response<Body> {
         .pointer("/stream_options/include_usage")
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    let want_logprobs = request
+        .get("logprobs")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let prompt_tokens = request
         .get("messages")
         .and_then(Value::as_array)
         .map_or(0, |m| m.len() as u64 * 10);
     let id = format!("chatcmpl-fake-{}", stats.requests.load(Ordering::Relaxed));
     let reply = reply_to(request);
+    let mut choices = choices_asked(request);
     let (message, finish, completion_tokens) = match &reply {
         Reply::Error => {
             return error(
@@ -266,6 +356,18 @@ fn completion(request: &Value, stats: Arc<OpenAiStats>) -> Response<Body> {
             "stop",
             text.split_whitespace().count() as u64,
         ),
+        Reply::Side(text) => (
+            json!({"role": "assistant", "content": text, "refusal": text,
+                   "reasoning_content": text, "extra_text": text,
+                   "annotations": [{"type": "url_citation", "url_citation": {"title": text, "url": "https://docs.invalid/", "start_index": 0, "end_index": 1}}],
+                   "audio": {"id": "audio_1", "data": format!("fake-audio:{text}"), "transcript": text, "expires_at": 1_700_000_000u64}}),
+            "stop",
+            5,
+        ),
+        Reply::More(text) => {
+            choices = choices.max(2);
+            (json!({"role": "assistant", "content": text}), "stop", 5)
+        }
         Reply::ToolCall { name, arguments } => (
             json!({"role": "assistant", "content": null, "tool_calls": [
                 {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -273,6 +375,29 @@ fn completion(request: &Value, stats: Arc<OpenAiStats>) -> Response<Body> {
             "tool_calls",
             5,
         ),
+        Reply::FunctionCall { name, arguments } => (
+            json!({"role": "assistant", "content": null,
+                   "function_call": {"name": name, "arguments": arguments}}),
+            "function_call",
+            5,
+        ),
+        Reply::Custom { name, input } => (
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "custom", "custom": {"name": name, "input": input}}
+            ]}),
+            "tool_calls",
+            5,
+        ),
+    };
+    let text = message
+        .get("content")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let logprobs = if want_logprobs && !text.is_empty() {
+        logprobs_of(&text)
+    } else {
+        Value::Null
     };
     let usage = json!({
         "prompt_tokens": prompt_tokens,
@@ -280,12 +405,14 @@ fn completion(request: &Value, stats: Arc<OpenAiStats>) -> Response<Body> {
         "total_tokens": prompt_tokens + completion_tokens,
     });
     if !stream {
+        let all: Vec<Value> = (0..choices)
+            .map(|i| json!({"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}))
+            .collect();
         return json_response(
             StatusCode::OK,
             &json!({
                 "id": id, "object": "chat.completion", "created": 1_700_000_000u64, "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": null}],
-                "usage": usage,
+                "choices": all, "usage": usage, "system_fingerprint": "fp_fake",
             }),
         );
     }
@@ -299,15 +426,36 @@ fn completion(request: &Value, stats: Arc<OpenAiStats>) -> Response<Body> {
     let mut events: Vec<Value> = vec![chunk(json!({"role": "assistant", "content": ""}), None)];
     let slow = matches!(reply, Reply::Text { slow: true, .. });
     let broken = matches!(reply, Reply::Text { broken: true, .. });
+    // Small chunks, cut anywhere (inside words and numbers), as real models send them; each with
+    // its logprobs when they were asked for, and on every choice asked for.
+    let pieces = |text: &str| -> Vec<String> {
+        let chars: Vec<char> = text.chars().collect();
+        chars.chunks(5).map(|p| p.iter().collect()).collect()
+    };
     match &reply {
-        Reply::Text { text, .. } => {
-            // Small chunks, cut anywhere (inside words and numbers), as real models send them.
-            let chars: Vec<char> = text.chars().collect();
-            for piece in chars.chunks(5) {
-                events.push(chunk(
-                    json!({"content": piece.iter().collect::<String>()}),
+        Reply::Text { text, .. } | Reply::More(text) => {
+            for piece in pieces(text) {
+                for i in 0..choices {
+                    let mut c = chunk(json!({"content": piece}), None);
+                    c["choices"][0]["index"] = json!(i);
+                    if want_logprobs {
+                        c["choices"][0]["logprobs"] = logprobs_of(&piece);
+                    }
+                    events.push(c);
+                }
+            }
+        }
+        Reply::Side(text) => {
+            for piece in pieces(text) {
+                let mut c = chunk(
+                    json!({"content": piece, "refusal": piece, "reasoning_content": piece,
+                           "extra_text": piece, "audio": {"id": "audio_1", "transcript": piece, "data": format!("fake-audio:{piece}")}}),
                     None,
-                ));
+                );
+                if want_logprobs {
+                    c["choices"][0]["logprobs"] = logprobs_of(&piece);
+                }
+                events.push(c);
             }
         }
         Reply::ToolCall { name, arguments } => {
@@ -322,6 +470,22 @@ fn completion(request: &Value, stats: Arc<OpenAiStats>) -> Response<Body> {
                     None,
                 ));
             }
+        }
+        Reply::FunctionCall { name, arguments } => {
+            events.push(chunk(
+                json!({"function_call": {"name": name, "arguments": ""}}),
+                None,
+            ));
+            events.push(chunk(
+                json!({"function_call": {"arguments": arguments}}),
+                None,
+            ));
+        }
+        Reply::Custom { name, input } => {
+            events.push(chunk(
+                json!({"tool_calls": [{"index": 0, "id": "call_1", "type": "custom", "custom": {"name": name, "input": input}}]}),
+                None,
+            ));
         }
         Reply::Error => {}
     }

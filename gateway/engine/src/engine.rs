@@ -149,6 +149,39 @@ impl Engine {
         selection
     }
 
+    /// What a run of (namespace, target, trigger point) for `session` would be served by now: the
+    /// revisions of the baseline and the tenant's chain (as a rollout places the session), in one
+    /// string. Two equal answers mean the same hooks would walk a payload. `None` when no chain
+    /// serves there, or when it cannot be known ahead of the run (a canary without a session).
+    /// Judges and counts nothing: for callers that remember what a chain already decided.
+    pub fn serving_revision(
+        &self,
+        namespace: &str,
+        target: &str,
+        trigger_point: sluice_crds::TriggerPoint,
+        session: &str,
+    ) -> Option<String> {
+        let key = crate::chain::ChainKey {
+            namespace: namespace.to_string(),
+            target: target.to_string(),
+            trigger_point,
+        };
+        let chains = Chains::resolve(&self.registry(), &key).ok()?;
+        let mut revision = String::new();
+        for (chain, baseline) in chains.ordered() {
+            let serving = self.rollouts.serving_revision(chain, session)?;
+            revision.push_str(if baseline { "baseline:" } else { "tenant:" });
+            revision.push_str(&chain.qualified_name());
+            revision.push('@');
+            revision.push_str(&serving);
+            revision.push_str(match chain.spec.failure_policy {
+                sluice_crds::FailurePolicy::Open => "/open;",
+                sluice_crds::FailurePolicy::Closed => "/closed;",
+            });
+        }
+        Some(revision)
+    }
+
     /// Counts a finished run against the canaries that served it (which may promote one).
     pub(crate) fn record_rollout(&self, selection: &Selection, walk: &Walk) {
         let mut promoted = Vec::new();

@@ -202,6 +202,18 @@ impl Registry {
         self.chains.get(key)
     }
 
+    /// Whether a tenant chain of `namespace` serves `target` at any trigger point (baselines,
+    /// which serve every target, do not count).
+    pub fn serves_target(&self, namespace: &str, target: &str) -> bool {
+        TriggerPoint::ALL.iter().any(|tp| {
+            self.chains.contains_key(&ChainKey {
+                namespace: namespace.to_string(),
+                target: target.to_string(),
+                trigger_point: *tp,
+            })
+        })
+    }
+
     /// The enforced baseline at a trigger point, if the platform declared one.
     pub fn baseline(&self, tp: TriggerPoint) -> Option<&Arc<Chain>> {
         self.baselines.get(&tp)

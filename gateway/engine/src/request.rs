@@ -78,7 +78,7 @@ impl CallerAuth {
     }
 
     /// Whether this caller may send a request for `namespace`.
-    fn admit(&self, namespace: &str) -> Result<(), EngineError> {
+    pub fn admit(&self, namespace: &str) -> Result<(), EngineError> {
         match self {
             CallerAuth::Unchecked => Ok(()),
             CallerAuth::Unauthenticated(why) => Err(EngineError::Unauthenticated(why.clone())),

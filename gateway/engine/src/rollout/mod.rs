@@ -185,6 +185,32 @@ impl Rollouts {
             .collect()
     }
 
+    /// The revision that would serve `chain` for `session` now, without judging or counting
+    /// anything (`select` does both): the live one, or a canary's candidate where it places the
+    /// session. `None` when it cannot be known ahead of the run: a canary places a run without a
+    /// session by the run's own id.
+    pub(crate) fn serving_revision(&self, chain: &Arc<Chain>, session: &str) -> Option<String> {
+        let all = self.lock();
+        let Some(r) = all.get(&chain.qualified_name()) else {
+            return Some(chain.revision().to_string());
+        };
+        let Some(c) = r.candidate.as_ref() else {
+            return Some(r.live.revision().to_string());
+        };
+        match c.strategy() {
+            RolloutStrategy::Shadow => Some(r.live.revision().to_string()),
+            RolloutStrategy::Canary if session.is_empty() => None,
+            RolloutStrategy::Canary => Some(
+                if in_canary(c.chain.revision(), session, c.percent()) {
+                    c.chain.revision()
+                } else {
+                    r.live.revision()
+                }
+                .to_string(),
+            ),
+        }
+    }
+
     /// The versions that serve one trigger point of `session`, and the shadow runs to make.
     /// `promoted` receives the chains whose candidate went live on this call (their pools must
     /// prepare cells for them from now on).

@@ -165,6 +165,14 @@ struct Args {
     /// How long the upstream may take to answer (and to send the next piece of a stream).
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     openai_upstream_timeout: std::time::Duration,
+    /// The target whose chains guard a proxied request whose model no chain serves (and that
+    /// sends no x-sluice-target). Without it, such a request is refused (404 target_not_found).
+    #[arg(long, value_name = "TARGET", requires = "openai_listen")]
+    openai_default_target: Option<String>,
+    /// A model the proxy lets through with the platform's baseline alone when no chain serves it
+    /// (its answers carry `x-sluice-unguarded: baseline-only`). Repeat for more.
+    #[arg(long, value_name = "MODEL", requires = "openai_listen")]
+    openai_unguarded_model: Vec<String>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -199,6 +207,8 @@ async fn main() -> anyhow::Result<()> {
             let mut o = OpenAiOptions::new(listen, upstream.clone());
             o.api_key_file = args.openai_api_key_file.clone();
             o.upstream_timeout = args.openai_upstream_timeout;
+            o.default_target = args.openai_default_target.clone();
+            o.unguarded_models = args.openai_unguarded_model.clone();
             Some(o)
         }
         _ => None,

@@ -1,21 +1,30 @@
 //! One chat completion through the trigger points, in the order of the agent-loop design:
 //!
-//! 1. `after_tool` on each tool result (`role: tool`) answering the last assistant message's calls;
-//! 2. `input` on the newest user message (its text);
+//! 1. `after_tool` on every tool result (`role: tool`) of the request;
+//! 2. `input` on every user message (its text): the newest decides the request, earlier ones (the
+//!    history an application resends) are rewritten or withheld. A payload whose verdict under the
+//!    same chain revision is remembered (`passed`) is not walked again;
 //! 3. `before_model` on `{model, messages, tools, max_tokens, usage_so_far, turn}`;
 //! 4. the upstream call;
 //! 5. `after_model` on `{message, usage}`, then `output` on the reply's text (streamed replies:
 //!    the engine's two-path stream, `sse`), then `before_tool` on each tool call of the reply.
 //!
+//! Before any of it, the request is refused if it asks for what no chain can see (`logprobs`, audio
+//! where a chain sees the reply; legacy functions and custom tools; `n` other than 1). The reply is
+//! built anew from what `allow` lets through.
+//!
 //! A `block` anywhere answers as the API answers a refusal: a normal completion whose message is
 //! the block message (also in `refusal`), with `finish_reason: "content_filter"` (`blocked`).
 
+use super::allow;
 use super::error::ApiError;
 use super::hooks::{Hooks, Verdict};
+use super::passed::Decided;
 use super::upstream::Upstream;
 use super::{Body, json_response};
 use hyper::{Response, StatusCode};
 use serde_json::{Map, Value, json};
+use sluice_crds::TriggerPoint;
 
 /// The `finish_reason` of a reply a hook blocked.
 pub(crate) const BLOCKED_FINISH_REASON: &str = "content_filter";
@@ -116,21 +125,47 @@ impl ChatRequest {
                 ));
             }
         };
-        if body
-            .get("n")
-            .and_then(Value::as_u64)
-            .is_some_and(|n| n != 1)
-        {
-            return Err(ApiError::invalid_param(
-                "n",
-                "the Sluice proxy serves one choice per request (n = 1)",
-            ));
+        // One choice: every other spelling of `n` (2, 2.0, "2", "1", true...) is refused, since an
+        // upstream reading it leniently would answer choices the chains never see.
+        match body.get("n") {
+            None | Some(Value::Null) => {}
+            Some(Value::Number(n)) if n.as_f64() == Some(1.0) => {}
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    "n",
+                    "the Sluice proxy serves one choice per request: n must be 1",
+                ));
+            }
         }
+        refuse_unguarded_tool_forms(&body, messages)?;
         Ok(Self {
             model,
             stream,
             body,
         })
+    }
+
+    /// Whether the request asks for something of the reply that no chain can see: `logprobs`
+    /// (every token of the text before the output chain), or audio (the reply spoken). The request
+    /// field that asks, if any.
+    pub(crate) fn asks_for_unseen_reply_parts(&self) -> Option<&'static str> {
+        let set = |k: &str| {
+            self.body
+                .get(k)
+                .is_some_and(|v| !v.is_null() && *v != json!(false))
+        };
+        if set("logprobs") || set("top_logprobs") {
+            return Some("logprobs");
+        }
+        let audio_modality = self
+            .body
+            .get("modalities")
+            .and_then(Value::as_array)
+            .is_some_and(|m| m.iter().any(|m| m != "text"));
+        if set("audio") || audio_modality {
+            return Some("audio");
+        }
+        None
     }
 
     fn messages_mut(&mut self) -> &mut Vec<Value> {
@@ -149,6 +184,54 @@ impl ChatRequest {
     }
 }
 
+/// Tool calls reach the application in one form, `tool_calls` of type `function`, which
+/// `before_tool` sees (and tool results in one, `role: tool`, which `after_tool` sees). The legacy
+/// `functions`/`function_call` and custom tools are refused, so that no call goes past the chains in
+/// a form they do not read.
+fn refuse_unguarded_tool_forms(
+    body: &Map<String, Value>,
+    messages: &[Value],
+) -> Result<(), ApiError> {
+    for legacy in ["functions", "function_call"] {
+        if body.get(legacy).is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid_param(
+                legacy,
+                format!(
+                    "{legacy} (the legacy function calling) is not served by the Sluice proxy: use tools, whose calls go through before_tool"
+                ),
+            ));
+        }
+    }
+    if let Some(tools) = body.get("tools").filter(|t| !t.is_null()) {
+        let Some(tools) = tools.as_array() else {
+            return Err(ApiError::invalid_param("tools", "tools must be an array"));
+        };
+        for (i, t) in tools.iter().enumerate() {
+            if t.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(ApiError::invalid_param(
+                    &format!("tools[{i}].type"),
+                    "the Sluice proxy serves tools of type function only (their calls go through before_tool)",
+                ));
+            }
+        }
+    }
+    for (i, m) in messages.iter().enumerate() {
+        if m.get("role").and_then(Value::as_str) == Some("function") {
+            return Err(ApiError::invalid_param(
+                &format!("messages[{i}].role"),
+                "role function (a legacy function result) is not served by the Sluice proxy: send tool results as role tool, which go through after_tool",
+            ));
+        }
+        if m.get("function_call").is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid_param(
+                &format!("messages[{i}].function_call"),
+                "function_call (the legacy function calling) is not served by the Sluice proxy: use tool_calls",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Runs one request through the chains and the upstream.
 pub(crate) async fn complete(
     upstream: &Upstream,
@@ -157,6 +240,20 @@ pub(crate) async fn complete(
 ) -> Result<Response<Body>, ApiError> {
     let model = request.model.clone();
     let stream = request.stream;
+    if hooks.reply_is_guarded()
+        && let Some(param) = request.asks_for_unseen_reply_parts()
+    {
+        return Err(ApiError::invalid_param(
+            param,
+            format!(
+                "{param} would show the reply before its chains: target {:?} has an after_model or output chain, so the Sluice proxy does not serve {param} for it",
+                hooks.target
+            ),
+        ));
+    }
+    if hooks.has_chain(TriggerPoint::Input) {
+        refuse_parts_the_input_chain_cannot_read(request.messages())?;
+    }
     let refusal = |message: String| Ok(blocked(&model, stream, &message));
     tool_results(&hooks, &mut request).await?;
     match user_input(&hooks, &mut request).await? {
@@ -193,33 +290,86 @@ enum Step {
     Answer(String),
 }
 
-/// `after_tool` on the tool results that answer the last assistant message. A blocked result is
-/// replaced by a note saying it was withheld and why (the model is told, as in the agent loop);
-/// a rewrite replaces the content.
+/// The input chain reads text: a user message's content parts other than text (images, audio,
+/// files) would go upstream unread, so they are refused where an input chain serves the target.
+fn refuse_parts_the_input_chain_cannot_read(messages: &[Value]) -> Result<(), ApiError> {
+    for (i, m) in messages.iter().enumerate() {
+        if m.get("role").and_then(Value::as_str) != Some("user") {
+            continue;
+        }
+        let Some(Value::Array(parts)) = m.get("content") else {
+            continue;
+        };
+        if let Some(j) = parts
+            .iter()
+            .position(|p| p.get("type").and_then(Value::as_str) != Some("text"))
+        {
+            return Err(ApiError::invalid_param(
+                &format!("messages[{i}].content[{j}]"),
+                "the target's input chain reads text: content parts other than text are not served for it by the Sluice proxy",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One payload of the request through its chain, remembered (`passed`): a payload already walked
+/// under the same revision of the chains is not walked again. `newest`: the request's own message
+/// (not history), which is always walked.
+async fn walk_once(
+    hooks: &Hooks,
+    tp: TriggerPoint,
+    payload: Value,
+    newest: bool,
+) -> Result<Decided, ApiError> {
+    let revision = hooks.revision(tp);
+    if !newest
+        && let Some(r) = &revision
+        && let Some(d) = hooks.passed.get(&hooks.scope(tp, r), &payload)
+    {
+        return Ok(d);
+    }
+    let checked = hooks.run_checked(tp.as_str(), payload.clone()).await?;
+    let decided = match checked.verdict {
+        Verdict::Go(out) if out == payload => Decided::Same,
+        Verdict::Go(out) => Decided::Rewritten(out),
+        Verdict::Block { message } => Decided::Blocked(message),
+        Verdict::Skip(message) => Decided::Skipped(message),
+    };
+    // Remembered only when every hook answered, and the chains did not change under the run.
+    if checked.clean
+        && let Some(r) = revision
+        && hooks.revision(tp).as_deref() == Some(r.as_str())
+    {
+        hooks
+            .passed
+            .put(&hooks.scope(tp, &r), &payload, decided.clone());
+    }
+    Ok(decided)
+}
+
+/// `after_tool` on every tool result of the request (`role: tool`): the ones answering the last
+/// assistant message, and every earlier one an application resends with the history. A blocked
+/// result is replaced by a note saying it was withheld and why (the model is told, as in the agent
+/// loop); a rewrite replaces the content.
 async fn tool_results(hooks: &Hooks, request: &mut ChatRequest) -> Result<(), ApiError> {
     let messages = request.messages_mut();
-    let Some(last_assistant) = messages
+    let last_assistant = messages
         .iter()
-        .rposition(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
-    else {
-        return Ok(());
-    };
-    let names: Vec<(String, String)> = messages[last_assistant]
-        .get("tool_calls")
-        .and_then(Value::as_array)
-        .map(|calls| {
-            calls
-                .iter()
-                .filter_map(|c| {
-                    Some((
-                        c.get("id")?.as_str()?.to_string(),
-                        c.pointer("/function/name")?.as_str()?.to_string(),
-                    ))
-                })
-                .collect()
+        .rposition(|m| m.get("role").and_then(Value::as_str) == Some("assistant"));
+    // Every call of every assistant message, by id: a result's tool name.
+    let names: Vec<(String, String)> = messages
+        .iter()
+        .filter_map(|m| m.get("tool_calls").and_then(Value::as_array))
+        .flatten()
+        .filter_map(|c| {
+            Some((
+                c.get("id")?.as_str()?.to_string(),
+                c.pointer("/function/name")?.as_str()?.to_string(),
+            ))
         })
-        .unwrap_or_default();
-    for m in messages.iter_mut().skip(last_assistant + 1) {
+        .collect();
+    for (i, m) in messages.iter_mut().enumerate() {
         if m.get("role").and_then(Value::as_str) != Some("tool") {
             continue;
         }
@@ -229,18 +379,21 @@ async fn tool_results(hooks: &Hooks, request: &mut ChatRequest) -> Result<(), Ap
             .unwrap_or_default();
         let name = names
             .iter()
+            .rev()
             .find(|(call, _)| call == id)
             .map(|(_, n)| n.clone())
             .unwrap_or_default();
         let result = m.get("content").cloned().unwrap_or(Value::Null);
         let payload = json!({"name": name, "result": result, "error": null});
-        let content = match hooks.run("after_tool", payload).await? {
-            Verdict::Go(p) => match p.get("result") {
+        let newest = last_assistant.is_none_or(|a| i > a);
+        let content = match walk_once(hooks, TriggerPoint::AfterTool, payload, newest).await? {
+            Decided::Same => continue,
+            Decided::Rewritten(p) => match p.get("result") {
                 Some(Value::String(s)) => Value::String(s.clone()),
                 Some(other) => Value::String(other.to_string()),
                 None => result,
             },
-            Verdict::Block { message } | Verdict::Skip(message) => {
+            Decided::Blocked(message) | Decided::Skipped(message) => {
                 Value::String(format!("[the tool result was withheld: {message}]"))
             }
         };
@@ -265,32 +418,46 @@ fn text_of(content: &Value) -> Option<String> {
     }
 }
 
-/// `input` on the newest user message; a rewrite replaces its content with the rewritten text.
+/// `input` on every user message: the newest decides the request (a rewrite replaces its content,
+/// a block refuses the request, a skip answers it); each earlier one the application resends is
+/// rewritten as its chain rewrites it, or withheld (its content replaced by a note) where its chain
+/// blocks or skips it, so that nothing a chain stopped at one turn reaches the model at the next.
 async fn user_input(hooks: &Hooks, request: &mut ChatRequest) -> Result<Step, ApiError> {
     let messages = request.messages_mut();
-    let Some(user) = messages
-        .iter_mut()
-        .rev()
-        .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+    let Some(newest) = messages
+        .iter()
+        .rposition(|m| m.get("role").and_then(Value::as_str) == Some("user"))
     else {
         return Ok(Step::Go);
     };
-    let Some(text) = user.get("content").and_then(text_of) else {
-        return Ok(Step::Go);
-    };
-    Ok(
-        match hooks.run("input", Value::String(text.clone())).await? {
-            Verdict::Go(Value::String(out)) => {
-                if out != text {
-                    user["content"] = Value::String(out);
-                }
-                Step::Go
+    for (i, m) in messages.iter_mut().enumerate().take(newest + 1) {
+        if m.get("role").and_then(Value::as_str) != Some("user") {
+            continue;
+        }
+        let Some(text) = m.get("content").and_then(text_of) else {
+            continue;
+        };
+        let decided =
+            walk_once(hooks, TriggerPoint::Input, Value::String(text), i == newest).await?;
+        match decided {
+            Decided::Same => {}
+            Decided::Rewritten(Value::String(out)) => m["content"] = Value::String(out),
+            // A rewrite that is not text: the text as it was is not sent either.
+            Decided::Rewritten(_) if i == newest => {
+                return Ok(Step::Block("the input chain's rewrite is not text".into()));
             }
-            Verdict::Go(_) => Step::Go,
-            Verdict::Block { message } => Step::Block(message),
-            Verdict::Skip(message) => Step::Answer(message),
-        },
-    )
+            Decided::Rewritten(_) => {
+                m["content"] =
+                    json!("[the message was withheld: the input chain's rewrite is not text]");
+            }
+            Decided::Blocked(message) if i == newest => return Ok(Step::Block(message)),
+            Decided::Skipped(message) if i == newest => return Ok(Step::Answer(message)),
+            Decided::Blocked(message) | Decided::Skipped(message) => {
+                m["content"] = json!(format!("[the message was withheld: {message}]"));
+            }
+        }
+    }
+    Ok(Step::Go)
 }
 
 /// `before_model` on the whole request, as the agent-loop design shapes it. `turn` is the model
@@ -351,46 +518,65 @@ async fn before_model(hooks: &Hooks, request: &mut ChatRequest) -> Result<Step, 
     }
 }
 
-/// A whole (non-streamed) reply through `after_model`, `output` and `before_tool`.
-async fn reply(hooks: &Hooks, mut completion: Value) -> Result<Value, ApiError> {
-    let Some(choice) = completion.pointer_mut("/choices/0") else {
-        return Err(ApiError::upstream(
-            StatusCode::BAD_GATEWAY,
-            "the upstream's answer has no choices",
-        ));
-    };
-    let message = choice.get("message").cloned().unwrap_or(json!({}));
-    let usage = completion.get("usage").cloned().unwrap_or(Value::Null);
+/// A whole (non-streamed) reply through `after_model`, `output` and `before_tool`, built anew from
+/// what the allow-list lets through (`allow`): nothing of the upstream's answer is passed on that a
+/// chain did not see or that carries no model text.
+async fn reply(hooks: &Hooks, upstream: Value) -> Result<Value, ApiError> {
+    let choice = allow::only_choice(&upstream)?;
+    let guarded = hooks.reply_is_guarded();
+    let head = allow::head(&upstream, "chat.completion");
+    let usage = allow::usage(upstream.get("usage"));
+    let message = allow::message(choice.get("message"))?;
+    let finish = allow::finish_reason(choice.get("finish_reason"));
     let mut message = match hooks
-        .run("after_model", json!({"message": message, "usage": usage}))
+        .run(
+            "after_model",
+            json!({"message": message, "usage": usage.clone().unwrap_or(Value::Null)}),
+        )
         .await?
     {
         Verdict::Go(p) => match p.get("message") {
-            Some(m @ Value::Object(_)) => m.clone(),
+            // A hook's rewrite is held to the same list.
+            Some(m @ Value::Object(_)) => allow::message(Some(m))?,
             _ => message,
         },
-        Verdict::Block { message } => return Ok(refuse(completion, &message)),
+        Verdict::Block { message } => return Ok(refuse(head, usage, &message)),
         Verdict::Skip(text) => json!({"role": "assistant", "content": text}),
     };
-    if let Some(text) = message
-        .get("content")
-        .and_then(Value::as_str)
-        .filter(|t| !t.is_empty())
-    {
+    // The reply's text and its refusal (the model's own words too) each go through `output`.
+    for field in ["content", "refusal"] {
+        let Some(text) = message
+            .get(field)
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty())
+        else {
+            continue;
+        };
         match hooks.run("output", Value::String(text.to_string())).await? {
-            Verdict::Go(Value::String(out)) => message["content"] = Value::String(out),
+            Verdict::Go(Value::String(out)) => message[field] = Value::String(out),
             Verdict::Go(_) => {}
-            Verdict::Block { message } => return Ok(refuse(completion, &message)),
-            Verdict::Skip(text) => message["content"] = Value::String(text),
+            Verdict::Block { message } => return Ok(refuse(head, usage, &message)),
+            Verdict::Skip(text) => message[field] = Value::String(text),
         }
     }
-    let finish = tool_calls(hooks, &mut message).await?;
-    let choice = completion.pointer_mut("/choices/0").expect("checked above");
-    choice["message"] = message;
-    if let Some(finish) = finish {
-        choice["finish_reason"] = json!(finish);
+    let blocked = tool_calls(hooks, &mut message).await?;
+    let mut logprobs = Value::Null;
+    if !guarded {
+        // No chain sees the reply: what no chain reads shows nothing the client does not get.
+        if let Some(m) = message.as_object_mut() {
+            m.extend(allow::unread_message_fields(choice.get("message")));
+        }
+        logprobs = choice.get("logprobs").cloned().unwrap_or(Value::Null);
     }
-    Ok(completion)
+    let mut completion = head;
+    completion.insert(
+        "choices".into(),
+        json!([{"index": 0, "message": message, "finish_reason": blocked.or(finish).unwrap_or("stop"), "logprobs": logprobs}]),
+    );
+    if let Some(u) = usage {
+        completion.insert("usage".into(), u);
+    }
+    Ok(Value::Object(completion))
 }
 
 /// `before_tool` on each tool call of `message`: a blocked call is taken out (its message added to
@@ -468,14 +654,20 @@ pub(crate) async fn tool_calls(
 }
 
 /// The upstream's completion, its reply replaced by a refusal (id, model and usage kept).
-fn refuse(mut completion: Value, message: &str) -> Value {
-    completion["choices"] = json!([{
-        "index": 0,
-        "message": {"role": "assistant", "content": message, "refusal": message},
-        "finish_reason": BLOCKED_FINISH_REASON,
-        "logprobs": null,
-    }]);
-    completion
+fn refuse(mut head: Map<String, Value>, usage: Option<Value>, message: &str) -> Value {
+    head.insert(
+        "choices".into(),
+        json!([{
+            "index": 0,
+            "message": {"role": "assistant", "content": message, "refusal": message},
+            "finish_reason": BLOCKED_FINISH_REASON,
+            "logprobs": null,
+        }]),
+    );
+    if let Some(u) = usage {
+        head.insert("usage".into(), u);
+    }
+    Value::Object(head)
 }
 
 /// A completion the gateway made itself, never sent upstream (`x-sluice-answered-by: gateway`).

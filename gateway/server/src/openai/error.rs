@@ -14,7 +14,7 @@ pub(crate) struct ApiError {
     kind: &'static str,
     code: &'static str,
     param: Option<String>,
-    /// The upstream's own error object, passed on as it came.
+    /// The upstream's own error object, its four fields passed on as they came.
     upstream_body: Option<serde_json::Value>,
 }
 
@@ -42,7 +42,17 @@ impl ApiError {
             "upstream_failed",
             message.to_string(),
         );
-        e.upstream_body = Some(body);
+        // Its four fields only, each a string or null (the allow-list holds for errors too).
+        let field = |k: &str| {
+            body.pointer(&format!("/error/{k}"))
+                .filter(|v| v.is_string() || v.is_number())
+                .cloned()
+                .unwrap_or(serde_json::Value::Null)
+        };
+        e.upstream_body = Some(json!({"error": {
+            "message": field("message"), "type": field("type"),
+            "param": field("param"), "code": field("code"),
+        }}));
         e
     }
 
@@ -97,6 +107,18 @@ impl ApiError {
                 "unknown path {path:?}: the proxy serves POST /v1/chat/completions and GET /v1/models"
             ),
         )
+    }
+
+    /// No chain serves the request's target (404, as the API answers a model it does not have).
+    pub(crate) fn target_not_found(message: String, param: Option<&str>) -> Self {
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "target_not_found",
+            message,
+        );
+        e.param = param.map(str::to_string);
+        e
     }
 
     pub(crate) fn unauthenticated(why: &str) -> Self {

@@ -2,6 +2,7 @@
 //! request's chains are (namespace, target, session, caller) and what a walk's verdict means here.
 
 use super::error::ApiError;
+use super::passed::{Passed, Scope};
 use serde_json::Value;
 use sluice_crds::{Action, FailurePolicy, TriggerPoint};
 use sluice_engine::{
@@ -18,6 +19,15 @@ pub(crate) struct Hooks {
     pub(crate) namespace: String,
     pub(crate) target: String,
     pub(crate) session: String,
+    /// What the chains already decided about payloads of this proxy's requests.
+    pub(crate) passed: Arc<Passed>,
+}
+
+/// A verdict, and whether every hook of the walk answered (no hook failed and was passed over by
+/// `failurePolicy: Open`): only such verdicts may be remembered and reused.
+pub(crate) struct Checked {
+    pub(crate) verdict: Verdict,
+    pub(crate) clean: bool,
 }
 
 /// What a trigger point decided.
@@ -40,6 +50,15 @@ impl Hooks {
         trigger_point: &str,
         payload: Value,
     ) -> Result<Verdict, ApiError> {
+        Ok(self.run_checked(trigger_point, payload).await?.verdict)
+    }
+
+    /// `run`, saying whether every hook answered.
+    pub(crate) async fn run_checked(
+        &self,
+        trigger_point: &str,
+        payload: Value,
+    ) -> Result<Checked, ApiError> {
         let input = RunInput {
             namespace: self.namespace.clone(),
             target: self.target.clone(),
@@ -61,16 +80,59 @@ impl Hooks {
         let walk = match result {
             Ok(r) => r.walk,
             // No chain at this trigger point: nothing to enforce there.
-            Err(EngineError::NotFound(_)) => return Ok(Verdict::Go(payload)),
+            Err(EngineError::NotFound(_)) => {
+                return Ok(Checked {
+                    verdict: Verdict::Go(payload),
+                    clean: true,
+                });
+            }
             Err(e) => return Err(ApiError::engine(e)),
         };
-        Ok(match walk.action {
+        let clean = walk.hooks.iter().all(|h| h.error.is_none());
+        let verdict = match walk.action {
             Action::Block => Verdict::Block {
                 message: walk.message,
             },
             Action::Skip => Verdict::Skip(walk.message),
             Action::Pass | Action::Modify | Action::Detect => Verdict::Go(walk.payload),
-        })
+        };
+        Ok(Checked { verdict, clean })
+    }
+
+    /// Whether a chain (the tenant's or the platform's baseline) serves `tp` for this target.
+    pub(crate) fn has_chain(&self, tp: TriggerPoint) -> bool {
+        let registry = self.engine.registry();
+        let key = ChainKey {
+            namespace: self.namespace.clone(),
+            target: self.target.clone(),
+            trigger_point: tp,
+        };
+        registry.chain(&key).is_some() || registry.baseline(tp).is_some()
+    }
+
+    /// Whether a chain sees the reply (`after_model` or `output`): then nothing of the reply that
+    /// such a chain cannot see (logprobs, audio, annotations) may leave.
+    pub(crate) fn reply_is_guarded(&self) -> bool {
+        self.has_chain(TriggerPoint::AfterModel) || self.has_chain(TriggerPoint::Output)
+    }
+
+    /// Where this request's payloads at `tp` are walked, under `revision`.
+    pub(crate) fn scope<'a>(&'a self, tp: TriggerPoint, revision: &'a str) -> Scope<'a> {
+        Scope {
+            caller: self.auth.name().unwrap_or_default(),
+            namespace: &self.namespace,
+            target: &self.target,
+            session: &self.session,
+            trigger_point: tp.as_str(),
+            revision,
+        }
+    }
+
+    /// The revision of the chains that would walk `tp` for this request now (see
+    /// `Engine::serving_revision`).
+    pub(crate) fn revision(&self, tp: TriggerPoint) -> Option<String> {
+        self.engine
+            .serving_revision(&self.namespace, &self.target, tp, &self.session)
     }
 
     /// Whether the reply's `output` chains let a reply through when it fails (`failurePolicy:

@@ -4,14 +4,19 @@
 //! application changes only its base URL. Callers are identified as on the gRPC port (TLS client
 //! certificate, or the `authorization` header's bearer token against the caller policy).
 //!
-//! Reading order: this file (the listener, routing, who is calling, bad input) → `chat` (one
-//! completion through the trigger points) → `sse` (the streamed reply) → `upstream` (the model
-//! behind) → `error` (the API's error shape).
+//! Reading order: this file (the listener, routing, who is calling, bad input) → `target` (whose
+//! chains guard a request) → `chat` (one completion through the trigger points) → `allow` (what of
+//! the upstream's answer may reach the client) → `passed` (what the chains already decided about a
+//! conversation's history) → `sse` (the streamed reply) → `upstream` (the model behind) → `error`
+//! (the API's error shape).
 
+mod allow;
 mod chat;
 mod error;
 mod hooks;
+mod passed;
 mod sse;
+mod target;
 mod upstream;
 
 use crate::callers::ReloadingPolicy;
@@ -40,6 +45,12 @@ pub struct OpenAiOptions {
     pub api_key_file: Option<PathBuf>,
     /// How long an upstream call may take before its first byte (and between bytes of a stream).
     pub upstream_timeout: Duration,
+    /// The target whose chains guard a request whose model no chain serves (and that names no
+    /// target); without it such a request is refused (`--openai-default-target`).
+    pub default_target: Option<String>,
+    /// Models let through with the platform's baseline alone when no chain serves them
+    /// (`--openai-unguarded-model`); their answers say so (`x-sluice-unguarded`).
+    pub unguarded_models: Vec<String>,
 }
 
 impl OpenAiOptions {
@@ -49,6 +60,8 @@ impl OpenAiOptions {
             upstream: upstream.into(),
             api_key_file: None,
             upstream_timeout: Duration::from_secs(120),
+            default_target: None,
+            unguarded_models: Vec::new(),
         }
     }
 }
@@ -58,8 +71,6 @@ pub(crate) type Body = BoxBody<Bytes, Infallible>;
 /// Header naming the namespace a request's chains are in (default: `default`, or the caller's only
 /// namespace); the caller policy decides whether the caller may use it.
 const NAMESPACE_HEADER: &str = "x-sluice-namespace";
-/// Header naming the target (default: the request's `model`).
-const TARGET_HEADER: &str = "x-sluice-target";
 /// Header naming the conversation (the session id of every run), optional.
 const SESSION_HEADER: &str = "x-sluice-session";
 
@@ -68,6 +79,9 @@ pub(crate) struct Proxy {
     engine: Arc<Engine>,
     callers: Option<Arc<ReloadingPolicy>>,
     upstream: Upstream,
+    opts: OpenAiOptions,
+    /// What the chains already decided about the payloads of conversations (`passed`).
+    passed: Arc<passed::Passed>,
 }
 
 /// The running proxy: its accept loop, which on [`Running::drain`] stops accepting and waits for
@@ -113,6 +127,8 @@ pub(crate) fn start(
         engine,
         callers,
         upstream,
+        opts: opts.clone(),
+        passed: Default::default(),
     });
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     // Every connection is watched: on drain, idle ones close and busy ones finish their request.
@@ -253,7 +269,7 @@ impl Proxy {
                 .map(str::to_string)
         };
         let namespace = header(NAMESPACE_HEADER);
-        let target = header(TARGET_HEADER);
+        let target = header(target::TARGET_HEADER);
         let session = header(SESSION_HEADER).unwrap_or_default();
         let limit = self.engine.limits().request_bytes;
         let body = http_body_util::Limited::new(req.into_body(), limit)
@@ -269,15 +285,28 @@ impl Proxy {
             .to_bytes();
         let request = chat::ChatRequest::parse(&body)?;
         let namespace = namespace.unwrap_or_else(|| default_namespace(&auth));
-        let target = target.unwrap_or_else(|| request.model.clone());
+        // Whether a target has chains is not told to a caller that may not use the namespace.
+        auth.admit(&namespace).map_err(ApiError::engine)?;
+        let guard = target::resolve(
+            &self.engine.registry(),
+            &self.opts,
+            &namespace,
+            target.as_deref(),
+            &request.model,
+        )?;
         let hooks = hooks::Hooks {
             engine: self.engine.clone(),
             auth,
             namespace,
-            target,
+            target: guard.target().to_string(),
             session,
+            passed: self.passed.clone(),
         };
-        chat::complete(&self.upstream, hooks, request).await
+        let mut resp = chat::complete(&self.upstream, hooks, request)
+            .await
+            .unwrap_or_else(ApiError::into_response);
+        guard.mark(&mut resp);
+        Ok(resp)
     }
 }
 

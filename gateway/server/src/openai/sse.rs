@@ -1,11 +1,15 @@
 //! A streamed reply (server-sent events): the upstream's content deltas go into the engine's
 //! two-path `output` stream, and only what it commits is sent on, as deltas of the same completion
 //! (id, model, created as the upstream gave them). Tool-call deltas are held until the reply is
-//! over, then go through `after_model` and `before_tool` and are sent whole. A block stops the reply
-//! with `finish_reason: "content_filter"`. A client that goes away ends the upstream call (its
+//! over, then go through `after_model` and `before_tool` and are sent whole; so is the model's
+//! `refusal`, through `output`, once the reply is over. Every other field of a delta is dropped
+//! (`allow`), and a chunk in a form no chain reads (a second choice, a legacy `function_call`, a
+//! custom tool call) ends the reply with an error event. A block stops the reply with
+//! `finish_reason: "content_filter"`. A client that goes away ends the upstream call (its
 //! connection is dropped) and the engine's stream, which is audited as cancelled.
 
 use super::Body;
+use super::allow;
 use super::chat::{BLOCKED_FINISH_REASON, tool_calls};
 use super::error::ApiError;
 use super::hooks::{Hooks, Verdict};
@@ -63,6 +67,7 @@ pub(crate) fn relay(
         committed: String::new(),
         fed: Some(String::new()),
         calls: Vec::new(),
+        refusal: String::new(),
         finish: None,
         usage: None,
     };
@@ -86,6 +91,8 @@ struct Relay {
     fed: Option<String>,
     /// The reply's tool calls, assembled from their deltas.
     calls: Vec<Value>,
+    /// The model's refusal, assembled from its deltas; sent through `output` at the end.
+    refusal: String,
     finish: Option<String>,
     usage: Option<Value>,
 }
@@ -153,7 +160,16 @@ impl Relay {
                     for event in events {
                         match event {
                             Event::Chunk(chunk) => {
-                                let text = self.take(chunk);
+                                let text = match self.take(chunk) {
+                                    Ok(text) => text,
+                                    Err(e) => {
+                                        // Nothing more is read; the engine's stream ends unfinished.
+                                        drop(inputs.take());
+                                        let _ = self.send(&e.body()).await;
+                                        let _ = self.done().await;
+                                        return;
+                                    }
+                                };
                                 if text.is_empty() {
                                     continue;
                                 }
@@ -244,27 +260,48 @@ impl Relay {
         }
     }
 
-    /// Takes what an upstream chunk carries (template, tool-call deltas, finish, usage) and returns
-    /// its content delta.
-    fn take(&mut self, chunk: Value) -> String {
+    /// Takes what an upstream chunk carries (template, tool-call deltas, refusal, finish, usage)
+    /// and returns its content delta; a chunk in a form no chain reads is an error.
+    fn take(&mut self, chunk: Value) -> Result<String, ApiError> {
         if self.template.is_none() {
-            self.template = Some(chunk.clone());
+            self.template = Some(Value::Object(allow::head(&chunk, "chat.completion.chunk")));
         }
-        if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
-            self.usage = Some(u.clone());
+        if let Some(u) = allow::usage(chunk.get("usage")) {
+            self.usage = Some(u);
         }
-        let Some(choice) = chunk.pointer("/choices/0") else {
-            return String::new();
+        let choices = chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .map_or(&[][..], Vec::as_slice);
+        let choice = match choices {
+            [] => return Ok(String::new()),
+            [one] if allow::choice_index_is_zero(one) => one,
+            _ => {
+                return Err(allow::unguarded(
+                    "a chunk of another choice, more choices than the one asked for",
+                ));
+            }
         };
-        if let Some(f) = choice.get("finish_reason").and_then(Value::as_str) {
+        if let Some(f) = allow::finish_reason(choice.get("finish_reason")) {
             self.finish = Some(f.to_string());
         }
-        for d in choice
-            .pointer("/delta/tool_calls")
+        let delta = choice.get("delta").cloned().unwrap_or(Value::Null);
+        if delta.get("function_call").is_some_and(|f| !f.is_null()) {
+            return Err(allow::unguarded("a legacy function_call"));
+        }
+        if let Some(r) = delta.get("refusal").and_then(Value::as_str) {
+            self.refusal.push_str(r);
+        }
+        for d in delta
+            .get("tool_calls")
             .and_then(Value::as_array)
             .into_iter()
             .flatten()
         {
+            let kind = d.get("type").and_then(Value::as_str).unwrap_or("function");
+            if kind != "function" || d.get("custom").is_some() {
+                return Err(allow::unguarded(format!("a tool call of type {kind:?}")));
+            }
             let index = d.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
             // At most 128 calls in one reply; a larger index is the upstream's mistake.
             if index >= 128 {
@@ -274,10 +311,8 @@ impl Relay {
                 self.calls.push(json!({"id": "", "type": "function", "function": {"name": "", "arguments": ""}}));
             }
             let call = &mut self.calls[index];
-            for key in ["id", "type"] {
-                if let Some(v) = d.get(key).and_then(Value::as_str) {
-                    call[key] = json!(v);
-                }
+            if let Some(v) = d.get("id").and_then(Value::as_str) {
+                call["id"] = json!(v);
             }
             if let Some(n) = d.pointer("/function/name").and_then(Value::as_str) {
                 let name = format!(
@@ -294,11 +329,11 @@ impl Relay {
                 call["function"]["arguments"] = json!(args);
             }
         }
-        choice
-            .pointer("/delta/content")
+        Ok(delta
+            .get("content")
             .and_then(Value::as_str)
             .unwrap_or_default()
-            .to_string()
+            .to_string())
     }
 
     /// A chunk of this completion with `delta` and `finish_reason`.
@@ -352,6 +387,7 @@ impl Relay {
     }
 
     async fn usage(&self) -> Result<(), Gone> {
+        // `take` kept only the token counts.
         if let Some(u) = &self.usage {
             let mut last = self.chunk(json!({}), Value::Null);
             last["choices"] = json!([]);
@@ -370,6 +406,9 @@ impl Relay {
             return self.done().await;
         }
         let mut message = json!({"role": "assistant", "content": self.committed});
+        if !self.refusal.is_empty() {
+            message["refusal"] = json!(self.refusal);
+        }
         if !self.calls.is_empty() {
             message["tool_calls"] = Value::Array(self.calls.clone());
         }
@@ -388,8 +427,52 @@ impl Relay {
             // Text already sent cannot be taken back: a rewrite counts for the tool calls.
             Ok(Verdict::Go(p)) => {
                 if let Some(calls) = p.pointer("/message/tool_calls") {
-                    message["tool_calls"] = calls.clone();
+                    // A hook's rewrite is held to the same list.
+                    let calls: Result<Vec<Value>, ApiError> = calls
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(allow::tool_call)
+                        .collect();
+                    match calls {
+                        Ok(calls) => message["tool_calls"] = Value::Array(calls),
+                        Err(e) => {
+                            self.send(&e.body()).await?;
+                            return self.done().await;
+                        }
+                    }
                 }
+                if let Some(r) = p.pointer("/message/refusal") {
+                    message["refusal"] = r.clone();
+                }
+            }
+        }
+        // The model's refusal goes through `output` whole, as a reply that was not streamed.
+        if let Some(text) = message
+            .get("refusal")
+            .and_then(Value::as_str)
+            .filter(|r| !r.is_empty())
+            .map(str::to_string)
+        {
+            match self.hooks.run("output", Value::String(text)).await {
+                Err(e) => {
+                    self.send(&e.body()).await?;
+                    return self.done().await;
+                }
+                Ok(Verdict::Block { message }) => return self.refuse(&message).await,
+                Ok(Verdict::Go(Value::String(out)) | Verdict::Skip(out)) => {
+                    let mut delta = json!({"refusal": out});
+                    if !self.role_sent {
+                        delta["role"] = json!("assistant");
+                        self.role_sent = true;
+                    }
+                    self.send(&self.chunk(delta, Value::Null)).await?;
+                }
+                Ok(Verdict::Go(_)) => {}
+            }
+            // Sent (or not); what follows reads only the notes of blocked calls from it.
+            if let Some(m) = message.as_object_mut() {
+                m.remove("refusal");
             }
         }
         let before = message["content"].clone();
