@@ -6,7 +6,7 @@
 use sluice_e2e::{Harness, action, chain_yaml, manifest_json, operator, text};
 use sluice_fake_apiserver::{FakeApiServer, Resource, Verb};
 use sluice_proto::Action;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const REDACT: &str = r##"import re
 def execute(context, settings):
@@ -153,6 +153,44 @@ async fn recycled_pods_serve_hundreds_of_trigger_points_with_almost_no_api_write
         per_trigger_point < 0.5,
         "{per_trigger_point} writes per trigger point\n{during}"
     );
+
+    // The pool full again first: a pod retired at maxUses near the end of the runs is replaced
+    // (created, Ready, PoolReady back to True) before the hold, which is about held pods alone.
+    // With sandboxes no longer throttled to their request, 500 runs take seconds, and the last
+    // replacement used to fall into the hold (two PoolReady flips counted as held writes).
+    let settled = Instant::now() + Duration::from_secs(120);
+    loop {
+        let pods = api.list(Resource::Pods, "default");
+        let live: Vec<_> = pods
+            .iter()
+            .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+            .collect();
+        let all_ready = live.iter().all(|p| {
+            p["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
+        });
+        let pool_ready = api
+            .list(Resource::HookChains, "default")
+            .iter()
+            .filter(|c| c["metadata"]["name"] == "op")
+            .any(|c| {
+                c["status"]["warm"].as_u64().unwrap_or(0) >= 2
+                    && c["status"]["conditions"].as_array().is_some_and(|cs| {
+                        cs.iter()
+                            .any(|c| c["type"] == "PoolReady" && c["status"] == "True")
+                    })
+            });
+        if all_ready && pods.len() == live.len() && pool_ready {
+            break;
+        }
+        assert!(
+            Instant::now() < settled,
+            "the pool did not settle after the runs: {live:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     // Held and idle for a minute: attached pods are not probed (no Unhealthy event), and nothing
     // rewrites the HookChain's status meanwhile.
