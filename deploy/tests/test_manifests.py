@@ -515,6 +515,7 @@ class ChartTest(ManifestCase):
                                             "--metrics=0.0.0.0:9465", "--lease-namespace=$(POD_NAMESPACE)",
                                             "--lease-name=sluice-operator", "--claim-deadline=300s",
                                             f"--platform-namespace={NAMESPACE}", f"--sandbox-namespace={SANDBOXES}",
+                                            "--sandbox-cpu-limit=1",
                                             # The gateway's certificate, made and kept by the operator (the default).
                                             "--ca-secret=sluice-ca", "--ca-configmap=sluice-ca", "--ca-lifetime=87600h",
                                             "--certificate-lifetime=2160h", "--certificate-check=1m",
