@@ -23,7 +23,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 CACHE=${SLUICE_CLUSTER_CACHE:-/var/cache/sluice-cluster}
 read -r sha version <"$here/previous-release"
-dir=$CACHE/previous-$version-$sha
+# "-2": the release's cell runtime compiled inside gVisor (below); earlier caches hold one made for
+# the build host's CPU.
+dir=$CACHE/previous-$version-$sha-2
 
 CARGO=${CARGO:-cargo}
 
@@ -55,6 +57,21 @@ build() {
 	(cd "$dir/src" && CARGO_TARGET_DIR="$repo/target" nice -n 5 "$CARGO" build -q "${cargo_flags[@]}" --locked \
 		-p sluice-operator -p sluice-gateway --bins)
 	(cd "$dir/src" && CARGO_TARGET_DIR="$repo/target" nice -n 5 supervisor/build-cell.sh "$cell_profile" >/dev/null)
+	# The release compiled its cell runtime for the build host's CPU features (this checkout pins a
+	# fixed set, supervisor/src/runtime.rs): gVisor hides some of a host's from its sandboxes (AVX-VNNI
+	# on this machine kind), and then that runtime loads in no sandbox. Compiled again by the release's
+	# own supervisor inside a gVisor sandbox, it uses only what sandboxes see.
+	local componentize key component compiled="$repo/target/$cell_profile/sluice-cell.cwasm"
+	componentize=$(sed -n 's/^COMPONENTIZE_PY_VERSION=//p' "$dir/src/supervisor/build-cell.sh")
+	key=$( (cd "$dir/src" && echo "componentize-py $componentize" && cat supervisor/wit/cell.wit supervisor/guest/*.py) | sha256sum | cut -c1-16)
+	component=${SLUICE_CELL_CACHE:-/var/cache/sluice/cell}/cell-$key.wasm
+	[ -f "$component" ] || die "the release's cell component $component is missing after its build-cell.sh"
+	rm -f "$compiled.gvisor" "$compiled.gvisor.sha256"
+	(cd /tmp && runsc --network=none do -force-overlay=false \
+		"$repo/target/$cell_profile/sluice-supervisor" compile "$component" "$compiled.gvisor") ||
+		die "compiling the release's cell runtime inside gVisor failed"
+	mv "$compiled.gvisor" "$compiled"
+	mv "$compiled.gvisor.sha256" "$compiled.sha256"
 	mkdir -p "$dir/bin"
 	cp "$repo/target/$cell_profile"/{sluice-operator,sluice-gateway,sluice-supervisor,sluice-cell.cwasm,sluice-cell.cwasm.sha256} \
 		"$dir/bin/"
