@@ -33,7 +33,11 @@ fi
 "$here/install.sh" || { status=$?; echo "test-cluster: install.sh failed" >&2; exit $status; }
 # shellcheck source=/dev/null
 . "$STATE/e2e.env"
+# Smoke rows (printed, not asserted: the figures are make bench-cluster's) a test appends here.
+export SLUICE_SMOKE_FILE=$STATE/smoke.txt
+rm -f "$SLUICE_SMOKE_FILE"
 suite --skip "$UPGRADE" "$@" || status=$?
+cat "$SLUICE_SMOKE_FILE" 2>/dev/null || true
 if [ "$status" != 0 ]; then
 	logs=/tmp/sluice-cluster-logs
 	echo "test-cluster: the suite failed; the cluster's logs, Sluice's pods' logs and the events are in $logs" >&2
