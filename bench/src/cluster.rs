@@ -303,16 +303,38 @@ async fn throttled_periods(client: &Client, chain: &str) -> anyhow::Result<Optio
     Ok(Some(total))
 }
 
-/// A pod's CFS throttling from its pod-level cgroup (the kubelet's cgroupfs layout).
+/// A pod's CFS throttling from its pod-level cgroup (the kubelet's cgroupfs layout, under its
+/// cgroupRoot).
 fn pod_throttling(uid: &str) -> Option<sluice_sandbox::CpuThrottling> {
+    // The kubelet's cgroupRoot (the test cluster's is /sluice-cluster) decides where kubepods is:
+    // the pod's directory is looked for a few levels down each cpu hierarchy.
+    fn find(dir: &std::path::Path, name: &str, depth: u32) -> Option<std::path::PathBuf> {
+        let entries = std::fs::read_dir(dir).ok()?;
+        let subdirs: Vec<_> = entries
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| e.path())
+            .collect();
+        if let Some(hit) = subdirs
+            .iter()
+            .find(|p| p.file_name().is_some_and(|n| n == name))
+        {
+            return Some(hit.clone());
+        }
+        if depth == 0 {
+            return None;
+        }
+        subdirs.iter().find_map(|p| find(p, name, depth - 1))
+    }
     let dir = format!("pod{uid}");
     ["cpu", "cpu,cpuacct"].iter().find_map(|hierarchy| {
-        ["kubepods", "kubepods/burstable", "kubepods/besteffort"]
-            .iter()
-            .find_map(|qos| {
-                let path = format!("/sys/fs/cgroup/{hierarchy}/{qos}/{dir}/cpu.stat");
-                sluice_sandbox::CpuThrottling::from_cpu_stat(&std::fs::read_to_string(path).ok()?)
-            })
+        let pod = find(
+            &std::path::Path::new("/sys/fs/cgroup").join(hierarchy),
+            &dir,
+            3,
+        )?;
+        let stat = std::fs::read_to_string(pod.join("cpu.stat")).ok()?;
+        sluice_sandbox::CpuThrottling::from_cpu_stat(&stat)
     })
 }
 
