@@ -295,47 +295,12 @@ async fn throttled_periods(client: &Client, chain: &str) -> anyhow::Result<Optio
         let Some(uid) = &pod.metadata.uid else {
             continue;
         };
-        match pod_throttling(uid) {
+        match sluice_e2e::pod_cpu_throttling(uid) {
             Some(t) => total += t.periods,
             None => return Ok(None),
         }
     }
     Ok(Some(total))
-}
-
-/// A pod's CFS throttling from its pod-level cgroup (the kubelet's cgroupfs layout, under its
-/// cgroupRoot).
-fn pod_throttling(uid: &str) -> Option<sluice_sandbox::CpuThrottling> {
-    // The kubelet's cgroupRoot (the test cluster's is /sluice-cluster) decides where kubepods is:
-    // the pod's directory is looked for a few levels down each cpu hierarchy.
-    fn find(dir: &std::path::Path, name: &str, depth: u32) -> Option<std::path::PathBuf> {
-        let entries = std::fs::read_dir(dir).ok()?;
-        let subdirs: Vec<_> = entries
-            .flatten()
-            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-            .map(|e| e.path())
-            .collect();
-        if let Some(hit) = subdirs
-            .iter()
-            .find(|p| p.file_name().is_some_and(|n| n == name))
-        {
-            return Some(hit.clone());
-        }
-        if depth == 0 {
-            return None;
-        }
-        subdirs.iter().find_map(|p| find(p, name, depth - 1))
-    }
-    let dir = format!("pod{uid}");
-    ["cpu", "cpu,cpuacct"].iter().find_map(|hierarchy| {
-        let pod = find(
-            &std::path::Path::new("/sys/fs/cgroup").join(hierarchy),
-            &dir,
-            3,
-        )?;
-        let stat = std::fs::read_to_string(pod.join("cpu.stat")).ok()?;
-        sluice_sandbox::CpuThrottling::from_cpu_stat(&stat)
-    })
 }
 
 /// Pod create → Ready with gVisor: pods of the supervisor image, one at a time.

@@ -535,3 +535,58 @@ pub mod operator {
             .expect("the operator did not panic");
     }
 }
+
+/// A pod's CFS throttling so far, from its pod cgroup on this machine (a node of the test cluster):
+/// the kubelet's cgroupfs layout under its cgroupRoot (the test cluster's is /sluice-cluster), so
+/// the pod's directory is looked for a few levels down each cpu hierarchy. `None` when it is not
+/// here.
+pub fn pod_cpu_throttling(uid: &str) -> Option<sluice_sandbox::CpuThrottling> {
+    pod_cpu_throttling_in(Path::new("/sys/fs/cgroup"), uid)
+}
+
+fn pod_cpu_throttling_in(cgroups: &Path, uid: &str) -> Option<sluice_sandbox::CpuThrottling> {
+    fn find(dir: &Path, name: &str, depth: u32) -> Option<std::path::PathBuf> {
+        let subdirs: Vec<_> = std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| e.path())
+            .collect();
+        if let Some(hit) = subdirs
+            .iter()
+            .find(|p| p.file_name().is_some_and(|n| n == name))
+        {
+            return Some(hit.clone());
+        }
+        if depth == 0 {
+            return None;
+        }
+        subdirs.iter().find_map(|p| find(p, name, depth - 1))
+    }
+    let dir = format!("pod{uid}");
+    ["cpu", "cpu,cpuacct"].iter().find_map(|hierarchy| {
+        let pod = find(&cgroups.join(hierarchy), &dir, 3)?;
+        let stat = std::fs::read_to_string(pod.join("cpu.stat")).ok()?;
+        sluice_sandbox::CpuThrottling::from_cpu_stat(&stat)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_pods_throttling_is_found_under_the_kubelets_cgroup_root() {
+        let root = tempfile::tempdir().unwrap();
+        let pod = root
+            .path()
+            .join("cpu/sluice-cluster/kubepods/burstable/podu-1");
+        std::fs::create_dir_all(&pod).unwrap();
+        std::fs::write(
+            pod.join("cpu.stat"),
+            "nr_periods 9\nnr_throttled 4\nthrottled_time 7\n",
+        )
+        .unwrap();
+        let found = super::pod_cpu_throttling_in(root.path(), "u-1").expect("found");
+        assert_eq!(found.periods, 4);
+        assert_eq!(super::pod_cpu_throttling_in(root.path(), "u-2"), None);
+    }
+}

@@ -2308,41 +2308,6 @@ async fn upgrade_from_the_previous_release_with_traffic_running() {
     );
 }
 
-/// CFS periods a pod was throttled in so far, from its pod cgroup on this machine (the test
-/// cluster's node, cgroupfs layout); `None` when it is not found here.
-fn pod_throttled_periods(pod: &Pod) -> Option<u64> {
-    // The kubelet's cgroupRoot (the test cluster's is /sluice-cluster) decides where kubepods is:
-    // the pod's directory is looked for a few levels down each cpu hierarchy.
-    fn find(dir: &std::path::Path, name: &str, depth: u32) -> Option<std::path::PathBuf> {
-        let entries = std::fs::read_dir(dir).ok()?;
-        let subdirs: Vec<_> = entries
-            .flatten()
-            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-            .map(|e| e.path())
-            .collect();
-        if let Some(hit) = subdirs
-            .iter()
-            .find(|p| p.file_name().is_some_and(|n| n == name))
-        {
-            return Some(hit.clone());
-        }
-        if depth == 0 {
-            return None;
-        }
-        subdirs.iter().find_map(|p| find(p, name, depth - 1))
-    }
-    let dir = format!("pod{}", pod.metadata.uid.as_deref()?);
-    ["cpu", "cpu,cpuacct"].iter().find_map(|hierarchy| {
-        let pod = find(
-            &std::path::Path::new("/sys/fs/cgroup").join(hierarchy),
-            &dir,
-            3,
-        )?;
-        let stat = std::fs::read_to_string(pod.join("cpu.stat")).ok()?;
-        sluice_sandbox::CpuThrottling::from_cpu_stat(&stat).map(|t| t.periods)
-    })
-}
-
 /// The chart's defaults as a platform team gets them: a chain's `cpu` is its pods' request, the
 /// platform's sandbox CPU limit (one core) their limit, and the chain's status says a walk fits. A
 /// smoke row for the trigger point's latency and throttling is printed (the figures are `make
@@ -2384,7 +2349,10 @@ async fn default_resources_request_cpu_and_walks_fit_the_limit() {
     assert_eq!(resources.limits.as_ref().unwrap()["cpu"].0, "1");
     c.run("cpu-bot", "warm").await.expect("Run");
     let held = c.pool_pods("cpu", "claimed").await;
-    let before: Option<u64> = held.iter().map(pod_throttled_periods).sum();
+    let before: Option<u64> = held
+        .iter()
+        .map(|p| Some(sluice_e2e::pod_cpu_throttling(p.metadata.uid.as_deref()?)?.periods))
+        .sum();
     let mut took = Vec::new();
     for i in 0..30 {
         let began = Instant::now();
@@ -2395,7 +2363,10 @@ async fn default_resources_request_cpu_and_walks_fit_the_limit() {
         took.push(began.elapsed());
         assert_eq!(text(&r), "call ###-####", "the three hooks ran in order");
     }
-    let after: Option<u64> = held.iter().map(pod_throttled_periods).sum();
+    let after: Option<u64> = held
+        .iter()
+        .map(|p| Some(sluice_e2e::pod_cpu_throttling(p.metadata.uid.as_deref()?)?.periods))
+        .sum();
     took.sort();
     let row = format!(
         "SMOKE cluster Run, 3 hooks, chart defaults, held pod: p50 {:?} · max {:?} (n={}); throttled CFS periods per trigger point: {}",
