@@ -53,7 +53,7 @@ def values_file(values):
 CLUSTER_VALUES = ("-f", values_file({"networkPolicy": {"apiServer": {"cidrs": [API_SERVER]}}}))
 
 # The rules each component needs, by where (chains, sandboxes, release): derived from the requests
-# the real operator and gateway make by e2e/tests/kube_rbac.rs. The chart must grant exactly these.
+# the real operator and gateway make by e2e/tests/e2e/kube_rbac.rs. The chart must grant exactly these.
 def load_required():
     with open(os.path.join(ROOT, "deploy", "tests", "rbac_required.yaml")) as f:
         required = yaml.safe_load(f)

@@ -1,5 +1,5 @@
 //! Two tenants on one gateway, one of them hostile, behind one platform baseline: what the load test
-//! (`e2e/tests/local_tenants.rs`) asserts on and `make bench` measures. The hostile tenant's chain
+//! (`e2e/tests/e2e/local_tenants.rs`) asserts on and `make bench` measures. The hostile tenant's chain
 //! sleeps in its module code (every boot is slow), sleeps in its hook, prints megabytes, and half of
 //! its clients disconnect mid-run; `reuse: None` makes each of its runs boot a sandbox.
 

@@ -2,7 +2,7 @@
 //! of their own in the gateway's text log: a newline in them is escaped, so nobody can forge a log
 //! line by naming a target.
 
-mod common;
+use crate::common;
 
 use common::{Harness, py, tenant};
 use serde_json::json;

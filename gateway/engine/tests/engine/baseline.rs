@@ -1,7 +1,7 @@
 //! Platform baselines on the real supervisor: the baseline runs first, ends the walk for the tenant
 //! when it blocks, and a tenant cannot undo what it did.
 
-mod common;
+use crate::common;
 
 use common::{Harness, baseline, baseline_with, py, tenant};
 use serde_json::json;

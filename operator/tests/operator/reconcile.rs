@@ -1,7 +1,7 @@
 //! The reconciler against a mock API server: every request it makes is asserted (method, path, key
 //! query parameters, body fields), and a request the test does not expect fails the test.
 
-mod common;
+use crate::common;
 
 use common::{ApiServer, mock_client, spawn, status_error};
 use k8s_openapi::api::core::v1::Pod;

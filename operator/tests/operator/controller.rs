@@ -3,7 +3,7 @@
 //! before the pod cache has listed, a single-namespace operator keeps the platform namespace's
 //! baselines too, and a stop lets the controller return.
 
-mod common;
+use crate::common;
 
 use common::{Call, mock_client, spawn};
 use serde_json::{Value, json};

@@ -4,7 +4,7 @@
 //! certificates and the caller policy reloaded without a restart, and `--insecure` required for a
 //! plain non-loopback listener.
 
-mod common;
+use crate::common;
 
 use common::{Ca, Whoami, caller_of, chains, install, run_request, tls_client};
 use serde_json::Value;

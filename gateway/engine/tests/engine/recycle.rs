@@ -2,7 +2,7 @@
 //! in a fresh cell, and retires it after `maxUses`, a deadline kill or a dirty verdict; `reuse: None`
 //! boots one per trigger point; a supervisor of another protocol is refused with a clear error.
 
-mod common;
+use crate::common;
 
 use common::scripted::{Chunk, ScriptedBackend, honest};
 use common::{Harness, py, tenant};

@@ -1,9 +1,9 @@
 //! Property tests of the stream path over random texts and random chunkings, through the real
 //! `Engine::stream` and its window, with a scripted sandbox whose chain is a deterministic,
 //! idempotent redactor. (The same guarantees are checked against runsc sandboxes in
-//! e2e/tests/local_stream.rs.)
+//! e2e/tests/e2e/local_stream.rs.)
 
-mod common;
+use crate::common;
 
 use common::scripted::{Chunk, ScriptedBackend, honest};
 use common::{Harness, hook};

@@ -4,7 +4,7 @@
 //! same-named chain of another namespace are not its pool; and when the chain is deleted, the
 //! finalizer deletes exactly its pods and policy there before letting the chain go.
 
-mod common;
+use crate::common;
 
 use common::{ApiServer, mock_client, spawn, status_error};
 use k8s_openapi::api::core::v1::Pod;

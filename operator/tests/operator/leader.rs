@@ -6,7 +6,7 @@
 //! `renewTime` is never compared with the follower's wall clock. So taking a Lease over always
 //! takes two reads of the same record a Lease duration apart.
 
-mod common;
+use crate::common;
 
 use common::{mock_client, spawn, status_error};
 use k8s_openapi::api::coordination::v1::Lease;

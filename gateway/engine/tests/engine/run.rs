@@ -1,7 +1,7 @@
 //! `Engine::run` on the real supervisor (run as a plain child process): every action, the terminal
 //! index, the failure policies, deadlines, host_calls, state, request checks and the audit.
 
-mod common;
+use crate::common;
 
 use common::{Harness, hook, py, tenant};
 use serde_json::{Value, json};

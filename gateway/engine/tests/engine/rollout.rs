@@ -2,7 +2,7 @@
 //! canary serves a stable share of sessions, steps up and is promoted, or is rolled back on its own
 //! when it fails; orders by annotation; revision history. Real supervisors (the process backend).
 
-mod common;
+use crate::common;
 
 use common::{Harness, NS, PLATFORM, TARGET, py, tenant};
 use serde_json::{Value, json};

@@ -3,7 +3,7 @@
 //! once idle for `idle_retire`, not before. Driven by the scripted backend, whose boots and chunks
 //! take a set time on that clock, so every count below is exact.
 
-mod common;
+use crate::common;
 
 use common::scripted::{Chunk, ScriptedBackend, honest};
 use common::{Harness, NS, chain, hook};

@@ -102,9 +102,9 @@ fn derive(log: &[Logged]) -> Rules {
 fn to_yaml(rules: &Rules) -> String {
     let mut out = String::from(
         "# The RBAC rules each component needs, by where they must hold. Derived by\n\
-         # e2e/tests/kube_rbac.rs from the requests the real operator and gateway make over a chain's\n\
+         # e2e/tests/e2e/kube_rbac.rs from the requests the real operator and gateway make over a chain's\n\
          # life; the manifest suite checks the chart's Roles and ClusterRoles grant exactly these.\n\
-         # Regenerate: SLUICE_UPDATE_RBAC=1 cargo test -p sluice-e2e --test kube_rbac\n\
+         # Regenerate: SLUICE_UPDATE_RBAC=1 cargo test -p sluice-e2e --test e2e kube_rbac::\n\
          #   chains:    every namespace with HookChains (ClusterRole, or Roles in watchNamespace and\n\
          #              platformNamespace)\n\
          #   sandboxes: the sandbox namespace (with sandboxNamespace empty: the chains' namespaces)\n\

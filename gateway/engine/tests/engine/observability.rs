@@ -2,7 +2,7 @@
 //! failure reason, what the failure policy did), NOT_FOUND requests are counted in full but sampled
 //! in the audit, and per-chain metrics stay bounded when callers make up targets.
 
-mod common;
+use crate::common;
 
 use common::{Harness, NS, py, tenant};
 use serde_json::json;

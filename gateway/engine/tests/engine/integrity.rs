@@ -1,7 +1,7 @@
 //! A sandbox that reports what no honest supervisor would is not trusted, under either failure
 //! policy: the run ends as `block`. Driven by a scripted supervisor speaking PROTOCOL.md.
 
-mod common;
+use crate::common;
 
 use common::scripted::{Chunk, Script, ScriptedBackend, honest};
 use common::{Harness, hook, tenant};

@@ -2,7 +2,7 @@
 //! is named in the audit and in every capability's `caller`, and a `caller` key in the request's
 //! context never passes for it.
 
-mod common;
+use crate::common;
 
 use common::{Harness, NS, TARGET, tenant};
 use serde_json::json;

@@ -4,7 +4,7 @@
 //! (a prepared instance) reads the Unix epoch; and the run id hooks get carries no time. Real supervisors (the process
 //! backend), real cells.
 
-mod common;
+use crate::common;
 
 use common::{Harness, hook, tenant};
 use serde_json::{Value, json};

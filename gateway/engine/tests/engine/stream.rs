@@ -2,7 +2,7 @@
 //! pattern never committed), the state vector across flushes and a fresh one on the final path, a
 //! block mid-stream, and the ways a stream is refused or cut short.
 
-mod common;
+use crate::common;
 
 use common::{Harness, py, tenant};
 use serde_json::json;

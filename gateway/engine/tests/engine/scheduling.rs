@@ -3,7 +3,7 @@
 //! chain's pool can starve another's. Driven by a scripted backend whose boots take a while
 //! without using the CPU.
 
-mod common;
+use crate::common;
 
 use common::scripted::{Chunk, ScriptedBackend, honest};
 use common::{Harness, NS, chain, hook};

@@ -4,7 +4,7 @@
 //! the hook the walk is at; and a flood leaves a bounded audit line. A scripted supervisor sends
 //! what an honest one never would (a budget it did not keep, another hook's calls).
 
-mod common;
+use crate::common;
 
 use common::scripted::{Chunk, Script, ScriptedBackend};
 use common::{Harness, baseline, hook, py, tenant};

@@ -1,0 +1,5 @@
+//! The `sluice` command's integration tests, linked as one test binary. nextest still runs every
+//! test in a process of its own.
+
+mod call_secured;
+mod cli;
