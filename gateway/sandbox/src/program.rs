@@ -21,7 +21,7 @@ pub struct SupervisorProgram {
 #[derive(Debug, thiserror::Error)]
 pub enum ProgramError {
     #[error(
-        "no {what} found (looked in {looked}); build it with `make cell` (or `supervisor/build-cell.sh debug|release`), or name it with {flag}"
+        "no {what} found (looked for {looked}); build it with `make cell` (or `supervisor/build-cell.sh debug|release`), or name it with {flag}"
     )]
     Missing {
         what: &'static str,
@@ -81,28 +81,51 @@ impl SupervisorProgram {
     /// executable, or one directory up (test binaries live in `target/<profile>/deps`).
     pub fn locate() -> Result<Self, ProgramError> {
         let env = |name| std::env::var_os(name).map(PathBuf::from);
-        let dirs = candidate_dirs();
+        Self::locate_in(
+            env("SLUICE_SUPERVISOR"),
+            env("SLUICE_CELL_RUNTIME"),
+            &candidate_dirs(),
+        )
+    }
+
+    /// `binary` and `runtime` when given, else the first of `dirs` holding each. A file found
+    /// nowhere is named with every path tried, so that a test run on a fresh clone says what
+    /// `make cell` would have made.
+    fn locate_in(
+        binary: Option<PathBuf>,
+        runtime: Option<PathBuf>,
+        dirs: &[PathBuf],
+    ) -> Result<Self, ProgramError> {
         let find = |file: &str, what: &'static str, flag: &'static str| {
-            dirs.iter()
-                .map(|d| d.join(file))
-                .find(|p| p.is_file())
-                .ok_or_else(|| ProgramError::Missing {
+            let tried: Vec<PathBuf> = dirs.iter().map(|d| d.join(file)).collect();
+            match tried.iter().find(|p| p.is_file()) {
+                Some(found) => Ok(found.clone()),
+                None => Err(ProgramError::Missing {
                     what,
-                    looked: dirs
+                    looked: tried
                         .iter()
-                        .map(|d| d.display().to_string())
+                        .map(|p| p.display().to_string())
                         .collect::<Vec<_>>()
                         .join(", "),
                     flag,
-                })
+                }),
+            }
         };
-        let binary = match env("SLUICE_SUPERVISOR") {
+        let binary = match binary {
             Some(p) => p,
-            None => find(SUPERVISOR_BINARY, "supervisor binary", "--supervisor")?,
+            None => find(
+                SUPERVISOR_BINARY,
+                "supervisor binary",
+                "--supervisor or SLUICE_SUPERVISOR",
+            )?,
         };
-        let runtime = match env("SLUICE_CELL_RUNTIME") {
+        let runtime = match runtime {
             Some(p) => p,
-            None => find(CELL_RUNTIME, "cell runtime", "--cell-runtime")?,
+            None => find(
+                CELL_RUNTIME,
+                "cell runtime",
+                "--cell-runtime or SLUICE_CELL_RUNTIME",
+            )?,
         };
         Self::at(binary, runtime)
     }
@@ -185,6 +208,30 @@ mod tests {
         let err = SupervisorProgram::at(dir.path().join("nope"), dir.path().join("nope.cwasm"))
             .unwrap_err()
             .to_string();
+        assert!(err.contains("make cell"), "{err}");
+    }
+
+    #[test]
+    fn a_program_found_nowhere_names_each_file_tried_and_make_cell() {
+        let dir = tempfile::tempdir().unwrap();
+        let dirs = [dir.path().join("deps"), dir.path().to_path_buf()];
+        let err = SupervisorProgram::locate_in(None, None, &dirs)
+            .unwrap_err()
+            .to_string();
+        for d in &dirs {
+            let tried = d.join(SUPERVISOR_BINARY);
+            assert!(err.contains(&tried.display().to_string()), "{err}");
+        }
+        assert!(err.contains("make cell"), "{err}");
+
+        // The supervisor there, its cell runtime not: the runtime is named.
+        std::fs::write(dir.path().join(SUPERVISOR_BINARY), b"").unwrap();
+        let err = SupervisorProgram::locate_in(None, None, &dirs)
+            .unwrap_err()
+            .to_string();
+        let tried = dir.path().join(CELL_RUNTIME);
+        assert!(err.contains("no cell runtime found"), "{err}");
+        assert!(err.contains(&tried.display().to_string()), "{err}");
         assert!(err.contains("make cell"), "{err}");
     }
 }

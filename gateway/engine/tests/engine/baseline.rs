@@ -203,7 +203,7 @@ async fn a_slow_tenant_does_not_hold_the_baselines_sandbox() {
         host_call_time_per_run: std::time::Duration::from_secs(60),
         ..common::limits()
     };
-    let backend = sluice_sandbox_process::ProcessBackend::new().unwrap();
+    let backend = common::process_backend();
     let h = Harness::with_backend(
         std::sync::Arc::new(backend),
         vec![
@@ -260,7 +260,7 @@ async fn a_flooding_tenant_cannot_queue_others_out_of_the_baselines_pool() {
         claim_timeout: std::time::Duration::from_millis(2500),
         ..common::limits()
     };
-    let backend = sluice_sandbox_process::ProcessBackend::new().unwrap();
+    let backend = common::process_backend();
     let h = Harness::with_backend(
         std::sync::Arc::new(backend),
         vec![
@@ -335,7 +335,7 @@ async fn a_tenant_waiting_for_its_own_sandbox_does_not_hold_the_baselines() {
         claim_timeout: std::time::Duration::from_secs(30),
         ..common::limits()
     };
-    let backend = sluice_sandbox_process::ProcessBackend::new().unwrap();
+    let backend = common::process_backend();
     let h = Harness::with_backend(
         std::sync::Arc::new(backend),
         vec![

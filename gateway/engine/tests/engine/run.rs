@@ -492,7 +492,7 @@ async fn what_a_hook_prints_is_carried_only_when_asked_and_only_its_end() {
         hook_output_bytes: 11,
         ..common::limits()
     };
-    let backend = sluice_sandbox_process::ProcessBackend::new().expect("a temporary directory");
+    let backend = common::process_backend();
     let h = Harness::with_backend(
         std::sync::Arc::new(backend),
         vec![tenant("input", printing, json!({}))],

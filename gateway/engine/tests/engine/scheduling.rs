@@ -130,7 +130,7 @@ async fn warm_sandboxes_are_capped_gateway_wide_and_shared_round_robin() {
 /// code: one chain whose module sleeps cannot keep another chain from booting.
 #[tokio::test]
 async fn slow_module_code_does_not_hold_a_boot_slot() {
-    let backend = sluice_sandbox_process::ProcessBackend::new().unwrap();
+    let backend = common::process_backend();
     let sleepy = common::hook(
         "sleepy",
         "detect",

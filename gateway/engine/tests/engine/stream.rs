@@ -207,7 +207,7 @@ async fn a_stream_closed_without_finish_is_cancelled_and_audited() {
 
 #[tokio::test]
 async fn a_reply_over_the_stream_limit_is_refused() {
-    let backend = sluice_sandbox_process::ProcessBackend::new().unwrap();
+    let backend = common::process_backend();
     let mut limits = common::limits();
     limits.stream_bytes = 10;
     let h = Harness::with_backend(std::sync::Arc::new(backend), vec![redactor(4, 0)], limits).await;

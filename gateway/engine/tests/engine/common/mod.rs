@@ -230,10 +230,19 @@ pub(crate) fn limits() -> Limits {
     }
 }
 
+/// The process backend: the real `sluice-supervisor` and its cell runtime, as `make cell` builds
+/// them into `target/debug`. Without them the test stops naming the file it looked for and the
+/// command that makes it (a fresh clone has neither until `make cell` runs).
+pub(crate) fn process_backend() -> ProcessBackend {
+    ProcessBackend::new().unwrap_or_else(|e| {
+        panic!("the engine tests run the real supervisor as a child process: {e}")
+    })
+}
+
 impl Harness {
     /// An engine serving `definitions` from supervisors run as child processes.
     pub(crate) async fn process(definitions: Vec<Definition>) -> Self {
-        let backend = ProcessBackend::new().expect("a temporary directory");
+        let backend = process_backend();
         Self::with_backend(Arc::new(backend), definitions, limits()).await
     }
 
