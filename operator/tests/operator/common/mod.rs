@@ -2,8 +2,6 @@
 //! the code under test runs on a task with a `kube::Client` whose transport is a `tower_test` mock,
 //! and the test answers each request in turn after asserting what it is.
 
-#![allow(dead_code)]
-
 use http::{Request, Response};
 use kube::Client;
 use kube::client::Body;

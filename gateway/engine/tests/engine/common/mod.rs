@@ -2,8 +2,6 @@
 //! child process) or on a scripted one, chains written as JSON specs, a fake `Capabilities`, and the
 //! audit lines the engine wrote.
 
-#![allow(dead_code)]
-
 pub(crate) mod scripted;
 
 use async_trait::async_trait;

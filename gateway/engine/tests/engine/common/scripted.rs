@@ -15,6 +15,8 @@ pub(crate) struct Chunk<'a> {
     pub id: u64,
     pub start: usize,
     pub outgoing: &'a Value,
+    /// The state vector the chunk carries, as the protocol sends it (no script reads it yet).
+    #[allow(dead_code)]
     pub state: &'a [Value],
     /// The chain's hooks, as `init` sent them.
     pub hooks: &'a [Value],

@@ -1,8 +1,6 @@
 //! What the security tests share: a throwaway PKI made with rcgen, TLS clients of the real gateway,
 //! and a capability service that answers with the `caller` it was sent.
 
-#![allow(dead_code)]
-
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     SanType,
