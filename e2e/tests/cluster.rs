@@ -1934,7 +1934,17 @@ async fn the_start_deadline_counts_from_scheduling() {
     .await;
     let name = waiting.metadata.name.clone().expect("pod name");
     println!("{name} waits for a node; waiting out the start deadline ({deadline:?}) first");
-    tokio::time::sleep(deadline + Duration::from_secs(5)).await;
+    // Until the deadline (and 5 s) has passed since the pod was made, which is when an operator
+    // timing starts from creation would delete it; the seconds spent finding the pod count.
+    let created = waiting
+        .metadata
+        .creation_timestamp
+        .clone()
+        .expect("the pod's creationTimestamp")
+        .0;
+    let waited = k8s_openapi::jiff::Timestamp::now().duration_since(created);
+    let waited = Duration::try_from(waited).unwrap_or_default();
+    tokio::time::sleep((deadline + Duration::from_secs(5)).saturating_sub(waited)).await;
     let still = names(&c.pool_pods("late", "warm").await);
     cordon(false).await;
     assert!(

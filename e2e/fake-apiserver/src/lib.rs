@@ -527,14 +527,17 @@ impl FakeApiServer {
             t.abort();
         }
         let runtimes: Vec<PodRuntime> = lock(&self.shared.pods).drain().map(|(_, rt)| rt).collect();
+        let mut sandboxes = Vec::new();
         for mut rt in runtimes {
             if let Some(t) = rt.task.take() {
                 t.abort();
             }
             if let Some((_, h)) = rt.sandbox.take() {
-                h.destroy(true).await;
+                sandboxes.push(h);
             }
         }
+        // All at once: each is a `runsc delete` and waits for its processes, mostly idle time.
+        futures::future::join_all(sandboxes.iter().map(|h| h.destroy(true))).await;
         self.shared.backend.clean_leftovers().await;
         self.server.abort();
         self.stopped = true;

@@ -9,7 +9,7 @@ use sluice_engine::SandboxBackend;
 use sluice_engine::SandboxSpec;
 use sluice_fake_apiserver::{ExecProtocol, FakeApiServer, Fault as Injected, Resource};
 use sluice_proto::Action;
-use sluice_sandbox_kube::{KubeBackend, KubeConfig};
+use sluice_sandbox_kube::{ExecKeepalive, KubeBackend, KubeConfig};
 use std::time::Duration;
 
 const REDACT: &str = r##"import re
@@ -36,6 +36,16 @@ fn sandbox_of(yaml: &str) -> SandboxSpec {
 
 /// A fake cluster holding `chain` with `warm` pods kept warm, and a kube-mode gateway on it.
 async fn cluster(protocol: ExecProtocol, chain: &str, warm: usize) -> (FakeApiServer, Harness) {
+    cluster_with(protocol, chain, warm, |_| {}).await
+}
+
+/// The same, with the gateway's options changed by `tweak`.
+async fn cluster_with(
+    protocol: ExecProtocol,
+    chain: &str,
+    warm: usize,
+    tweak: impl FnOnce(&mut sluice_gateway::KubeOptions),
+) -> (FakeApiServer, Harness) {
     let api = FakeApiServer::start(protocol)
         .await
         .expect("fake API server");
@@ -43,8 +53,15 @@ async fn cluster(protocol: ExecProtocol, chain: &str, warm: usize) -> (FakeApiSe
     if warm > 0 {
         api.keep_warm(sandbox_of(chain), warm);
     }
-    let h = Harness::start_kube(&api, "gw-test", Duration::from_secs(30)).await;
+    let h = Harness::start_kube_with(&api, "gw-test", Duration::from_secs(30), tweak).await;
     (api, h)
+}
+
+/// The exec connection's heartbeat of the half-open tests: a ping every second, the connection
+/// lost after 5 s without an answer (the default, 5 s and 15 s, is kubectl's). The gateway finds a
+/// half-open connection within 6 s instead of 20.
+fn quick_keepalive() -> ExecKeepalive {
+    ExecKeepalive::new(Duration::from_secs(1), Duration::from_secs(5)).expect("valid heartbeat")
 }
 
 /// Pods deleted through the API (a pod deleted again while Terminating counts once, as it is
@@ -197,16 +214,7 @@ async fn a_held_pod_other_than(api: &FakeApiServer, seen: &[String]) -> String {
 
 /// A fake cluster keeping `warm` pods of `chain` warm, and a gateway holding one pod ahead of demand.
 async fn holding_cluster(chain: &str, warm: usize) -> (FakeApiServer, Harness) {
-    let api = FakeApiServer::start(ExecProtocol::V5)
-        .await
-        .expect("fake API server");
-    api.apply(Resource::HookChains, manifest_json(chain));
-    api.keep_warm(sandbox_of(chain), warm);
-    let h = Harness::start_kube_with(&api, "gw-test", Duration::from_secs(30), |o| {
-        o.kube.hold = 1
-    })
-    .await;
-    (api, h)
+    cluster_with(ExecProtocol::V5, chain, warm, |o| o.kube.hold = 1).await
 }
 
 /// Waits until the gateway attached to held pod `pod` (its exec open) and, a moment later, put it
@@ -330,12 +338,19 @@ async fn a_held_pod_whose_connection_went_half_open_is_replaced_before_a_run_tak
         "pool: {warm: 1, max: 4, reuse: Recycle}",
         &[("digits", "modify", REDACT)],
     );
-    let (api, h) = holding_cluster(&chain, 1).await;
+    // The pool pings a held sandbox silent for 3 s (`Limits::keepalive`; 30 s in kube mode by
+    // default, which this test waited out), over an exec connection whose own heartbeat gives up
+    // after 5 s without a pong.
+    let (api, h) = cluster_with(ExecProtocol::V5, &chain, 1, |o| {
+        o.kube.hold = 1;
+        o.kube.exec_keepalive = quick_keepalive();
+        o.limits.keepalive = Some(Duration::from_secs(3));
+    })
+    .await;
     let held = a_held_pod_other_than(&api, &[]).await;
     // Nothing is said on its stream until a run comes.
     attached_and_waiting(&api, &held).await;
     api.half_open("default", &held);
-    // Keepalives go every 30 s of silence and wait 10 s for their answer.
     for _ in 0..(120 * 20) {
         if sluice_e2e::pod_deleted(&api, "default", &held) {
             break;
@@ -413,20 +428,35 @@ async fn until(done: impl Fn() -> bool, what: &str) {
 
 /// A fake with one warm pod of a one-hook chain, and a backend claiming as `gw-a` (2 s claim timeout).
 async fn one_warm_pod() -> (FakeApiServer, KubeBackend, SandboxSpec, String) {
+    one_warm_pod_with(|_| {}).await
+}
+
+/// The same, with the backend's settings changed by `tweak`.
+async fn one_warm_pod_with(
+    tweak: impl FnOnce(&mut KubeConfig),
+) -> (FakeApiServer, KubeBackend, SandboxSpec, String) {
     let api = FakeApiServer::start(ExecProtocol::V5)
         .await
         .expect("fake API");
     let chain = chain_yaml("faulty", "bot", "input", "", &[("d", "modify", REDACT)]);
     let spec = sandbox_of(&chain);
     let pod = api.add_warm_pod(&spec).await.expect("pod");
-    let backend = claiming_backend(&api).await;
+    let backend = claiming_backend_with(&api, tweak).await;
     (api, backend, spec, pod)
 }
 
 /// A backend on `api` claiming as `gw-a`, with a 2 s claim timeout.
 async fn claiming_backend(api: &FakeApiServer) -> KubeBackend {
+    claiming_backend_with(api, |_| {}).await
+}
+
+async fn claiming_backend_with(
+    api: &FakeApiServer,
+    tweak: impl FnOnce(&mut KubeConfig),
+) -> KubeBackend {
     let mut cfg = KubeConfig::new("gw-a");
     cfg.claim_timeout = Duration::from_secs(2);
+    tweak(&mut cfg);
     KubeBackend::new(
         api.client(),
         cfg,
@@ -437,8 +467,8 @@ async fn claiming_backend(api: &FakeApiServer) -> KubeBackend {
     .expect("backend")
 }
 
-/// Far more than any claim or boot deadline here (2 s, 20 s): a start still going then hangs on
-/// the API server's say (kube's own retries follow `Retry-After` for up to 15 tries).
+/// Far more than any claim or boot deadline here (2 s, 5 s, 20 s): a start still going then hangs
+/// on the API server's say (kube's own retries follow `Retry-After` for up to 15 tries).
 const HANGS: Duration = Duration::from_secs(90);
 
 /// A claim the API server keeps answering 429 or 503 (API Priority and Fairness, a rollout; an
@@ -541,9 +571,11 @@ async fn a_claim_applied_but_answered_504_is_still_ours() {
 
 /// The exec into a claimed pod meets 503s (an API server rollout): the boot ends at its deadline
 /// instead of following an hour's `Retry-After`, and the pod it claimed is given back (deleted).
+/// The deadline is the backend's `exec_timeout`, 5 s here (20 s by default).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_exec_under_503_ends_at_its_deadline_and_gives_the_pod_back() {
-    let (api, backend, spec, pod) = one_warm_pod().await;
+    let (api, backend, spec, pod) =
+        one_warm_pod_with(|c| c.exec_timeout = Duration::from_secs(5)).await;
     api.inject(Injected::answer("GET", "/exec", 503).retry_after(3600));
     let started = tokio::time::timeout(HANGS, backend.start(&spec)).await;
     let e = match started {
@@ -673,11 +705,14 @@ async fn a_connection_gone_half_open_mid_walk_is_reported_lost_and_the_pod_repla
         "failurePolicy: Closed\ntimeoutMs: 60000",
         &[("slow", "detect", SLOW), ("mark", "modify", MARK)],
     );
-    let (api, h) = cluster(ExecProtocol::V5, &chain, 1).await;
+    let (api, h) = cluster_with(ExecProtocol::V5, &chain, 1, |o| {
+        o.kube.exec_keepalive = quick_keepalive();
+    })
+    .await;
     let run = {
         let h = &h;
         async move {
-            // Well short of the chain's minute: the default heartbeat needs at most 20 s.
+            // Well short of the chain's minute: this heartbeat needs at most 6 s (the default 20).
             tokio::time::timeout(Duration::from_secs(45), h.run_text("bot", "input", "hello")).await
         }
     };

@@ -19,6 +19,13 @@ def execute(context, settings):
 const TRIGGER_POINTS: u64 = 20;
 /// Trigger points of the `reuse: Recycle` test.
 const RECYCLED_TRIGGER_POINTS: u64 = 500;
+/// How often the gateway of the `reuse: Recycle` test renews a held pod's claim (`KubeConfig::
+/// heartbeat`; a minute by default). Each renewal is a pod change that sets the operator
+/// reconciling the chain: the hold below spans several of them.
+const HEARTBEAT: Duration = Duration::from_secs(4);
+/// How long the pods stay held and idle: five claim renewals, twenty periods of the kubelet
+/// stand-in's probes (1 s) and four of the exec connection's pings (5 s).
+const HOLD: Duration = Duration::from_secs(20);
 
 /// The operator as `sluice-operator run` runs it (leader election included), until `stop`.
 fn start_operator(
@@ -126,7 +133,10 @@ async fn recycled_pods_serve_hundreds_of_trigger_points_with_almost_no_api_write
         &[("digits", "modify", REDACT)],
     );
     let (api, stop, operator) = cluster_with(&chain, "op").await;
-    let h = Harness::start_kube(&api, "gw-op", Duration::from_secs(90)).await;
+    let h = Harness::start_kube_with(&api, "gw-op", Duration::from_secs(90), |o| {
+        o.kube.heartbeat = HEARTBEAT;
+    })
+    .await;
     let before = api.writes();
     for i in 0..RECYCLED_TRIGGER_POINTS {
         run_redacted(&h, i).await;
@@ -192,8 +202,10 @@ async fn recycled_pods_serve_hundreds_of_trigger_points_with_almost_no_api_write
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    // Held and idle for a minute: attached pods are not probed (no Unhealthy event), and nothing
-    // rewrites the HookChain's status meanwhile.
+    // Held and idle for HOLD: attached pods are not probed (no Unhealthy event), and nothing
+    // rewrites the HookChain's status meanwhile, though every held pod's claim is renewed (a pod
+    // change the operator reconciles) several times. With the default heartbeat this took a
+    // minute's hold to see one renewal.
     // The pods ready now; one retired at maxUses just before may be replaced meanwhile, and a new
     // pod's first probes may fail while it starts: only these pods are watched.
     let held_pods: Vec<String> = api
@@ -209,9 +221,16 @@ async fn recycled_pods_serve_hundreds_of_trigger_points_with_almost_no_api_write
         .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_string))
         .collect();
     assert!(!held_pods.is_empty(), "no ready pod to watch");
+    let claimed = api
+        .list(Resource::Pods, "default")
+        .iter()
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .filter(|p| p["metadata"]["labels"]["sluice.dev/pool"] == "claimed")
+        .count() as u64;
+    assert!(claimed >= 1, "the gateway holds no pod");
     let events_before = unhealthy_events(&api, &held_pods);
     let before_hold = api.writes();
-    tokio::time::sleep(Duration::from_secs(60)).await;
+    tokio::time::sleep(HOLD).await;
     let held = api.writes().since(&before_hold);
     let events_after = unhealthy_events(&api, &held_pods);
     assert_eq!(
@@ -222,6 +241,11 @@ async fn recycled_pods_serve_hundreds_of_trigger_points_with_almost_no_api_write
     assert!(
         held.on("hookchains/status") <= 2 && held.get(Verb::Create, "pods/exec") == 0,
         "writes while pods were only held:\n{held}"
+    );
+    assert!(
+        held.get(Verb::Patch, "pods") >= claimed,
+        "the {claimed} held pods' claims were not renewed during the hold, so the operator had \
+         nothing to react to:\n{held}"
     );
     run_redacted(&h, 0).await;
     h.stop_kube_and_check(&api).await;

@@ -388,11 +388,16 @@ async fn a_rotated_certificate_and_a_changed_policy_are_served_without_a_restart
         1_924_992_000.0
     );
 
-    // A broken rotation (a key that is not the certificate's) keeps the last good certificate.
-    std::fs::write(g.files.path().join("server.key"), Ca::new("x").server().key).unwrap();
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    assert!(tls_client(port, &next_ca.pem, Some(&support)).await.is_ok());
+    // A broken rotation (a key that is not the certificate's) keeps the last good certificate:
+    // once the gateway has read it and refused it, the last good one is still served.
     let tls_reloads = "sluice_gateway_tls_reloads_total";
+    let failed = metric(&g, tls_reloads, Some("failed"));
+    std::fs::write(g.files.path().join("server.key"), Ca::new("x").server().key).unwrap();
+    eventually("the broken key refused", async || {
+        metric(&g, tls_reloads, Some("failed")) > failed
+    })
+    .await;
+    assert!(tls_client(port, &next_ca.pem, Some(&support)).await.is_ok());
     assert!(metric(&g, tls_reloads, Some("ok")) >= 1.0);
     assert!(metric(&g, tls_reloads, Some("failed")) >= 1.0);
 
@@ -407,13 +412,17 @@ async fn a_rotated_certificate_and_a_changed_policy_are_served_without_a_restart
         run(&mut c, "billing", None).await.is_ok()
     })
     .await;
-    // A broken edit keeps the last good policy in force.
+    // A broken edit keeps the last good policy in force, once the gateway has read and refused it.
+    let policy_reloads = "sluice_gateway_caller_policy_reloads_total";
+    let failed = metric(&g, policy_reloads, Some("failed"));
     std::fs::write(g.files.path().join("callers.yaml"), "kind: [").unwrap();
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    eventually("the broken policy refused", async || {
+        metric(&g, policy_reloads, Some("failed")) > failed
+    })
+    .await;
     run(&mut c, "billing", None)
         .await
         .expect("the last good policy still serves");
-    let policy_reloads = "sluice_gateway_caller_policy_reloads_total";
     assert!(metric(&g, policy_reloads, Some("ok")) >= 1.0);
     assert!(metric(&g, policy_reloads, Some("failed")) >= 1.0);
     g.gateway.shutdown().await;
