@@ -12,7 +12,7 @@ REGISTRY ?= ghcr.io/sluice-dev
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 DOCKER ?= docker
 
-.PHONY: deps cell cell-release build install dist test-dist run test test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
+.PHONY: deps cell cell-release build install dist test-dist run test print-test-targets test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
 	cluster-deps cluster-build cluster-up cluster-down cluster-images cluster-install test-cluster bench-cluster
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
@@ -96,7 +96,12 @@ run: build
 # test-manifests validates what the built `sluice-operator render` prints; test-cluster brings up a
 # real single-node Kubernetes (root; Go for its first build, cached per version), runs the cluster
 # suite on it with no test skipped, and takes it down again.
-test: deps test-rust test-clients test-dist test-manifests test-cluster
+TEST_TARGETS := test-rust test-clients test-dist test-manifests test-cluster
+test: deps $(TEST_TARGETS)
+
+# .ci/run runs and times them one at a time (docs/testing.md).
+print-test-targets:
+	@echo $(TEST_TARGETS)
 
 # The Python client, installed into $(CLIENTS_VENV) as an application would (with its `test` extra),
 # tested against a real local gateway (runsc sandboxes; those tests skip, saying so, without runsc);
@@ -163,9 +168,13 @@ test-cluster: cluster-deps cluster-build
 e2e-cluster:
 	$(CARGO) test -p sluice-e2e --test cluster -- --nocapture --test-threads=1
 
+# nextest's `ci` profile (.config/nextest.toml) writes a JUnit report with every test's time; the
+# slowest are printed after the run (docs/testing.md). One suite alone: docs/testing.md.
 test-rust: cell
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
-		$(CARGO) nextest run --workspace --no-fail-fast; \
+		status=0; $(CARGO) nextest run --workspace --no-fail-fast --profile ci || status=$$?; \
+		python3 .ci/slowest-tests target/nextest/ci/junit.xml 20 || true; \
+		exit $$status; \
 	else \
 		$(CARGO) test --workspace --no-fail-fast; \
 	fi
