@@ -35,6 +35,15 @@ pub enum SandboxFailure {
     Forged(String),
 }
 
+/// What every hook of a run is told besides the payload and the state, the same in each of the
+/// run's walks and in each sandbox that serves one: the `context` `execute` gets, and the moment its
+/// clocks read.
+#[derive(Clone, Debug)]
+pub struct RunContext {
+    pub context: Value,
+    pub moment: crate::moment::Moment,
+}
+
 /// What a walk brought back: the hook results received (in order), and the summary unless the walk
 /// ended in a failure.
 #[derive(Debug, Default)]
@@ -332,14 +341,15 @@ impl SupervisorConn {
         }
     }
 
-    /// Runs the chain from hook `start` on `outgoing` with the given state vector. Never fails as a
-    /// whole: a failure is recorded in the report next to the hook results that came before it.
+    /// Runs the chain from hook `start` on `outgoing` with the given state vector, for the run
+    /// `run`. Never fails as a whole: a failure is recorded in the report next to the hook results
+    /// that came before it.
     pub async fn walk(
         &mut self,
         start: usize,
         outgoing: &Value,
         state: &[Value],
-        context: &Value,
+        run: &RunContext,
         budget: Duration,
         host: &dyn HostCalls,
     ) -> WalkReport {
@@ -358,7 +368,8 @@ impl SupervisorConn {
                 start,
                 outgoing,
                 state,
-                context,
+                context: &run.context,
+                moment_ms: run.moment,
             })
             .await
         {

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub(crate) mod dying;
 pub(crate) mod scripted;
 
 use async_trait::async_trait;
