@@ -76,5 +76,7 @@ pub use sluice_sandbox::{
 };
 pub use state_vector::StateVector;
 pub use stream::{ClientStreamError, StreamError, StreamInput, StreamOpen, StreamOutput};
-pub use supervisor::{CellEnd, RunContext, SandboxFailure, SupervisorConn, WalkReport};
+pub use supervisor::{
+    CellEnd, EndAndPrepareError, RunContext, SandboxFailure, SupervisorConn, WalkReport,
+};
 pub use window::chunk_at;
