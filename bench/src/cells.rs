@@ -466,6 +466,14 @@ async fn wasm_cell_cost(platform: &str, n: u32) -> anyhow::Result<WasmCost> {
     })
 }
 
+/// What a bench walk tells its hooks of a run: nothing but the moment.
+pub(crate) fn no_run() -> sluice_engine::RunContext {
+    sluice_engine::RunContext {
+        context: serde_json::json!({}),
+        moment: sluice_engine::Moment::now(),
+    }
+}
+
 /// One walk of an open cell of `hooks` hooks; an error unless every hook answered.
 async fn walk(
     conn: &mut SupervisorConn,
@@ -477,7 +485,7 @@ async fn walk(
             0,
             payload,
             &vec![serde_json::Value::Null; hooks],
-            &serde_json::json!({}),
+            &no_run(),
             Duration::from_secs(5),
             &sluice_engine::NoHostCalls,
         )

@@ -2,6 +2,7 @@
 //! `runsc run` per call (the naive design), and how many fresh sandboxes this machine boots per second.
 
 use crate::HOOKS;
+use crate::cells::no_run;
 use serde_json::{Value, json};
 use sluice_engine::Chain;
 use sluice_engine::Limits;
@@ -118,7 +119,7 @@ async fn one_fresh_call(
             0,
             &json!(text),
             &state,
-            &json!({}),
+            &no_run(),
             Duration::from_secs(10),
             &NoHostCalls,
         )
@@ -200,7 +201,7 @@ pub(crate) async fn breakdown(text: &str) -> anyhow::Result<()> {
             0,
             &json!(text),
             &state,
-            &json!({}),
+            &no_run(),
             Duration::from_secs(10),
             &NoHostCalls,
         )
@@ -210,7 +211,7 @@ pub(crate) async fn breakdown(text: &str) -> anyhow::Result<()> {
             0,
             &json!(text),
             &state,
-            &json!({}),
+            &no_run(),
             Duration::from_secs(10),
             &NoHostCalls,
         )

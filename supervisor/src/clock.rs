@@ -1,9 +1,11 @@
-//! What a hook sees of time: clocks that stand still. Hooks of one walk must not be able to measure
+//! What a hook sees of time: clocks that stand still. Hooks of one run must not be able to measure
 //! each other (a hook before the redactor could spell the raw text in how long it ran, and one after
-//! it read that back), so every instance's WASI clocks, wall and monotonic, read one moment for the
-//! whole of a cell's walks: the start of its first walk. Module code run ahead of a walk (an
-//! instance being prepared, the check at `init`) reads the Unix epoch. Only `--trace-lines`
-//! (authoring tools, whose line tracer counts time) gives instances running clocks.
+//! it read that back), so every instance's WASI clocks, wall and monotonic, read one moment: the
+//! run's, which the gateway sends with each of its walks (`chunk`'s `moment_ms`), so that every
+//! sandbox serving the run reads the same. From a gateway that sends none (an older one), the start
+//! of the cell's first walk, for all of its walks. Module code run ahead of a walk (an instance
+//! being prepared, the check at `init`) reads the Unix epoch. Only `--trace-lines` (authoring
+//! tools, whose line tracer counts time) gives instances running clocks.
 
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
@@ -26,6 +28,15 @@ impl Moment {
         wall: Duration::ZERO,
         monotonic: 0,
     };
+
+    /// The moment `ms` milliseconds after the Unix epoch; None past what the monotonic clock's
+    /// nanoseconds can count (the year 2554).
+    pub(crate) fn from_unix_ms(ms: u64) -> Option<Self> {
+        Some(Self {
+            wall: Duration::from_millis(ms),
+            monotonic: ms.checked_mul(1_000_000)?,
+        })
+    }
 
     pub(crate) fn now() -> Self {
         let wall = SystemTime::now()
@@ -117,6 +128,16 @@ mod tests {
         std::thread::sleep(Duration::from_millis(2));
         assert_eq!((wall.now(), monotonic.now()), first);
         assert_eq!(first, (at.wall, at.monotonic));
+        let given = Moment::from_unix_ms(1_767_225_600_000).unwrap();
+        clocks.set(Some(given));
+        assert_eq!(
+            (wall.now(), monotonic.now()),
+            (
+                Duration::from_secs(1_767_225_600),
+                1_767_225_600_000_000_000
+            )
+        );
+        assert_eq!(Moment::from_unix_ms(u64::MAX), None);
         clocks.set(None);
         let running = monotonic.now();
         std::thread::sleep(Duration::from_millis(2));

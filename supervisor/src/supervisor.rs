@@ -1,6 +1,7 @@
 //! The protocol loop: `init` opens a cell (the chain's hooks, compiled), `chunk` walks it with a
 //! fresh WebAssembly instance per hook, `end` closes it with a verdict (`supervisor/PROTOCOL.md`).
 
+use std::cell::OnceCell;
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
@@ -101,11 +102,27 @@ struct OpenCell {
     limits: Limits,
     timeout: Duration,
     hooks: Vec<Hook>,
-    /// When its first walk began: what its hooks' clocks read in every walk of it (`clock`).
-    first_walk: Option<Moment>,
+    /// When its first walk began: what its hooks' clocks read in every walk of it when the gateway
+    /// sends no moment (an older one; `clock`).
+    first_walk: OnceCell<Moment>,
 }
 
 type Loaded = Result<Arc<Vec<u8>>, NotLoaded>;
+
+/// Why a `chunk` whose `moment_ms` no clock can read is refused.
+const BAD_MOMENT: &str = "chunk refused: moment_ms must be a whole number of milliseconds since \
+                          the Unix epoch, before the year 2554";
+
+/// The run's moment a `chunk` carries (`moment_ms`); None when it carries none (an older gateway).
+fn run_moment(msg: &Value) -> Result<Option<Moment>, &'static str> {
+    let Some(ms) = msg.get("moment_ms") else {
+        return Ok(None);
+    };
+    ms.as_u64()
+        .and_then(Moment::from_unix_ms)
+        .map(Some)
+        .ok_or(BAD_MOMENT)
+}
 
 /// How long past the chain's deadline `init` waits for its hooks' instances to be prepared before it
 /// answers anyway (a hook whose instance is not ready then is instantiated when it runs).
@@ -251,7 +268,7 @@ impl Supervisor {
             limits: Limits::from_init(&msg["limits"]),
             timeout,
             hooks,
-            first_walk: None,
+            first_walk: OnceCell::new(),
         });
         self.send(&ack);
     }
@@ -323,18 +340,25 @@ impl Supervisor {
     }
 
     fn chunk(&mut self, msg: &Value) {
-        if let Some(cell) = self.cell.as_mut() {
-            // Hooks of the cell cannot time each other: their clocks stand at its first walk's start.
-            let at = *cell.first_walk.get_or_insert_with(Moment::now);
-            self.runtime
-                .stand_clocks_at((!self.trace_lines).then_some(at));
-        }
         let Some(cell) = self.cell.as_ref() else {
             self.send(
                 &json!({"type": "error", "message": "chunk without an open cell: send init first"}),
             );
             return;
         };
+        // Hooks of one run cannot time each other: their clocks stand at the run's moment, the
+        // same in every walk of it whichever sandbox serves it; from a gateway that sends none (an
+        // older one), at the start of the cell's first walk, as before.
+        let at = match run_moment(msg) {
+            Ok(Some(at)) => at,
+            Ok(None) => *cell.first_walk.get_or_init(Moment::now),
+            Err(why) => {
+                self.send(&json!({"type": "error", "message": why}));
+                return;
+            }
+        };
+        self.runtime
+            .stand_clocks_at((!self.trace_lines).then_some(at));
         let run = msg["id"].clone();
         let mut payload = msg["outgoing"].clone();
         let states = msg["state"].as_array().cloned().unwrap_or_default();

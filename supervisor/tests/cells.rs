@@ -110,11 +110,29 @@ impl Supervisor {
         ack
     }
 
-    /// One walk; the hook results (host calls answered by `answer`).
+    /// One walk, as a gateway that sends no moment sends it; the hook results (host calls
+    /// answered by `answer`).
     fn chunk(&mut self, outgoing: Value, answer: impl Fn(&Value) -> Value) -> Vec<Value> {
+        self.walk(json!({"outgoing": outgoing}), answer)
+    }
+
+    /// One walk of a run whose moment is `moment_ms`; the hook results.
+    fn chunk_at(&mut self, outgoing: Value, moment_ms: u64) -> Vec<Value> {
+        self.walk(
+            json!({"outgoing": outgoing, "moment_ms": moment_ms}),
+            no_host,
+        )
+    }
+
+    /// Sends a `chunk` made of `fields` (and an id, `start` 0, no state, a context) and reads its
+    /// hook results (host calls answered by `answer`) up to its `result`.
+    fn walk(&mut self, fields: Value, answer: impl Fn(&Value) -> Value) -> Vec<Value> {
         self.next += 1;
-        let id = self.next;
-        self.send(json!({"type": "chunk", "id": id, "start": 0, "outgoing": outgoing, "state": [], "context": {"target": "t"}}));
+        let mut msg = json!({"type": "chunk", "id": self.next, "start": 0, "state": [], "context": {"target": "t"}});
+        if let (Some(msg), Some(fields)) = (msg.as_object_mut(), fields.as_object()) {
+            msg.extend(fields.clone());
+        }
+        self.send(msg);
         let mut results = Vec::new();
         loop {
             let msg = self.read();
@@ -673,13 +691,68 @@ fn a_walk_only_calls_execute_its_module_code_ran_before() {
     }
 }
 
-/// Hooks of one walk cannot time each other: every clock an instance can read stands at the
-/// moment the cell's first walk began, in every hook and every walk of the cell; module code reads
-/// the epoch when it ran ahead of the walk (a prepared instance), that same moment when it runs in
-/// the walk. The next cell reads its own first walk's moment.
+/// Reads every clock before and after some work, in module code and in `execute`.
+const CLOCK_READER: &str = "import time, datetime\nAT_LOAD = [time.time_ns(), time.monotonic_ns()]\ndef execute(context, settings):\n    before = [time.time_ns(), time.monotonic_ns(), time.perf_counter_ns(), datetime.datetime.now().timestamp()]\n    n = sum(i % 7 for i in range(200000))\n    after = [time.time_ns(), time.monotonic_ns(), time.perf_counter_ns(), datetime.datetime.now().timestamp()]\n    return {'action': 'detect', 'findings': {'before': before, 'after': after, 'at_load': AT_LOAD, 'n': n}}\n";
+
+/// Hooks of one run cannot time each other, whichever sandbox and cell serve its walks: every clock
+/// an instance can read stands at the moment the `chunk` carries (`moment_ms`, the run's), in every
+/// hook and every walk, and in another cell given the same moment; module code reads the epoch
+/// when it ran ahead of the walk (a prepared instance), that same moment when it runs in the walk.
 #[test]
-fn the_clocks_of_a_cell_stand_at_its_first_walk() {
-    let reader = "import time, datetime\nAT_LOAD = [time.time_ns(), time.monotonic_ns()]\ndef execute(context, settings):\n    before = [time.time_ns(), time.monotonic_ns(), time.perf_counter_ns(), datetime.datetime.now().timestamp()]\n    n = sum(i % 7 for i in range(200000))\n    after = [time.time_ns(), time.monotonic_ns(), time.perf_counter_ns(), datetime.datetime.now().timestamp()]\n    return {'action': 'detect', 'findings': {'before': before, 'after': after, 'at_load': AT_LOAD, 'n': n}}\n";
+fn the_clocks_read_the_moment_the_chunk_carries() {
+    const MOMENT_MS: u64 = 1_767_225_600_000;
+    let ns = MOMENT_MS * 1_000_000;
+    let moment = json!([ns, ns, ns, (MOMENT_MS / 1000) as f64]);
+    let mut s = Supervisor::start(256 << 20);
+    for cell in 0..2 {
+        s.init(
+            "input",
+            5000,
+            &[("a", "detect", CLOCK_READER), ("b", "detect", CLOCK_READER)],
+        );
+        for _ in 0..2 {
+            let results = s.chunk_at(json!("x"), MOMENT_MS);
+            assert_eq!(results.len(), 2, "{results:?}");
+            for r in &results {
+                let f = findings(r);
+                assert_eq!(f["before"], moment, "cell {cell}: {r}");
+                assert_eq!(f["after"], moment, "cell {cell}: {r}");
+                assert!(
+                    f["at_load"] == json!([0, 0]) || f["at_load"] == json!([ns, ns]),
+                    "{r}"
+                );
+            }
+        }
+        s.end();
+    }
+}
+
+/// A `chunk` whose moment is not a whole number of milliseconds a clock can read is refused with a
+/// clear `error`, before any hook runs.
+#[test]
+fn a_chunk_with_a_malformed_moment_is_refused() {
+    let mut s = Supervisor::start(256 << 20);
+    for bad in [json!(-1), json!(1.5), json!("soon"), json!(u64::MAX)] {
+        s.init("input", 2000, &[("a", "detect", CLOCK_READER)]);
+        s.send(json!({"type": "chunk", "id": 1, "start": 0, "outgoing": "x", "state": [], "context": {}, "moment_ms": bad}));
+        let refused = s.read();
+        assert_eq!(refused["type"], "error", "{bad}: {refused}");
+        assert!(
+            refused["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("moment_ms")),
+            "{refused}"
+        );
+        s.end();
+    }
+}
+
+/// From a gateway that sends no moment (an older one), hooks of one walk still cannot time each
+/// other: every clock stands at the moment the cell's first walk began, in every hook and every
+/// walk of the cell; the next cell reads its own first walk's moment.
+#[test]
+fn without_a_moment_the_clocks_of_a_cell_stand_at_its_first_walk() {
+    let reader = CLOCK_READER;
     let mut s = Supervisor::start(256 << 20);
     let mut cells = Vec::new();
     for _ in 0..2 {

@@ -215,3 +215,44 @@ async fn bursts_of_runs_and_streams_are_all_served() {
     let h = std::sync::Arc::into_inner(h).expect("one owner");
     h.stop_and_check_leaks().await;
 }
+
+/// Reports what every clock reads, in findings.
+const CLOCK: &str = "import time\ndef execute(context, settings):\n    return {'action': 'detect', 'findings': {'t': [time.time_ns(), time.monotonic_ns()]}}\n";
+
+/// Inside gVisor as well, hooks of one run read one moment, whichever sandbox serves them: the
+/// baseline's hook and the tenant's, each in a sandbox of its own (the baseline's claimed for its
+/// walk only), read the run's start, to the whole second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_baseline_and_the_tenant_of_a_run_read_its_moment() {
+    let baseline = chain_yaml(
+        "clock-baseline",
+        "\"*\"",
+        "input",
+        "enforced: true",
+        &[("base", "detect", CLOCK)],
+    )
+    .replace("namespace: default", "namespace: sluice-system");
+    let tenant = chain_yaml("clock", "clock", "input", "", &[("own", "detect", CLOCK)]);
+    let h = Harness::start(&[("baseline.yaml", &baseline), ("tenant.yaml", &tenant)]).await;
+    for _ in 0..2 {
+        let began = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap();
+        h.run_text("clock", "input", "hi").await.unwrap();
+        let event = h.audit().pop().expect("the run's audit event");
+        let hooks = event["hooks"].as_array().expect("hooks");
+        let names: Vec<&str> = hooks.iter().filter_map(|h| h["name"].as_str()).collect();
+        assert_eq!(names, ["baseline/base", "own"], "{event}");
+        let (base, own) = (&hooks[0]["findings"]["t"], &hooks[1]["findings"]["t"]);
+        assert_eq!(base, own, "{event}");
+        let ns = base[0].as_u64().expect("a reading");
+        assert_eq!(base[1].as_u64(), Some(ns), "{event}");
+        assert_eq!(ns % 1_000_000_000, 0, "whole seconds: {event}");
+        let second = began.as_secs() * 1_000_000_000;
+        assert!(
+            ns == second || ns == second + 1_000_000_000,
+            "the run's start: {ns} read, the run began at {began:?}"
+        );
+    }
+    h.stop_and_check_leaks().await;
+}

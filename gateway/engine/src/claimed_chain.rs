@@ -11,8 +11,9 @@ use crate::log_text::Escaped;
 use crate::outcome::{self, Walk};
 use crate::pool::Claimed;
 use crate::request::{EngineError, Target};
+use crate::run_id::RunId;
 use crate::state_vector::StateVector;
-use crate::supervisor::SandboxFailure;
+use crate::supervisor::{RunContext, SandboxFailure};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +24,8 @@ pub(crate) struct ClaimedChain<'e> {
     engine: &'e Engine,
     pub chain: Arc<Chain>,
     claimed: Option<Claimed>,
-    context: Value,
+    /// What its hooks are told of the run: the same in every walk, whichever sandbox serves it.
+    run: RunContext,
     /// Every walk's host_calls go through it, so the run's limits hold across flushes, the final
     /// pass and resumed walks.
     host: Arc<HostCallGuard>,
@@ -37,17 +39,6 @@ pub(crate) struct ClaimedChain<'e> {
     shadow: Option<Arc<ShadowHostCalls>>,
 }
 
-/// The run id as hooks see it: the run's ULID with its time part zeroed (`00000000006K...`), so that
-/// no hook learns when the run began (hooks of one walk must not be able to time each other), while
-/// its random part still names the run the audit and the capabilities' `caller` name in full. An id
-/// that is not a ULID is replaced by a random one.
-fn timeless(run_id: &str) -> String {
-    let random = ulid::Ulid::from_string(run_id)
-        .unwrap_or_else(|_| ulid::Ulid::new())
-        .random();
-    ulid::Ulid::from_parts(0, random).to_string()
-}
-
 /// How long a shadow run waits for a sandbox that no run is waiting for, before it is dropped.
 const SHADOW_CLAIM_PATIENCE: Duration = Duration::from_millis(250);
 
@@ -58,17 +49,22 @@ impl<'e> ClaimedChain<'e> {
         engine: &'e Engine,
         chain: Arc<Chain>,
         target: &Target,
-        run_id: &str,
+        run_id: RunId,
         shadow: bool,
     ) -> Result<Self, EngineError> {
         let app_context = target.caller_context();
-        let caller = Caller::new(&target.key, &target.session_id, &app_context, run_id);
+        let caller = Caller::new(
+            &target.key,
+            &target.session_id,
+            &app_context,
+            &run_id.to_string(),
+        );
         let context = json!({
             "namespace": target.key.namespace,
             "target": target.key.target,
             "trigger_point": target.key.trigger_point.as_str(),
             "session_id": target.session_id,
-            "run_id": timeless(run_id),
+            "run_id": run_id.for_hooks(),
             "caller": app_context,
         });
         let registry = engine.registry();
@@ -90,7 +86,10 @@ impl<'e> ClaimedChain<'e> {
             engine,
             chain,
             claimed: None,
-            context,
+            run: RunContext {
+                context,
+                moment: run_id.moment(),
+            },
             host,
             sandbox_id: String::new(),
             pending: None,
@@ -195,7 +194,7 @@ impl<'e> ClaimedChain<'e> {
                     start,
                     &walk.payload,
                     state.as_slice(),
-                    &self.context,
+                    &self.run,
                     budget,
                     host.as_ref(),
                 )

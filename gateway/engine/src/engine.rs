@@ -200,7 +200,7 @@ impl Engine {
         target: &Target,
         payload: &serde_json::Value,
         live: &Walk,
-        run_id: &str,
+        run_id: crate::run_id::RunId,
     ) {
         let Some(engine) = self.me.upgrade() else {
             return;
@@ -211,13 +211,13 @@ impl Engine {
                 target.clone(),
                 payload.clone(),
                 live.clone(),
-                run_id.to_string(),
+                run_id,
             );
             let span = tracing::info_span!("shadow", run_id = %run_id, chain = %Escaped(&job.candidate.qualified_name()));
             tokio::spawn(
                 async move {
                     let began = Instant::now();
-                    let mut audit = AuditEvent::new(&run_id, "shadow");
+                    let mut audit = AuditEvent::new(&run_id.to_string(), "shadow");
                     audit.requested(
                         &target.key.namespace,
                         &target.key.target,
@@ -226,7 +226,7 @@ impl Engine {
                     );
                     job.chains.describe(&mut audit);
                     let mut pipeline =
-                        match Pipeline::open(&engine, &job.chains, &target, &run_id, true).await {
+                        match Pipeline::open(&engine, &job.chains, &target, run_id, true).await {
                             Ok(p) => p,
                             Err(e) => {
                                 tracing::debug!(error = %e, "shadow run dropped");

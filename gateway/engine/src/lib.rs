@@ -8,7 +8,8 @@
 //! 2. `pipeline` (baseline first, then the tenant's chain: `chains`) and `claimed_chain` (one chain in
 //!    one claimed sandbox, resumed in a fresh one under `Open`);
 //! 3. `supervisor` and `wire` (the conversation with a sandbox, `supervisor/PROTOCOL.md`) →
-//!    `outcome` (what the trusted side makes of it) → `state_vector`;
+//!    `outcome` (what the trusted side makes of it) → `state_vector`; `run_id` and `moment` (what
+//!    hooks are told of a run's id and of time);
 //! 4. `sandbox` (the backend trait) and `pool` (warm sandboxes per chain: the set of pools, one
 //!    chain's pool, the gateway-wide boot scheduler, why a sandbox is retired);
 //! 5. `host_calls` (the trait the capability runner implements) and `host_call_guard` (the limits the
@@ -30,6 +31,7 @@ mod log_text {
     pub(crate) use sluice_crds::log_text::Escaped;
 }
 mod metrics;
+mod moment;
 mod outcome;
 mod pipeline;
 mod pool;
@@ -37,6 +39,7 @@ mod registry;
 mod request;
 mod rollout;
 mod run;
+mod run_id;
 /// The sandbox seam, its own crate: the paths inside the engine stay `crate::sandbox::…`.
 mod sandbox {
     pub(crate) use sluice_sandbox::*;
@@ -55,6 +58,7 @@ pub use engine::Engine;
 pub use host_calls::{Caller, Capabilities, HostCallCode, HostCallError, HostCalls, NoHostCalls};
 pub use limits::Limits;
 pub use metrics::Metrics;
+pub use moment::Moment;
 pub use outcome::{HookOutcome, Layer, Walk};
 pub use pool::{ClaimError, Pools, WarmProgress};
 pub use registry::{CapabilityEntry, Registry};
@@ -72,5 +76,7 @@ pub use sluice_sandbox::{
 };
 pub use state_vector::StateVector;
 pub use stream::{ClientStreamError, StreamError, StreamInput, StreamOpen, StreamOutput};
-pub use supervisor::{CellEnd, SandboxFailure, SupervisorConn, WalkReport};
+pub use supervisor::{
+    CellEnd, EndAndPrepareError, RunContext, SandboxFailure, SupervisorConn, WalkReport,
+};
 pub use window::chunk_at;

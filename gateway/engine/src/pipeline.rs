@@ -16,6 +16,7 @@ use crate::host_call_guard::HostCallReport;
 use crate::outcome::Walk;
 use crate::outcome::{Layer, merge_action};
 use crate::request::{EngineError, Target};
+use crate::run_id::RunId;
 use crate::state_vector::StateVector;
 use serde_json::Value;
 use sluice_crds::TriggerPoint;
@@ -42,7 +43,7 @@ impl<'e> Pipeline<'e> {
         engine: &'e Engine,
         chains: &Chains,
         target: &Target,
-        run_id: &str,
+        run_id: RunId,
         shadow: bool,
     ) -> Result<Self, EngineError> {
         // `ordered` is baseline first; claim in reverse, then put the stages back in walk order.

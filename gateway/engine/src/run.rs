@@ -8,6 +8,7 @@ use crate::log_text::Escaped;
 use crate::outcome::Walk;
 use crate::pipeline::Pipeline;
 use crate::request::{EngineError, RunInput, Target, check_payload};
+use crate::run_id::RunId;
 use std::time::Instant;
 use tracing::Instrument;
 
@@ -22,7 +23,7 @@ impl Engine {
     /// Runs one payload through one trigger point.
     pub async fn run(&self, input: RunInput) -> Result<RunResult, EngineError> {
         let began = Instant::now();
-        let run_id = ulid::Ulid::new().to_string();
+        let run_id = RunId::new();
         // What the caller sent goes into the text log escaped: a newline in it starts no line.
         let span = tracing::info_span!(
             "run",
@@ -35,7 +36,7 @@ impl Engine {
             code = tracing::field::Empty,
         );
         async {
-            let mut audit = AuditEvent::new(&run_id, "run");
+            let mut audit = AuditEvent::new(&run_id.to_string(), "run");
             audit.requested(
                 &input.namespace,
                 &input.target,
@@ -63,7 +64,7 @@ impl Engine {
                 Err(e) => return Err(self.refuse(&mut audit, e, began, None)),
             };
             // During a rollout, the version that serves this session (and a candidate in shadow).
-            let selection = self.select(&chains, &target.session_id, &run_id);
+            let selection = self.select(&chains, &target.session_id, &run_id.to_string());
             let chains = selection.chains.clone();
             chains.describe(&mut audit);
             selection.describe(&mut audit);
@@ -71,7 +72,7 @@ impl Engine {
                 "chain",
                 tracing::field::display(Escaped(&chains.main().qualified_name())),
             );
-            let mut pipeline = match Pipeline::open(self, &chains, &target, &run_id, false).await {
+            let mut pipeline = match Pipeline::open(self, &chains, &target, run_id, false).await {
                 Ok(p) => p,
                 Err(e) => return Err(self.refuse(&mut audit, e, began, Some(&chains))),
             };
@@ -84,10 +85,10 @@ impl Engine {
             self.finish(&mut audit, &chains, &walk, began, "run");
             self.record_rollout(&selection, &walk);
             if let Some(payload) = shadow_payload {
-                self.start_shadows(selection, &target, &payload, &walk, &run_id);
+                self.start_shadows(selection, &target, &payload, &walk, run_id);
             }
             Ok(RunResult {
-                run_id: run_id.clone(),
+                run_id: run_id.to_string(),
                 walk,
             })
         }

@@ -18,6 +18,7 @@ use crate::pipeline::Pipeline;
 use crate::request::{CallerAuth, EngineError, Target};
 use crate::rollout::Selection;
 use crate::run::RunResult;
+use crate::run_id::RunId;
 use crate::window::Window;
 use futures::{Stream, StreamExt};
 use serde_json::{Value, json};
@@ -234,8 +235,8 @@ async fn next(engine: &Engine, inputs: &mut Inputs) -> Result<Option<StreamInput
 
 async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
     let began = Instant::now();
-    let run_id = ulid::Ulid::new().to_string();
-    let mut audit = AuditEvent::new(&run_id, "stream");
+    let run_id = RunId::new();
+    let mut audit = AuditEvent::new(&run_id.to_string(), "stream");
     let open = match next(&engine, &mut inputs).await {
         Ok(Some(StreamInput::Open(o))) => o,
         Ok(_) => {
@@ -289,7 +290,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
     };
     // During a rollout, the version that serves this session (and a candidate in shadow, run on the
     // whole text once the stream is over).
-    let selection = engine.select(&chains, &target.session_id, &run_id);
+    let selection = engine.select(&chains, &target.session_id, &run_id.to_string());
     let chains = selection.chains.clone();
     chains.describe(&mut audit);
     selection.describe(&mut audit);
@@ -306,7 +307,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
     let run = Run {
         engine: &engine,
         chains: &chains,
-        run_id: &run_id,
+        run_id,
         began,
         tx: &tx,
         chunk_by_chunk,
@@ -320,7 +321,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
 struct Run<'a> {
     engine: &'a Engine,
     chains: &'a Chains,
-    run_id: &'a str,
+    run_id: RunId,
     began: Instant,
     tx: &'a Tx,
     chunk_by_chunk: bool,

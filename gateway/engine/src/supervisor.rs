@@ -35,6 +35,15 @@ pub enum SandboxFailure {
     Forged(String),
 }
 
+/// What every hook of a run is told besides the payload and the state, the same in each of the
+/// run's walks and in each sandbox that serves one: the `context` `execute` gets, and the moment its
+/// clocks read.
+#[derive(Clone, Debug)]
+pub struct RunContext {
+    pub context: Value,
+    pub moment: crate::moment::Moment,
+}
+
 /// What a walk brought back: the hook results received (in order), and the summary unless the walk
 /// ended in a failure.
 #[derive(Debug, Default)]
@@ -74,6 +83,13 @@ pub struct SupervisorConn {
 pub enum CellEnd {
     Clean,
     Dirty(String),
+}
+
+/// What failed while a sandbox was recycled: ending its cell, or opening the next one.
+#[derive(Debug)]
+pub enum EndAndPrepareError {
+    End(SandboxFailure),
+    Prepare(SandboxFailure),
 }
 
 impl std::fmt::Debug for SupervisorConn {
@@ -267,6 +283,15 @@ impl SupervisorConn {
         limits: &WireLimits,
         budget: Duration,
     ) -> Result<(), SandboxFailure> {
+        self.send_init(chain, limits).await?;
+        self.recv_ack(chain, budget).await
+    }
+
+    async fn send_init(
+        &mut self,
+        chain: &Arc<Chain>,
+        limits: &WireLimits,
+    ) -> Result<(), SandboxFailure> {
         self.printed_before = self.handle.stdout_bytes();
         let hooks = chain
             .spec
@@ -291,7 +316,14 @@ impl SupervisorConn {
             hooks,
             limits,
         })
-        .await?;
+        .await
+    }
+
+    async fn recv_ack(
+        &mut self,
+        chain: &Arc<Chain>,
+        budget: Duration,
+    ) -> Result<(), SandboxFailure> {
         let expected = chain.spec.hooks.len();
         match self.recv(budget).await? {
             FromSupervisor::Ack { hooks } if hooks.len() == expected => {
@@ -310,11 +342,55 @@ impl SupervisorConn {
     /// Closes the open cell (every hook process killed and reaped) and returns the supervisor's
     /// verdict on the sandbox.
     pub async fn end(&mut self, budget: Duration) -> Result<CellEnd, SandboxFailure> {
-        if self.cell.take().is_none() {
+        if !self.send_end().await? {
             return Ok(CellEnd::Clean);
+        }
+        self.recv_ended(budget).await
+    }
+
+    /// Ends the open cell and opens the next one, of `chain`, in one exchange: `end` and `init` go
+    /// out together and their answers are read after, so that recycling a sandbox costs one round
+    /// trip to it, not two (through the exec path of a cluster each is a trip through the API
+    /// server, the kubelet, containerd and the runc shim). The supervisor answers them in order;
+    /// a dirty `ended` still retires the sandbox, with the cell it opened.
+    pub async fn end_and_prepare(
+        &mut self,
+        chain: &Arc<Chain>,
+        limits: &WireLimits,
+        end_budget: Duration,
+        prepare_budget: Duration,
+    ) -> Result<CellEnd, EndAndPrepareError> {
+        let ending = self.send_end().await.map_err(EndAndPrepareError::End)?;
+        self.send_init(chain, limits)
+            .await
+            .map_err(EndAndPrepareError::Prepare)?;
+        let verdict = if ending {
+            self.recv_ended(end_budget)
+                .await
+                .map_err(EndAndPrepareError::End)?
+        } else {
+            CellEnd::Clean
+        };
+        if let CellEnd::Dirty(_) = verdict {
+            return Ok(verdict);
+        }
+        self.recv_ack(chain, prepare_budget)
+            .await
+            .map_err(EndAndPrepareError::Prepare)?;
+        Ok(verdict)
+    }
+
+    /// Sends `end` for the open cell; false when none was open (nothing to answer).
+    async fn send_end(&mut self) -> Result<bool, SandboxFailure> {
+        if self.cell.take().is_none() {
+            return Ok(false);
         }
         self.uses = self.uses.saturating_add(1);
         self.send(&ToSupervisor::End).await?;
+        Ok(true)
+    }
+
+    async fn recv_ended(&mut self, budget: Duration) -> Result<CellEnd, SandboxFailure> {
         match self.recv(budget).await? {
             FromSupervisor::Ended { clean: true, .. } => Ok(CellEnd::Clean),
             FromSupervisor::Ended {
@@ -332,14 +408,15 @@ impl SupervisorConn {
         }
     }
 
-    /// Runs the chain from hook `start` on `outgoing` with the given state vector. Never fails as a
-    /// whole: a failure is recorded in the report next to the hook results that came before it.
+    /// Runs the chain from hook `start` on `outgoing` with the given state vector, for the run
+    /// `run`. Never fails as a whole: a failure is recorded in the report next to the hook results
+    /// that came before it.
     pub async fn walk(
         &mut self,
         start: usize,
         outgoing: &Value,
         state: &[Value],
-        context: &Value,
+        run: &RunContext,
         budget: Duration,
         host: &dyn HostCalls,
     ) -> WalkReport {
@@ -358,7 +435,8 @@ impl SupervisorConn {
                 start,
                 outgoing,
                 state,
-                context,
+                context: &run.context,
+                moment_ms: run.moment,
             })
             .await
         {

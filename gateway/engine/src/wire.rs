@@ -2,6 +2,7 @@
 //! Everything read here came out of a sandbox: it is parsed strictly and never trusted beyond its
 //! shape; `outcome.rs` decides what it means.
 
+use crate::moment::Moment;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
@@ -27,6 +28,9 @@ pub(crate) enum ToSupervisor<'a> {
         outgoing: &'a Value,
         state: &'a [Value],
         context: &'a Value,
+        /// The run's moment: what every clock of its hooks reads, the same in every walk of the
+        /// run, whichever sandbox serves it (`moment`).
+        moment_ms: Moment,
     },
     HostResult {
         id: u64,

@@ -9,7 +9,7 @@ use crate::chain::Chain;
 use crate::log_text::Escaped;
 use crate::metrics::ChainLabels;
 use crate::sandbox::{SandboxSpec, StartError};
-use crate::supervisor::{CellEnd, SandboxFailure, SupervisorConn};
+use crate::supervisor::{CellEnd, EndAndPrepareError, SandboxFailure, SupervisorConn};
 use sluice_crds::Reuse;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::{Deref, DerefMut};
@@ -425,10 +425,19 @@ impl ChainPool {
     /// the instances.
     async fn open_cell(&self, conn: &mut SupervisorConn) -> Result<(), SandboxFailure> {
         let chain = self.current_chain();
-        let budget = (Duration::from_millis(chain.spec.timeout_ms as u64) + PREPARE_MARGIN)
-            .min(self.shared.limits.boot_timeout);
-        conn.prepare(&chain, &self.shared.limits.wire(), budget)
-            .await
+        conn.prepare(
+            &chain,
+            &self.shared.limits.wire(),
+            self.prepare_budget(&chain),
+        )
+        .await
+    }
+
+    /// How long opening a cell of `chain` may take: its hooks' module code runs within the chain's
+    /// deadline, plus a margin for making the instances.
+    fn prepare_budget(&self, chain: &Chain) -> Duration {
+        (Duration::from_millis(chain.spec.timeout_ms as u64) + PREPARE_MARGIN)
+            .min(self.shared.limits.boot_timeout)
     }
 
     /// Starts a sandbox and opens its first cell. `slot` is handed back as soon as the supervisor is
@@ -716,20 +725,28 @@ impl ChainPool {
         });
     }
 
-    /// Ends the sandbox's cell and opens the next one. Err: why it must be retired instead.
+    /// Ends the sandbox's cell and opens the next one, in one exchange with it
+    /// (`SupervisorConn::end_and_prepare`). Err: why it must be retired instead.
     async fn recycle(&self, conn: &mut SupervisorConn) -> Result<(), Retirement> {
-        let budget = self.shared.limits.boot_timeout;
-        match conn.end(budget).await {
-            Ok(CellEnd::Clean) => {}
-            Ok(CellEnd::Dirty(why)) => return Err(Retirement::Dirty(why)),
-            Err(e) => return Err(Retirement::EndFailed(e)),
-        }
         if self.is_closed() {
             return Err(Retirement::PoolClosed);
         }
-        self.open_cell(conn)
+        let chain = self.current_chain();
+        let end_budget = self.shared.limits.boot_timeout;
+        match conn
+            .end_and_prepare(
+                &chain,
+                &self.shared.limits.wire(),
+                end_budget,
+                self.prepare_budget(&chain),
+            )
             .await
-            .map_err(Retirement::NextCellFailed)?;
+        {
+            Ok(CellEnd::Clean) => {}
+            Ok(CellEnd::Dirty(why)) => return Err(Retirement::Dirty(why)),
+            Err(EndAndPrepareError::End(e)) => return Err(Retirement::EndFailed(e)),
+            Err(EndAndPrepareError::Prepare(e)) => return Err(Retirement::NextCellFailed(e)),
+        }
         self.shared
             .metrics
             .cells_prepared

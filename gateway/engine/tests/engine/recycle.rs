@@ -149,6 +149,48 @@ async fn a_dirty_verdict_retires_the_sandbox() {
     assert_eq!(h.engine.metrics().boots(), 3);
 }
 
+/// Recycling a sandbox is one exchange with it: `end` and the next cell's `init` go out together, so
+/// a supervisor far away (through the exec path of a cluster) costs one round trip between trigger
+/// points, not two. The scripted supervisor answers `end` only once the next request is in: the
+/// gateway must not be waiting for that answer before it sends `init`.
+#[tokio::test]
+async fn recycling_sends_the_next_init_without_waiting_for_ended() {
+    let backend = ScriptedBackend::new(Arc::new(|c: &Chunk| honest(c, |t| t.to_uppercase())))
+        .end_waits_for_next();
+    let exchange = backend.exchange();
+    let h = Harness::with_backend(
+        Arc::new(backend),
+        vec![tenant(
+            "input",
+            vec![py("up", "modify", UPPER)],
+            pool(json!({"warm": 1, "max": 1, "reuse": "Recycle"})),
+        )],
+        common::limits(),
+    )
+    .await;
+    for _ in 0..2 {
+        settle(&h).await;
+        assert_eq!(
+            h.run("input", json!("x")).await.unwrap().walk.payload,
+            json!("X")
+        );
+    }
+    settle(&h).await;
+    let seen = exchange.lock().unwrap().clone();
+    let ends = seen.iter().filter(|e| *e == "got end").count();
+    let early = seen
+        .iter()
+        .filter(|e| *e == "got init (before ended went out)")
+        .count();
+    assert_eq!(ends, 2, "{seen:?}");
+    assert_eq!(
+        early, ends,
+        "every init must go out before its end is answered: {seen:?}"
+    );
+    assert_eq!(h.engine.metrics().boots(), 1, "{seen:?}");
+    assert_eq!(retirements(&h, "broken").await, 0, "{seen:?}");
+}
+
 /// After an upgrade the backend says the sandboxes it started before are outdated: each serves the
 /// trigger point it is in, and is then retired instead of recycled; no run fails.
 #[tokio::test]

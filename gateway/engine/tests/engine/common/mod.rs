@@ -2,6 +2,7 @@
 //! child process) or on a scripted one, chains written as JSON specs, a fake `Capabilities`, and the
 //! audit lines the engine wrote.
 
+pub(crate) mod dying;
 pub(crate) mod scripted;
 
 use async_trait::async_trait;
@@ -218,6 +219,15 @@ pub(crate) struct Harness {
     pub capabilities: FakeCapabilities,
 }
 
+/// The engine's log lines at info and above go to the test's captured output, which the test
+/// runner shows only when the test fails: why a sandbox was retired, why a boot failed.
+pub(crate) fn show_logs_on_failure() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("sluice=info,sluice_engine=info"))
+        .try_init();
+}
+
 /// Limits for tests: a sandbox should always be there quickly.
 pub(crate) fn limits() -> Limits {
     Limits {
@@ -259,6 +269,7 @@ impl Harness {
         limits: Limits,
         boot_concurrency: usize,
     ) -> Self {
+        show_logs_on_failure();
         let metrics = Metrics::new();
         let audit = AuditLines::default();
         let capabilities = FakeCapabilities::default();

@@ -35,6 +35,10 @@ pub(crate) struct ScriptedBackend {
     chunk_delay: std::time::Duration,
     /// Sandboxes started before this many have been are outdated once it has (an upgrade).
     outdated_before: Arc<AtomicU64>,
+    /// Answers `end` only once the next request is in (or a few seconds have passed), and notes
+    /// in `exchange` what came and went in which order.
+    end_waits_for_next: bool,
+    exchange: Arc<Mutex<Vec<String>>>,
 }
 
 impl ScriptedBackend {
@@ -48,7 +52,22 @@ impl ScriptedBackend {
             boot_delay: std::time::Duration::ZERO,
             chunk_delay: std::time::Duration::ZERO,
             outdated_before: Arc::default(),
+            end_waits_for_next: false,
+            exchange: Arc::default(),
         }
+    }
+
+    /// Answers each `end` only once the next request has arrived (within a few seconds), as a
+    /// supervisor far away would seem to a gateway that does not wait for it; `exchange` tells in
+    /// which order requests came and answers went.
+    pub(crate) fn end_waits_for_next(mut self) -> Self {
+        self.end_waits_for_next = true;
+        self
+    }
+
+    /// What every sandbox received (`got <type>`) and answered to `end` (`sent ended`), in order.
+    pub(crate) fn exchange(&self) -> Arc<Mutex<Vec<String>>> {
+        self.exchange.clone()
     }
 
     /// From now on, every sandbox started so far says it is outdated (as pods of an old template
@@ -141,6 +160,8 @@ impl SandboxBackend for ScriptedBackend {
         let host_results = self.host_results.clone();
         let version = self.protocol;
         let chunk_delay = self.chunk_delay;
+        let end_waits_for_next = self.end_waits_for_next;
+        let exchange = self.exchange.clone();
         let ended = match &self.dirty {
             Some(reason) => json!({"type": "ended", "clean": false, "reason": reason}),
             None => json!({"type": "ended", "clean": true}),
@@ -156,8 +177,20 @@ impl SandboxBackend for ScriptedBackend {
             }
             let mut hooks: Vec<Value> = Vec::new();
             let mut lines = BufReader::new(requests).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
+            let mut pending: Option<String> = None;
+            loop {
+                let line = match pending.take() {
+                    Some(line) => line,
+                    None => match lines.next_line().await {
+                        Ok(Some(line)) => line,
+                        _ => return,
+                    },
+                };
                 let msg: Value = serde_json::from_str(&line).expect("the engine sends JSON");
+                exchange
+                    .lock()
+                    .unwrap()
+                    .push(format!("got {}", msg["type"].as_str().unwrap_or("?")));
                 match msg["type"].as_str() {
                     Some("init") => {
                         hooks = msg["hooks"].as_array().cloned().unwrap_or_default();
@@ -170,6 +203,20 @@ impl SandboxBackend for ScriptedBackend {
                         }
                     }
                     Some("end") => {
+                        if end_waits_for_next {
+                            let next = std::time::Duration::from_secs(3);
+                            if let Ok(Ok(Some(line))) =
+                                tokio::time::timeout(next, lines.next_line()).await
+                            {
+                                let msg: Value = serde_json::from_str(&line).expect("JSON");
+                                exchange.lock().unwrap().push(format!(
+                                    "got {} (before ended went out)",
+                                    msg["type"].as_str().unwrap_or("?")
+                                ));
+                                pending = Some(line);
+                            }
+                        }
+                        exchange.lock().unwrap().push("sent ended".into());
                         if !send(ended.clone()).await {
                             return;
                         }
