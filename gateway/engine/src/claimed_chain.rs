@@ -207,6 +207,9 @@ impl<'e> ClaimedChain<'e> {
                 state,
                 self.engine.limits(),
             );
+            if let Some(f) = &report.failure {
+                tracing::warn!(chain = %Escaped(&self.chain.qualified_name()), sandbox = %conn.id, error = %f, "the sandbox failed during a walk; it is destroyed");
+            }
             if !conn.healthy() || report.failure.is_some() {
                 // Dropping the claim destroys the sandbox (killed at once when broken).
                 self.claimed = None;

@@ -429,6 +429,8 @@ impl SupervisorConn {
             ));
             return report;
         }
+        // This side's clock starts before the chunk goes out: the supervisor's cannot start earlier.
+        let mut began = Instant::now();
         if let Err(f) = self
             .send(&ToSupervisor::Chunk {
                 id,
@@ -444,12 +446,14 @@ impl SupervisorConn {
             return report;
         }
         // One deadline model on both sides (supervisor/PROTOCOL.md, "Deadlines"): the walk's hooks
-        // share `budget`, host_call time not counted; a hook that answers once it is used up has
-        // run out of it, and the hooks after it share a fresh one. The supervisor stops a hook at
-        // that deadline itself and reports it as that hook's error (the sandbox stays usable);
-        // this side counts the same on its own clock, which runs ahead of the supervisor's (it
-        // starts earlier and stops later), and waits each hook's deadline plus `DEADLINE_GRACE`:
-        // the backstop for a supervisor that does not stop a hook, which ends the sandbox.
+        // share `budget`, host_call time not counted; a hook that runs out of it has failed, and
+        // the hooks after it share a fresh one. The supervisor stops a hook at that deadline itself,
+        // reports it as that hook's error (the sandbox stays usable) and says that it ran out
+        // (`ran_out`): a fresh deadline starts on both sides then, whatever this side counted. This
+        // side counts the same on its own clock, from before the chunk went out, and waits for each
+        // message what is left plus `DEADLINE_GRACE`: the backstop for a supervisor that does not
+        // stop a hook, which ends the sandbox. It also starts afresh when its own count ran out
+        // (which only ever makes it wait longer).
         let mut left = budget;
         // One span per hook, from when it can start (the chunk was sent, the previous hook
         // answered) to its result; a hook's host_calls are its children.
@@ -468,7 +472,6 @@ impl SupervisorConn {
         };
         let mut current = hook_span(start);
         loop {
-            let began = Instant::now();
             let msg = match self.recv(left + DEADLINE_GRACE).await {
                 Ok(m) => m,
                 Err(SandboxFailure::Timeout(_)) => {
@@ -489,10 +492,12 @@ impl SupervisorConn {
                     return report;
                 }
             };
-            left = left.saturating_sub(began.elapsed());
+            let now = Instant::now();
+            left = left.saturating_sub(now - began);
+            began = now;
             match msg {
                 FromSupervisor::HookResult(h) if h.id == id => {
-                    if left.is_zero() {
+                    if h.ran_out || left.is_zero() {
                         // The hook ran out of the walk's deadline: the next one starts afresh.
                         left = budget;
                     }
@@ -565,6 +570,8 @@ impl SupervisorConn {
                         report.failure = Some(f);
                         return report;
                     }
+                    // The time waiting for the host_result is not the hook's.
+                    began = Instant::now();
                 }
                 FromSupervisor::Result {
                     id: rid,

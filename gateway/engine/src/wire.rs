@@ -127,6 +127,9 @@ pub struct HookResult {
     pub error: Option<String>,
     #[serde(default)]
     pub latency_us: u64,
+    /// The hook ran out of the walk's deadline: the hooks after it share a fresh one, on both sides.
+    #[serde(default)]
+    pub ran_out: bool,
     /// The end of what the hook wrote to stdout and stderr, when it wrote anything.
     #[serde(default)]
     pub output: Option<String>,

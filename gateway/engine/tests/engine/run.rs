@@ -7,6 +7,7 @@ use common::{Harness, hook, py, tenant};
 use serde_json::{Value, json};
 use sluice_crds::Action;
 use sluice_engine::EngineError;
+use std::sync::Arc;
 
 const PASS: &str = "return {'action': 'pass'}";
 const UPPER: &str = "return {'action': 'modify', 'outgoing': context['outgoing'].upper()}";
@@ -345,6 +346,52 @@ async fn under_open_two_hooks_out_of_time_cost_two_hook_errors_never_the_sandbox
         h.engine.metrics().retirements("broken"),
         0,
         "two timeouts cost the sandbox"
+    );
+    assert_eq!(h.engine.metrics().boots(), 1);
+}
+
+#[tokio::test]
+async fn after_a_hook_that_ran_out_the_gateway_gives_the_next_the_whole_deadline_as_the_supervisor_does()
+ {
+    // The supervisor's clock for a walk starts when it reads the chunk, the gateway's when it
+    // writes it; a gateway descheduled in between starts counting later. Here the first hook runs
+    // out 950 ms into the gateway's 1000 ms deadline by its own count (the supervisor's ran out):
+    // the gateway must start afresh when told (`ran_out`), not wait 50 ms plus its grace for a
+    // second hook the supervisor gives the whole deadline, and end a healthy sandbox.
+    let script: common::scripted::Script = Arc::new(|chunk: &common::scripted::Chunk| {
+        let id = chunk.id;
+        vec![
+            json!({"type": "pause", "ms": 950}),
+            json!({"type": "hook_result", "id": id, "index": 0, "name": "slow-1", "action": "pass",
+                "error": "timed out after 1000 ms", "ran_out": true}),
+            json!({"type": "pause", "ms": 800}),
+            json!({"type": "hook_result", "id": id, "index": 1, "name": "slow-2", "action": "pass"}),
+            json!({"type": "result", "id": id, "action": "pass", "terminal_index": null}),
+        ]
+    });
+    let h = Harness::with_backend(
+        Arc::new(common::scripted::ScriptedBackend::new(script)),
+        vec![tenant(
+            "input",
+            vec![py("slow-1", "detect", PASS), py("slow-2", "detect", PASS)],
+            json!({"failurePolicy": "Open", "timeoutMs": 1000, "pool": {"warm": 1, "max": 1}}),
+        )],
+        common::limits(),
+    )
+    .await;
+    settle(&h).await;
+    let r = h.run("input", json!("hi")).await.unwrap();
+    assert_eq!(r.walk.hooks.len(), 2, "{:?}", r.walk);
+    assert!(
+        r.walk.hooks[1].error.is_none(),
+        "the second hook answered within its fresh deadline: {:?}",
+        r.walk.hooks[1]
+    );
+    settle(&h).await;
+    assert_eq!(
+        h.engine.metrics().retirements("broken"),
+        0,
+        "the gateway ended a sandbox whose supervisor kept to the deadline"
     );
     assert_eq!(h.engine.metrics().boots(), 1);
 }

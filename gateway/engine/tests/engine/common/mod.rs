@@ -224,7 +224,9 @@ pub(crate) struct Harness {
 pub(crate) fn show_logs_on_failure() {
     let _ = tracing_subscriber::fmt()
         .with_test_writer()
-        .with_env_filter(tracing_subscriber::EnvFilter::new("sluice=info,sluice_engine=info"))
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            "sluice=info,sluice_engine=info",
+        ))
         .try_init();
 }
 

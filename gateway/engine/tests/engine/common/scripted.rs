@@ -22,7 +22,9 @@ pub(crate) struct Chunk<'a> {
     pub hooks: &'a [Value],
 }
 
-/// Returns the lines to send for one chunk (`hook_result`s, `host_call`s and the `result`).
+/// Returns the lines to send for one chunk (`hook_result`s, `host_call`s and the `result`). A line
+/// `{"type": "pause", "ms": N}` is not sent: the scripted supervisor waits N ms there, as a hook that
+/// runs that long.
 pub(crate) type Script = Arc<dyn Fn(&Chunk) -> Vec<Value> + Send + Sync>;
 
 pub(crate) struct ScriptedBackend {
@@ -232,6 +234,11 @@ impl SandboxBackend for ScriptedBackend {
                             hooks: &hooks,
                         };
                         for answer in script(&chunk) {
+                            if answer["type"] == "pause" {
+                                let ms = answer["ms"].as_u64().unwrap_or_default();
+                                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                                continue;
+                            }
                             let asks = answer["type"] == "host_call";
                             if !send(answer).await {
                                 return;
