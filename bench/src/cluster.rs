@@ -549,42 +549,36 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
         (Some(a), Some(b)) => a.breakdown(&b, samples),
         _ => "the gateway's metrics were not readable".into(),
     };
-    table.push(
-        Row::latency(
-            "Run from a held pod, paced (Recycle, chart's default resources)",
-            &paced,
-        )
-        .target(&target(&local.paced)),
-    );
-    table.push(Row::value(
-        "  where it goes (the gateway's own counts)",
-        breakdown(paced_breakdown, before, &paced),
-    ));
-    table.push(
-        Row::latency(
-            "  local Recycle Run, paced, same chain and resources, same run",
-            &local.paced,
-        )
-        .target("baseline"),
-    );
-    table.push(
-        Row::latency(
-            "Run from a held pod, back to back (Recycle, chart's default resources)",
+    let ways = [
+        ("paced", &paced, paced_breakdown, before, &local.paced),
+        (
+            "back to back",
             &held,
-        )
-        .target(&target(&local.back_to_back)),
-    );
-    table.push(Row::value(
-        "  where it goes (the gateway's own counts)",
-        breakdown(held_breakdown, paced_breakdown, &held),
-    ));
-    table.push(
-        Row::latency(
-            "  local Recycle Run, back to back, same chain and resources, same run",
+            held_breakdown,
+            paced_breakdown,
             &local.back_to_back,
-        )
-        .target("baseline"),
-    );
+        ),
+    ];
+    for (way, samples, after, before, local) in ways {
+        table.push(
+            Row::latency(
+                &format!("Run from a held pod, {way} (Recycle, chart's default resources)"),
+                samples,
+            )
+            .target(&target(local)),
+        );
+        table.push(Row::value(
+            "  where it goes (the gateway's own counts)",
+            breakdown(after, before, samples),
+        ));
+        table.push(
+            Row::latency(
+                &format!("  local Recycle Run, {way}, same chain and resources, same run"),
+                local,
+            )
+            .target("baseline"),
+        );
+    }
     table.push(Row::value(
         "  throttled CFS periods per trigger point (pod cgroups)",
         throttled,

@@ -127,6 +127,14 @@ async fn a_dirty_verdict_retires_the_sandbox() {
     // A scripted supervisor that reports every cell's end as dirty.
     let backend = ScriptedBackend::new(Arc::new(|c: &Chunk| honest(c, |t| t.to_uppercase())))
         .dirty("1 process(es) started by hooks outlived their hook (killed)");
+    let h = two_trigger_points_of_one_recycled_chain(backend).await;
+    assert_eq!(retirements(&h, "dirty").await, 2);
+    assert_eq!(h.engine.metrics().boots(), 3);
+}
+
+/// An engine on `backend` serving one `Recycle` chain of one hook (upper case), after two trigger
+/// points through it, settled.
+async fn two_trigger_points_of_one_recycled_chain(backend: ScriptedBackend) -> Harness {
     let h = Harness::with_backend(
         Arc::new(backend),
         vec![tenant(
@@ -145,8 +153,7 @@ async fn a_dirty_verdict_retires_the_sandbox() {
         );
     }
     settle(&h).await;
-    assert_eq!(retirements(&h, "dirty").await, 2);
-    assert_eq!(h.engine.metrics().boots(), 3);
+    h
 }
 
 /// Recycling a sandbox is one exchange with it: `end` and the next cell's `init` go out together, so
@@ -158,24 +165,7 @@ async fn recycling_sends_the_next_init_without_waiting_for_ended() {
     let backend = ScriptedBackend::new(Arc::new(|c: &Chunk| honest(c, |t| t.to_uppercase())))
         .end_waits_for_next();
     let exchange = backend.exchange();
-    let h = Harness::with_backend(
-        Arc::new(backend),
-        vec![tenant(
-            "input",
-            vec![py("up", "modify", UPPER)],
-            pool(json!({"warm": 1, "max": 1, "reuse": "Recycle"})),
-        )],
-        common::limits(),
-    )
-    .await;
-    for _ in 0..2 {
-        settle(&h).await;
-        assert_eq!(
-            h.run("input", json!("x")).await.unwrap().walk.payload,
-            json!("X")
-        );
-    }
-    settle(&h).await;
+    let h = two_trigger_points_of_one_recycled_chain(backend).await;
     let seen = exchange.lock().unwrap().clone();
     let ends = seen.iter().filter(|e| *e == "got end").count();
     let early = seen
