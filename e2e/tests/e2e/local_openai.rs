@@ -353,6 +353,75 @@ async fn a_stopping_gateway_refuses_new_connections_and_ends_streaming_replies_c
     fake.stop();
 }
 
+/// A refusal given before the request's body was read (here a body that is not JSON, refused by its
+/// content type) closes the connection and says so: a client that pools connections then never
+/// sends its next request into one the proxy is closing (the official client's "server
+/// disconnected without sending a response"). A refusal after the body was read keeps it open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refusal_before_the_body_is_read_says_the_connection_closes_and_one_after_keeps_it() {
+    let fake = FakeOpenAi::start("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let h = gateway(&format!("http://{}/v1", fake.addr)).await;
+    let addr = h.gateway().openai_addr.expect("the proxy is served");
+    let connect = || async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+                .await
+                .expect("handshake");
+        tokio::spawn(conn);
+        sender
+    };
+    let send = |sender: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+                content_type: &str,
+                body: Vec<u8>| {
+        let req = hyper::Request::post("/v1/chat/completions")
+            .header("host", addr.to_string())
+            .header("content-type", content_type)
+            .body(Full::new(Bytes::from(body)))
+            .expect("request");
+        sender.send_request(req)
+    };
+    // 256 KiB of text: more than one read, so the body is still unread when the refusal goes out.
+    let mut sender = connect().await;
+    let resp = send(&mut sender, "text/plain", vec![b'x'; 256 << 10])
+        .await
+        .expect("the proxy answers");
+    assert_eq!(resp.status(), 415);
+    assert_eq!(
+        resp.headers().get("connection").map(|v| v.as_bytes()),
+        Some(&b"close"[..]),
+        "a refusal before the body is read closes the connection: {:?}",
+        resp.headers()
+    );
+    // Malformed JSON is refused after the body was read: the same connection serves the next
+    // request.
+    let mut sender = connect().await;
+    let resp = send(&mut sender, "application/json", b"{not json".to_vec())
+        .await
+        .expect("the proxy answers");
+    assert_eq!(resp.status(), 400);
+    assert!(
+        resp.headers().get("connection").is_none(),
+        "{:?}",
+        resp.headers()
+    );
+    resp.into_body().collect().await.expect("body");
+    sender.ready().await.expect("the connection stays open");
+    let body = json!({"model": "support-bot", "messages": [{"role": "user", "content": "hi"}]});
+    let resp = send(
+        &mut sender,
+        "application/json",
+        body.to_string().into_bytes(),
+    )
+    .await
+    .expect("the kept connection answers");
+    assert_eq!(resp.status(), 200);
+    h.stop_and_check_leaks().await;
+    fake.stop();
+}
+
 // === issue 42: what leaves is what a chain saw ===
 
 /// A model name no chain serves is refused, not served with the baseline alone; every answer says

@@ -24,7 +24,7 @@ use crate::tls::ReloadingTls;
 use bytes::Bytes;
 use error::ApiError;
 use http_body_util::{BodyExt, combinators::BoxBody};
-use hyper::{Method, Request, Response};
+use hyper::{Method, Request, Response, body::Body as _};
 use sluice_engine::{CallerAuth, Engine};
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -215,8 +215,12 @@ impl Proxy {
     ) -> Response<Body> {
         let auth = self.auth(&req, certs);
         let path = req.uri().path().trim_end_matches('/').to_string();
+        // hyper closes a connection whose request body was left unread: an answer given before the
+        // body was read says so, or a client that pools connections sends its next request into one
+        // that is closing ("server disconnected without sending a response").
+        let mut body_read = req.body().is_end_stream();
         let answer = match (req.method(), path.as_str()) {
-            (&Method::POST, "/v1/chat/completions") => self.chat(req, auth).await,
+            (&Method::POST, "/v1/chat/completions") => self.chat(req, auth, &mut body_read).await,
             (&Method::GET, "/v1/models") => match admitted(&auth) {
                 Ok(()) => self.upstream.models().await,
                 Err(e) => Err(e),
@@ -224,7 +228,14 @@ impl Proxy {
             (_, "/v1/chat/completions") | (_, "/v1/models") => Err(ApiError::method_not_allowed()),
             _ => Err(ApiError::not_found(&path)),
         };
-        answer.unwrap_or_else(ApiError::into_response)
+        let mut resp = answer.unwrap_or_else(ApiError::into_response);
+        if !body_read {
+            resp.headers_mut().insert(
+                hyper::header::CONNECTION,
+                hyper::header::HeaderValue::from_static("close"),
+            );
+        }
+        resp
     }
 
     /// Who sent `req`: its TLS client certificate and `authorization` header only.
@@ -248,6 +259,7 @@ impl Proxy {
         self: Arc<Self>,
         req: Request<hyper::body::Incoming>,
         auth: CallerAuth,
+        body_read: &mut bool,
     ) -> Result<Response<Body>, ApiError> {
         admitted(&auth)?;
         let content_type = req
@@ -283,6 +295,7 @@ impl Proxy {
                 }
             })?
             .to_bytes();
+        *body_read = true;
         let request = chat::ChatRequest::parse(&body)?;
         let namespace = namespace.unwrap_or_else(|| default_namespace(&auth));
         // Whether a target has chains is not told to a caller that may not use the namespace.
