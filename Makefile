@@ -11,6 +11,13 @@ CLIENTS_VENV ?= .venv-clients
 REGISTRY ?= ghcr.io/sluice-dev
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 DOCKER ?= docker
+# The one debug build every test target uses: the whole workspace with its tests, the selection
+# `make test-rust` (nextest) builds, so Cargo resolves the same features (dev-dependencies included,
+# e.g. tokio's test-util) and after it this builds nothing. A subset (`-p`) or a build without the
+# tests resolves other features and compiles tokio and everything above it once more
+# (docs/testing.md). Release builds are `--workspace --bins` likewise (build, bench, the images).
+TEST_BUILD = $(CARGO) build --workspace --bins --tests
+RELEASE_BUILD = $(CARGO) build --release --workspace --bins
 
 .PHONY: deps cell cell-release build install dist test-dist run test print-test-targets test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
 	cluster-deps cluster-build cluster-up cluster-down cluster-images cluster-install test-cluster bench-cluster
@@ -42,7 +49,7 @@ cell-release: deps
 	SLUICE_CELL_CACHE=$(CELL_CACHE) supervisor/build-cell.sh release
 
 build: deps cell-release
-	$(CARGO) build --release --workspace --bins
+	$(RELEASE_BUILD)
 
 # `sluice` for hook authors, installed into $(PREFIX)/bin with what it runs hooks with beside it: the
 # local gateway, the supervisor and the cell runtime (`sluice test` and `sluice run` find them there;
@@ -54,7 +61,7 @@ INSTALL_BINS := sluice sluice-gateway sluice-supervisor
 CELL_release := cell-release
 CELL_debug := cell
 install: $(CELL_$(PROFILE))
-	$(CARGO) build $(if $(filter release,$(PROFILE)),--release) -p sluice-cli -p sluice-gateway -p sluice-supervisor --bins
+	$(if $(filter release,$(PROFILE)),$(CARGO) build --release -p sluice-cli -p sluice-gateway -p sluice-supervisor --bins,$(TEST_BUILD))
 	install -d $(PREFIX)/bin
 	for b in $(INSTALL_BINS); do install -m 0755 target/$(PROFILE)/$$b $(PREFIX)/bin/; done
 	install -m 0644 target/$(PROFILE)/sluice-cell.cwasm target/$(PROFILE)/sluice-cell.cwasm.sha256 $(PREFIX)/bin/
@@ -107,7 +114,7 @@ print-test-targets:
 # tested against a real local gateway (runsc sandboxes; those tests skip, saying so, without runsc);
 # the official `openai` client against the gateway's OpenAI-compatible proxy and the fake OpenAI LLM.
 test-clients: deps cell
-	$(CARGO) build -q -p sluice-gateway --bin sluice-gateway -p sluice-example-services --bin sluice-example-services
+	$(TEST_BUILD) -q
 	@test -x $(CLIENTS_VENV)/bin/python || python3 -m venv $(CLIENTS_VENV)
 	$(CLIENTS_VENV)/bin/python -m pip install -q --disable-pip-version-check './clients/python[test]'
 	cd clients/python && GRPC_VERBOSITY=ERROR SLUICE_GATEWAY_BIN=$(CURDIR)/target/debug/sluice-gateway \
@@ -119,7 +126,7 @@ tools: deps
 
 # CRDs, chart, kustomize and operator output validated with real tools (deploy/tests/).
 test-manifests: tools
-	@test -x target/debug/sluice-operator || $(CARGO) build -q -p sluice-operator --bin sluice-operator
+	@test -x target/debug/sluice-operator || $(TEST_BUILD) -q
 	$(TOOLS)/bin/python -m unittest discover -s deploy/tests
 
 # deploy/base is the chart's default render: regenerate it after changing the chart.
@@ -166,7 +173,7 @@ test-cluster: cluster-deps cluster-build
 
 # Needs a cluster with Sluice installed and SLUICE_GATEWAY reachable: see e2e/cluster/README.md.
 e2e-cluster:
-	$(CARGO) test -p sluice-e2e --test cluster -- --nocapture --test-threads=1
+	$(CARGO) test --workspace --test cluster -- --nocapture --test-threads=1
 
 # nextest's `ci` profile (.config/nextest.toml) writes a JUnit report with every test's time; the
 # slowest are printed after the run (docs/testing.md). One suite alone: docs/testing.md.
@@ -192,11 +199,12 @@ bench: deps cell-release
 	@test -x $(LITELLM_VENV)/bin/litellm || { python3 -m venv $(LITELLM_VENV) \
 		&& $(LITELLM_VENV)/bin/python -m pip install -q --disable-pip-version-check 'litellm[proxy]==$(LITELLM_VERSION)'; } \
 		|| echo "LiteLLM $(LITELLM_VERSION) could not be installed from PyPI: its bench row is skipped"
-	SLUICE_LITELLM=$(LITELLM_VENV)/bin/litellm $(CARGO) run --release -q -p sluice-bench
+	$(RELEASE_BUILD) -q
+	SLUICE_LITELLM=$(LITELLM_VENV)/bin/litellm target/release/sluice-bench
 
 # The kube-cluster rows against the running test cluster (make cluster-up cluster-install first).
 bench-cluster:
-	. $${SLUICE_CLUSTER_STATE:-/var/lib/sluice-cluster}/e2e.env && $(CARGO) run --release -q -p sluice-bench -- kube-cluster
+	. $${SLUICE_CLUSTER_STATE:-/var/lib/sluice-cluster}/e2e.env && $(RELEASE_BUILD) -q && target/release/sluice-bench kube-cluster
 
 fmt:
 	$(CARGO) fmt --all

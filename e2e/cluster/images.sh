@@ -80,7 +80,7 @@ binaries() {
 		return
 	fi
 	log "cargo build, $PROFILE profile (operator, gateway, supervisor and its cell runtime)"
-	(cd "$repo" && nice -n 5 "$CARGO" build -q "${cargo_flags[@]}" --locked -p sluice-operator -p sluice-gateway --bins)
+	(cd "$repo" && nice -n 5 "$CARGO" build -q "${cargo_flags[@]}" --locked "${cargo_select[@]}")
 	(cd "$repo" && nice -n 5 supervisor/build-cell.sh "$cell_profile" >/dev/null)
 }
 

@@ -20,7 +20,7 @@ status=0
 "$here/cluster.sh" up || { status=$?; echo "test-cluster: cluster.sh up failed" >&2; exit $status; }
 UPGRADE=upgrade_from_the_previous_release_with_traffic_running
 suite() { # cargo test arguments
-	(cd "$repo" && SLUICE_CLUSTER_REQUIRED=1 "$CARGO" test -p sluice-e2e --test cluster -- --test-threads=1 "$@")
+	(cd "$repo" && SLUICE_CLUSTER_REQUIRED=1 "$CARGO" test --workspace --test cluster -- --test-threads=1 "$@")
 }
 # This checkout's images first: the upgrade under traffic must not wait on a build.
 "$here/images.sh" build || { status=$?; echo "test-cluster: images.sh build failed" >&2; exit $status; }
