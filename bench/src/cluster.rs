@@ -18,6 +18,9 @@ use std::time::{Duration, Instant};
 
 const NS: &str = "sluice-bench";
 const WRITE_VERBS: [&str; 5] = ["POST", "PUT", "PATCH", "DELETE", "APPLY"];
+/// Runs per held-pod row, cluster and local alike. Of 100, the p99 is the second-slowest run: one
+/// stall of any process on a 2-core machine decides it; of 400, it is the fifth.
+const HELD_SAMPLES: usize = 400;
 
 /// Writes the API server has served so far (every resource, every client), by verb and resource
 /// (`PATCH pods`, `POST events`, `PUT leases`, ...).
@@ -240,6 +243,39 @@ async fn wait_warm_pods(client: &Client, chain: &str, n: usize) -> anyhow::Resul
         }
         if Instant::now() > deadline {
             bail!("{chain}: {n} warm pods not Ready in 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Waits until the pods the rows before made have gone and every sandbox pod is running: a gVisor
+/// sandbox being torn down or booting takes a core of this machine for a moment, and a held-pod row
+/// measures a trigger point, not the churn of the row before.
+async fn settled(client: &Client) -> anyhow::Result<()> {
+    let ns =
+        std::env::var("SLUICE_SANDBOX_NAMESPACE").unwrap_or_else(|_| "sluice-sandboxes".into());
+    let sandboxes = Api::<Pod>::namespaced(client.clone(), &ns);
+    let ours = Api::<Pod>::namespaced(client.clone(), NS);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let churning = sandboxes
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .chain(ours.list(&ListParams::default()).await?.items)
+            .filter(|p| {
+                p.metadata.deletion_timestamp.is_some()
+                    || p.status.as_ref().and_then(|s| s.phase.as_deref()) != Some("Running")
+            })
+            .count();
+        if churning == 0 {
+            // The last teardown's processes exit shortly after its pod object is gone.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{churning} pods still starting or stopping after 120 s");
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -500,6 +536,7 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     ));
 
     wait_warm_pods(&client, "bench-recycle", 2).await?;
+    settled(&client).await?;
     run_when_ready(&mut gw, "bench-recycle").await?;
     let throttled_before = throttled_periods(&client, "bench-recycle").await?;
     let counts = |endpoint: &Endpoint| {
@@ -515,13 +552,13 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
     // well within the pause), then back to back (the next run leaves as soon as the answer is in).
     let before = counts(&endpoint).await;
     let mut paced = Vec::new();
-    for _ in 0..100 {
+    for _ in 0..HELD_SAMPLES {
         tokio::time::sleep(Duration::from_millis(50)).await;
         paced.push(run_when_ready(&mut gw, "bench-recycle").await?);
     }
     let paced_breakdown = counts(&endpoint).await;
     let mut held = Vec::new();
-    for _ in 0..100 {
+    for _ in 0..HELD_SAMPLES {
         held.push(run_when_ready(&mut gw, "bench-recycle").await?);
     }
     let held_breakdown = counts(&endpoint).await;
@@ -536,7 +573,8 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
         _ => "not readable here (the pods' cgroups are not on this machine)".into(),
     };
     // The same chain, resources and sandbox CPU limit (the chart's defaults) on one machine.
-    let local = crate::cpu::local(sluice_crds::cpu::SandboxCpuLimit::default(), 100).await?;
+    let local =
+        crate::cpu::local(sluice_crds::cpu::SandboxCpuLimit::default(), HELD_SAMPLES).await?;
     let target = |local: &[Duration]| {
         format!(
             "p50 ≤ {:.1} ms (local + 3 ms), p99 ≤ 20 ms",

@@ -1,15 +1,18 @@
 """Where a trigger point's time goes on the real exec path, hop by hop (e2e/cluster/README.md).
 
 Run against the test cluster with Sluice installed (`make cluster-up cluster-install`, then
-`. /var/lib/sluice-cluster/e2e.env`), as root:
+`. /var/lib/sluice-cluster/e2e.env`), as root, with the Python client installed
+(`make test-clients` makes `.venv-clients`):
 
-    python3 e2e/cluster/exec_hops.py [--runs 20] [--sluice target/release/sluice]
+    python3 e2e/cluster/exec_hops.py [--runs 200] [--python .venv-clients/bin/python]
 
 It applies a 3-hook chain (the bench's, with the chart's default resources) in a namespace of its own,
 captures every TCP segment with a payload on the hops a trigger point crosses (tcpdump, which does not
-slow anything down), and makes paced runs with `sluice call` through one gateway pod. For each run it
-takes, on each hop, the first segment of the request and the last segment of the answer, and prints
-the medians:
+slow anything down), and makes paced runs through one gateway pod over one kept gRPC connection (the
+Python client, as an application calls; a process per run would put a TLS handshake and a
+connection's teardown into the gateway's spans). For each run it takes, on each hop, the first segment
+of the request and the last segment of the answer, and prints each span's median, its p99 and its
+share of the slowest runs:
 
     client → gateway (gRPC)  →  gateway → API server (exec websocket)  →  API server → kubelet
     →  kubelet → containerd (CRI stream server)  →  [containerd, runc shim, runsc, the supervisor's
@@ -110,15 +113,39 @@ def segments(path):
             yield (float(m["t"]), m["src"], int(m["sport"]), m["dst"], int(m["dport"]))
 
 
+# Runs under the Python client's venv: paced runs over one connection, one JSON line per counted run
+# (its window on this machine's clock and the walk the supervisor reported).
+RUNNER = r"""
+import json, os, sys, time
+from sluice_client import Client
+addr, server_name, ca, ns, chain, text, runs, gap = sys.argv[1:9]
+gw = Client(addr, namespace=ns, root_certificates=ca, server_name=server_name,
+            token=os.environ.get("SLUICE_TOKEN"))
+for _ in range(5):  # the gateway holds a pod, and the connection is open, before we count
+    gw.run(chain, "input", text)
+    time.sleep(0.3)
+for _ in range(int(runs)):
+    time.sleep(float(gap))
+    began = time.time()
+    r = gw.run(chain, "input", text)
+    ended = time.time()
+    walk = sum(h.latency_us for h in r.hooks) / 1000
+    print(json.dumps({"began": began, "ended": ended, "walk_ms": walk}), flush=True)
+"""
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--sluice", default="target/release/sluice")
-    ap.add_argument("--gap", type=float, default=1.0, help="seconds between runs")
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--python", default=".venv-clients/bin/python",
+                    help="a Python with sluice-client installed (make test-clients makes it)")
+    ap.add_argument("--gap", type=float, default=0.05, help="seconds between runs (the bench's pace)")
     ap.add_argument("--keep", action="store_true", help="leave the chain and its pods for a look")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("exec_hops: run as root (tcpdump)")
+    if sh(a.python, "-c", "import sluice_client", check=False).returncode != 0:
+        sys.exit(f"exec_hops: {a.python} has no sluice_client: make test-clients, or --python")
     gw_ip, gw_port, server_name = gateway_endpoint()
     cri = stream_port()
     # A namespace of our own, made afresh (a previous run's may still be terminating).
@@ -126,33 +153,22 @@ def main():
     kubectl("create", "namespace", NS)
     kubectl("apply", "-f", "-", input=chain_yaml())
     kubectl("wait", "-n", NS, f"hc/{CHAIN}", "--for=condition=PoolReady", "--timeout=300s")
-    call = [a.sluice, "call", "--addr", f"https://{gw_ip}:{gw_port}", "--namespace", NS,
-            "--target", CHAIN, "--text", TEXT, "--ca", os.environ["SLUICE_CA"],
-            "--tls-server-name", server_name]
-    for _ in range(5):  # the gateway holds a pod, and its connection is open, before we count
-        sh(*call, check=False)
-        time.sleep(0.3)
     cap = tempfile.NamedTemporaryFile(prefix="exec-hops-", suffix=".txt", delete=False)
     dump = subprocess.Popen(
         ["tcpdump", "-i", "any", "-n", "-tt", "-l", "-q", "-B", "16384",
          f"tcp port {gw_port} or tcp port 6443 or tcp port 10250 or tcp port {cri}"],
         stdout=cap, stderr=subprocess.DEVNULL)
     time.sleep(1.0)
-    windows, walks = [], []
-    for _ in range(a.runs):
-        time.sleep(a.gap)
-        began = time.time()
-        done = sh(*call, check=False)
-        if done.returncode != 0:
-            sys.exit(f"exec_hops: sluice call failed: {done.stderr.strip()}")
-        out = done.stdout
-        windows.append((began, time.time()))
-        walks.append(sum(h.get("latency_us", 0) for h in json.loads(out).get("hooks", [])) / 1000)
+    done = sh(a.python, "-c", RUNNER, f"{gw_ip}:{gw_port}", server_name, os.environ["SLUICE_CA"],
+              NS, CHAIN, TEXT, str(a.runs), str(a.gap), check=False)
     time.sleep(0.5)
     dump.send_signal(signal.SIGINT)
     dump.wait()
     if not a.keep:
         kubectl("delete", "namespace", NS, "--wait=false", check=False)
+    if done.returncode != 0:
+        sys.exit(f"exec_hops: the runs failed: {done.stderr.strip()[-2000:]}")
+    runs = [json.loads(line) for line in done.stdout.splitlines()]
     segs = list(segments(cap.name))
 
     def hop(seg, to_port=None, from_port=None, src=None, dst=None):
@@ -166,41 +182,54 @@ def main():
         "API server → kubelet": (dict(to_port=10250), dict(from_port=10250)),
         "kubelet → containerd": (dict(to_port=cri), dict(from_port=cri)),
     }
-    marks = {name: ([], []) for name in hops}
-    for (began, ended) in windows:
-        inside = [s for s in segs if began <= s[0] <= ended]
-        for name, (req, ans) in hops.items():
-            first = [s[0] for s in inside if hop(s, **req)]
-            last = [s[0] for s in inside if hop(s, **ans)]
-            if first and last:
-                marks[name][0].append(first[0])
-                marks[name][1].append(last[-1])
-    n = min(len(v[0]) for v in marks.values())
-    if n == 0:
-        sys.exit(f"exec_hops: no run was seen on every hop (capture in {cap.name})")
     names = list(hops)
-    ms = lambda pairs: statistics.median(pairs) * 1000
-    inward, outward = [], []
-    for outer, inner in zip(names, names[1:]):
-        where = outer.split(" → ")[1]
-        inward.append((f"{where}: request in → out to the next hop",
-                       ms([i - o for o, i in zip(marks[outer][0], marks[inner][0])])))
-        outward.append((f"{where}: answer in → out to the previous hop",
-                        ms([o - i for o, i in zip(marks[outer][1], marks[inner][1])])))
-    walk = statistics.median(walks)
-    innermost = ms([a - r for r, a in zip(*marks[names[-1]])])
-    rows = inward + [
-        ("containerd → runc shim → runsc → supervisor and back, walk excluded", innermost - walk),
-        ("the walk (the hooks' `latency_us`, as the supervisor reports them)", walk),
-    ] + outward[::-1]
-    total = ms([a - r for r, a in zip(*marks[names[0]])])
-    print(f"exec path, hop by hop: median of {n} paced runs of a 3-hook chain (1 KiB), in ms")
-    print("| span | ms |\n|---|---|")
-    for what, value in rows:
-        print(f"| {what} | {value:.2f} |")
-    print(f"| the whole run, as seen on the gateway's gRPC port | {total:.2f} |")
-    client = statistics.median((e - b) * 1000 for b, e in windows)
-    print(f"(`sluice call` end to end, process start and TLS handshake included: {client:.1f} ms)")
+    # Per run: the first request segment and the last answer segment on each hop, then its spans.
+    spans = []
+    for run in runs:
+        inside = [s for s in segs if run["began"] <= s[0] <= run["ended"]]
+        # From the outermost hop inwards, each inner hop's segments bounded by the outer one's: the
+        # `end` and next `init` the gateway sends after the answer, and their acks, are not the run.
+        marks, lo, hi = {}, run["began"], run["ended"]
+        for name, (req, ans) in hops.items():
+            first = [s[0] for s in inside if hop(s, **req) and s[0] >= lo]
+            last = [s[0] for s in inside if hop(s, **ans) and s[0] <= hi]
+            if not (first and last):
+                break
+            marks[name] = lo, hi = first[0], last[-1]
+        if len(marks) < len(names):
+            continue
+        row = {}
+        for outer, inner in zip(names, names[1:]):
+            where = outer.split(" → ")[1]
+            row[f"{where}: request in → out to the next hop"] = marks[inner][0] - marks[outer][0]
+        innermost = marks[names[-1]][1] - marks[names[-1]][0]
+        row["containerd → runc shim → runsc → supervisor and back, walk excluded"] = (
+            innermost - run["walk_ms"] / 1000)
+        row["the walk (the hooks' `latency_us`, as the supervisor reports them)"] = run["walk_ms"] / 1000
+        for outer, inner in reversed(list(zip(names, names[1:]))):
+            where = outer.split(" → ")[1]
+            row[f"{where}: answer in → out to the previous hop"] = marks[outer][1] - marks[inner][1]
+        row["the whole run, as seen on the gateway's gRPC port"] = (
+            marks[names[0]][1] - marks[names[0]][0])
+        row["the client's own view (gRPC call, Python client)"] = run["ended"] - run["began"]
+        spans.append(row)
+    if not spans:
+        sys.exit(f"exec_hops: no run was seen on every hop (capture in {cap.name})")
+    n = len(spans)
+    whole = "the whole run, as seen on the gateway's gRPC port"
+    slowest = sorted(spans, key=lambda r: r[whole])[-max(1, n // 100):]
+
+    def pct(values, p):
+        values = sorted(values)
+        return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+    print(f"exec path, hop by hop: {n} paced runs ({a.gap * 1000:.0f} ms apart) of a 3-hook chain "
+          f"(1 KiB) over one connection, in ms; the slowest 1 % = {len(slowest)} runs")
+    print("| span | median | p99 | mean of the slowest 1 % |\n|---|---|---|---|")
+    for what in spans[0]:
+        values = [r[what] * 1000 for r in spans]
+        tail = statistics.mean(r[what] * 1000 for r in slowest)
+        print(f"| {what} | {statistics.median(values):.2f} | {pct(values, 99):.2f} | {tail:.2f} |")
     print(f"capture: {cap.name}")
 
 
