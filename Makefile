@@ -15,7 +15,8 @@ DOCKER ?= docker
 # `make test-rust` (nextest) builds, so Cargo resolves the same features (dev-dependencies included,
 # e.g. tokio's test-util) and after it this builds nothing. A subset (`-p`) or a build without the
 # tests resolves other features and compiles tokio and everything above it once more
-# (docs/testing.md). Release builds are `--workspace --bins` likewise (build, bench, the images).
+# (docs/testing.md). Release builds are `--workspace --bins` likewise (build, install, bench, the
+# images); supervisor/build-cell.sh builds the same selections.
 TEST_BUILD = $(CARGO) build --workspace --bins --tests
 RELEASE_BUILD = $(CARGO) build --release --workspace --bins
 
@@ -61,7 +62,7 @@ INSTALL_BINS := sluice sluice-gateway sluice-supervisor
 CELL_release := cell-release
 CELL_debug := cell
 install: $(CELL_$(PROFILE))
-	$(if $(filter release,$(PROFILE)),$(CARGO) build --release -p sluice-cli -p sluice-gateway -p sluice-supervisor --bins,$(TEST_BUILD))
+	$(if $(filter release,$(PROFILE)),$(RELEASE_BUILD),$(TEST_BUILD))
 	install -d $(PREFIX)/bin
 	for b in $(INSTALL_BINS); do install -m 0755 target/$(PROFILE)/$$b $(PREFIX)/bin/; done
 	install -m 0644 target/$(PROFILE)/sluice-cell.cwasm target/$(PROFILE)/sluice-cell.cwasm.sha256 $(PREFIX)/bin/

@@ -7,9 +7,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile=${1:-debug}
+# The supervisor is built as part of the selection every other build of the profile makes (the
+# Makefile's TEST_BUILD and RELEASE_BUILD): `-p sluice-supervisor` alone resolves other features for
+# tokio, futures, rustix, object, smallvec and more, and so compiled wasmtime and cranelift a second
+# time beside the workspace's build of them.
 case "$profile" in
-  debug) cargo_flags=() ;;
-  release) cargo_flags=(--release) ;;
+  debug) cargo_flags=(--workspace --bins --tests) ;;
+  release) cargo_flags=(--release --workspace --bins) ;;
   *) echo "build-cell.sh: profile must be debug or release, not $profile" >&2; exit 2 ;;
 esac
 COMPONENTIZE_PY_VERSION=0.25.1
@@ -31,7 +35,7 @@ if [ ! -f "$component" ]; then
   mv "$component.tmp" "$component"
 fi
 
-cargo build -q -p sluice-supervisor "${cargo_flags[@]}"
+cargo build -q "${cargo_flags[@]}"
 supervisor="target/$profile/sluice-supervisor"
 # The precompiled artefact depends on the component, wasmtime's version and the engine settings
 # (supervisor/src/runtime.rs); either profile's supervisor makes the same one, so it is cached too.
