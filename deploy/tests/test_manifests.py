@@ -383,7 +383,7 @@ class ChartTest(ManifestCase):
 
     def test_values_schema_refuses_typos_and_wrong_types(self):
         for bad in ("gateway.tls.mode=plain", "gateway.callers.callers[0].name=x", "gateway.tls.clientCA.enabled=yes",
-                    "operator.replica=2", "gateway.claimTimeout=soon", "operator.claimDeadline=300", "operator.claimDeadline=5d", "gateway.claimTimeout=5", "image.pullPolicy=Sometimes", "gateway.replicas=0",
+                    "operator.replica=2", "gateway.claimTimeout=soon", "operator.claimDeadline=300", "operator.claimDeadline=5d", "operator.startDeadline=2", "gateway.claimTimeout=5", "image.pullPolicy=Sometimes", "gateway.replicas=0",
                     "networkPolicy.apiServer.ports[0]=https",
                     "webhook.failurePolicy=Sometimes", "webhook.timeoutSeconds=60", "webhook.certificate.source=vault",
                     "webhook.certificat.source=secret", "gateway.exec.pingEvery=0s", "gateway.exec.pingDeadline=soon",
@@ -513,7 +513,7 @@ class ChartTest(ManifestCase):
         self.assertEqual(operator["args"], ["run", "--runtime-class=gvisor",
                                             "--supervisor-image=ghcr.io/sluice-dev/sluice-supervisor:0.2.0",
                                             "--metrics=0.0.0.0:9465", "--lease-namespace=$(POD_NAMESPACE)",
-                                            "--lease-name=sluice-operator", "--claim-deadline=300s",
+                                            "--lease-name=sluice-operator", "--claim-deadline=300s", "--start-deadline=120s",
                                             f"--platform-namespace={NAMESPACE}", f"--sandbox-namespace={SANDBOXES}",
                                             "--sandbox-cpu-limit=1",
                                             # The gateway's certificate, made and kept by the operator (the default).

@@ -219,7 +219,9 @@ current)
 	common_values "${TAG:-e2e}" >"$STATE/sluice-values.yaml"
 	# The suite renews certificates and takes the webhook's caBundle away: looked at every 5 s. The
 	# release keeps every chain but another release's (chainSelector), as beside a staging release.
-	printf 'operator:\n  certificates:\n    checkInterval: 5s\nchainSelector: "sluice.dev/release!=other"\n' \
+	# The start-deadline test waits the deadline out: 45 s instead of the default 120 (a sandbox pod
+	# here is Ready in a few seconds).
+	printf 'operator:\n  startDeadline: 45s\n  certificates:\n    checkInterval: 5s\nchainSelector: "sluice.dev/release!=other"\n' \
 		>"$STATE/sluice-certificates.yaml"
 	log "helm upgrade --install sluice charts/sluice"
 	helm_ upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
