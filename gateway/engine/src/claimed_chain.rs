@@ -228,6 +228,11 @@ impl<'e> ClaimedChain<'e> {
         self.claimed = None;
     }
 
+    /// The sandbox, for the caller to hand back when it is done (`Handback`); none after a release.
+    pub(crate) fn take_claim(&mut self) -> Option<Claimed> {
+        self.claimed.take()
+    }
+
     /// host_calls refused because the run is a shadow run and the capability not safe to repeat.
     pub(crate) fn shadow_refused(&self) -> u64 {
         self.shadow.as_ref().map_or(0, |s| s.refused())

@@ -66,7 +66,7 @@ pub use request::{CallerAuth, EngineError, Identity, RunInput};
 pub use rollout::{
     RevisionStatus, Role, RolloutSink, RolloutStatus, ShadowHook, ShadowSummary, Tally,
 };
-pub use run::RunResult;
+pub use run::{Handback, RunResult};
 pub use sluice_crds::log_text::Escaped;
 /// What a backend implements, for callers that assemble an engine; the rest of the seam is
 /// `sluice-sandbox`'s.

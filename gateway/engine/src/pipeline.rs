@@ -16,6 +16,7 @@ use crate::host_call_guard::HostCallReport;
 use crate::outcome::Walk;
 use crate::outcome::{Layer, merge_action};
 use crate::request::{EngineError, Target};
+use crate::run::Handback;
 use crate::run_id::RunId;
 use crate::state_vector::StateVector;
 use serde_json::Value;
@@ -54,6 +55,16 @@ impl<'e> Pipeline<'e> {
         }
         stages.reverse();
         Ok(Self { stages })
+    }
+
+    /// The sandboxes the run still holds, to be handed back when its answer is on its way.
+    pub(crate) fn into_handback(mut self) -> Handback {
+        Handback(
+            self.stages
+                .iter_mut()
+                .filter_map(|s| s.claimed.take_claim())
+                .collect(),
+        )
     }
 
     /// Runs the payload through every chain in order, each threading its own state vector (one per

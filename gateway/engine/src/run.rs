@@ -7,6 +7,7 @@ use crate::engine::Engine;
 use crate::log_text::Escaped;
 use crate::outcome::Walk;
 use crate::pipeline::Pipeline;
+use crate::pool::Claimed;
 use crate::request::{EngineError, RunInput, Target, check_payload};
 use crate::run_id::RunId;
 use std::time::Instant;
@@ -19,9 +20,44 @@ pub struct RunResult {
     pub walk: Walk,
 }
 
+/// The sandboxes a finished run held (`Engine::run_holding`). Dropping it hands each back to its
+/// pool, which ends its cell and prepares the next one there (or retires the sandbox). That
+/// preparation takes a core of the machine for milliseconds, and the kube backend's exec path
+/// relays it through the API server, the kubelet and containerd: started before the answer was
+/// written, it competed with the answer for the CPU.
+#[derive(Default)]
+pub struct Handback(pub(crate) Vec<Claimed>);
+
+impl Handback {
+    /// How many sandboxes it holds.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for Handback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Handback({} sandboxes)", self.0.len())
+    }
+}
+
 impl Engine {
-    /// Runs one payload through one trigger point.
+    /// Runs one payload through one trigger point; its sandboxes go back as it ends.
     pub async fn run(&self, input: RunInput) -> Result<RunResult, EngineError> {
+        self.run_holding(input)
+            .await
+            .map(|(result, _handback)| result)
+    }
+
+    /// As `run`, but the sandboxes that served the run go back only when the caller drops the
+    /// `Handback`: once its answer is written (the gRPC server's Run), so that the sandboxes'
+    /// preparation of their next cells does not compete with the answer. Drop it soon: a pool's
+    /// sandbox is held until then.
+    pub async fn run_holding(&self, input: RunInput) -> Result<(RunResult, Handback), EngineError> {
         let began = Instant::now();
         let run_id = RunId::new();
         // What the caller sent goes into the text log escaped: a newline in it starts no line.
@@ -81,16 +117,19 @@ impl Engine {
             let shadow_payload = (!selection.shadows.is_empty()).then(|| payload.clone());
             let walk = pipeline.walk(payload, &mut states).await;
             pipeline.record_host_calls(&mut audit, self.limits().audit_host_calls);
-            drop(pipeline);
+            let handback = pipeline.into_handback();
             self.finish(&mut audit, &chains, &walk, began, "run");
             self.record_rollout(&selection, &walk);
             if let Some(payload) = shadow_payload {
                 self.start_shadows(selection, &target, &payload, &walk, run_id);
             }
-            Ok(RunResult {
-                run_id: run_id.to_string(),
-                walk,
-            })
+            Ok((
+                RunResult {
+                    run_id: run_id.to_string(),
+                    walk,
+                },
+                handback,
+            ))
         }
         .instrument(span)
         .await

@@ -501,6 +501,9 @@ async fn serve(
         .layer(tower::util::MapResponseLayer::new(
             oversized_is_invalid_argument,
         ))
+        .layer(tower::util::MapResponseLayer::new(
+            crate::handback::after_answer,
+        ))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(service);

@@ -4,15 +4,17 @@
 //! `src/bin/sluice-gateway.rs`.
 //!
 //! Reading order: `assembly` (`start_local`, `start_kube`, `RunningGateway`) → `service` (gRPC ↔
-//! engine translation) → `local_dir` (local mode's chain source) → `dir_watch` (noticing its
-//! changes) → `tls` (the listener's reloading TLS) and `callers` (the caller policy: who may use
-//! which namespace) → `observability` (logs, and OpenTelemetry traces when the environment
-//! configures them); `openai` is the optional OpenAI-compatible HTTP proxy in front of a model,
-//! running the same chains (`--openai-listen`).
+//! engine translation) and `handback` (a Run's sandboxes go back once its answer is written) →
+//! `local_dir` (local mode's chain source) → `dir_watch` (noticing its changes) → `tls` (the
+//! listener's reloading TLS) and `callers` (the caller policy: who may use which namespace) →
+//! `observability` (logs, and OpenTelemetry traces when the environment configures them); `openai`
+//! is the optional OpenAI-compatible HTTP proxy in front of a model, running the same chains
+//! (`--openai-listen`).
 
 mod assembly;
 mod callers;
 mod dir_watch;
+mod handback;
 mod local_dir;
 pub mod observability;
 mod openai;

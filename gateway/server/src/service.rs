@@ -169,12 +169,17 @@ impl Gateway for GatewayService {
         // The run goes on in a task of its own, as streams do: a client that disconnects drops
         // this handler, never the run, which is finished, settled and audited all the same.
         let engine = self.engine.clone();
-        let run = tokio::spawn(async move { engine.run(input).instrument(span).await });
-        let result = run
+        let run = tokio::spawn(async move { engine.run_holding(input).instrument(span).await });
+        let (result, handback) = run
             .await
             .map_err(|e| Status::internal(format!("the run failed inside the gateway: {e}")))?
             .map_err(engine_status)?;
-        Ok(Response::new(run_response(&result.run_id, &result.walk)))
+        let mut response = Response::new(run_response(&result.run_id, &result.walk));
+        // The sandboxes go back (and prepare their next cells) once this answer is written.
+        response
+            .extensions_mut()
+            .insert(crate::handback::hand_back_when_answered(handback));
+        Ok(response)
     }
 
     type StreamStream = StreamOut;

@@ -689,6 +689,9 @@ impl ChainPool {
             let why = match retire {
                 Some(why) => why,
                 None => {
+                    // What the answer woke first (its connection's writer, on this worker thread)
+                    // goes before the next cell's `end` and `init`.
+                    tokio::task::yield_now().await;
                     let recycled = pool.recycle(&mut conn).await;
                     // Checked under the lock `close` drains with: a pool that closed while the
                     // cell was replaced does not keep it either.
