@@ -8,8 +8,6 @@
 #   images.sh build      write $OUT/sluice-{operator,gateway,supervisor}.tar
 #   images.sh import     build, then `ctr -n k8s.io images import` each (the cluster must be up)
 #   images.sh binaries   only the binaries and the cell runtime, in target/<profile>
-#   images.sh base       only the root filesystem layer (debootstrap, cached): .ci/run makes it in
-#                        the background with the cluster's Go build
 #
 # SLUICE_IMAGE_PROFILE picks the Cargo profile: `release` (the default: what `make cluster-install`
 # gives a user, and what `make bench-cluster` measures) or `dev`, the build `make test` has already
@@ -133,6 +131,5 @@ case "${1:-}" in
 build) build ;;
 import) import ;;
 binaries) binaries ;;
-base) base_layer >/dev/null ;;
-*) die "usage: images.sh build|import|binaries|base" ;;
+*) die "usage: images.sh build|import|binaries" ;;
 esac

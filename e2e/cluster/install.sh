@@ -223,9 +223,16 @@ current)
 	# here is Ready in a few seconds).
 	printf 'operator:\n  startDeadline: 45s\n  certificates:\n    checkInterval: 5s\nchainSelector: "sluice.dev/release!=other"\n' \
 		>"$STATE/sluice-certificates.yaml"
-	log "helm upgrade --install sluice charts/sluice"
+	# The images keep their tag from build to build: the operator's and the gateway's pods carry the
+	# images' checksum, so that installing again after a rebuild rolls them out. (Sandbox pods keep
+	# the supervisor they started with until they are replaced: kubectl delete pods -n $SANDBOX_NS --all.)
+	images=$(cat "${OUT:-$STATE/images}"/sluice-{supervisor,operator,gateway}.tar | sha256sum | cut -c1-16)
+	printf 'operator:\n  podAnnotations: {sluice.test/images: "%s"}\ngateway:\n  podAnnotations: {sluice.test/images: "%s"}\n' \
+		"$images" "$images" >"$STATE/sluice-images.yaml"
+	log "helm upgrade --install sluice charts/sluice (images $images)"
 	helm_ upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
-		-f "$STATE/sluice-values.yaml" -f "$STATE/sluice-certificates.yaml" --wait --timeout 5m
+		-f "$STATE/sluice-values.yaml" -f "$STATE/sluice-certificates.yaml" -f "$STATE/sluice-images.yaml" \
+		--wait --timeout 5m
 	# After the upgrade test the gateway still serves the previous install's certificate until the
 	# kubelet projects the Secret the operator made (up to a minute or two): wait until every Ready
 	# gateway pod that is not being deleted serves one the published bundle trusts. The bundle is read
