@@ -586,6 +586,22 @@ pub fn compare(expect: &Expect, got: &Value, streamed: bool) -> Vec<String> {
             ));
         }
     }
+    // A hook that failed gave no answer: whatever the chain's failurePolicy made of it (a block,
+    // under Closed), the case fails unless it expects that failure.
+    for h in &hooks {
+        let Some(name) = h["name"].as_str() else {
+            continue;
+        };
+        let failed = h["error"].as_str().is_some_and(|e| !e.is_empty());
+        let expected = expect.errors.contains_key(name)
+            || expect.hooks.get(name).is_some_and(|a| a == "error");
+        if failed && !expected {
+            diff.push(format!(
+                "hook {name:?} failed, and the case does not expect a failure: the chain's {:?} came from its failurePolicy, not from the hook\n    fix the hook, or expect the failure: errors: {{{name}: \"<a piece of the error>\"}}",
+                result["action"].as_str().unwrap_or_default()
+            ));
+        }
+    }
     if let Some(commits) = &expect.commits {
         let got_commits: Vec<String> = got["commits"]
             .as_array()
@@ -726,6 +742,26 @@ pub enum TestFileError {
     Gateway { path: String, message: String },
 }
 
+/// "target (trigger point)" of every HookChain in the files, for a case whose target none serves.
+fn chain_targets(files: &[PathBuf]) -> Vec<String> {
+    let mut targets: Vec<String> = files
+        .iter()
+        .filter_map(|f| Some((f, std::fs::read_to_string(f).ok()?)))
+        .flat_map(|(f, text)| sluice_crds::manifest::parse(f, &text))
+        .filter_map(|o| match o.ok()?.value {
+            sluice_crds::manifest::Object::HookChain(hc) => Some(format!(
+                "{} ({})",
+                hc.spec.target,
+                hc.spec.trigger_point.as_str()
+            )),
+            sluice_crds::manifest::Object::Capability(_) => None,
+        })
+        .collect();
+    targets.sort();
+    targets.dedup();
+    targets
+}
+
 /// The keys a case may have, for "did you mean" on a misspelt one.
 const CASE_KEYS: &[&str] = &[
     "name",
@@ -823,6 +859,26 @@ pub async fn run_file(path: &Path, opts: &RunOptions) -> Result<FileReport, Test
     }
     let base = path.parent().unwrap_or(Path::new("."));
     let chains: Vec<PathBuf> = file.chains.iter().map(|c| base.join(c)).collect();
+    if let Some((given, missing)) = file.chains.iter().zip(&chains).find(|(_, p)| !p.exists()) {
+        let given = given.display().to_string();
+        return Err(TestFileError::Invalid {
+            path: shown.clone(),
+            line: text
+                .lines()
+                .position(|l| l.contains(given.as_str()))
+                .map_or(1, |i| i + 1),
+            message: format!(
+                "chains: {given}: there is no {} (a chain's path is relative to the test file's directory, {})",
+                missing.display(),
+                if base.as_os_str().is_empty() {
+                    ".".to_string()
+                } else {
+                    base.display().to_string()
+                }
+            ),
+        });
+    }
+    let targets = chain_targets(&chains);
     let local = Local::start(&chains, &file.capabilities, opts.gvisor)
         .await
         .map_err(|e| TestFileError::Gateway {
@@ -849,6 +905,19 @@ pub async fn run_file(path: &Path, opts: &RunOptions) -> Result<FileReport, Test
         };
         let mut details = match &got {
             Ok(v) => compare(&case.expect, v, streamed),
+            Err(CaseError::Refused {
+                code: tonic::Code::NotFound,
+                message,
+            }) => vec![format!(
+                "no chain serves target {:?} at {:?} ({message}); the chains here serve: {}",
+                case.target,
+                case.trigger_point,
+                if targets.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    targets.join(", ")
+                }
+            )],
             Err(e) => vec![format!("the gateway refused the case: {e}")],
         };
         let passed = details.is_empty();

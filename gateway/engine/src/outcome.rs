@@ -9,6 +9,7 @@ use crate::limits::Limits;
 use crate::state_vector::StateVector;
 use crate::supervisor::{SandboxFailure, WalkReport};
 use serde_json::Value;
+use sluice_crds::fields::did_you_mean;
 use sluice_crds::{Action, FailurePolicy, TriggerPoint};
 
 /// Which chain of a run a hook belongs to. A hook's `name` is its own; `HookOutcome::shown_name`
@@ -306,6 +307,20 @@ fn bounded(
 /// sends (`  line N, in f: source`) gets its source line from the hook's code when the sandbox had
 /// none, and the line of the file it came from; a `KeyError` on a key the hook's settings do not
 /// have lists the keys they do have.
+/// What a hook's `context` holds (the supervisor's runner makes it), for a KeyError's hint.
+const CONTEXT_KEYS: &[&str] = &[
+    "outgoing",
+    "state",
+    "caller",
+    "target",
+    "trigger_point",
+    "namespace",
+    "session_id",
+    "run_id",
+    "hook",
+    "host_call",
+];
+
 pub(crate) fn explain(chain: &Chain, index: usize, error: &str) -> String {
     let Some(hook) = chain.spec.hooks.get(index) else {
         return error.to_string();
@@ -355,9 +370,13 @@ pub(crate) fn explain(chain: &Chain, index: usize, error: &str) -> String {
         && raised.contains("context")
         && !raised.contains("settings")
     {
-        out.push(format!(
-            "  (if this is context[{key:?}]: context has outgoing, state, caller, target, trigger_point, namespace, session_id, run_id, hook and host_call; what the application sent is in context[\"caller\"], e.g. context[\"caller\"].get({key:?}))"
-        ));
+        out.push(match did_you_mean(&key, CONTEXT_KEYS.iter().copied()) {
+            Some(meant) => format!("  (did you mean context[{meant:?}]?)"),
+            None => format!(
+                "  (if this is context[{key:?}]: context has {}; what the application sent is in context[\"caller\"], e.g. context[\"caller\"].get({key:?}))",
+                CONTEXT_KEYS.join(", ")
+            ),
+        });
     } else if let Some(key) = out
         .first()
         .and_then(|l| l.strip_prefix("KeyError: "))
@@ -368,7 +387,14 @@ pub(crate) fn explain(chain: &Chain, index: usize, error: &str) -> String {
             let keys: Vec<&str> = settings
                 .map(|s| s.keys().map(String::as_str).collect())
                 .unwrap_or_default();
-            out.push(if keys.is_empty() {
+            let meant = did_you_mean(&key, keys.iter().copied());
+            out.push(if let Some(meant) = meant {
+                format!(
+                    "  (if this is settings[{key:?}]: did you mean settings[{meant:?}]? hook {:?}'s settings have {})",
+                    hook.name,
+                    keys.join(", ")
+                )
+            } else if keys.is_empty() {
                 format!(
                     "  (if this is settings[{key:?}]: hook {:?} declares no settings)",
                     hook.name
@@ -622,6 +648,33 @@ mod tests {
     }
 
     #[test]
+    fn a_misspelt_context_key_gets_the_key_it_meant() {
+        let spec: sluice_crds::HookChainSpec = serde_json::from_value(json!({
+            "target": "bot", "triggerPoint": "input", "hooks": [
+                {"name": "a", "action": "modify",
+                 "code": "def execute(context, settings):\n    t = context['outgonig']\n    return {'action': 'pass'}\n"}
+            ]
+        }))
+        .unwrap();
+        let chain = Chain::new("ns", "c", &spec).unwrap();
+        let said = explain(&chain, 0, "KeyError: 'outgonig'\n  line 2, in execute: ");
+        assert!(
+            said.ends_with("\n  (did you mean context[\"outgoing\"]?)"),
+            "{said}"
+        );
+        // A key the application may have sent: where what it sent is.
+        let said = explain(
+            &chain,
+            0,
+            "KeyError: 'user_id'\n  line 2, in execute: t = context['user_id']",
+        );
+        assert!(
+            said.contains("context[\"caller\"].get(\"user_id\")"),
+            "{said}"
+        );
+    }
+
+    #[test]
     fn errors_point_at_the_file_line_and_name_the_settings_keys() {
         let spec: sluice_crds::HookChainSpec = serde_json::from_value(json!({
             "target": "bot", "triggerPoint": "input", "hooks": [
@@ -636,7 +689,18 @@ mod tests {
         let said = explain(&chain, 0, "KeyError: 'mask_text'\n  line 2, in execute: ");
         assert_eq!(
             said,
-            "KeyError: 'mask_text'\n  line 2 (chains/mask.yaml:22), in execute: m = settings['mask_text']\n  (if this is settings[\"mask_text\"]: hook \"mask\"'s settings have limit, mask)"
+            "KeyError: 'mask_text'\n  line 2 (chains/mask.yaml:22), in execute: m = settings['mask_text']\n  (if this is settings[\"mask_text\"]: did you mean settings[\"mask\"]? hook \"mask\"'s settings have limit, mask)"
+        );
+        let said = explain(
+            &chain,
+            0,
+            "KeyError: 'colour'\n  line 2, in execute: settings['colour']",
+        );
+        assert!(
+            said.ends_with(
+                "(if this is settings[\"colour\"]: hook \"mask\"'s settings have limit, mask)"
+            ),
+            "nothing close, no guess: {said}"
         );
         // A context key read is no settings mistake: the hint is about context.
         let said = explain(

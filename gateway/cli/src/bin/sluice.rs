@@ -13,6 +13,36 @@ use sluice_proto as proto;
 use sluice_proto::convert::to_proto;
 use std::process::ExitCode;
 
+/// `println!` for what the commands print: a reader that went away (`sluice call ... | head -1`)
+/// ends the program quietly with the status a pipe's writer gets (141, SIGPIPE's), instead of the
+/// panic `println!` gives.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        out_line(format_args!($($arg)*))
+    };
+}
+
+fn out_line(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let written = out
+        .write_fmt(args)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush());
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(STDOUT_CLOSED),
+        Err(e) => {
+            eprintln!("sluice: cannot write to standard output: {e}");
+            std::process::exit(STDOUT_CLOSED)
+        }
+    }
+}
+
+/// The exit status when standard output is gone: 128 + SIGPIPE, as a shell reports a writer the
+/// signal ended.
+const STDOUT_CLOSED: i32 = 141;
+
 #[derive(Parser)]
 #[command(
     name = "sluice",
@@ -84,6 +114,10 @@ enum Command {
         example: Option<String>,
     },
     /// Run the chains in FILE(s) once in local gVisor sandboxes and print the result as JSON.
+    ///
+    /// Exit codes: 0 every hook answered (whatever the chain decided: a block is an answer); 1 a
+    /// hook failed (raised, ran out of time or memory: its error is in the JSON's `errors`, and the
+    /// chain's failurePolicy decided the outcome) or the run could not be made.
     Run(RunArgs),
     /// Call a running gateway and print its answer as JSON.
     Call(CallArgs),
@@ -275,11 +309,21 @@ async fn main() -> ExitCode {
             return test(&files, &opts, junit.as_deref(), watch).await;
         }
         Command::Init { dir, example } => return init(&dir, example.as_deref()),
-        Command::Run(a) => run(a).await,
+        Command::Run(a) => {
+            let result = run(a).await;
+            // An author's run where a hook failed is not a success, whatever the policy made of it.
+            if let Ok(v) = &result
+                && hooks_failed(v)
+            {
+                outln!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+                return ExitCode::FAILURE;
+            }
+            result
+        }
     };
     match result {
         Ok(v) => {
-            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            outln!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -287,6 +331,12 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Whether a printed answer (`response_json`, or a stream's with its `final`) lists a failed hook.
+fn hooks_failed(v: &Value) -> bool {
+    let listed = |v: &Value| v["errors"].as_array().is_some_and(|e| !e.is_empty());
+    listed(v) || listed(&v["final"])
 }
 
 fn parse_context(pairs: &[String]) -> Result<std::collections::BTreeMap<String, String>, String> {
@@ -308,10 +358,10 @@ fn check(
     let files = sluice_cli::expand(files, false);
     let report = sluice_cli::check(&files, python, rules);
     for f in &report.findings {
-        println!("{f}");
+        outln!("{f}");
     }
     if report.findings.is_empty() {
-        println!(
+        outln!(
             "ok: {} HookChain(s) and {} Capability(ies) in {} file(s)",
             report.chains,
             report.capabilities,
@@ -319,7 +369,7 @@ fn check(
         );
         ExitCode::SUCCESS
     } else {
-        println!("{} problem(s) found", report.findings.len());
+        outln!("{} problem(s) found", report.findings.len());
         ExitCode::FAILURE
     }
 }
@@ -348,7 +398,7 @@ async fn test(
         let now = watched(files);
         if now != seen {
             seen = now;
-            println!("--- changed; running again ---");
+            outln!("--- changed; running again ---");
             code = test_once(files, opts, junit).await;
         }
     }
@@ -364,16 +414,16 @@ async fn test_once(
     for f in sluice_cli::expand(files, true) {
         match sluice_cli::run_file(&f, opts).await {
             Ok(report) => {
-                println!("{}", report.path.display());
+                outln!("{}", report.path.display());
                 for c in &report.cases {
-                    println!("  {}  {}", if c.passed { "PASS" } else { "FAIL" }, c.name);
+                    outln!("  {}  {}", if c.passed { "PASS" } else { "FAIL" }, c.name);
                     for line in c.details.iter().flat_map(|d| d.lines()) {
-                        println!("        {line}");
+                        outln!("        {line}");
                     }
                     if let Some(answer) = &c.answer {
                         let pretty = serde_json::to_string_pretty(answer).unwrap_or_default();
                         for line in pretty.lines() {
-                            println!("        {line}");
+                            outln!("        {line}");
                         }
                     }
                 }
@@ -382,21 +432,21 @@ async fn test_once(
                 reports.push(Ok(report));
             }
             Err(e) => {
-                println!("{e}");
+                outln!("{e}");
                 broken += 1;
                 reports.push(Err(e.to_string()));
             }
         }
     }
     if broken > 0 {
-        println!("{passed} passed, {failed} failed, {broken} file(s) could not be run");
+        outln!("{passed} passed, {failed} failed, {broken} file(s) could not be run");
     } else {
-        println!("{passed} passed, {failed} failed");
+        outln!("{passed} passed, {failed} failed");
     }
     if let Some(path) = junit
         && let Err(e) = std::fs::write(path, sluice_cli::junit(&reports))
     {
-        println!("sluice test: cannot write {}: {e}", path.display());
+        outln!("sluice test: cannot write {}: {e}", path.display());
         return ExitCode::from(TEST_COULD_NOT_RUN);
     }
     if broken > 0 {
@@ -613,9 +663,9 @@ fn init(dir: &std::path::Path, example: Option<&str>) -> ExitCode {
             eprintln!("sluice init: cannot write {}: {e}", path.display());
             return ExitCode::FAILURE;
         }
-        println!("wrote {}", path.display());
+        outln!("wrote {}", path.display());
     }
-    println!("next: sluice check {0} && sluice test {0}", dir.display());
+    outln!("next: sluice check {0} && sluice test {0}", dir.display());
     ExitCode::SUCCESS
 }
 

@@ -428,7 +428,7 @@ fn a_failed_hook_reads_as_an_error_with_its_line_its_settings_and_its_budget() {
     let dir = tempfile::tempdir().unwrap();
     let chain = write(dir.path(), "chain.yaml", FAILING);
     let (code, out) = sluice(&["run", &chain, "--text", "CUST-123"]);
-    assert_eq!(code, 0, "{out}");
+    assert_eq!(code, 1, "a run where a hook failed is not a success: {out}");
     let v: serde_json::Value =
         serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(v["action"], "block");
@@ -908,4 +908,108 @@ spec:
         "{out}"
     );
     assert!(!out.contains('\u{1b}'), "colour codes in a pipe: {out:?}");
+}
+
+const BROKEN_BLOCKER: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: guard}
+spec:
+  target: bot
+  triggerPoint: input
+  failurePolicy: Closed
+  pool: {warm: 1, max: 4}
+  hooks:
+    - name: competitors
+      action: block
+      code: |
+        def execute(context, settings):
+            for name in settings["competitors"]:
+                if name in context["outgoing"]:
+                    return {"action": "block", "message": "no"}
+            return {"action": "pass"}
+"#;
+
+/// Under `failurePolicy: Closed` a blocking hook that raises on every call still "blocks": a case
+/// expecting the block must fail all the same, and pass only when it says it expects the failure.
+#[test]
+fn a_hook_that_fails_fails_its_case_even_when_the_policy_gives_the_expected_action() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "chain.yaml", BROKEN_BLOCKER);
+    let blocks = write(
+        dir.path(),
+        "blocks.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: blocks a competitor\n    target: bot\n    text: Acme is cheaper\n    expect: {action: block}\n",
+    );
+    let (code, out) = sluice(&["test", &blocks]);
+    assert_eq!(code, 1, "a broken hook passed its test: {out}");
+    assert!(out.contains("FAIL  blocks a competitor"), "{out}");
+    assert!(
+        out.contains("hook \"competitors\" failed, and the case does not expect a failure")
+            && out.contains("came from its failurePolicy"),
+        "says the block was the policy's: {out}"
+    );
+    assert!(
+        out.contains("KeyError: 'competitors'"),
+        "and why the hook failed: {out}"
+    );
+
+    let expected = write(
+        dir.path(),
+        "expected.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: fails closed\n    target: bot\n    text: Acme is cheaper\n    expect: {action: block, errors: {competitors: \"KeyError\"}}\n  - name: fails closed, said as an action\n    target: bot\n    text: Acme is cheaper\n    expect: {action: block, hooks: {competitors: error}}\n",
+    );
+    let (code, out) = sluice(&["test", &expected]);
+    assert_eq!(code, 0, "a failure the case expects: {out}");
+    assert!(out.contains("2 passed, 0 failed"), "{out}");
+}
+
+/// `sluice ... | head -1`: a reader that goes away ends the program quietly, as it does any Unix
+/// tool that writes to a pipe, never with a panic and its backtrace.
+#[test]
+fn output_to_a_reader_that_went_away_ends_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let chain = write(dir.path(), "chain.yaml", CHAIN);
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", &chain])
+        .stdout(writer)
+        .output()
+        .expect("sluice runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+}
+
+/// A chain path that is not there says paths are relative to the test file; a target no chain
+/// serves lists the ones the chains serve.
+#[test]
+fn a_wrong_chain_path_or_target_says_what_is_there() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "chain.yaml", CHAIN);
+    std::fs::create_dir(dir.path().join("tests")).unwrap();
+    let wrong_path = write(
+        &dir.path().join("tests"),
+        "path.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: shouts\n    target: bot\n    text: hi\n    expect: {action: modify}\n",
+    );
+    let (code, out) = sluice(&["test", &wrong_path]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("path.test.yaml:1: chains: chain.yaml: there is no")
+            && out.contains("relative to the test file's directory"),
+        "{out}"
+    );
+    let wrong_target = write(
+        dir.path(),
+        "target.test.yaml",
+        "chains: [chain.yaml]\ncases:\n  - name: shouts\n    target: bto\n    text: hi\n    expect: {action: modify}\n",
+    );
+    let (code, out) = sluice(&["test", &wrong_target]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("no chain serves target \"bto\" at \"input\"")
+            && out.contains("the chains here serve: bot (input)"),
+        "{out}"
+    );
 }
