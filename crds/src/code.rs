@@ -194,7 +194,9 @@ def result_problems(value, hook, problems):
                 problems.append({"line": k.lineno, "message": "returns the key %r, which the gateway does not read (it reads %s)%s" % (k.value, ", ".join(KEYS), hint)})
             elif k.value == "action" and isinstance(v, ast.Constant) and isinstance(v.value, str):
                 if v.value not in ("pass",) + ACTIONS:
-                    problems.append({"line": v.lineno, "message": "returns action %r, which is not one of pass, %s" % (v.value, ", ".join(ACTIONS))})
+                    meant = difflib.get_close_matches(v.value.lower(), ("pass",) + ACTIONS, n=1, cutoff=0.6)
+                    hint = ("; did you mean %r?%s" % (meant[0], " (actions are lower case)" if meant[0] == v.value.lower() else "")) if meant else ""
+                    problems.append({"line": v.lineno, "message": "returns action %r, which is not one of pass, %s%s" % (v.value, ", ".join(ACTIONS), hint)})
                 elif v.value not in ("pass", hook["action"]):
                     problems.append({"line": v.lineno, "message": "returns action %r but the hook declares %r (a hook may return only its declared action or pass)" % (v.value, hook["action"])})
 

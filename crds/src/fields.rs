@@ -181,7 +181,13 @@ pub fn check(open_api: &Value, object: &Value) -> Vec<FieldProblem> {
             .iter_errors(object)
             .map(|e| FieldProblem {
                 path: pointer_segments(&e.instance_path().to_string()),
-                message: without_long_value(e.to_string(), e.instance()),
+                message: match (e.kind(), e.instance().as_ref()) {
+                    (
+                        jsonschema::error::ValidationErrorKind::Enum { options },
+                        Value::String(got),
+                    ) => one_of(got, options),
+                    _ => without_long_value(e.to_string(), e.instance()),
+                },
             })
             .collect::<Vec<_>>(),
         Err(_) => Vec::new(),
@@ -192,6 +198,24 @@ pub fn check(open_api: &Value, object: &Value) -> Vec<FieldProblem> {
         }
     }
     out
+}
+
+/// A value outside an enum: every option named (the validator says "or 3 other candidates"), and
+/// the one meant when one is close (`Block` → `block`).
+fn one_of(got: &str, options: &Value) -> String {
+    let names: Vec<&str> = options
+        .as_array()
+        .map(|o| o.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let listed = names
+        .iter()
+        .map(|n| format!("{n:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    match did_you_mean(got, names.iter().copied()) {
+        Some(meant) => format!("{got:?} is not one of {listed}; did you mean {meant:?}?"),
+        None => format!("{got:?} is not one of {listed}"),
+    }
 }
 
 /// The validator's message with a long offending value (a hook's whole code) said by its size

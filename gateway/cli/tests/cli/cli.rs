@@ -1013,3 +1013,35 @@ fn a_wrong_chain_path_or_target_says_what_is_there() {
         "{out}"
     );
 }
+
+/// `Block` for `block`, in the YAML and in what the code returns: each place names every action
+/// there is and the one meant.
+#[test]
+fn check_names_the_action_meant() {
+    let dir = tempfile::tempdir().unwrap();
+    let chain = write(
+        dir.path(),
+        "block.yaml",
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: b}\nspec:\n  target: bot\n  triggerPoint: input\n  hooks:\n    - name: guard\n      action: Block\n      code: |\n        def execute(context, settings):\n            if 'x' in context['outgoing']:\n                return {'action': 'Block', 'message': 'no'}\n            return {'action': 'modfy'}\n",
+    );
+    let (code, out) = sluice(&["check", &chain]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("block.yaml:9:")
+            && out.contains(
+                "spec.hooks[0].action: \"Block\" is not one of \"pass\", \"modify\", \"block\", \"skip\", \"detect\"; did you mean \"block\"?"
+            ),
+        "{out}"
+    );
+    assert!(
+        out.contains("block.yaml:13:")
+            && out.contains("returns action 'Block', which is not one of pass, modify, block, skip, detect; did you mean 'block'? (actions are lower case)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("block.yaml:14:")
+            && out.contains("returns action 'modfy'")
+            && out.contains("did you mean 'modify'?"),
+        "{out}"
+    );
+}
