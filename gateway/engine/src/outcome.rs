@@ -303,10 +303,6 @@ fn bounded(
     Ok(())
 }
 
-/// A hook's error made readable where the hook was written: each traceback line the supervisor
-/// sends (`  line N, in f: source`) gets its source line from the hook's code when the sandbox had
-/// none, and the line of the file it came from; a `KeyError` on a key the hook's settings do not
-/// have lists the keys they do have.
 /// What a hook's `context` holds (the supervisor's runner makes it), for a KeyError's hint.
 const CONTEXT_KEYS: &[&str] = &[
     "outgoing",
@@ -321,6 +317,10 @@ const CONTEXT_KEYS: &[&str] = &[
     "host_call",
 ];
 
+/// A hook's error made readable where the hook was written: each traceback line the supervisor
+/// sends (`  line N, in f: source`) gets its source line from the hook's code when the sandbox had
+/// none, and the line of the file it came from; a `KeyError` on a key the hook's settings do not
+/// have lists the keys they do have.
 pub(crate) fn explain(chain: &Chain, index: usize, error: &str) -> String {
     let Some(hook) = chain.spec.hooks.get(index) else {
         return error.to_string();
