@@ -183,10 +183,14 @@ impl RunningGateway {
             .metrics()
             .ready
             .store(false, std::sync::atomic::Ordering::Relaxed);
-        self.engine.begin_shutdown();
+        // The ports close first: a client the ending of its stream wakes must find them closed.
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
+        if let Some(openai) = self.openai.as_mut() {
+            openai.stop_accepting().await;
+        }
+        self.engine.begin_shutdown();
         let proxy = async {
             if let Some(openai) = self.openai.take() {
                 openai.drain(Duration::from_secs(30)).await;

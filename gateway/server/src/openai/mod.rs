@@ -91,16 +91,28 @@ pub(crate) struct Running {
     serving: tokio::task::JoinHandle<()>,
     /// The TLS handshakes' task, when the port has TLS.
     handshakes: Option<tokio::task::JoinHandle<()>>,
+    /// Resolves once the accept loop has let go of the listening socket.
+    closed: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 impl Running {
-    /// Stops accepting connections, lets every request in flight finish (a streamed reply to its
-    /// end) for at most `within`, then closes what is left.
-    pub(crate) async fn drain(mut self, within: Duration) {
+    /// Stops accepting connections and returns once the port is closed: a client that connects
+    /// after this is refused, whatever the requests in flight are doing.
+    pub(crate) async fn stop_accepting(&mut self) {
         self.stop.send_replace(true);
         if let Some(h) = self.handshakes.take() {
             h.abort();
+            let _ = h.await;
         }
+        if let Some(closed) = self.closed.take() {
+            let _ = closed.await;
+        }
+    }
+
+    /// Stops accepting connections, lets every request in flight finish (a streamed reply to its
+    /// end) for at most `within`, then closes what is left.
+    pub(crate) async fn drain(mut self, within: Duration) {
+        self.stop_accepting().await;
         if tokio::time::timeout(within, &mut self.serving)
             .await
             .is_err()
@@ -133,6 +145,7 @@ pub(crate) fn start(
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     // Every connection is watched: on drain, idle ones close and busy ones finish their request.
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let (closing, closed) = tokio::sync::oneshot::channel();
     let (serving, handshakes) = match tls {
         None => (
             tokio::spawn(async move {
@@ -150,6 +163,7 @@ pub(crate) fn start(
                     }
                 }
                 drop(listener);
+                let _ = closing.send(());
                 graceful.shutdown().await;
             }),
             None,
@@ -168,6 +182,9 @@ pub(crate) fn start(
                         _ = stopped.changed() => break,
                     }
                 }
+                // The listener is the handshakes' task's, which `stop_accepting` ends.
+                drop(incoming);
+                let _ = closing.send(());
                 graceful.shutdown().await;
             });
             (serving, Some(accept))
@@ -178,6 +195,7 @@ pub(crate) fn start(
         stop,
         serving,
         handshakes,
+        closed: Some(closed),
     })
 }
 
