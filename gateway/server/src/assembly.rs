@@ -4,6 +4,7 @@
 //! start gateways through here.
 
 use crate::callers::ReloadingPolicy;
+use crate::mcp::McpOptions;
 use crate::openai::OpenAiOptions;
 use crate::service::GatewayService;
 use crate::tls::{ReloadingTls, TlsFiles, TlsMetrics};
@@ -90,24 +91,37 @@ struct Secured {
     callers: Option<Arc<ReloadingPolicy>>,
 }
 
-/// The OpenAI-compatible proxy's port, bound at start beside the gRPC port (same TLS and callers).
-struct OpenAiListener {
-    opts: OpenAiOptions,
-    listener: tokio::net::TcpListener,
+/// The proxies' ports (OpenAI-compatible, MCP), bound at start beside the gRPC port (same TLS and
+/// callers).
+#[derive(Default)]
+struct ProxyPorts {
+    openai: Option<(OpenAiOptions, tokio::net::TcpListener)>,
+    mcp: Option<(McpOptions, tokio::net::TcpListener)>,
 }
 
-impl OpenAiListener {
-    /// Checks the proxy's exposure as the gRPC port's, and binds its port.
+impl ProxyPorts {
+    /// Checks each proxy's exposure as the gRPC port's, and binds its port.
     async fn bind(
-        opts: Option<&OpenAiOptions>,
+        openai: Option<&OpenAiOptions>,
+        mcp: Option<&McpOptions>,
         security: &Security,
-    ) -> anyhow::Result<Option<Self>> {
-        let Some(opts) = opts else { return Ok(None) };
-        security.check_exposure(opts.listen)?;
-        let listener = bind(opts.listen).await?;
-        let mut opts = opts.clone();
-        opts.listen = listener.local_addr()?;
-        Ok(Some(Self { opts, listener }))
+    ) -> anyhow::Result<Self> {
+        let mut ports = Self::default();
+        if let Some(opts) = openai {
+            security.check_exposure(opts.listen)?;
+            let listener = bind(opts.listen).await?;
+            let mut opts = opts.clone();
+            opts.listen = listener.local_addr()?;
+            ports.openai = Some((opts, listener));
+        }
+        if let Some(opts) = mcp {
+            security.check_exposure(opts.listen)?;
+            let listener = bind(opts.listen).await?;
+            let mut opts = opts.clone();
+            opts.listen = listener.local_addr()?;
+            ports.mcp = Some((opts, listener));
+        }
+        Ok(ports)
     }
 }
 
@@ -135,6 +149,8 @@ pub struct LocalOptions {
     pub trust: Trust,
     /// The OpenAI-compatible proxy, when it is served (`--openai-listen`).
     pub openai: Option<OpenAiOptions>,
+    /// The MCP proxy, when it is served (`--mcp-listen`).
+    pub mcp: Option<McpOptions>,
 }
 
 impl LocalOptions {
@@ -155,6 +171,7 @@ impl LocalOptions {
             gvisor: true,
             trust: Trust::local(),
             openai: None,
+            mcp: None,
         }
     }
 }
@@ -163,12 +180,14 @@ pub struct RunningGateway {
     pub addr: SocketAddr,
     /// The OpenAI-compatible proxy's address, when it is served.
     pub openai_addr: Option<SocketAddr>,
+    /// The MCP proxy's address, when it is served.
+    pub mcp_addr: Option<SocketAddr>,
     pub engine: Arc<Engine>,
     pub health: tonic_health::server::HealthReporter,
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
-    /// The OpenAI-compatible proxy, drained beside the gRPC server.
-    openai: Option<crate::openai::Running>,
+    /// The proxies' ports, drained beside the gRPC server.
+    proxies: Vec<crate::http_port::Running>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -187,15 +206,16 @@ impl RunningGateway {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
-        if let Some(openai) = self.openai.as_mut() {
-            openai.stop_accepting().await;
+        for proxy in &mut self.proxies {
+            proxy.stop_accepting().await;
         }
         self.engine.begin_shutdown();
-        let proxy = async {
-            if let Some(openai) = self.openai.take() {
-                openai.drain(Duration::from_secs(30)).await;
-            }
-        };
+        let proxies = std::mem::take(&mut self.proxies);
+        let proxy = futures::future::join_all(
+            proxies
+                .into_iter()
+                .map(|p| p.drain(Duration::from_secs(30))),
+        );
         let grpc = tokio::time::timeout(Duration::from_secs(30), &mut self.server);
         let (_, grpc) = tokio::join!(proxy, grpc);
         match grpc {
@@ -224,7 +244,7 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
     // certificate or "address in use" must not wait for the backend's checks or any boot.
     let secured = opts.security.prepare(opts.listen)?;
     let listener = bind(opts.listen).await?;
-    let openai = OpenAiListener::bind(opts.openai.as_ref(), &opts.security).await?;
+    let ports = ProxyPorts::bind(opts.openai.as_ref(), opts.mcp.as_ref(), &opts.security).await?;
     let rollouts_file = opts.sandbox.state_dir.join("rollouts.json");
     let backend: Arc<dyn SandboxBackend> = if opts.gvisor {
         Arc::new(
@@ -277,7 +297,7 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         engine,
         listener,
         secured,
-        openai,
+        ports,
         opts.metrics,
         &opts.limits,
         vec![source],
@@ -306,6 +326,8 @@ pub struct KubeOptions {
     pub trust: Trust,
     /// The OpenAI-compatible proxy, when it is served (`--openai-listen`).
     pub openai: Option<OpenAiOptions>,
+    /// The MCP proxy, when it is served (`--mcp-listen`).
+    pub mcp: Option<McpOptions>,
 }
 
 impl KubeOptions {
@@ -323,6 +345,7 @@ impl KubeOptions {
             python: PathBuf::from("python3"),
             trust: Trust::cluster(),
             openai: None,
+            mcp: None,
         }
     }
 }
@@ -338,7 +361,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     }
     let secured = opts.security.prepare(opts.listen)?;
     let listener = bind(opts.listen).await?;
-    let openai = OpenAiListener::bind(opts.openai.as_ref(), &opts.security).await?;
+    let ports = ProxyPorts::bind(opts.openai.as_ref(), opts.mcp.as_ref(), &opts.security).await?;
     let metrics = Metrics::new();
     let backend = KubeBackend::new(
         opts.client.clone(),
@@ -401,7 +424,7 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
         engine,
         listener,
         secured,
-        openai,
+        ports,
         opts.metrics,
         &limits,
         vec![feed, shadows],
@@ -459,7 +482,7 @@ async fn serve(
     engine: Arc<Engine>,
     listener: tokio::net::TcpListener,
     secured: Secured,
-    openai: Option<OpenAiListener>,
+    ports: ProxyPorts,
     metrics_addr: Option<SocketAddr>,
     limits: &Limits,
     mut tasks: Vec<JoinHandle<()>>,
@@ -479,18 +502,32 @@ async fn serve(
             .ok();
         tasks.push(tokio::spawn(callers.clone().watch(reloads)));
     }
-    let (openai_addr, openai) = match openai {
-        Some(o) => {
-            let running = crate::openai::start(
+    let mut proxies = Vec::new();
+    let openai_addr = match ports.openai {
+        Some((opts, listener)) => {
+            proxies.push(crate::openai::start(
                 engine.clone(),
                 secured.callers.clone(),
                 secured.tls.clone(),
-                o.listener,
-                &o.opts,
-            )?;
-            (Some(o.opts.listen), Some(running))
+                listener,
+                &opts,
+            )?);
+            Some(opts.listen)
         }
-        None => (None, None),
+        None => None,
+    };
+    let mcp_addr = match ports.mcp {
+        Some((opts, listener)) => {
+            proxies.push(crate::mcp::start(
+                engine.clone(),
+                secured.callers.clone(),
+                secured.tls.clone(),
+                listener,
+                &opts,
+            )?);
+            Some(opts.listen)
+        }
+        None => None,
     };
     let service = GatewayServer::new(GatewayService {
         engine: engine.clone(),
@@ -579,7 +616,8 @@ async fn serve(
     Ok(RunningGateway {
         addr,
         openai_addr,
-        openai,
+        mcp_addr,
+        proxies,
         engine,
         health,
         shutdown: Some(tx),

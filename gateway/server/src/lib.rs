@@ -9,13 +9,16 @@
 //! listener's reloading TLS) and `callers` (the caller policy: who may use which namespace) →
 //! `observability` (logs, and OpenTelemetry traces when the environment configures them); `openai`
 //! is the optional OpenAI-compatible HTTP proxy in front of a model, running the same chains
-//! (`--openai-listen`).
+//! (`--openai-listen`), and `mcp` the optional MCP proxy in front of MCP servers (`--mcp-listen`);
+//! `http_port` is the HTTP listener both proxies share.
 
 mod assembly;
 mod callers;
 mod dir_watch;
 mod handback;
+mod http_port;
 mod local_dir;
+mod mcp;
 pub mod observability;
 mod openai;
 mod service;
@@ -26,6 +29,7 @@ pub use assembly::{
 };
 pub use callers::PolicyError;
 pub use local_dir::{LocalSource, load, load_for};
+pub use mcp::{McpOptions, McpServer};
 pub use openai::{OpenAiOptions, UpstreamError};
 pub use sluice_capabilities::Trust;
 pub use tls::{TlsError, TlsFiles};

@@ -7,7 +7,8 @@ use sluice_crds::endpoints::{AllowedEndpoints, ClusterDomain};
 use sluice_engine::Audit;
 use sluice_gateway::observability::{self, TracingConfig};
 use sluice_gateway::{
-    KubeOptions, LocalOptions, OpenAiOptions, Security, TlsFiles, start_kube, start_local,
+    KubeOptions, LocalOptions, McpOptions, OpenAiOptions, Security, TlsFiles, start_kube,
+    start_local,
 };
 use sluice_sandbox_kube::{ExecKeepalive, KubeConfig};
 use std::net::SocketAddr;
@@ -173,6 +174,22 @@ struct Args {
     /// (its answers carry `x-sluice-unguarded: baseline-only`). Repeat for more.
     #[arg(long, value_name = "MODEL", requires = "openai_listen")]
     openai_unguarded_model: Vec<String>,
+    /// Also serve MCP servers on this address (Streamable HTTP, each at /mcp/NAME), running the
+    /// chains of target NAME on tool lists, tool calls and results and the servers' sampling
+    /// requests (docs/mcp.md). Same TLS and caller policy as --listen.
+    #[arg(long, value_name = "ADDR", requires = "mcp_server")]
+    mcp_listen: Option<SocketAddr>,
+    /// An MCP server behind the proxy, as NAME=URL (its Streamable HTTP endpoint): served at
+    /// /mcp/NAME and guarded by the chains of target NAME. Repeat for more.
+    #[arg(long, value_name = "NAME=URL", requires = "mcp_listen")]
+    mcp_server: Vec<sluice_gateway::McpServer>,
+    /// How long an MCP server may take to answer (and to send the next event of a stream).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    mcp_upstream_timeout: std::time::Duration,
+    /// An MCP server whose non-text content (images, audio, binary resources, which no chain
+    /// reads) is passed on; from the others it is dropped. Repeat for more.
+    #[arg(long, value_name = "NAME", requires = "mcp_listen")]
+    mcp_pass_non_text: Vec<String>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -213,6 +230,19 @@ async fn main() -> anyhow::Result<()> {
         }
         _ => None,
     };
+    let mcp = args.mcp_listen.map(|listen| {
+        let mut o = McpOptions::new(listen, args.mcp_server.clone());
+        o.upstream_timeout = args.mcp_upstream_timeout;
+        o.pass_non_text = args.mcp_pass_non_text.clone();
+        o
+    });
+    if let Some(unknown) = args
+        .mcp_pass_non_text
+        .iter()
+        .find(|n| !args.mcp_server.iter().any(|s| &s.name == *n))
+    {
+        anyhow::bail!("--mcp-pass-non-text {unknown:?} names no --mcp-server");
+    }
     let gateway = match &args.local {
         Some(dir) => {
             let mut opts = LocalOptions::new(dir, &args.state_dir);
@@ -242,6 +272,7 @@ async fn main() -> anyhow::Result<()> {
             opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
             opts.limits.hook_output_bytes = args.hook_output_bytes as usize;
             opts.openai = openai;
+            opts.mcp = mcp;
             start_local(opts).await?
         }
         None => {
@@ -285,6 +316,7 @@ async fn main() -> anyhow::Result<()> {
             opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;
             opts.limits.hook_output_bytes = args.hook_output_bytes as usize;
             opts.openai = openai;
+            opts.mcp = mcp;
             start_kube(opts).await?
         }
     };

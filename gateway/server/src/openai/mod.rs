@@ -20,13 +20,13 @@ mod target;
 mod upstream;
 
 use crate::callers::ReloadingPolicy;
+use crate::http_port::{Certs, Running};
 use crate::tls::ReloadingTls;
 use bytes::Bytes;
 use error::ApiError;
-use http_body_util::{BodyExt, combinators::BoxBody};
+use http_body_util::BodyExt;
 use hyper::{Method, Request, Response, body::Body as _};
 use sluice_engine::{CallerAuth, Engine};
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -66,7 +66,7 @@ impl OpenAiOptions {
     }
 }
 
-pub(crate) type Body = BoxBody<Bytes, Infallible>;
+pub(crate) use crate::http_port::Body;
 
 /// Header naming the namespace a request's chains are in (default: `default`, or the caller's only
 /// namespace); the caller policy decides whether the caller may use it.
@@ -84,47 +84,6 @@ pub(crate) struct Proxy {
     passed: Arc<passed::Passed>,
 }
 
-/// The running proxy: its accept loop, which on [`Running::drain`] stops accepting and waits for
-/// the requests in flight.
-pub(crate) struct Running {
-    stop: tokio::sync::watch::Sender<bool>,
-    serving: tokio::task::JoinHandle<()>,
-    /// The TLS handshakes' task, when the port has TLS.
-    handshakes: Option<tokio::task::JoinHandle<()>>,
-    /// Resolves once the accept loop has let go of the listening socket.
-    closed: Option<tokio::sync::oneshot::Receiver<()>>,
-}
-
-impl Running {
-    /// Stops accepting connections and returns once the port is closed: a client that connects
-    /// after this is refused, whatever the requests in flight are doing.
-    pub(crate) async fn stop_accepting(&mut self) {
-        self.stop.send_replace(true);
-        if let Some(h) = self.handshakes.take() {
-            h.abort();
-            let _ = h.await;
-        }
-        if let Some(closed) = self.closed.take() {
-            let _ = closed.await;
-        }
-    }
-
-    /// Stops accepting connections, lets every request in flight finish (a streamed reply to its
-    /// end) for at most `within`, then closes what is left.
-    pub(crate) async fn drain(mut self, within: Duration) {
-        self.stop_accepting().await;
-        if tokio::time::timeout(within, &mut self.serving)
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                "OpenAI-compatible requests did not finish within {within:?}; closing anyway"
-            );
-            self.serving.abort();
-        }
-    }
-}
-
 /// Starts the proxy on a listener already bound.
 pub(crate) fn start(
     engine: Arc<Engine>,
@@ -133,7 +92,6 @@ pub(crate) fn start(
     listener: tokio::net::TcpListener,
     opts: &OpenAiOptions,
 ) -> anyhow::Result<Running> {
-    use tokio_stream::StreamExt;
     let upstream = Upstream::new(opts)?;
     let proxy = Arc::new(Proxy {
         engine,
@@ -142,96 +100,21 @@ pub(crate) fn start(
         opts: opts.clone(),
         passed: Default::default(),
     });
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    // Every connection is watched: on drain, idle ones close and busy ones finish their request.
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let (closing, closed) = tokio::sync::oneshot::channel();
-    let (serving, handshakes) = match tls {
-        None => (
-            tokio::spawn(async move {
-                loop {
-                    tokio::select! {
-                        accepted = listener.accept() => {
-                            let Ok((tcp, _)) = accepted else {
-                                tokio::time::sleep(Duration::from_millis(100)).await;
-                                continue;
-                            };
-                            crate::assembly::no_delay(&tcp);
-                            tokio::spawn(proxy.clone().connection(tcp, None, &graceful));
-                        }
-                        _ = stopped.changed() => break,
-                    }
-                }
-                drop(listener);
-                let _ = closing.send(());
-                graceful.shutdown().await;
-            }),
-            None,
-        ),
-        Some(tls) => {
-            let (mut incoming, accept) = tls.incoming(listener);
-            let serving = tokio::spawn(async move {
-                loop {
-                    tokio::select! {
-                        conn = incoming.next() => {
-                            let Some(conn) = conn else { break };
-                            let Ok(conn) = conn else { continue };
-                            let certs = conn.get_ref().1.peer_certificates().map(|c| c.to_vec());
-                            tokio::spawn(proxy.clone().connection(conn, certs, &graceful));
-                        }
-                        _ = stopped.changed() => break,
-                    }
-                }
-                // The listener is the handshakes' task's, which `stop_accepting` ends.
-                drop(incoming);
-                let _ = closing.send(());
-                graceful.shutdown().await;
-            });
-            (serving, Some(accept))
-        }
-    };
+    let running = crate::http_port::serve("OpenAI-compatible", listener, tls, move |req, certs| {
+        proxy.clone().handle(req, certs)
+    });
     tracing::info!(addr = %opts.listen, upstream = %opts.upstream, "OpenAI-compatible proxy listening");
-    Ok(Running {
-        stop,
-        serving,
-        handshakes,
-        closed: Some(closed),
-    })
+    Ok(running)
 }
 
-type Certs = Vec<rustls_pki_types::CertificateDer<'static>>;
-
 impl Proxy {
-    /// Serves one HTTP/1.1 connection, watched by `graceful` so that a drain lets its request in
-    /// flight finish.
-    fn connection<S>(
-        self: Arc<Self>,
-        io: S,
-        certs: Option<Certs>,
-        graceful: &hyper_util::server::graceful::GracefulShutdown,
-    ) -> impl std::future::Future<Output = ()> + Send + 'static
-    where
-        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-    {
-        let certs = Arc::new(certs);
-        let svc = hyper::service::service_fn(move |req| {
-            let (proxy, certs) = (self.clone(), certs.clone());
-            async move { Ok::<_, Infallible>(proxy.handle(req, certs.as_ref().as_deref()).await) }
-        });
-        let conn = hyper::server::conn::http1::Builder::new()
-            .serve_connection(hyper_util::rt::TokioIo::new(io), svc);
-        let conn = graceful.watch(conn);
-        async move {
-            let _ = conn.await;
-        }
-    }
-
     async fn handle(
         self: Arc<Self>,
         req: Request<hyper::body::Incoming>,
-        certs: Option<&[rustls_pki_types::CertificateDer<'static>]>,
+        certs: Arc<Option<Certs>>,
     ) -> Response<Body> {
-        let auth = self.auth(&req, certs);
+        let auth =
+            crate::http_port::caller(self.callers.as_deref(), &req, certs.as_ref().as_deref());
         let path = req.uri().path().trim_end_matches('/').to_string();
         // hyper closes a connection whose request body was left unread: an answer given before the
         // body was read says so, or a client that pools connections sends its next request into one
@@ -254,22 +137,6 @@ impl Proxy {
             );
         }
         resp
-    }
-
-    /// Who sent `req`: its TLS client certificate and `authorization` header only.
-    fn auth<B>(
-        &self,
-        req: &Request<B>,
-        certs: Option<&[rustls_pki_types::CertificateDer<'static>]>,
-    ) -> CallerAuth {
-        let Some(callers) = &self.callers else {
-            return CallerAuth::Unchecked;
-        };
-        let authorization = req
-            .headers()
-            .get(hyper::header::AUTHORIZATION)
-            .map(|v| v.as_bytes());
-        callers.current().identify(certs, authorization)
     }
 
     /// One chat completion: read and check the body, then `chat::complete`.
@@ -315,7 +182,7 @@ impl Proxy {
             .to_bytes();
         *body_read = true;
         let request = chat::ChatRequest::parse(&body)?;
-        let namespace = namespace.unwrap_or_else(|| default_namespace(&auth));
+        let namespace = namespace.unwrap_or_else(|| crate::http_port::default_namespace(&auth));
         // Whether a target has chains is not told to a caller that may not use the namespace.
         auth.admit(&namespace).map_err(ApiError::engine)?;
         let guard = target::resolve(
@@ -346,17 +213,6 @@ fn admitted(auth: &CallerAuth) -> Result<(), ApiError> {
     match auth {
         CallerAuth::Unauthenticated(why) => Err(ApiError::unauthenticated(why)),
         _ => Ok(()),
-    }
-}
-
-/// The namespace of a request without `x-sluice-namespace`: the caller's, when the policy gives it
-/// exactly one, else `default`.
-fn default_namespace(auth: &CallerAuth) -> String {
-    match auth {
-        CallerAuth::Verified(i) if i.namespaces.len() == 1 && i.namespaces[0] != "*" => {
-            i.namespaces[0].clone()
-        }
-        _ => "default".to_string(),
     }
 }
 
