@@ -50,7 +50,7 @@ REDACT = r'''
         import re
         def clean(text):
             text = re.sub(r"\d{3}-\d{4}-\d{4}", "[phone]", text)
-            return re.sub(r"[\w.+-]+@[\w-]+\.[\w.]+", "[email]", text)
+            return re.sub(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+", "[email]", text)
 '''
 
 
@@ -118,6 +118,21 @@ spec:
                 if isinstance(out.get(key), str):
                     out[key] = clean(out[key])
             return {{"action": "modify", "outgoing": out}}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {{name: tools-contents, namespace: {namespace}}}
+spec:
+  target: tools
+  triggerPoint: output
+  pool: {{warm: 1, max: 2}}
+  hooks:
+    - name: redact-contents
+      action: modify
+      code: |{REDACT}
+        def execute(context, settings):
+            text = clean(context["outgoing"])
+            return {{"action": "modify", "outgoing": text}} if text != context["outgoing"] else {{"action": "pass"}}
 ---
 apiVersion: sluice.dev/v1alpha1
 kind: HookChain
@@ -283,6 +298,56 @@ class McpProxyTest(unittest.TestCase):
         self.assertTrue(r.is_error)
         self.assertFalse(any(c["tool"] == "delete_record" for c in self.server_calls()))
 
+    def test_parallel_tool_calls_of_one_turn_are_each_guarded(self):
+        async def body(s):
+            return await asyncio.gather(*[
+                s.call_tool("lookup_customer", {"name": f"n{i}"}) for i in range(4)])
+
+        results = self.session(body)
+        self.assertEqual([self.texts(r) for r in results],
+                         [[f"Customer n{i}: phone [phone], email [email]"] for i in range(4)])
+
+    def test_every_guarded_call_is_audited_with_its_mcp_method(self):
+        async def body(s):
+            await s.list_tools()
+            return await s.call_tool("echo", {"text": "audited 555-0123-4567"})
+
+        self.session(body)
+        audit = os.path.join(self.gateway.state, "audit.jsonl")
+        deadline = time.monotonic() + 10
+        while True:
+            with open(audit) as f:
+                events = [json.loads(line) for line in f]
+            points = {(e["trigger_point"], e.get("via", {}).get("method")) for e in events
+                      if e.get("via", {}).get("proxy") == "mcp" and e["target"] == "tools"}
+            if {("before_tool", "tools/call"), ("after_tool", "tools/call")} <= points \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        self.assertIn(("before_tool", "tools/call"), points)
+        self.assertIn(("after_tool", "tools/call"), points)
+        self.assertIn(("before_model", "tools/list"), points)
+        modified = [e for e in events if e.get("via", {}).get("method") == "tools/call"
+                    and e["trigger_point"] == "before_tool" and e["action"] == "modify"]
+        self.assertTrue(modified, "the redaction of the arguments was not audited")
+
+    # === resources and prompts ===
+
+    def test_resource_contents_and_prompts_pass_the_output_chain_and_listings_carry_no_descriptions(self):
+        async def body(s):
+            return (await s.read_resource("note://welcome"), await s.get_prompt("greet", {"name": "ada@example.com"}),
+                    await s.list_resources(), await s.list_prompts())
+
+        read, prompt, resources, prompts = self.session(body)
+        self.assertEqual([c.text for c in read.contents],
+                         ["Welcome! Questions go to [email]."])
+        self.assertEqual([m.content.text for m in prompt.messages],
+                         ["Please write a friendly greeting for [email]."])
+        self.assertIsNone(prompt.description)
+        self.assertEqual([(r.uri, r.description) for r in resources.resources],
+                         [("note://welcome", None)])
+        self.assertEqual([(p.name, p.description) for p in prompts.prompts], [("greet", None)])
+
     # === streamed answers ===
 
     def test_a_streamed_result_passes_its_progress_without_messages_and_its_result_through_the_chain(self):
@@ -361,13 +426,16 @@ class McpProxyTest(unittest.TestCase):
         self.assertEqual(status, 200, answer)
         # Only what the proxy serves is announced, and the server's instructions (text no chain
         # reads) are not passed on.
-        self.assertEqual(set(answer["result"]["capabilities"]), {"tools"})
+        self.assertEqual(answer["result"]["capabilities"],
+                         {"tools": {"listChanged": False}, "resources": {"listChanged": False},
+                          "prompts": {"listChanged": False}})
         self.assertNotIn("instructions", answer["result"])
         return headers["mcp-session-id"]
 
     def test_a_method_the_proxy_does_not_know_is_refused(self):
         session = self.initialized()
-        for method in ["resources/list", "completion/complete", "tools/delete"]:
+        for method in ["resources/subscribe", "completion/complete", "logging/setLevel",
+                       "tools/delete"]:
             status, _, (answer,) = self.raw({"jsonrpc": "2.0", "id": 2, "method": method},
                                             session=session)
             self.assertEqual(status, 200)

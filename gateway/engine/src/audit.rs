@@ -87,6 +87,10 @@ pub struct AuditEvent {
     pub superseded: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub session_id: Option<String>,
+    /// The proxy the run came through (OpenAI-compatible, MCP) and its method; absent for the
+    /// gRPC API.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub via: Option<crate::Via>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sandbox: Option<String>,
     /// The platform baseline, when one ran first (its hooks are listed first, as `baseline/<hook>`).
@@ -166,6 +170,7 @@ impl AuditEvent {
             code_hash: None,
             superseded: None,
             session_id: None,
+            via: None,
             sandbox: None,
             baseline: None,
             hooks: vec![],

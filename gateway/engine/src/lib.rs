@@ -62,7 +62,7 @@ pub use moment::Moment;
 pub use outcome::{HookOutcome, Layer, Walk};
 pub use pool::{ClaimError, Pools, WarmProgress};
 pub use registry::{CapabilityEntry, Registry};
-pub use request::{CallerAuth, EngineError, Identity, RunInput};
+pub use request::{CallerAuth, EngineError, Identity, RunInput, Via};
 pub use rollout::{
     RevisionStatus, Role, RolloutSink, RolloutStatus, ShadowHook, ShadowSummary, Tally,
 };

@@ -101,6 +101,26 @@ pub struct RunInput {
     pub context: BTreeMap<String, String>,
     pub session_id: String,
     pub auth: CallerAuth,
+    /// Which proxy the run came through (`None`: the gRPC API), for its audit event.
+    pub via: Option<Via>,
+}
+
+/// The gateway's proxy a run came through, and the protocol's method that carried its payload
+/// (MCP's `tools/call`...): its audit event says so (`"via": {"proxy": "mcp", "method": ...}`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Via {
+    pub proxy: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+}
+
+impl Via {
+    pub fn proxy(proxy: &'static str, method: Option<&str>) -> Self {
+        Self {
+            proxy,
+            method: method.map(str::to_string),
+        }
+    }
 }
 
 /// Where a run goes: validated identity of the chain and the caller.

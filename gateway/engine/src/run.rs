@@ -80,6 +80,7 @@ impl Engine {
                 &input.session_id,
             );
             audit.caller = input.auth.name().map(str::to_string);
+            audit.via = input.via.clone();
             let prepared = (|| {
                 let target = Target::check(
                     self.limits(),

@@ -165,6 +165,7 @@ impl Gateway for GatewayService {
             context: r.context.into_iter().collect(),
             session_id: r.session_id,
             auth,
+            via: None,
         };
         // The run goes on in a task of its own, as streams do: a client that disconnects drops
         // this handler, never the run, which is finished, settled and audited all the same.

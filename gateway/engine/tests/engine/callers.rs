@@ -35,6 +35,7 @@ fn input(auth: CallerAuth) -> RunInput {
         context: [("caller".to_string(), "forged".to_string())].into(),
         session_id: "s-1".into(),
         auth,
+        via: None,
     }
 }
 

@@ -2,9 +2,11 @@
 //!
 //! | message | trigger point | what leaves |
 //! |---|---|---|
-//! | `initialize` | none | `protocolVersion`, `capabilities.tools`, `serverInfo` (the server's `instructions`, text no chain reads, are dropped) |
+//! | `initialize` | none | `protocolVersion`, `capabilities` `tools`/`resources`/`prompts` (`listChanged` only), `serverInfo` `name`/`version`/`title` (the server's `instructions`, text no chain reads, are dropped) |
 //! | `tools/list` | `before_model` on `{model: "mcp:SERVER", messages: [], tools, ...}` | the tools the chain kept (`name`, `title`, `description`, `inputSchema`, `outputSchema`, `annotations`); the others cannot be called in the session |
 //! | `tools/call` | `before_tool` on `{name, arguments}`, then `after_tool` on `{name, result, error}` for each text of the result | the rewritten call; the result's texts as the chain left them, non-text content dropped unless the server is `--mcp-pass-non-text` |
+//! | `resources/read`, `prompts/get` | `output` on each text | the contents (`uri`, `mimeType`, `text`) and messages (`role`, text content) as the chain left them; binary and other content as for tool results; a prompt's description is dropped |
+//! | `resources/list`, `resources/templates/list`, `prompts/list` | none | names and addresses (`name`, `uri`, `uriTemplate`, `mimeType`, `size`, arguments' `name` and `required`): descriptions and titles are dropped |
 //! | `sampling/createMessage` (server → client) | `input` on each text | the request with its texts as the chain left them; a block is the server's error answer |
 //! | `ping`, `notifications/initialized`, `notifications/cancelled`, `notifications/progress` (without its message), `notifications/*/list_changed` | none | as they are |
 //!
@@ -67,6 +69,13 @@ impl Refused {
         }
     }
 
+    fn invalid(message: &str) -> Self {
+        Self {
+            code: rpc::INVALID_PARAMS,
+            message: message.to_string(),
+        }
+    }
+
     fn blocked(message: String) -> Self {
         Self {
             code: rpc::BLOCKED,
@@ -80,8 +89,16 @@ impl Refused {
 enum Expect {
     Initialize,
     Ping,
-    ToolsList { first_page: bool },
-    ToolsCall { name: String },
+    ToolsList {
+        first_page: bool,
+    },
+    ToolsCall {
+        name: String,
+    },
+    /// `resources/list`, `resources/templates/list`, `prompts/list`: the key of the list.
+    Listing(&'static str),
+    ResourcesRead,
+    PromptsGet,
 }
 
 /// Client notifications passed on as they are.
@@ -118,16 +135,42 @@ pub(crate) async fn message(
                 "initialize" => (Expect::Initialize, params.map(client_capabilities)),
                 "ping" => (Expect::Ping, None),
                 "tools/list" => {
-                    let cursor = params
-                        .as_ref()
-                        .and_then(|p| p.get("cursor"))
-                        .filter(|c| c.is_string())
-                        .cloned();
-                    let first_page = cursor.is_none();
-                    (
-                        Expect::ToolsList { first_page },
-                        cursor.map(|c| json!({"cursor": c})),
-                    )
+                    let params = cursor_only(params);
+                    let first_page = params.is_none();
+                    (Expect::ToolsList { first_page }, params)
+                }
+                "resources/list" | "resources/templates/list" | "prompts/list" => {
+                    let key = match method.as_str() {
+                        "resources/list" => "resources",
+                        "resources/templates/list" => "resourceTemplates",
+                        _ => "prompts",
+                    };
+                    (Expect::Listing(key), cursor_only(params))
+                }
+                "resources/read" => match params.as_ref().and_then(|p| p.get("uri")) {
+                    Some(uri @ Value::String(_)) => {
+                        (Expect::ResourcesRead, Some(json!({"uri": uri})))
+                    }
+                    _ => {
+                        return refused(
+                            id,
+                            Refused::invalid("resources/read needs params.uri, a string"),
+                        );
+                    }
+                },
+                "prompts/get" => {
+                    let p = params.unwrap_or(Value::Null);
+                    let Some(name) = p.get("name").filter(|n| n.is_string()) else {
+                        return refused(
+                            id,
+                            Refused::invalid("prompts/get needs params.name, a string"),
+                        );
+                    };
+                    let mut out = json!({"name": name});
+                    if let Some(a) = p.get("arguments").filter(|a| a.is_object()) {
+                        out["arguments"] = a.clone();
+                    }
+                    (Expect::PromptsGet, Some(out))
                 }
                 "tools/call" => match before_tool(&call, params).await {
                     Ok(Ok((name, params))) => (Expect::ToolsCall { name }, Some(params)),
@@ -142,7 +185,7 @@ pub(crate) async fn message(
                         id,
                         rpc::METHOD_NOT_FOUND,
                         format!(
-                            "the Sluice MCP proxy does not relay {method:?}: it serves initialize, ping, tools/list and tools/call (docs/mcp.md)"
+                            "the Sluice MCP proxy does not relay {method:?}: it serves initialize, ping, tools/list, tools/call, resources/list, resources/templates/list, resources/read, prompts/list and prompts/get (docs/mcp.md)"
                         ),
                     );
                 }
@@ -440,6 +483,9 @@ async fn reply(call: &Call, expect: &Expect, id: &Value, message: Value) -> Resu
         Expect::Initialize => initialized(result),
         Expect::ToolsList { first_page } => tools_list(call, result, *first_page).await?,
         Expect::ToolsCall { name } => tool_result(call, name, result).await?,
+        Expect::Listing(key) => listing(key, result),
+        Expect::ResourcesRead => resource_contents(call, result).await?,
+        Expect::PromptsGet => prompt_messages(call, result).await?,
     };
     Ok(rpc::result(id.clone(), out))
 }
@@ -465,19 +511,170 @@ fn client_capabilities(mut params: Value) -> Value {
     params
 }
 
-/// The server's `initialize` result, allow-listed: only the tools capability is served.
+/// A listing request's params: its cursor, if any.
+fn cursor_only(params: Option<Value>) -> Option<Value> {
+    params
+        .as_ref()
+        .and_then(|p| p.get("cursor"))
+        .filter(|c| c.is_string())
+        .map(|c| json!({"cursor": c}))
+}
+
+/// The fields of resources, resource templates and prompts that pass in a listing: names and
+/// addresses, never descriptions or titles (text the server chose that no chain reads).
+const LISTED_FIELDS: &[&str] = &[
+    "name",
+    "uri",
+    "uriTemplate",
+    "mimeType",
+    "size",
+    "arguments",
+];
+
+/// A `resources/list`, `resources/templates/list` or `prompts/list` page, allow-listed.
+fn listing(key: &str, result: Value) -> Value {
+    let items: Vec<Value> = result
+        .get(key)
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_object)
+        .map(|item| {
+            let mut item = item.clone();
+            item.retain(|k, _| LISTED_FIELDS.contains(&k.as_str()));
+            // A prompt's arguments: their names and whether they are required.
+            if let Some(Value::Array(args)) = item.get_mut("arguments") {
+                for a in args.iter_mut() {
+                    if let Some(a) = a.as_object_mut() {
+                        a.retain(|k, _| k == "name" || k == "required");
+                    }
+                }
+            }
+            Value::Object(item)
+        })
+        .collect();
+    let mut out = json!({ key: items });
+    if let Some(c) = result.get("nextCursor").filter(|c| c.is_string()) {
+        out["nextCursor"] = c.clone();
+    }
+    out
+}
+
+/// Runs each text at `pointers` of `value` through `output`, all at once, and writes back what the
+/// chain left; a block (or skip) withholds the whole answer.
+async fn through_output(
+    call: &Call,
+    method: &str,
+    value: &mut Value,
+    pointers: Vec<String>,
+) -> Result<(), Refused> {
+    let texts: Vec<Value> = pointers
+        .iter()
+        .filter_map(|p| value.pointer(p).cloned())
+        .collect();
+    let runs = texts.into_iter().map(|t| call.run("output", method, t));
+    let verdicts = join_all(runs).await;
+    for (pointer, verdict) in pointers.iter().zip(verdicts) {
+        match verdict.map_err(Refused::engine)? {
+            Verdict::Go(Value::String(text)) => {
+                if let Some(t) = value.pointer_mut(pointer) {
+                    *t = Value::String(text);
+                }
+            }
+            Verdict::Go(_) => {}
+            Verdict::Block(m) | Verdict::Skip(m) => {
+                return Err(Refused::blocked(format!(
+                    "the {method} answer was withheld by the gateway's chains: {m}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A `resources/read` result: each text content through `output`; binary contents (`blob`) only
+/// from a server that passes non-text content.
+async fn resource_contents(call: &Call, result: Value) -> Result<Value, Refused> {
+    let pass_non_text = call.server.pass_non_text;
+    let contents: Vec<Value> = result
+        .get("contents")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|c| {
+            let mut out = json!({"uri": c.get("uri").cloned().unwrap_or(Value::Null)});
+            if let Some(m) = c.get("mimeType").filter(|m| m.is_string()) {
+                out["mimeType"] = m.clone();
+            }
+            match (c.get("text"), c.get("blob")) {
+                (Some(t @ Value::String(_)), _) => out["text"] = t.clone(),
+                (_, Some(b @ Value::String(_))) if pass_non_text => out["blob"] = b.clone(),
+                _ => return None,
+            }
+            Some(out)
+        })
+        .collect();
+    let pointers = contents
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.get("text").is_some())
+        .map(|(i, _)| format!("/contents/{i}/text"))
+        .collect();
+    let mut out = json!({ "contents": contents });
+    through_output(call, "resources/read", &mut out, pointers).await?;
+    Ok(out)
+}
+
+/// A `prompts/get` result: each message's text through `output` (the prompt's description, text
+/// no chain reads, is dropped); other content only from a server that passes non-text content.
+async fn prompt_messages(call: &Call, result: Value) -> Result<Value, Refused> {
+    let pass_non_text = call.server.pass_non_text;
+    let messages: Vec<Value> = result
+        .get("messages")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|m| {
+            let role = m.get("role").filter(|r| r.is_string())?.clone();
+            let content = m.get("content")?;
+            let content = match content.get("text") {
+                Some(t @ Value::String(_)) if is_text(content) => {
+                    json!({"type": "text", "text": t})
+                }
+                _ if pass_non_text => content.clone(),
+                _ => return None,
+            };
+            Some(json!({"role": role, "content": content}))
+        })
+        .collect();
+    let pointers = messages
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| is_text(&m["content"]))
+        .map(|(i, _)| format!("/messages/{i}/content/text"))
+        .collect();
+    let mut out = json!({ "messages": messages });
+    through_output(call, "prompts/get", &mut out, pointers).await?;
+    Ok(out)
+}
+
+/// The server's `initialize` result, allow-listed: the capabilities the proxy serves.
 fn initialized(result: Value) -> Value {
     let mut out = Map::new();
     if let Some(v) = result.get("protocolVersion") {
         out.insert("protocolVersion".into(), v.clone());
     }
-    let tools = result
-        .pointer("/capabilities/tools")
-        .cloned()
-        .filter(Value::is_object);
     let mut caps = Map::new();
-    if let Some(t) = tools {
-        caps.insert("tools".into(), t);
+    for key in ["tools", "resources", "prompts"] {
+        if let Some(Value::Object(c)) = result.pointer(&format!("/capabilities/{key}")) {
+            // Subscriptions are not served: nothing a server sends outside an answer is relayed.
+            let kept = c
+                .iter()
+                .filter(|(k, v)| k.as_str() == "listChanged" && v.is_boolean())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            caps.insert(key.into(), Value::Object(kept));
+        }
     }
     out.insert("capabilities".into(), Value::Object(caps));
     let info = result.get("serverInfo").and_then(Value::as_object);

@@ -314,6 +314,7 @@ impl Call {
             context: BTreeMap::from([("mcp_method".to_string(), method.to_string())]),
             session_id: self.session_id.clone().unwrap_or_default(),
             auth: self.auth.clone(),
+            via: Some(sluice_engine::Via::proxy("mcp", Some(method))),
         };
         let engine = self.engine.clone();
         // The run goes on in a task of its own: a client that goes away drops this future, never

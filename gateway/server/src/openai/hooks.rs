@@ -67,6 +67,7 @@ impl Hooks {
             context: Default::default(),
             session_id: self.session.clone(),
             auth: self.auth.clone(),
+            via: Some(sluice_engine::Via::proxy("openai", None)),
         };
         let engine = self.engine.clone();
         let result = tokio::spawn(async move { engine.run(input).await })
