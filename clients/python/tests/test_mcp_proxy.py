@@ -320,8 +320,9 @@ class McpProxyTest(unittest.TestCase):
                 events = [json.loads(line) for line in f]
             points = {(e["trigger_point"], e.get("via", {}).get("method")) for e in events
                       if e.get("via", {}).get("proxy") == "mcp" and e["target"] == "tools"}
-            if {("before_tool", "tools/call"), ("after_tool", "tools/call")} <= points \
-                    or time.monotonic() > deadline:
+            wanted = {("before_tool", "tools/call"), ("after_tool", "tools/call"),
+                      ("before_model", "tools/list")}
+            if wanted <= points or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         self.assertIn(("before_tool", "tools/call"), points)
