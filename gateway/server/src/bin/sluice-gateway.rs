@@ -190,6 +190,11 @@ struct Args {
     /// reads) is passed on; from the others it is dropped. Repeat for more.
     #[arg(long, value_name = "NAME", requires = "mcp_listen")]
     mcp_pass_non_text: Vec<String>,
+    /// A file holding the key MCP session ids are sealed under (at least 32 bytes): give every
+    /// replica the same one (a Secret) so that any of them serves a session. Without it, a key of
+    /// this process: its sessions end with it.
+    #[arg(long, value_name = "FILE", requires = "mcp_listen")]
+    mcp_session_key_file: Option<PathBuf>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     log_format: String,
@@ -234,6 +239,7 @@ async fn main() -> anyhow::Result<()> {
         let mut o = McpOptions::new(listen, args.mcp_server.clone());
         o.upstream_timeout = args.mcp_upstream_timeout;
         o.pass_non_text = args.mcp_pass_non_text.clone();
+        o.session_key_file = args.mcp_session_key_file.clone();
         o
     });
     if let Some(unknown) = args

@@ -15,7 +15,6 @@
 
 use super::Call;
 use super::rpc::{self, Message};
-use super::session::Sessions;
 use super::upstream::{Answer, Events};
 use crate::http_port::Body;
 use bytes::Bytes;
@@ -25,7 +24,6 @@ use hyper::{Response, StatusCode};
 use serde_json::{Map, Value, json};
 use sluice_crds::{Action, TriggerPoint};
 use sluice_engine::{EngineError, Walk};
-use std::sync::Arc;
 
 /// What a trigger point decided.
 #[derive(Debug)]
@@ -109,11 +107,7 @@ const CLIENT_NOTIFICATIONS: &[&str] = &[
 ];
 
 /// One message from the client, through its trigger points to the server and back.
-pub(crate) async fn message(
-    sessions: &Arc<Sessions>,
-    call: Call,
-    message: Message,
-) -> Response<Body> {
+pub(crate) async fn message(call: Call, message: Message) -> Response<Body> {
     match message {
         Message::Notification { method, params } => {
             if !CLIENT_NOTIFICATIONS.contains(&method.as_str()) {
@@ -194,7 +188,7 @@ pub(crate) async fn message(
             if let Some(p) = params {
                 m["params"] = p;
             }
-            request(sessions, call, id, expect, m).await
+            request(call, id, expect, m).await
         }
     }
 }
@@ -210,48 +204,45 @@ async fn relay_no_answer(call: &Call, m: &Value) -> Response<Body> {
 }
 
 /// Sends a client's request and passes the server's answer back through the chains.
-async fn request(
-    sessions: &Arc<Sessions>,
-    mut call: Call,
-    id: Value,
-    expect: Expect,
-    m: Value,
-) -> Response<Body> {
+async fn request(mut call: Call, id: Value, expect: Expect, m: Value) -> Response<Body> {
     let answer = match call.server.send(&call, &m).await {
         Ok(a) => a,
         Err(e) => return refused(id, Refused::upstream(e)),
     };
-    let (session, mut resp) = match answer {
-        Answer::Empty { status, session } => (session, empty(status)),
-        Answer::Json { session, message } => {
-            if matches!(expect, Expect::Initialize) {
-                opened(sessions, &mut call, session.as_deref());
-            }
+    // The client gets the server's session sealed to it.
+    let session = match &answer {
+        Answer::Empty { session, .. }
+        | Answer::Json { session, .. }
+        | Answer::Stream { session, .. } => session.clone(),
+    };
+    let sealed = session
+        .as_deref()
+        .map(|s| call.sessions.seal(s, &call.owner()));
+    if matches!(expect, Expect::Initialize) {
+        opened(&mut call, session.as_deref());
+    }
+    let mut resp = match answer {
+        Answer::Empty { status, .. } => empty(status),
+        Answer::Json { message, .. } => {
             let out = match reply(&call, &expect, &id, message).await {
                 Ok(v) => v,
                 Err(r) => rpc::error(id, r.code, r.message),
             };
-            (session, super::json_response(StatusCode::OK, &out))
+            super::json_response(StatusCode::OK, &out)
         }
-        Answer::Stream { session, events } => {
-            if matches!(expect, Expect::Initialize) {
-                opened(sessions, &mut call, session.as_deref());
-            }
-            (session, stream(call, expect, id, events))
-        }
+        Answer::Stream { events, .. } => stream(call, expect, id, events),
     };
-    if let Some(s) = session
-        && let Ok(v) = hyper::header::HeaderValue::from_str(&s)
-    {
+    if let Some(v) = sealed.and_then(|s| hyper::header::HeaderValue::from_str(&s).ok()) {
         resp.headers_mut().insert(super::SESSION_HEADER, v);
     }
     resp
 }
 
 /// Records the session the server opened (on `initialize`) for this caller.
-fn opened(sessions: &Sessions, call: &mut Call, session: Option<&str>) {
+fn opened(call: &mut Call, session: Option<&str>) {
     if let Some(id) = session {
-        call.session = Some(sessions.open(id, &call.auth, &call.namespace, &call.server.name));
+        let sealed = call.sessions.seal(id, &call.owner());
+        call.session = Some(call.sessions.get(&sealed));
         call.session_id = Some(id.to_string());
     }
 }

@@ -18,6 +18,7 @@ mod upstream;
 use crate::callers::ReloadingPolicy;
 use crate::http_port::{Body, Certs, Running};
 use crate::tls::ReloadingTls;
+use anyhow::Context as _;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::{Method, Request, Response, StatusCode};
@@ -78,6 +79,10 @@ pub struct McpOptions {
     /// Servers whose non-text content (images, audio, binary resources: what no chain reads) is
     /// passed on; from every other server it is dropped.
     pub pass_non_text: Vec<String>,
+    /// The key session ids are sealed under (`--mcp-session-key-file`, at least 32 bytes): every
+    /// replica of a gateway needs the same one to serve a session another opened. Without it, a
+    /// key of the process's own.
+    pub session_key_file: Option<std::path::PathBuf>,
 }
 
 impl McpOptions {
@@ -87,6 +92,7 @@ impl McpOptions {
             servers,
             upstream_timeout: Duration::from_secs(60),
             pass_non_text: Vec::new(),
+            session_key_file: None,
         }
     }
 }
@@ -134,11 +140,29 @@ pub(crate) fn start(
             (s.name.clone(), Arc::new(server))
         })
         .collect();
+    let key = match &opts.session_key_file {
+        Some(path) => {
+            let key = std::fs::read(path).with_context(|| {
+                format!(
+                    "reading the MCP session key {} (--mcp-session-key-file)",
+                    path.display()
+                )
+            })?;
+            anyhow::ensure!(
+                key.len() >= 32,
+                "the MCP session key {} has {} bytes: it needs at least 32 (e.g. `head -c 32 /dev/urandom`)",
+                path.display(),
+                key.len()
+            );
+            key
+        }
+        None => session::Sessions::random_key(),
+    };
     let proxy = Arc::new(Proxy {
         engine,
         callers,
         servers,
-        sessions: Default::default(),
+        sessions: Arc::new(session::Sessions::new(key)),
     });
     let running = crate::http_port::serve("MCP", listener, tls, move |req, certs| {
         proxy.clone().handle(req, certs)
@@ -155,9 +179,11 @@ pub(crate) struct Call {
     pub(crate) server: Arc<upstream::Server>,
     pub(crate) auth: CallerAuth,
     pub(crate) namespace: String,
-    /// The MCP session, once the server gave one.
+    /// This replica's record of the MCP session, once the server gave one.
     pub(crate) session: Option<Arc<session::Session>>,
+    /// The server's id of the session (the client holds it sealed).
     pub(crate) session_id: Option<String>,
+    pub(crate) sessions: Arc<session::Sessions>,
     pub(crate) protocol_version: Option<String>,
 }
 
@@ -205,13 +231,18 @@ impl Proxy {
                 ),
             );
         }
-        let session_id = crate::http_port::header(&req, SESSION_HEADER);
-        let session = match &session_id {
-            None => None,
+        let owner = session::Owner {
+            auth: &auth,
+            namespace: &namespace,
+            server: &server.name,
+        };
+        let sealed = crate::http_port::header(&req, SESSION_HEADER);
+        let (session_id, session) = match &sealed {
+            None => (None, None),
             // A session is the caller's, in the namespace and on the server it was opened in; to
             // anyone else it does not exist (as the transport says of a session that ended).
-            Some(id) => match self.sessions.find(id, &auth, &namespace, &server.name) {
-                Some(s) => Some(s),
+            Some(id) => match self.sessions.unseal(id, &owner) {
+                Some(upstream) => (Some(upstream), Some(self.sessions.get(id))),
                 None => {
                     return rpc::http_error(
                         StatusCode::NOT_FOUND,
@@ -229,13 +260,14 @@ impl Proxy {
             namespace,
             session,
             session_id,
+            sessions: self.sessions.clone(),
             protocol_version: crate::http_port::header(&req, "mcp-protocol-version"),
         };
         match *req.method() {
             Method::POST => self.post(call, req).await,
             Method::DELETE => {
                 let answer = server.delete(&call).await;
-                if let Some(id) = &call.session_id {
+                if let Some(id) = &sealed {
                     self.sessions.end(id);
                 }
                 answer
@@ -293,11 +325,19 @@ impl Proxy {
             Ok(m) => m,
             Err(invalid) => return invalid.into_response(),
         };
-        guard::message(&self.sessions, call, message).await
+        guard::message(call, message).await
     }
 }
 
 impl Call {
+    pub(crate) fn owner(&self) -> session::Owner<'_> {
+        session::Owner {
+            auth: &self.auth,
+            namespace: &self.namespace,
+            server: &self.server.name,
+        }
+    }
+
     /// Runs `payload` through `trigger_point` of this server's chains (the tenant's, after the
     /// platform's baseline), with the MCP method in the context.
     pub(crate) async fn run(

@@ -169,8 +169,13 @@ impl Server {
 
     /// Reads a whole answer, within the timeout.
     async fn read(&self, resp: Response<hyper::body::Incoming>) -> Result<Bytes, String> {
-        match tokio::time::timeout(self.timeout, resp.into_body().collect()).await {
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_EVENT_BYTES);
+        match tokio::time::timeout(self.timeout, body.collect()).await {
             Ok(Ok(b)) => Ok(b.to_bytes()),
+            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(format!(
+                "the MCP server {:?} answered with over {MAX_EVENT_BYTES} bytes",
+                self.name
+            )),
             Ok(Err(e)) => Err(format!(
                 "the MCP server {:?}'s answer broke off: {e}",
                 self.name
@@ -251,7 +256,7 @@ impl Events {
     }
 }
 
-/// An SSE event of a server is at most this large (the gateway's request limit is far below).
+/// A server's answer (a JSON body, or one SSE event) is at most this large.
 const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
 
 /// Where the first event in `buffer` ends: (its length, the separator's length).
