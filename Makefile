@@ -95,11 +95,15 @@ test-dist:
 # $(OPENAI_LISTEN) in front of the fake (README "Use Sluice without changing your application").
 OPENAI_LISTEN ?= 127.0.0.1:8080
 OPENAI_UPSTREAM ?= http://127.0.0.1:7003/v1
+# ...and the MCP proxy on $(MCP_LISTEN) in front of the example MCP server (README "Guard MCP tools").
+MCP_LISTEN ?= 127.0.0.1:8090
+MCP_SERVER ?= support-bot=http://127.0.0.1:7004/mcp
 run: build
 	./target/release/sluice-example-services & services=$$!; \
 	trap "kill $$services 2>/dev/null" EXIT INT TERM; \
 	./target/release/sluice-gateway --local examples --listen $(LISTEN) --metrics $(METRICS) --state-dir $(STATE_DIR) \
-		--openai-listen $(OPENAI_LISTEN) --openai-upstream $(OPENAI_UPSTREAM)
+		--openai-listen $(OPENAI_LISTEN) --openai-upstream $(OPENAI_UPSTREAM) \
+		--mcp-listen $(MCP_LISTEN) --mcp-server $(MCP_SERVER)
 
 # test-manifests validates what the built `sluice-operator render` prints; test-cluster brings up a
 # real single-node Kubernetes (root; Go for its first build, cached per version), runs the cluster

@@ -12,6 +12,7 @@
 deploy/tests/invalid/ holds broken manifests: each must fail, or the validator proves nothing."""
 
 import atexit
+import base64
 import copy
 import filecmp
 import glob
@@ -944,6 +945,50 @@ class CapabilitiesChartTest(ManifestCase):
         with self.assertRaises(AssertionError) as e:
             helm_template(values={"gateway": {"openai": {"enabled": True}}})
         self.assertIn("gateway.openai.upstream", str(e.exception))
+
+    def test_the_mcp_proxy_is_served_only_when_enabled_with_its_port_egress_and_a_shared_session_key(self):
+        def gateway(objs):
+            return self.find(objs, "Deployment", "sluice-gateway")["spec"]["template"]["spec"]
+
+        objs = helm_template()
+        self.assertFalse([a for a in gateway(objs)["containers"][0]["args"] if a.startswith("--mcp")])
+        self.assertFalse([o for o in objs if o["metadata"]["name"] == "sluice-gateway-mcp-session"])
+
+        values = {"gateway": {"mcp": {"enabled": True, "servers": [
+            {"name": "github", "url": "http://github-mcp.tools.svc:8080/mcp"},
+            {"name": "search", "url": "https://mcp.example.com/mcp", "passNonText": True}]}}}
+        objs = helm_template(values=values)
+        (c,) = gateway(objs)["containers"]
+        mcp_args = [a for a in c["args"] if a.startswith("--mcp")]
+        self.assertEqual(mcp_args, [
+            "--mcp-listen=0.0.0.0:8090",
+            "--mcp-server=github=http://github-mcp.tools.svc:8080/mcp",
+            "--mcp-server=search=https://mcp.example.com/mcp",
+            "--mcp-pass-non-text=search",
+            "--mcp-upstream-timeout=60s",
+            "--mcp-session-key-file=/etc/sluice/mcp-session/key",
+        ])
+        self.assertIn({"name": "mcp", "port": 8090, "targetPort": "mcp", "protocol": "TCP", "appProtocol": "http"},
+                      self.find(objs, "Service", "sluice-gateway")["spec"]["ports"])
+        # Every replica reads the same key, from a Secret the chart made.
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/sluice/mcp-session")
+        volume = next(v for v in gateway(objs)["volumes"] if v["name"] == mount["name"])
+        secret = self.find(objs, "Secret", volume["secret"]["secretName"])
+        self.assertGreaterEqual(len(base64.b64decode(secret["data"]["key"])), 32)
+        # Clients reach the port; the gateway reaches the in-cluster server's namespace on its port.
+        policy = self.find(objs, "NetworkPolicy", "sluice-gateway")["spec"]
+        self.assertIn(8090, [p["port"] for rule in policy["ingress"] for p in rule["ports"]])
+        self.assertIn({"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "tools"}}}],
+                       "ports": [{"protocol": "TCP", "port": 8080}]}, policy["egress"])
+        self.assertEqual(open_egress(self.find(objs, "NetworkPolicy", "sluice-gateway")), [])
+        self.assertValid(objs, "helm template with the MCP proxy")
+        # A key of the platform's replaces the chart's.
+        values["gateway"]["mcp"]["sessionKeySecret"] = "my-key"
+        objs = helm_template(values=values)
+        self.assertFalse([o for o in objs if o["metadata"]["name"] == "sluice-gateway-mcp-session"])
+        self.assertIn({"name": "mcp-session-key", "secret": {"secretName": "my-key", "items": [{"key": "key", "path": "key"}]}},
+                      gateway(objs)["volumes"])
+        self.assertIn("gateway.mcp.servers", helm_refusal(values={"gateway": {"mcp": {"enabled": True}}}))
 
     def role_rules(self, role):
         return {(g, r): sorted(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}

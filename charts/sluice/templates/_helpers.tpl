@@ -337,6 +337,22 @@ networkPolicy.gateway.capabilityEgress. Nothing that selects every namespace or 
 {{- $rules = append $rules $rule -}}
 {{- end -}}
 {{- end -}}
+{{- /* MCP servers in the cluster, written as http://SERVICE.NAMESPACE[.svc[.cluster.local]][:PORT]/...:
+their namespace on their port. Others are reached through capabilities.egressCIDRs. */ -}}
+{{- if .Values.gateway.mcp.enabled -}}
+{{- range .Values.gateway.mcp.servers -}}
+{{- $u := urlParse .url -}}
+{{- $hostport := splitList ":" $u.host -}}
+{{- $parts := splitList "." (first $hostport) -}}
+{{- if and (ge (len $parts) 2) (or (eq (len $parts) 2) (eq (index $parts 2) "svc")) -}}
+{{- $port := ternary (last $hostport) (ternary "443" "80" (eq $u.scheme "https")) (eq (len $hostport) 2) -}}
+{{- $rule := dict "to" (list (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" (index $parts 1))))) "ports" (list (dict "protocol" "TCP" "port" (int $port))) -}}
+{{- if not (has $rule $rules) -}}
+{{- $rules = append $rules $rule -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- with .Values.capabilities.egressCIDRs -}}
 {{- $to := list -}}
 {{- range . -}}
@@ -406,3 +422,8 @@ networkPolicy.gateway.otlpCollector. Endpoints given through valueFrom cannot be
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The Secret holding the MCP proxy's session key. */}}
+{{- define "sluice.gateway.mcpSessionSecret" -}}
+{{- .Values.gateway.mcp.sessionKeySecret | default (printf "%s-mcp-session" (include "sluice.gateway.name" .)) -}}
+{{- end }}

@@ -67,15 +67,19 @@ class OpenAiProxyTest(unittest.TestCase):
             f.write(CALLERS)
         upstream_port = free_port()
         cls.upstream = f"http://127.0.0.1:{upstream_port}"
+        mcp_port = free_port()
         cls.services = subprocess.Popen(
             [services_binary(), "--llm", "127.0.0.1:0", "--credit", "127.0.0.1:0",
-             "--openai", f"127.0.0.1:{upstream_port}"],
+             "--openai", f"127.0.0.1:{upstream_port}", "--mcp", f"127.0.0.1:{mcp_port}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         cls.proxy = f"http://127.0.0.1:{free_port()}"
+        cls.mcp_proxy = f"127.0.0.1:{free_port()}"
         cls.gateway = LocalGateway(
             serve=os.path.join(REPO, "examples"),
             args=["--callers", callers, "--openai-listen", cls.proxy.removeprefix("http://"),
-                  "--openai-upstream", cls.upstream + "/v1"],
+                  "--openai-upstream", cls.upstream + "/v1",
+                  # And the MCP proxy in front of the example MCP server, as `make run` serves it.
+                  "--mcp-listen", cls.mcp_proxy, "--mcp-server", f"support-bot=http://127.0.0.1:{mcp_port}/mcp"],
         )
         try:
             cls.gateway.wait_ready()
@@ -168,6 +172,26 @@ class OpenAiProxyTest(unittest.TestCase):
         self.assertIn("call Sam on [phone] or write to [email]", streamed)
         for p in PERSONAL:
             self.assertNotIn(p, streamed)
+
+    def test_the_readme_mcp_example_runs_as_written_with_only_the_address_and_token_added(self):
+        import re
+        import sys
+
+        with open(os.path.join(REPO, "README.md")) as f:
+            section = f.read().split("## Guard MCP tools", 1)[1]
+        code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+        self.assertIn('"http://127.0.0.1:8090/mcp/support-bot"', code)
+        # This gateway has a caller policy: the client sends the caller's token.
+        code = code.replace('"http://127.0.0.1:8090/mcp/support-bot"',
+                            f'"http://{self.mcp_proxy}/mcp/support-bot", http_client=__import__("httpx2").AsyncClient('
+                            f'headers={{"authorization": "Bearer {TOKEN}"}})')
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        lines = out.stdout.splitlines()
+        self.assertEqual(lines[0], "['read_file', 'search']")
+        self.assertIn("admin login: password=[secret]", lines)
+        self.assertNotIn("hunter2", out.stdout)
+        self.assertEqual(lines[-1], "True The support bot may only read files under /srv/support.")
 
     # === blocks ===
 

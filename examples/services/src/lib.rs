@@ -9,7 +9,8 @@
 //!   settlement the gateway tries again is applied once.
 //!
 //! A third, `openai_llm`, is an OpenAI-compatible fake LLM over HTTP: the upstream of the gateway's
-//! OpenAI proxy.
+//! OpenAI proxy; a fourth, `mcp_tools`, a small MCP server with the support bot's tools, the
+//! upstream of its MCP proxy.
 //!
 //! Both record every call they receive, so tests can assert the order of gate, execute and dispatch.
 //!
@@ -18,7 +19,9 @@
 //! gRPC `UNAUTHENTICATED`, or the TLS handshake fails) and never reaches the ledger or the model,
 //! so the `caller` a request carries can be believed: only the gateway could have sent it.
 
+mod mcp_tools;
 mod openai_llm;
+pub use mcp_tools::{FakeMcp, McpStats};
 pub use openai_llm::{CONTACT_REPLY, FakeOpenAi, OpenAiStats};
 
 use serde_json::{Value, json};

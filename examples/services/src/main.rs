@@ -1,5 +1,6 @@
 //! `sluice-example-services`: the fake LLM (gRPC) and the credit ledger (HTTP) behind
-//! `examples/capabilities.yaml`, and the OpenAI-compatible fake LLM behind the gateway's OpenAI proxy. Every user starts with `--balance` credits.
+//! `examples/capabilities.yaml`, the OpenAI-compatible fake LLM behind the gateway's OpenAI proxy,
+//! and the MCP server behind its MCP proxy. Every user starts with `--balance` credits.
 
 use anyhow::Context as _;
 use clap::Parser;
@@ -17,6 +18,9 @@ struct Args {
     /// The OpenAI-compatible fake LLM (`POST /v1/chat/completions`), the proxy's upstream.
     #[arg(long, default_value = "127.0.0.1:7003")]
     openai: SocketAddr,
+    /// The MCP server with the support bot's tools (`POST /mcp`), the MCP proxy's upstream.
+    #[arg(long, default_value = "127.0.0.1:7004")]
+    mcp: SocketAddr,
     /// Starting balance of the example users (user-1, user-2, user-3).
     #[arg(long, default_value_t = 20)]
     balance: i64,
@@ -65,9 +69,13 @@ async fn main() -> anyhow::Result<()> {
     let openai = sluice_example_services::FakeOpenAi::start(args.openai)
         .await
         .with_context(|| format!("binding {}", args.openai))?;
-    tracing::info!(llm = %services.llm_addr, credit = %services.credit_addr, openai = %openai.addr, "example services listening");
+    let mcp = sluice_example_services::FakeMcp::start(args.mcp)
+        .await
+        .with_context(|| format!("binding {}", args.mcp))?;
+    tracing::info!(llm = %services.llm_addr, credit = %services.credit_addr, openai = %openai.addr, mcp = %mcp.addr, "example services listening");
     tokio::signal::ctrl_c().await?;
     services.stop();
     openai.stop();
+    mcp.stop();
     Ok(())
 }
