@@ -1,6 +1,6 @@
 //! `make bench`: every number an issue asks for, printed as a table beside baselines measured in the
 //! same run on the same machine. `sluice-bench [SECTION...]` runs some sections only
-//! (cells, cpu, cpu-model, run, stream, host_call, load, tenants, rollout, openai, kube; kube-recycle runs the kube section's
+//! (cells, cpu, cpu-model, run, stream, host_call, load, tenants, rollout, openai, mcp, kube; kube-recycle runs the kube section's
 //! recycled-pod rows alone; kube-cluster measures a real cluster, `make bench-cluster`).
 
 use anyhow::Context as _;
@@ -13,6 +13,7 @@ mod cluster;
 mod cpu;
 mod kube;
 mod load;
+mod mcp;
 mod naive;
 mod openai;
 mod report;
@@ -256,6 +257,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if on("openai") {
         openai::bench(&mut table).await.context("openai proxy")?;
+    }
+    if on("mcp") {
+        mcp::bench(&mut table).await.context("mcp proxy")?;
     }
     if on("host_call") {
         stream::host_call(&mut table).await.context("host_call")?;

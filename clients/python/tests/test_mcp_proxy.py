@@ -58,6 +58,20 @@ def chains(namespace: str) -> str:
     return f"""
 apiVersion: sluice.dev/v1alpha1
 kind: HookChain
+metadata: {{name: gone-input, namespace: {namespace}}}
+spec:
+  target: gone
+  triggerPoint: input
+  pool: {{warm: 0, max: 1}}
+  hooks:
+    - name: nothing
+      action: detect
+      code: |
+        def execute(context, settings):
+            return {{"action": "pass"}}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: HookChain
 metadata: {{name: tools-list, namespace: {namespace}}}
 spec:
   target: tools
@@ -172,6 +186,8 @@ class McpProxyTest(unittest.TestCase):
             files={"default.yaml": chains("default"), "elsewhere.yaml": chains("elsewhere")},
             args=["--callers", callers, "--mcp-listen", cls.proxy,
                   "--mcp-server", f"tools=http://127.0.0.1:{port}/mcp",
+                  # A server that is not there (nothing listens on its port).
+                  "--mcp-server", f"gone=http://127.0.0.1:{free_port()}/mcp",
                   "--mcp-upstream-timeout", "3s"],
             client={"token": TOKEN},
         )
@@ -397,7 +413,7 @@ class McpProxyTest(unittest.TestCase):
 
     # === refusals ===
 
-    def raw(self, message, token=TOKEN, session=None, namespace=None):
+    def raw(self, message, token=TOKEN, session=None, namespace=None, server="tools"):
         """One POST to the proxy as it comes off the wire: (status, headers, JSON-RPC messages)."""
         headers = {"authorization": f"Bearer {token}", "content-type": "application/json",
                    "accept": "application/json, text/event-stream"}
@@ -405,7 +421,7 @@ class McpProxyTest(unittest.TestCase):
             headers["mcp-session-id"] = session
         if namespace:
             headers["x-sluice-namespace"] = namespace
-        req = urllib.request.Request(self.url(), data=json.dumps(message).encode(), headers=headers)
+        req = urllib.request.Request(self.url(server), data=json.dumps(message).encode(), headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 status, hdrs, body = r.status, dict(r.headers), r.read().decode()
@@ -462,6 +478,18 @@ class McpProxyTest(unittest.TestCase):
         r = self.session(lambda s: s.call_tool("lookup_customer", {"name": "Ada"}),
                          token=ELSEWHERE_TOKEN)
         self.assertEqual(self.texts(r), ["Customer Ada: phone [phone], email [email]"])
+
+    def test_a_server_that_cannot_be_reached_is_an_error_answer_and_an_unknown_one_is_not_served(self):
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                           "clientInfo": {"name": "raw", "version": "0"}}}
+        status, _, (answer,) = self.raw(init, server="gone")
+        self.assertEqual(status, 200)
+        self.assertEqual(answer["error"]["code"], -32001, answer)
+        self.assertIn("cannot be reached", answer["error"]["message"])
+        status, _, (answer,) = self.raw(init, server="nowhere")
+        self.assertEqual(status, 404)
+        self.assertIn("served: [\"gone\", \"tools\"]", answer["error"]["message"])
 
     def test_a_caller_without_a_token_is_refused(self):
         status, _, _ = self.raw({"jsonrpc": "2.0", "id": 1, "method": "ping"}, token="wrong")

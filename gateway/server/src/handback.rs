@@ -57,6 +57,18 @@ fn drop_when_answered<T: Send + 'static>(held: T) -> Answered {
     Answered(Arc::new(Mutex::new(Some(tx))))
 }
 
+/// Holds `held` until `resp`'s body has been written (or [`ANSWER_GRACE`] has passed): the
+/// proxies' way to keep sandboxes out of their pools while an answer leaves.
+pub(crate) fn hold_until_written<T: Send + 'static>(
+    resp: http::Response<crate::http_port::Body>,
+    held: T,
+) -> http::Response<crate::http_port::Body> {
+    use http_body_util::BodyExt;
+    let (parts, body) = resp.into_parts();
+    let answered = drop_when_answered(held).take();
+    http::Response::from_parts(parts, AfterAnswer { body, answered }.boxed())
+}
+
 /// The gRPC server's response layer: a response's [`Answered`] goes into its body.
 pub(crate) fn after_answer<B>(resp: http::Response<B>) -> http::Response<AfterAnswer<B>> {
     let (mut parts, body) = resp.into_parts();

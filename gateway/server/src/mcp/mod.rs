@@ -185,6 +185,17 @@ pub(crate) struct Call {
     pub(crate) session_id: Option<String>,
     pub(crate) sessions: Arc<session::Sessions>,
     pub(crate) protocol_version: Option<String>,
+    /// The sandboxes of the runs made once the server answered, kept until the client's answer is
+    /// written (handing one back prepares its next cell: a core for milliseconds, which must not
+    /// delay the answer). Runs before the server's call hand theirs back at once: the call itself
+    /// covers their recycling.
+    pub(crate) held: Arc<Held>,
+}
+
+#[derive(Default)]
+pub(crate) struct Held {
+    pub(crate) on: std::sync::atomic::AtomicBool,
+    list: std::sync::Mutex<Vec<sluice_engine::Handback>>,
 }
 
 impl Proxy {
@@ -262,6 +273,7 @@ impl Proxy {
             session_id,
             sessions: self.sessions.clone(),
             protocol_version: crate::http_port::header(&req, "mcp-protocol-version"),
+            held: Default::default(),
         };
         match *req.method() {
             Method::POST => self.post(call, req).await,
@@ -325,7 +337,9 @@ impl Proxy {
             Ok(m) => m,
             Err(invalid) => return invalid.into_response(),
         };
-        guard::message(call, message).await
+        let held = call.held.clone();
+        let resp = guard::message(call, message).await;
+        crate::handback::hold_until_written(resp, held)
     }
 }
 
@@ -359,13 +373,22 @@ impl Call {
         let engine = self.engine.clone();
         // The run goes on in a task of its own: a client that goes away drops this future, never
         // the run, which is finished and audited all the same.
-        let result = tokio::spawn(async move { engine.run(input).await })
+        let result = tokio::spawn(async move { engine.run_holding(input).await })
             .await
             .map_err(|e| {
                 EngineError::Unavailable(format!("the run failed inside the gateway: {e}"))
             })?;
         match result {
-            Ok(r) => Ok(guard::Verdict::of(r.walk)),
+            Ok((r, handback)) => {
+                if self.held.on.load(std::sync::atomic::Ordering::Relaxed) {
+                    self.held
+                        .list
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(handback);
+                }
+                Ok(guard::Verdict::of(r.walk))
+            }
             // No chain at this trigger point: nothing to enforce there.
             Err(EngineError::NotFound(_)) => Ok(guard::Verdict::Go(payload)),
             Err(e) => Err(e),
