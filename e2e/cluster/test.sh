@@ -15,7 +15,18 @@ CARGO=${CARGO:-cargo}
 export SLUICE_IMAGE_PROFILE=${SLUICE_IMAGE_PROFILE:-dev}
 
 "$here/cluster.sh" down >/dev/null 2>&1 || true
-trap '"$here/cluster.sh" down || status=1' EXIT
+# Whatever happened, the cluster goes; a `down` that leaves something behind fails the run. (An EXIT
+# trap cannot change a status by setting a variable: `exit $status` has already chosen it. Its own
+# `exit` does.)
+leave_nothing() {
+	local rc=$?
+	if ! "$here/cluster.sh" down; then
+		echo "test-cluster: cluster.sh down left something behind (above): the run fails" >&2
+		[ "$rc" != 0 ] || rc=1
+	fi
+	exit "$rc"
+}
+trap leave_nothing EXIT
 status=0
 "$here/cluster.sh" up || { status=$?; echo "test-cluster: cluster.sh up failed" >&2; exit $status; }
 UPGRADE=upgrade_from_the_previous_release_with_traffic_running

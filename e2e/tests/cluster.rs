@@ -2226,9 +2226,8 @@ async fn traffic(client: Client, ns: String, stop: tokio::sync::watch::Receiver<
 async fn upgrade_from_the_previous_release_with_traffic_running() {
     use k8s_openapi::api::apps::v1::Deployment;
     let Some(ctl) = std::env::var_os("SLUICE_UPGRADE_CTL").filter(|c| !c.is_empty()) else {
-        println!(
-            "SKIPPED: SLUICE_UPGRADE_CTL is not set: no previous release installed to upgrade from"
-        );
+        // A failure under SLUICE_CLUSTER_REQUIRED=1 (make test-cluster), a skip elsewhere.
+        skip("SLUICE_UPGRADE_CTL is not set: no previous release installed to upgrade from");
         return;
     };
     let Some(c) = cluster("upgrade").await else {
