@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the test cluster's own binaries from the Go module proxy, once per pinned version set:
-# kube-apiserver, kube-controller-manager, kube-scheduler and kubelet (go/kube) and etcd (go/etcd).
+# kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kubectl (go/kube: a kubectl of
+# the API server's own version, within kubectl's skew policy) and etcd (go/etcd).
 # They land in $SLUICE_CLUSTER_CACHE/<key>/bin, outside the checkout, where <key> names the pinned
 # versions; a key that is there is not built again. A build goes to a temporary directory that is
 # renamed into place only when every binary is there, so an interrupted build leaves nothing half-made.
@@ -30,7 +31,7 @@ fi
 sums=$(cat "$here"/go/kube/go.mod "$here"/go/kube/go.sum "$here"/go/etcd/go.mod "$here"/go/etcd/go.sum | sha256sum | cut -c1-12)
 key="kube-$kube_version-etcd-$etcd_version-$sums"
 bin="$cache_root/$key/bin"
-binaries=(kube-apiserver kube-controller-manager kube-scheduler kubelet etcd)
+binaries=(kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl etcd)
 
 built() {
 	local b
@@ -70,7 +71,7 @@ done
 echo "build.sh: building Kubernetes $kube_version into $tmp (cold: 25-40 min on 2 cores)" >&2
 (cd "$here/go/kube" && CGO_ENABLED=0 nice -n "${BUILD_NICE:-5}" go build -trimpath -ldflags "-s -w$stamp" -o "$tmp/" \
 	k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-	k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet)
+	k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl)
 echo "build.sh: building etcd $etcd_version" >&2
 (cd "$here/go/etcd" && CGO_ENABLED=0 nice -n "${BUILD_NICE:-5}" go build -trimpath -ldflags "-s -w" -o "$tmp/etcd" go.etcd.io/etcd/server/v3)
 

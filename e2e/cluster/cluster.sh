@@ -48,6 +48,11 @@ die() { echo "cluster: $*" >&2; exit 1; }
 
 need_root() { [ "$(id -u)" = 0 ] || die "needs root (it starts containerd and the kubelet)"; }
 
+# The cluster's own kubectl once build.sh made it (the API server's version: .venv-tools' is newer
+# than kubectl's skew policy allows), else whichever is on the PATH (before the first build).
+if cluster_bin=$("$here/build.sh" --path 2>/dev/null); then
+	PATH=$cluster_bin:$PATH
+fi
 kubectl_() { kubectl --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
 
 # === deps ===
@@ -68,7 +73,6 @@ deps() {
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 	fi
 	command -v runsc >/dev/null || die "runsc is missing: make deps installs it (bookworm-backports)"
-	command -v kubectl >/dev/null || die "kubectl is missing: make tools puts it in .venv-tools/bin"
 }
 
 # === certificates ===
@@ -417,6 +421,8 @@ up() {
 	deps
 	disk_room
 	BIN=$("$here/build.sh")
+	# The cluster's own kubectl (its version; .venv-tools' is newer than kubectl's skew policy allows).
+	export PATH=$BIN:$PATH
 	if running kube-apiserver || [ -e "$RUN/pids" ]; then
 		die "a cluster is already up (or was not taken down): make cluster-down first"
 	fi

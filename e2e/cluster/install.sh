@@ -27,6 +27,10 @@ export KUBECONFIG=$STATE/admin.kubeconfig
 # reach the API server there rather than through the `kubernetes` Service's ClusterIP.
 NODE_IP=172.31.255.1
 
+# The cluster's own kubectl (its API server's version), as cluster.sh uses.
+cluster_bin=$("$here/build.sh" --path) || exit 1
+export PATH=$cluster_bin:$PATH
+
 log() { echo "install: $*" >&2; }
 die() { echo "install: $*" >&2; exit 1; }
 
@@ -89,6 +93,7 @@ export SLUICE_SANDBOX_NAMESPACE=$SANDBOX_NS
 export SLUICE_RELEASE_NAMESPACE=$RELEASE_NS
 export SLUICE_CLUSTER_CTL=$here/cluster.sh
 export SLUICE_UPGRADE_CTL=$([ "$mode" = previous ] && echo "$here/install.sh")
+export PATH=$cluster_bin:\$PATH
 EOF
 	log "installed ($mode); the suite's environment: $STATE/e2e.env"
 }

@@ -2216,6 +2216,29 @@ async fn traffic(client: Client, ns: String, stop: tokio::sync::watch::Receiver<
     seen
 }
 
+/// The kubectl the suite and the scripts use is one kubectl's version skew policy supports against
+/// this API server (within one minor version): a newer one (the .venv-tools kubectl, 1.37 against
+/// 1.34) may send what this API server does not know. cluster.sh builds the API server's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_is_within_its_skew_policy_of_the_api_server() {
+    let Some(_c) = cluster("kubectl-skew").await else {
+        return;
+    };
+    let v: Value = serde_json::from_str(&kubectl(&["version", "-o", "json"]))
+        .expect("kubectl version -o json");
+    let minor = |side: &str| -> i64 {
+        v[side]["minor"]
+            .as_str()
+            .and_then(|m| m.trim_end_matches('+').parse().ok())
+            .unwrap_or_else(|| panic!("no {side} minor version in {v}"))
+    };
+    let (client, server) = (minor("clientVersion"), minor("serverVersion"));
+    assert!(
+        (client - server).abs() <= 1,
+        "kubectl 1.{client} against an API server 1.{server}: outside kubectl's skew policy (one minor version)"
+    );
+}
+
 /// An upgrade from the previous release (e2e/cluster/previous-release: its chart and its images) to
 /// this one, with traffic running: `helm upgrade` with the values the previous release was installed
 /// with, as users upgrade. For a while old sandbox pods are served by the new gateway, new pods by
