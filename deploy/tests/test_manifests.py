@@ -33,6 +33,8 @@ HELM = os.path.join(BIN, "helm")
 KUBECTL = os.path.join(BIN, "kubectl")
 OPERATOR = os.path.join(ROOT, "target", "debug", "sluice-operator")
 KUBE_VERSIONS = ("1.27.0", "1.33.0")  # the chart's kubeVersion floor; the k8s-openapi feature (v1_33)
+# API versions newer than the chart's floor, rendered only where the cluster serves them.
+API_SINCE = {"flowcontrol.apiserver.k8s.io/v1": "1.29.0"}
 CHART = os.path.join(ROOT, "charts", "sluice")
 NAMESPACE = "sluice-system"
 # The NetworkPolicies need the API server's addresses, which the chart looks up only when it installs
@@ -296,7 +298,10 @@ class Validator:
             ok = spec.get("selector", {}).get("matchLabels") and all(e.get("port") for e in spec.get("endpoints") or [{}])
             return [] if ok else [f"{what}: needs spec.selector.matchLabels and endpoints with a port"]
         errors = []
-        for version in KUBE_VERSIONS:
+        # An API the chart renders only where the cluster serves it (.Capabilities.APIVersions) is
+        # checked against the versions that have it.
+        since = tuple(int(p) for p in API_SINCE.get(obj["apiVersion"], "0").split("."))
+        for version in [v for v in KUBE_VERSIONS if tuple(int(p) for p in v.split(".")) >= since]:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.SchemaNotFoundError:
@@ -989,6 +994,26 @@ class CapabilitiesChartTest(ManifestCase):
         self.assertIn({"name": "mcp-session-key", "secret": {"secretName": "my-key", "items": [{"key": "key", "path": "key"}]}},
                       gateway(objs)["volumes"])
         self.assertIn("gateway.mcp.servers", helm_refusal(values={"gateway": {"mcp": {"enabled": True}}}))
+
+    def test_the_operator_and_gateway_have_a_priority_level_of_their_own_unless_turned_off(self):
+        objs = helm_template()
+        name = f"sluice-{NAMESPACE}"
+        level = self.find(objs, "PriorityLevelConfiguration", name)["spec"]
+        self.assertEqual(level["type"], "Limited")
+        self.assertEqual(level["limited"]["limitResponse"]["type"], "Queue")
+        schema = self.find(objs, "FlowSchema", name)["spec"]
+        self.assertEqual(schema["priorityLevelConfiguration"], {"name": name})
+        # Ahead of the built-in service-accounts schema (9000), which would put them in workload-low.
+        self.assertLess(schema["matchingPrecedence"], 9000)
+        (rule,) = schema["rules"]
+        self.assertEqual(sorted(s["serviceAccount"]["name"] for s in rule["subjects"]), ["sluice-gateway", "sluice-operator"])
+        self.assertEqual({s["serviceAccount"]["namespace"] for s in rule["subjects"]}, {NAMESPACE})
+        self.assertValid(objs, "helm template with API Priority and Fairness")
+        # Another release in another namespace gets objects of its own.
+        other = helm_template(release="other", namespace="elsewhere")
+        self.find(other, "FlowSchema", "other-elsewhere")
+        self.assertFalse([o for o in helm_template("apiPriority.enabled=false")
+                          if o["kind"] in ("FlowSchema", "PriorityLevelConfiguration")])
 
     def role_rules(self, role):
         return {(g, r): sorted(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}

@@ -25,6 +25,8 @@ FILES = {  # kind -> file of deploy/base
     "RoleBinding": "rbac.yaml",
     "RuntimeClass": "runtimeclass.yaml",
     "NetworkPolicy": "networkpolicies.yaml",
+    "FlowSchema": "apipriority.yaml",
+    "PriorityLevelConfiguration": "apipriority.yaml",
 }
 HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
 API_SERVER = "192.0.2.1/32"  # RFC 5737 TEST-NET-1: never a real API server

@@ -2216,6 +2216,41 @@ async fn traffic(client: Client, ns: String, stop: tokio::sync::watch::Receiver<
     seen
 }
 
+/// The operator's and the gateway's requests are classified into the chart's own priority level
+/// (API Priority and Fairness), not the cluster's `workload-low`: the real API server's own
+/// counters say which FlowSchema and level dispatched the requests of their ServiceAccounts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_server_dispatches_sluices_requests_in_its_own_priority_level() {
+    let Some(_c) = cluster("apf").await else {
+        return;
+    };
+    // The release's name is the chart's default in the suite's installs.
+    let name = format!("sluice-{}", release_namespace());
+    let wanted = format!(r#"flow_schema="{name}",priority_level="{name}""#);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let metrics = kubectl(&["get", "--raw", "/metrics"]);
+        let dispatched: f64 = metrics
+            .lines()
+            .filter(|l| l.starts_with("apiserver_flowcontrol_dispatched_requests_total{"))
+            .filter(|l| l.contains(&wanted))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        if dispatched > 0.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no request was dispatched by FlowSchema and priority level {name} in 60 s: {:?}",
+            metrics
+                .lines()
+                .filter(|l| l.starts_with("apiserver_flowcontrol_dispatched_requests_total{"))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
 /// The kubectl the suite and the scripts use is one kubectl's version skew policy supports against
 /// this API server (within one minor version): a newer one (the .venv-tools kubectl, 1.37 against
 /// 1.34) may send what this API server does not know. cluster.sh builds the API server's own.
