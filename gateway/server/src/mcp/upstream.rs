@@ -243,7 +243,7 @@ impl Events {
     /// The next whole event in the buffer: `Some(Some(data))`, `Some(None)` for an event without
     /// data (a comment, a keep-alive, an id alone), `None` when no event is whole yet.
     fn take_event(&mut self) -> Option<Option<String>> {
-        let (end, sep) = event_end(&self.buffer)?;
+        let (end, sep) = crate::openai::sse::find_event_end(&self.buffer)?;
         let raw = self.buffer.split_to(end);
         let _ = self.buffer.split_to(sep);
         let text = String::from_utf8_lossy(&raw);
@@ -258,16 +258,3 @@ impl Events {
 
 /// A server's answer (a JSON body, or one SSE event) is at most this large.
 const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
-
-/// Where the first event in `buffer` ends: (its length, the separator's length).
-fn event_end(buffer: &[u8]) -> Option<(usize, usize)> {
-    let lf = buffer.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
-    let crlf = buffer
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|i| (i, 4));
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
-    }
-}

@@ -15,7 +15,7 @@ mod chat;
 mod error;
 mod hooks;
 mod passed;
-mod sse;
+pub(crate) mod sse;
 mod target;
 mod upstream;
 

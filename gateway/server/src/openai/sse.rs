@@ -558,7 +558,7 @@ fn drain_events(buffer: &mut BytesMut) -> Vec<Event> {
 }
 
 /// Where the first event in `buffer` ends: (its length, the separator's length).
-fn find_event_end(buffer: &[u8]) -> Option<(usize, usize)> {
+pub(crate) fn find_event_end(buffer: &[u8]) -> Option<(usize, usize)> {
     let lf = buffer.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
     let crlf = buffer
         .windows(4)
