@@ -1011,7 +1011,7 @@ class CapabilitiesChartTest(ManifestCase):
         self.assertValid(objs, "helm template with API Priority and Fairness")
         # Another release in another namespace gets objects of its own.
         other = helm_template(release="other", namespace="elsewhere")
-        self.find(other, "FlowSchema", "other-elsewhere")
+        self.find(other, "FlowSchema", "other-sluice-elsewhere")
         self.assertFalse([o for o in helm_template("apiPriority.enabled=false")
                           if o["kind"] in ("FlowSchema", "PriorityLevelConfiguration")])
 
@@ -1101,7 +1101,8 @@ class ReleasesTest(ManifestCase):
             ("ClusterRole", "sluice-hookchain-edit"), ("ClusterRole", "sluice-view"), ("ClusterRole", "sluice-platform"),
             ("ClusterRole", "sluice-capability-admin"), ("Namespace", SANDBOXES), ("RuntimeClass", "gvisor"),
             ("ClusterRole", "sluice-operator-webhook-ca"), ("ClusterRoleBinding", "sluice-operator-webhook-ca"),
-            ("ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}")]))
+            ("ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}"),
+            ("FlowSchema", f"sluice-{NAMESPACE}"), ("PriorityLevelConfiguration", f"sluice-{NAMESPACE}")]))
         names = lambda kind: sorted(o["metadata"]["name"] for o in objs if o["kind"] == kind)  # noqa: E731
         self.assertEqual(names("Role"), ["sluice-gateway-sandboxes", "sluice-operator-certificates",
                                          "sluice-operator-leader-election", "sluice-operator-sandboxes"])
