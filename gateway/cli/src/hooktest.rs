@@ -294,10 +294,17 @@ impl Local {
             .with_trace_lines(),
         );
         let gateway = start_local(opts).await?;
-        for e in gateway.engine.registry().errors() {
-            if !e.message.contains("will fail until it does") {
-                anyhow::bail!("{}", originals(&copies, &e.to_string()));
-            }
+        // Every problem of the files, each once, at the author's file and line.
+        let problems: Vec<String> = gateway
+            .engine
+            .registry()
+            .errors()
+            .iter()
+            .filter(|e| !e.message.contains("will fail until it does"))
+            .map(|e| originals(&copies, &e.to_string()))
+            .collect();
+        if !problems.is_empty() {
+            anyhow::bail!("{}", problems.join("\n"));
         }
         // Whatever the rewriting above missed must not be served: only the stubs are reachable.
         let stub_prefix = format!("http://{addr}/");

@@ -669,10 +669,12 @@ fn init(dir: &std::path::Path, example: Option<&str>) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Logs only warnings and errors, on stderr, unless RUST_LOG says otherwise.
+/// Logs only warnings and errors, on stderr, unless RUST_LOG says otherwise. The registry's own
+/// report of a chain that does not load is left out: the command says it once, with the author's
+/// path (the registry's names the copy the local gateway reads).
 fn quiet_logs() {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "warn,sluice_engine::registry=off".into());
     use std::io::IsTerminal;
     let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let _ = tracing_subscriber::fmt()

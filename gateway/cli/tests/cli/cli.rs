@@ -1045,3 +1045,25 @@ fn check_names_the_action_meant() {
         "{out}"
     );
 }
+
+/// A chain that does not compile is said once by `sluice run`, with the author's file and line: not
+/// again by the local gateway's log, naming the temporary copy it loaded.
+#[test]
+fn a_chain_that_does_not_compile_is_said_once_with_the_authors_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let chain = write(
+        dir.path(),
+        "broken.yaml",
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: broken}\nspec:\n  target: bot\n  triggerPoint: input\n  hooks:\n    - name: h\n      action: modify\n      code: |\n        def execute(context, settings)\n            return {\"action\": \"pass\"}\n",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["run", &chain, "--text", "hi"])
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("sluice runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert_eq!(err.matches("SyntaxError").count(), 1, "{err}");
+    assert!(err.contains(&format!("{chain}:11:")), "{err}");
+    assert!(!err.contains("ERROR"), "{err}");
+}
