@@ -37,7 +37,7 @@ pub fn hookchain() -> CustomResourceDefinition {
     // Characters, as CEL counts: at most the bytes the validation in Rust counts, so this is the
     // same bound or looser, never stricter.
     let rule = json!({
-        "rule": format!("self.hooks.map(h, size(h.code)).sum() <= {MAX_CHAIN_CODE_BYTES}"),
+        "rule": format!("self.hooks.map(h, has(h.code) ? size(h.code) : 0).sum() <= {MAX_CHAIN_CODE_BYTES}"),
         "message": format!("the hooks' code together must be at most {} KiB", MAX_CHAIN_CODE_BYTES / 1024),
     });
     finish(HookChain::crd(), HOOKCHAIN, Some(rule))

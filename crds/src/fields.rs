@@ -82,25 +82,7 @@ const METADATA: &[&str] = &[
     "selfLink",
 ];
 
-/// The known name `unknown` most likely meant, if one is close enough to suggest.
-pub fn did_you_mean<'a>(
-    unknown: &str,
-    known: impl IntoIterator<Item = &'a str>,
-) -> Option<&'a str> {
-    let lower = unknown.to_ascii_lowercase();
-    let mut best: Option<(f64, &str)> = None;
-    for k in known {
-        if k.to_ascii_lowercase() == lower {
-            return Some(k);
-        }
-        let score = strsim::jaro_winkler(&lower, &k.to_ascii_lowercase());
-        let close = strsim::levenshtein(&lower, &k.to_ascii_lowercase()) <= 2 || score >= 0.85;
-        if close && best.is_none_or(|(s, _)| score > s) {
-            best = Some((score, k));
-        }
-    }
-    best.map(|(_, k)| k)
-}
+pub use crate::did_you_mean;
 
 /// Every field of `value` its schema does not know, with a suggestion where one is close.
 fn unknown_fields(schema: &Value, value: &Value, path: &mut Vec<Seg>, out: &mut Vec<FieldProblem>) {

@@ -415,26 +415,123 @@ fn default_pids() -> u32 {
     64
 }
 
-/// One hook: Python source defining `execute(context, settings)` and the one action it may take.
+/// One hook: Python source defining `execute(context, settings)`, or a ready hook of the library
+/// used by name, and the one action it may take.
+///
+/// `code` is what runs: the hook's own code, or the ready hook's when `uses` names one (resolved as
+/// the spec is read, so every component runs and hashes the same code).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(from = "HookFields", into = "HookFields")]
+pub struct HookSpec {
+    pub name: String,
+    pub action: Action,
+    pub settings: Option<serde_json::Value>,
+    pub capabilities: Vec<String>,
+    /// The ready hook (`crate::library`) this hook runs instead of code of its own.
+    pub uses: Option<String>,
+    /// The code that runs.
+    pub code: String,
+    /// What the document gave: code of its own (with or without `uses`: both is refused by
+    /// validation).
+    pub(crate) wrote_code: bool,
+}
+
+impl HookSpec {
+    /// A hook with code of its own.
+    pub fn with_code(name: &str, action: Action, code: &str) -> Self {
+        Self::from(HookFields {
+            name: name.to_string(),
+            action,
+            settings: None,
+            capabilities: Vec::new(),
+            uses: None,
+            code: Some(code.to_string()),
+        })
+    }
+
+    /// Whether the document gave code of its own.
+    pub fn wrote_code(&self) -> bool {
+        self.wrote_code
+    }
+}
+
+/// One hook: Python source defining `execute(context, settings)`, or a ready hook of the Sluice library
+/// used by name (`uses`), and the one action it may take.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct HookSpec {
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "has(self.code) != has(self.uses)",
+    "message": "a hook has code of its own or uses a ready hook, one of the two"
+}]))]
+struct HookFields {
     /// Name of the hook, unique within the chain; it appears in results, errors and the audit.
     #[schemars(length(min = 1, max = 63))]
-    pub name: String,
+    name: String,
     /// The action this hook may take besides pass: modify, block, skip or detect.
-    pub action: Action,
+    action: Action,
     /// Free-form settings passed to execute as its second argument.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "free_form")]
-    pub settings: Option<serde_json::Value>,
+    settings: Option<serde_json::Value>,
     /// Capabilities (by name) this hook may call through host_call.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub capabilities: Vec<String>,
+    capabilities: Vec<String>,
+    /// A ready hook of the Sluice library to run instead of code (pii/email, pii/phone, pii/card,
+    /// pii/iban, pii/ip, pii/secrets, pii/national-id, injection/heuristics, text/keywords,
+    /// text/length, text/script; docs/hooks.md), configured by settings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    uses: Option<String>,
     /// Python source that defines execute(context, settings) and returns a dict with an action. The
     /// code of all hooks of a chain together is at most 512 KiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 262144))]
-    pub code: String,
+    code: Option<String>,
+}
+
+impl From<HookFields> for HookSpec {
+    fn from(f: HookFields) -> Self {
+        let wrote_code = f.code.is_some();
+        let code = match (&f.uses, f.code) {
+            // A name the library does not have leaves no code: validation says which names it has.
+            (Some(uses), _) => crate::library::find(uses)
+                .map(|ready| ready.code(f.action))
+                .unwrap_or_default(),
+            (None, code) => code.unwrap_or_default(),
+        };
+        Self {
+            name: f.name,
+            action: f.action,
+            settings: f.settings,
+            capabilities: f.capabilities,
+            uses: f.uses,
+            code,
+            wrote_code,
+        }
+    }
+}
+
+impl From<HookSpec> for HookFields {
+    fn from(h: HookSpec) -> Self {
+        Self {
+            name: h.name,
+            action: h.action,
+            settings: h.settings,
+            capabilities: h.capabilities,
+            code: (h.uses.is_none() || h.wrote_code).then_some(h.code),
+            uses: h.uses,
+        }
+    }
+}
+
+impl JsonSchema for HookSpec {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        HookFields::schema_name()
+    }
+
+    fn json_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        HookFields::json_schema(generator)
+    }
 }
 
 /// What the operator and gateway report about a chain.

@@ -25,6 +25,7 @@ pub mod endpoints;
 #[cfg(feature = "kube")]
 pub mod fields;
 mod hookchain;
+pub mod library;
 pub mod log_text;
 #[cfg(feature = "kube")]
 pub mod manifest;
@@ -49,6 +50,26 @@ pub use hookchain::{
 pub use hookchain::{HookChain, HookChainStatus};
 
 use schemars::Schema;
+
+/// The known name `unknown` most likely meant, if one is close enough to suggest.
+pub fn did_you_mean<'a>(
+    unknown: &str,
+    known: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
+    let lower = unknown.to_ascii_lowercase();
+    let mut best: Option<(f64, &str)> = None;
+    for k in known {
+        if k.to_ascii_lowercase() == lower {
+            return Some(k);
+        }
+        let score = strsim::jaro_winkler(&lower, &k.to_ascii_lowercase());
+        let close = strsim::levenshtein(&lower, &k.to_ascii_lowercase()) <= 2 || score >= 0.85;
+        if close && best.is_none_or(|(s, _)| score > s) {
+            best = Some((score, k));
+        }
+    }
+    best.map(|(_, k)| k)
+}
 
 /// Schema of a free-form JSON object (`settings`, `schema`): kept whole by the API server.
 fn free_form(_: &mut schemars::SchemaGenerator) -> Schema {

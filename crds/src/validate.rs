@@ -106,11 +106,36 @@ pub fn hookchain(spec: &HookChainSpec) -> Vec<Problem> {
                 "a hook declares what it may do besides pass: modify, block, skip or detect",
             ));
         }
-        if hook.code.trim().is_empty() {
-            out.push(problem(
+        match &hook.uses {
+            Some(_) if hook.wrote_code() => out.push(problem(
+                format!("{at}.uses"),
+                "a hook uses a ready hook or has code of its own, not both: remove code or uses",
+            )),
+            Some(name) => match crate::library::find(name) {
+                Some(ready) => {
+                    for (field, message) in ready.problems(hook.action, hook.settings.as_ref()) {
+                        out.push(problem(format!("{at}.{field}"), message));
+                    }
+                }
+                None => {
+                    let hint = match crate::did_you_mean(name, crate::library::names()) {
+                        Some(meant) => format!("did you mean {meant}? "),
+                        None => String::new(),
+                    };
+                    out.push(problem(
+                        format!("{at}.uses"),
+                        format!(
+                            "{name:?} is no ready hook: {hint}the library has {}",
+                            crate::library::names().collect::<Vec<_>>().join(", ")
+                        ),
+                    ));
+                }
+            },
+            None if hook.code.trim().is_empty() => out.push(problem(
                 format!("{at}.code"),
-                "is empty; it must define execute(context, settings)",
-            ));
+                "is empty; it must define execute(context, settings) (or use a ready hook: uses)",
+            )),
+            None => {}
         }
         if let Some(s) = &hook.settings
             && !s.is_object()
@@ -331,6 +356,55 @@ mod tests {
     fn a_good_chain_has_no_problems() {
         assert_eq!(hookchain(&chain()), vec![]);
         assert_eq!(chain().trigger_point, TriggerPoint::Input);
+    }
+
+    #[test]
+    fn a_hook_that_uses_a_ready_hook_runs_its_code_and_is_checked_against_it() {
+        let spec = |hooks: serde_json::Value| -> HookChainSpec {
+            serde_json::from_value(
+                serde_json::json!({"target": "bot", "triggerPoint": "input", "hooks": hooks}),
+            )
+            .unwrap()
+        };
+        let good = spec(serde_json::json!([
+            {"name": "iban", "action": "modify", "uses": "pii/iban", "settings": {"mask": "[IBAN]"}}
+        ]));
+        assert_eq!(hookchain(&good), vec![]);
+        assert!(good.hooks[0].code.contains("DECLARED_ACTION = \"modify\""));
+        assert!(
+            good.hooks[0]
+                .code
+                .contains("def execute(context, settings)")
+        );
+        // Written back as the author wrote it: the name, not the library's code.
+        let back = serde_json::to_value(&good).unwrap();
+        assert_eq!(back["hooks"][0]["uses"], "pii/iban");
+        assert!(back["hooks"][0].get("code").is_none(), "{back}");
+
+        let bad = spec(serde_json::json!([
+            {"name": "a", "action": "modify", "uses": "pii/ibna"},
+            {"name": "b", "action": "skip", "uses": "pii/card", "settings": {"mask": 1}},
+            {"name": "c", "action": "block", "uses": "pii/card", "code": "def execute(c, s):\n    return {'action': 'pass'}\n"},
+            {"name": "d", "action": "block"}
+        ]));
+        let found: Vec<String> = hookchain(&bad).iter().map(|p| p.to_string()).collect();
+        for expected in [
+            "spec.hooks[0].uses: \"pii/ibna\" is no ready hook: did you mean pii/iban? the library has pii/email,",
+            "spec.hooks[1].action: pii/card can modify, block, detect, not skip",
+            "spec.hooks[1].settings.mask: must be a string, not 1",
+            "spec.hooks[2].uses: a hook uses a ready hook or has code of its own, not both",
+            "spec.hooks[3].code: is empty",
+        ] {
+            assert!(
+                found.iter().any(|f| f.starts_with(expected)),
+                "{expected:?} not in {found:#?}"
+            );
+        }
+        // Each hook's code is part of the chain's hash: a ready hook's too, and its declared action.
+        let detect = spec(serde_json::json!([
+            {"name": "iban", "action": "detect", "uses": "pii/iban", "settings": {"mask": "[IBAN]"}}
+        ]));
+        assert_ne!(good.code_hash(), detect.code_hash());
     }
 
     #[test]

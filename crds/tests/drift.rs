@@ -154,6 +154,6 @@ fn crds_say_what_a_platform_engineer_needs() {
         [0];
     assert_eq!(
         rule["rule"],
-        "self.hooks.map(h, size(h.code)).sum() <= 524288"
+        "self.hooks.map(h, has(h.code) ? size(h.code) : 0).sum() <= 524288"
     );
 }

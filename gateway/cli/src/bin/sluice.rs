@@ -108,8 +108,9 @@ enum Command {
         /// Directory to write into (created if missing); existing files are never overwritten.
         dir: std::path::PathBuf,
         /// Start from a recipe instead of the starter: card-numbers (masked in streamed replies,
-        /// Luhn-checked), competitors (blocked, the list in settings), charge-per-message (a
-        /// credit per message through the ledger, blocked without credit).
+        /// Luhn-checked), competitors (blocked, the list in settings), ready-hooks (PII masked and
+        /// injection blocked by ready hooks of the library, no code), charge-per-message (a credit
+        /// per message through the ledger, blocked without credit).
         #[arg(long, value_name = "NAME", value_parser = RECIPES.iter().map(|r| r.name).collect::<Vec<_>>())]
         example: Option<String>,
     },
@@ -609,6 +610,14 @@ const RECIPES: &[Recipe] = &[
         tests: &[(
             "competitors.test.yaml",
             include_str!("../../recipes/competitors.test.yaml"),
+        )],
+    },
+    Recipe {
+        name: "ready-hooks",
+        chain: include_str!("../../recipes/ready-hooks.yaml"),
+        tests: &[(
+            "ready-hooks.test.yaml",
+            include_str!("../../recipes/ready-hooks.test.yaml"),
         )],
     },
     Recipe {

@@ -814,6 +814,28 @@ fn check_catches_what_the_compiler_and_the_gateway_would_refuse() {
     assert!(out.contains("can end here without returning"), "{out}");
 }
 
+/// A hook that uses a ready hook is checked against it: the name (with the library's names), the
+/// declared action, the settings it reads, each at its line.
+#[test]
+fn check_names_what_is_wrong_with_a_ready_hook_at_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "ready.yaml",
+        "apiVersion: sluice.dev/v1alpha1\nkind: HookChain\nmetadata: {name: ready}\nspec:\n  target: bot\n  triggerPoint: input\n  hooks:\n    - {name: a, action: modify, uses: pii/ibna}\n    - {name: b, action: skip, uses: pii/card, settings: {maks: x}}\n    - {name: c, action: block, uses: text/length}\n",
+    );
+    let (code, out) = sluice(&["check", &file]);
+    assert_eq!(code, 1, "{out}");
+    for expected in [
+        "ready.yaml:8: HookChain \"ready\": spec.hooks[0].uses: \"pii/ibna\" is no ready hook: did you mean pii/iban? the library has pii/email,",
+        "ready.yaml:9: HookChain \"ready\": spec.hooks[1].action: pii/card can modify, block, detect, not skip",
+        "ready.yaml:9: HookChain \"ready\": spec.hooks[1].settings.maks: pii/card has no setting \"maks\": did you mean mask?",
+        "ready.yaml:10: HookChain \"ready\": spec.hooks[2].settings.max_chars: text/length needs this setting",
+    ] {
+        assert!(out.contains(expected), "{expected:?} not in:\n{out}");
+    }
+}
+
 /// Each recipe `sluice init --example` writes checks clean and passes its own tests, and its tests
 /// can fail: broken on purpose (the card recipe's lookback cut to 4, the competitor list emptied,
 /// the charge hook no longer blocking on `denied`), each fails.
@@ -823,6 +845,7 @@ fn every_recipe_checks_and_tests_clean_and_its_tests_catch_a_broken_recipe() {
     let breakages = [
         ("card-numbers", "lookbackChars: 24", "lookbackChars: 4", 3),
         ("competitors", "[Acme Corp, Globex, Initech]", "[]", 3),
+        ("ready-hooks", "uses: pii/card}", "uses: pii/email}", 3),
         (
             "charge-per-message",
             "e.code == \"denied\"",
