@@ -873,6 +873,47 @@ async fn the_admission_webhook_refuses_broken_chains_at_apply() {
     apply(chain(UPPER))
         .await
         .expect("a valid chain is admitted");
+
+    // Ready hooks: one named by `uses` is admitted; code and uses together are refused by the API
+    // server's own rule (the CRD's CEL), an unknown name by the webhook, with the library's names.
+    let ready = |hook: Value| {
+        json!({
+            "apiVersion": "sluice.dev/v1alpha1",
+            "kind": "HookChain",
+            "metadata": {"name": "guarded", "namespace": c.ns},
+            "spec": {"target": "guarded-bot", "triggerPoint": "input", "hooks": [hook]},
+        })
+    };
+    let both = apply(ready(
+        json!({"name": "iban", "action": "modify", "uses": "pii/iban", "code": UPPER}),
+    ))
+    .await
+    .expect_err("code and uses together are refused");
+    assert!(
+        both.to_string()
+            .contains("a hook has code of its own or uses a ready hook, one of the two"),
+        "{both}"
+    );
+    let unknown = apply(ready(
+        json!({"name": "iban", "action": "modify", "uses": "pii/ibna"}),
+    ))
+    .await
+    .expect_err("an unknown ready hook is refused");
+    assert!(
+        unknown
+            .to_string()
+            .contains("\"pii/ibna\" is no ready hook: did you mean pii/iban?"),
+        "{unknown}"
+    );
+    let admitted = apply(ready(json!({"name": "iban", "action": "modify", "uses": "pii/iban", "settings": {"mask": "[IBAN]"}})))
+        .await
+        .expect("a chain of a ready hook is admitted");
+    assert_eq!(admitted.spec.hooks[0].uses.as_deref(), Some("pii/iban"));
+    assert!(
+        admitted.spec.hooks[0]
+            .code
+            .contains("DECLARED_ACTION = \"modify\"")
+    );
 }
 
 /// Deleting a chain deletes its pods and its NetworkPolicy wherever they live (the operator's
