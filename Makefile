@@ -87,7 +87,9 @@ test-dist:
 	cd target/test-dist && env -i PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=$$HOME \
 		./$(DIST_NAME)/bin/sluice check $(CURDIR)/examples/ \
 		&& env -i PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=$$HOME \
-		./$(DIST_NAME)/bin/sluice test $(CURDIR)/examples/tests/pii-redaction.test.yaml
+		./$(DIST_NAME)/bin/sluice test $(CURDIR)/examples/tests/pii-redaction.test.yaml \
+		&& env -i PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=$$HOME \
+		./$(DIST_NAME)/bin/sluice check $(CURDIR)/gateway/cli/tests/py312.yaml
 	rm -rf target/test-dist dist/$(DIST_NAME) dist/$(DIST_NAME).tar.gz
 
 # The example services (fake LLM on :7001, credit ledger on :7002, OpenAI-compatible fake LLM on

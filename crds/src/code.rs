@@ -308,14 +308,105 @@ pub struct HookAnalysis {
 /// Why the code could not be checked at all (not a problem in the code).
 #[derive(Debug, thiserror::Error)]
 pub enum CodeCheckError {
-    #[error("cannot run python3 to check hook code: {0}")]
-    Spawn(std::io::Error),
+    #[error("cannot run {0} to check hook code: {1}")]
+    Spawn(String, std::io::Error),
     #[error("talking to the code checker failed: {0}")]
     Io(std::io::Error),
     #[error("the code checker failed: {0}")]
     Failed(String),
     #[error("the code checker answered something unreadable: {0}")]
     Answer(#[from] serde_json::Error),
+}
+
+/// What runs the analyser: a Python on the host, or the cell, the CPython hooks run on, through the
+/// supervisor (`sluice-supervisor python`), so that code is judged by the interpreter that runs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Interpreter {
+    Python(std::path::PathBuf),
+    Cell {
+        supervisor: std::path::PathBuf,
+        runtime: std::path::PathBuf,
+    },
+}
+
+impl Interpreter {
+    fn command(&self) -> std::process::Command {
+        match self {
+            Self::Python(python) => std::process::Command::new(python),
+            Self::Cell {
+                supervisor,
+                runtime,
+            } => {
+                let mut c = std::process::Command::new(supervisor);
+                c.arg("python").arg("--runtime").arg(runtime);
+                c
+            }
+        }
+    }
+}
+
+impl Interpreter {
+    /// The cell beside this executable (`sluice-supervisor` and `sluice-cell.cwasm`, as the images
+    /// and the tarball place them), or named by `SLUICE_SUPERVISOR` and `SLUICE_CELL_RUNTIME`; else
+    /// `python`. What the operator and the gateway judge hook code with unless told otherwise.
+    pub fn cell_or(python: &str) -> Self {
+        let env = |name| std::env::var_os(name).map(std::path::PathBuf::from);
+        let beside = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(std::path::Path::to_path_buf));
+        let supervisor = env("SLUICE_SUPERVISOR")
+            .or_else(|| beside.as_ref().map(|d| d.join("sluice-supervisor")));
+        let runtime = env("SLUICE_CELL_RUNTIME")
+            .or_else(|| beside.as_ref().map(|d| d.join("sluice-cell.cwasm")));
+        match (supervisor, runtime) {
+            (Some(supervisor), Some(runtime)) if supervisor.is_file() && runtime.is_file() => {
+                Self::Cell {
+                    supervisor,
+                    runtime,
+                }
+            }
+            _ => Self::Python(python.into()),
+        }
+    }
+}
+
+impl std::fmt::Display for Interpreter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Python(python) => write!(f, "{}", python.display()),
+            Self::Cell { runtime, .. } => write!(f, "the cell runtime {}", runtime.display()),
+        }
+    }
+}
+
+impl From<&std::path::Path> for Interpreter {
+    fn from(python: &std::path::Path) -> Self {
+        Self::Python(python.to_path_buf())
+    }
+}
+
+impl From<&std::path::PathBuf> for Interpreter {
+    fn from(python: &std::path::PathBuf) -> Self {
+        Self::Python(python.clone())
+    }
+}
+
+impl From<std::path::PathBuf> for Interpreter {
+    fn from(python: std::path::PathBuf) -> Self {
+        Self::Python(python)
+    }
+}
+
+impl From<&str> for Interpreter {
+    fn from(python: &str) -> Self {
+        Self::Python(python.into())
+    }
+}
+
+impl From<&Interpreter> for Interpreter {
+    fn from(i: &Interpreter) -> Self {
+        i.clone()
+    }
 }
 
 /// Per hook, in order, the problems found in its code, as the `python3` first on `PATH` parses it.
@@ -326,7 +417,7 @@ pub fn analyse(hooks: &[HookSpec]) -> Result<Vec<Vec<CodeProblem>>, CodeCheckErr
 /// Per hook, in order, the problems found in its code, as `python` parses it: give the interpreter
 /// the sandboxes run, so that syntax it would refuse is refused here too.
 pub fn analyse_with(
-    python: &std::path::Path,
+    python: impl Into<Interpreter>,
     hooks: &[HookSpec],
 ) -> Result<Vec<Vec<CodeProblem>>, CodeCheckError> {
     let texts: Vec<HookText<'_>> = hooks
@@ -337,7 +428,7 @@ pub fn analyse_with(
             capabilities: h.capabilities.iter().map(String::as_str).collect(),
         })
         .collect();
-    Ok(analyse_code(python, &texts)?
+    Ok(analyse_code(&python.into(), &texts)?
         .into_iter()
         .map(|a| a.problems)
         .collect())
@@ -356,7 +447,7 @@ pub struct HookText<'a> {
 
 /// Per hook, in order, everything the analyser finds, as `python` parses it.
 pub fn analyse_code(
-    python: &std::path::Path,
+    python: &Interpreter,
     hooks: &[HookText<'_>],
 ) -> Result<Vec<HookAnalysis>, CodeCheckError> {
     use std::io::Write;
@@ -365,13 +456,14 @@ pub fn analyse_code(
         .map(|h| serde_json::json!({"action": h.action, "code": h.code, "capabilities": h.capabilities}))
         .collect();
     let input = serde_json::json!({"sandbox": SANDBOX_MODULES, "hooks": hooks});
-    let mut child = std::process::Command::new(python)
+    let mut child = python
+        .command()
         .args(["-I", "-S", "-c", ANALYSER])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .map_err(CodeCheckError::Spawn)?;
+        .map_err(|e| CodeCheckError::Spawn(python.to_string(), e))?;
     let body = serde_json::to_vec(&input)?;
     if let Some(mut stdin) = child.stdin.take() {
         stdin.write_all(&body).map_err(CodeCheckError::Io)?;
@@ -435,7 +527,7 @@ pub struct HookFinding {
 /// `sluice check` and the operator's admission webhook both word their findings with this.
 #[cfg(feature = "kube")]
 pub fn document_findings(
-    python: &std::path::Path,
+    python: impl Into<Interpreter>,
     doc: &serde_json::Value,
 ) -> Result<Vec<HookFinding>, CodeCheckError> {
     if doc["kind"] != "HookChain"
@@ -465,7 +557,7 @@ pub fn document_findings(
         })
         .collect();
     let mut out = Vec::new();
-    for (hook, found) in hooks.iter().zip(analyse_code(python, &texts)?) {
+    for (hook, found) in hooks.iter().zip(analyse_code(&python.into(), &texts)?) {
         let name = hook["name"].as_str().unwrap_or_default();
         let finding = |line: usize, kind: FindingKind, message: String| HookFinding {
             hook: name.to_string(),

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The project's images for the test cluster, without a registry or a container engine: OCI archives
 # of the operator, the gateway and the supervisor, made from this checkout's binaries and a Debian
-# root filesystem with Python (the operator and the gateway check hook code with python3; the
-# supervisor runs hooks in its own CPython, WebAssembly, and needs only glibc), then imported into the
-# cluster's containerd.
+# root filesystem, then imported into the cluster's containerd. The operator and the gateway carry the
+# supervisor and its cell runtime too: they check hook code with the CPython hooks run on. (The root
+# filesystem still has python3, for `--python` and for the previous release the upgrade test
+# installs, which checks code with it.)
 #
 #   images.sh build      write $OUT/sluice-{operator,gateway,supervisor}.tar
 #   images.sh import     build, then `ctr -n k8s.io images import` each (the cluster must be up)
@@ -98,11 +99,16 @@ supervisor_image() {
 		--cmd=/opt/sluice/sluice-supervisor --cmd=--listen --cmd=--runtime --cmd=/opt/sluice/sluice-cell.cwasm
 }
 
-# The operator and the gateway: their binary on the same root filesystem (deploy/docker/).
+# The operator and the gateway: their binary on the same root filesystem (deploy/docker/), with the
+# supervisor and its cell runtime beside it: both judge hook code with the CPython the sandboxes run
+# (`sluice-supervisor python`), not the root filesystem's python3.
 component_image() {
 	local base=$1 component=$2
 	oci --name "$REGISTRY/sluice-$component:$TAG" --out "$OUT/sluice-$component.tar" --layer "$base" \
 		--file "$BINARIES/sluice-$component:/usr/local/bin/sluice-$component:0755" \
+		--file "$BINARIES/sluice-supervisor:/usr/local/bin/sluice-supervisor:0555" \
+		--file "$BINARIES/sluice-cell.cwasm:/usr/local/bin/sluice-cell.cwasm:0444" \
+		--file "$BINARIES/sluice-cell.cwasm.sha256:/usr/local/bin/sluice-cell.cwasm.sha256:0444" \
 		--env PYTHONDONTWRITEBYTECODE=1 --user 65534:65534 --entrypoint "/usr/local/bin/sluice-$component"
 }
 

@@ -16,3 +16,19 @@ pub mod metrics;
 pub mod reconcile;
 pub mod render;
 pub mod webhook;
+
+/// What judges hook code, in the webhook and the reconciler alike: set once at start
+/// (`--python`), else the sandboxes' own CPython beside the binary, else python3.
+static CODE_CHECKER: std::sync::OnceLock<sluice_crds::code::Interpreter> =
+    std::sync::OnceLock::new();
+
+/// Judge hook code with `python` from now on (at start, before anything is judged).
+pub fn set_code_checker(python: sluice_crds::code::Interpreter) {
+    let _ = CODE_CHECKER.set(python);
+}
+
+pub fn code_checker() -> sluice_crds::code::Interpreter {
+    CODE_CHECKER
+        .get_or_init(|| sluice_crds::code::Interpreter::cell_or("python3"))
+        .clone()
+}

@@ -84,9 +84,12 @@ struct WebhookArgs {
     /// PEM private key of --webhook-cert; read again whenever the file changes.
     #[arg(long, requires = "webhook_listen")]
     webhook_key: Option<PathBuf>,
-    /// The python3 that parses hook code for the webhook (the sandboxes' Python version).
-    #[arg(long, default_value = "python3")]
-    webhook_python: PathBuf,
+    /// A host Python to parse hook code with, for the webhook and the reconciler. Default: the
+    /// sandboxes' own CPython (`sluice-supervisor` and `sluice-cell.cwasm` beside this binary, as
+    /// the image has them), so the interpreter that runs a hook judges it; python3 where they are
+    /// not.
+    #[arg(long = "python", alias = "webhook-python")]
+    python: Option<PathBuf>,
     /// A review not finished in this long is refused as unfinished; keep it under the webhook's
     /// timeoutSeconds so the reason reaches kubectl (8s, 1500ms).
     #[arg(long, default_value = "8s", value_parser = parse_duration)]
@@ -100,7 +103,7 @@ impl WebhookArgs {
             cert: self.webhook_cert.clone()?,
             key: self.webhook_key.clone()?,
             judge: Judge {
-                python: self.webhook_python.clone(),
+                python: sluice_operator::code_checker(),
                 rules: rules.clone(),
             },
             review_timeout: self.webhook_review_timeout,
@@ -347,6 +350,9 @@ fn main() -> ExitCode {
             }
         }
         Command::Run(args) => {
+            if let Some(python) = &args.webhook.python {
+                sluice_operator::set_code_checker(python.into());
+            }
             tracing_subscriber::fmt()
                 .with_env_filter(
                     tracing_subscriber::EnvFilter::try_from_default_env()

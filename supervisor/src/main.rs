@@ -19,6 +19,7 @@ mod deadline;
 mod output;
 mod prepare;
 mod protocol;
+mod python;
 mod relay;
 mod runtime;
 mod supervisor;
@@ -39,6 +40,7 @@ const USAGE: &str = "usage:
   sluice-supervisor --probe --runtime CWASM [--runtime-sha256 HEX] [--memory-bytes BYTES]    self-test: one hook through a real instance
   sluice-supervisor attach [--probe]                                                         the relay a claimed pod's exec runs (or its readiness probe)
   sluice-supervisor compile COMPONENT.wasm OUT.cwasm                                         build step: precompile the cell component
+  sluice-supervisor python --runtime CWASM [-I] [-S] -c PROGRAM                              run a Python program in a cell: stdin in, stdout out (how hook code is checked)
 Without --runtime-sha256 the digest is read from CWASM.sha256 (in an image, beside the file).";
 
 /// A hook's memory when the gateway names none (the chain's `resources.memory` normally).
@@ -135,6 +137,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("compile") => return compile(&args[1..]),
+        Some("python") => return python::run(&args[1..]),
         Some("attach") => {
             return match &args[1..] {
                 [] => ExitCode::from(attach::relay(false)),

@@ -203,11 +203,15 @@ fn check_messages(object: &Value) -> Vec<String> {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("object.yaml");
     std::fs::write(&file, serde_saphyr::to_string(object).unwrap()).unwrap();
-    sluice_cli::check(&[file], Path::new(PYTHON), &rules())
-        .findings
-        .into_iter()
-        .map(|f| f.message)
-        .collect()
+    sluice_cli::check(
+        &[file],
+        &sluice_crds::code::Interpreter::Python(PYTHON.into()),
+        &rules(),
+    )
+    .findings
+    .into_iter()
+    .map(|f| f.message)
+    .collect()
 }
 
 /// A HookChain as the API server holds it after defaulting (metadata filled in).
@@ -530,7 +534,7 @@ async fn code_that_cannot_be_checked_is_not_admitted() {
     assert_eq!(response["allowed"], false, "{response}");
     let message = response["status"]["message"].as_str().unwrap();
     assert!(
-        message.contains("cannot run python3 to check hook code")
+        message.contains("cannot run /nonexistent/python3 to check hook code")
             && message.contains("the hook code was not checked"),
         "{message}"
     );
@@ -555,7 +559,7 @@ async fn a_check_that_does_not_finish_in_time_is_refused_with_the_uid() {
         listener,
         CertReloader::load(&cert, &key).unwrap(),
         Judge {
-            python: python.clone(),
+            python: sluice_crds::code::Interpreter::Python(python.clone()),
             rules: rules(),
         },
     )

@@ -2,6 +2,7 @@
 //! cluster and without running any hook. Hook code is only parsed (Python's `ast`, through
 //! `sluice_crds::code`), never executed on the host.
 
+use sluice_crds::code::Interpreter;
 use sluice_crds::definition::Definition;
 use sluice_crds::manifest::{self, Located, Object, PlatformRules};
 use std::path::{Path, PathBuf};
@@ -27,15 +28,14 @@ pub struct Report {
     pub capabilities: usize,
 }
 
-/// The interpreter hook code is parsed with unless `--python` says otherwise: the one the local
-/// gateway mounts into its sandboxes.
+/// The host interpreter hook code is parsed with when no cell runtime is found.
 pub const DEFAULT_PYTHON: &str = "/usr/bin/python3";
 
 /// Checks the given files together: each document is parsed and validated (every problem of it),
 /// hook code is analysed by `python` (also in documents whose schema is wrong), the settings keys the
 /// code reads must be declared, capabilities hooks list must be defined in one of the files, and
 /// two chains must not serve the same target at the same trigger point.
-pub fn check(files: &[PathBuf], python: &Path, rules: &PlatformRules) -> Report {
+pub fn check(files: &[PathBuf], python: &Interpreter, rules: &PlatformRules) -> Report {
     let mut report = Report::default();
     let mut objects: Vec<Located<Object>> = Vec::new();
     for file in files {
@@ -185,7 +185,7 @@ pub fn check(files: &[PathBuf], python: &Path, rules: &PlatformRules) -> Report 
 /// The hook code of every HookChain document in `text`, read from the raw YAML so that code is
 /// checked even where the document's schema is wrong: the analyser's problems and settings keys the
 /// code reads that the hook does not declare.
-fn code_findings(file: &Path, text: &str, python: &Path, out: &mut Vec<Finding>) {
+fn code_findings(file: &Path, text: &str, python: &Interpreter, out: &mut Vec<Finding>) {
     for (start, doc) in manifest::documents(text) {
         let Ok(value) = serde_saphyr::from_str::<serde_json::Value>(&doc) else {
             continue;

@@ -138,9 +138,10 @@ pub struct LocalOptions {
     pub boot_concurrency: usize,
     /// Enforced HookChains in this namespace are platform baselines (`--platform-namespace`).
     pub platform_namespace: String,
-    /// The interpreter whose compiler and `ast` check hook code when the directory is read (hooks
-    /// themselves run in the sandboxes' own CPython).
-    pub python: PathBuf,
+    /// A host Python to check hook code with when the directory is read (`--python`); by default
+    /// code is checked by the CPython the sandboxes run (the supervisor's cell), so one interpreter
+    /// judges and runs it.
+    pub python: Option<PathBuf>,
     /// Sandboxes are gVisor containers (runsc, root). Without: the supervisor runs as a plain
     /// process and hooks are walled in by its WebAssembly instances alone (an author's machine
     /// without runsc or root, for `sluice test` and `sluice run`).
@@ -167,7 +168,7 @@ impl LocalOptions {
                 .map(|n| n.get())
                 .unwrap_or(2),
             platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
-            python: PathBuf::from("/usr/bin/python3"),
+            python: None,
             gvisor: true,
             trust: Trust::local(),
             openai: None,
@@ -281,7 +282,11 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
     // A restart in the middle of a rollout goes on with the live hooks it had, not the chain
     // file's candidate.
     engine.keep_rollouts_in(rollouts_file);
-    let mut source = local_dir::LocalSource::new(&opts.dir, &opts.platform_namespace, &opts.python);
+    let checker = match &opts.python {
+        Some(python) => sluice_crds::code::Interpreter::Python(python.clone()),
+        None => local_dir::code_checker(opts.sandbox.program.as_ref()),
+    };
+    let mut source = local_dir::LocalSource::new(&opts.dir, &opts.platform_namespace, checker);
     // Reading checks hook code with python: kept off the async workers, each file bounded in time.
     let (source, registry) = tokio::task::spawn_blocking(move || {
         let registry = source.reload(local_dir::CHECK_BOUND);
@@ -319,9 +324,9 @@ pub struct KubeOptions {
     pub sync_timeout: Duration,
     /// Where enforced baseline chains live.
     pub platform_namespace: String,
-    /// The interpreter that checks each HookChain generation's code: the sandbox image's Python
-    /// (`python3` on `PATH` by default, as in the gateway image).
-    pub python: PathBuf,
+    /// What checks each HookChain generation's code: the sandboxes' own CPython (the supervisor and
+    /// cell runtime beside the gateway, as its image has them), else `python3` on `PATH`.
+    pub python: sluice_crds::code::Interpreter,
     /// Where capabilities may point (built-ins only by default) and the credentials they may name.
     pub trust: Trust,
     /// The OpenAI-compatible proxy, when it is served (`--openai-listen`).
@@ -342,7 +347,7 @@ impl KubeOptions {
             limits: Limits::default(),
             sync_timeout: Duration::from_secs(30),
             platform_namespace: sluice_crds::DEFAULT_PLATFORM_NAMESPACE.into(),
-            python: PathBuf::from("python3"),
+            python: sluice_crds::code::Interpreter::cell_or("python3"),
             trust: Trust::cluster(),
             openai: None,
             mcp: None,

@@ -1,6 +1,7 @@
 //! Local mode's source of chains: every HookChain and Capability YAML under a directory, re-read when
 //! anything in it changes. A bad file is reported with file and line and the rest keep serving.
 
+use sluice_crds::code::Interpreter;
 use sluice_crds::definition::{Definition, NotServed, Origin};
 use sluice_crds::{code, manifest};
 use sluice_engine::Registry;
@@ -165,18 +166,35 @@ fn read_text(open: &Path) -> Result<String, Unread> {
 }
 
 /// Reads every YAML file under `dir` (sorted, so conflicts resolve the same way every time), with
-/// the default platform namespace and `/usr/bin/python3` to check hook code.
+/// the default platform namespace and the cell's CPython to check hook code.
 pub fn load(dir: &Path) -> std::io::Result<Registry> {
     load_for(dir, sluice_crds::DEFAULT_PLATFORM_NAMESPACE)
 }
 
 /// Reads every YAML file under `dir` once; enforced chains in `platform_namespace` become baselines.
 pub fn load_for(dir: &Path, platform_namespace: &str) -> std::io::Result<Registry> {
-    LocalSource::new(dir, platform_namespace, DEFAULT_PYTHON).reload(CHECK_BOUND)
+    LocalSource::new(dir, platform_namespace, code_checker(None)).reload(CHECK_BOUND)
 }
 
-/// The interpreter local sandboxes run, and so the one that judges hook code.
-pub(crate) const DEFAULT_PYTHON: &str = "/usr/bin/python3";
+/// What judges hook code in local mode: `python` when given, else the CPython the sandboxes run,
+/// through `program` (or the supervisor found beside this binary); the host's `/usr/bin/python3`
+/// only where no supervisor is found.
+pub(crate) fn code_checker(program: Option<&sluice_engine::SupervisorProgram>) -> Interpreter {
+    let program = match program {
+        Some(p) => Ok(p.clone()),
+        None => sluice_engine::SupervisorProgram::locate(),
+    };
+    match program {
+        Ok(p) => Interpreter::Cell {
+            supervisor: p.binary,
+            runtime: p.runtime,
+        },
+        Err(e) => {
+            tracing::warn!(error = %e, "hook code is checked with /usr/bin/python3, not the sandboxes' CPython");
+            Interpreter::Python(PathBuf::from("/usr/bin/python3"))
+        }
+    }
+}
 
 /// What one read of one file gave: the definitions that passed every check, and every problem.
 #[derive(Clone)]
@@ -202,9 +220,9 @@ struct Pending {
 }
 
 impl Pending {
-    fn start(file: &Path, text: String, python: &Path) -> Self {
+    fn start(file: &Path, text: String, python: &Interpreter) -> Self {
         let (tx, done) = mpsc::channel();
-        let (file, body, python) = (file.to_path_buf(), text.clone(), python.to_path_buf());
+        let (file, body, python) = (file.to_path_buf(), text.clone(), python.clone());
         let spawned = std::thread::Builder::new()
             .name("sluice-chain-check".into())
             .spawn(move || {
@@ -230,14 +248,15 @@ impl Pending {
 pub struct LocalSource {
     dir: PathBuf,
     platform_namespace: String,
-    python: PathBuf,
+    python: Interpreter,
     check_bound: Duration,
     files: BTreeMap<PathBuf, FileState>,
     pending: BTreeMap<PathBuf, Pending>,
 }
 
 impl LocalSource {
-    pub fn new(dir: &Path, platform_namespace: &str, python: impl Into<PathBuf>) -> Self {
+    /// `python` checks hook code: the cell's CPython (through the supervisor) in local mode.
+    pub fn new(dir: &Path, platform_namespace: &str, python: impl Into<Interpreter>) -> Self {
         Self {
             dir: dir.to_path_buf(),
             platform_namespace: platform_namespace.to_string(),
@@ -430,7 +449,7 @@ fn superseded(
 
 /// Every check of one file's text: the loader's (YAML, schema, unknown fields, semantic rules) and
 /// the hook code analysis by `python`, the interpreter the sandboxes run.
-fn check_file(file: &Path, text: &str, python: &Path) -> FileRead {
+fn check_file(file: &Path, text: &str, python: &Interpreter) -> FileRead {
     let mut definitions = Vec::new();
     let mut problems = Vec::new();
     for item in manifest::parse(file, text) {

@@ -38,8 +38,8 @@ pub struct KubeSource {
     capabilities: Vec<Store<Guarded<Capability>>>,
     changed: Arc<Notify>,
     platform_namespace: String,
-    /// The interpreter that judges hook code (the sandboxes' Python).
-    python: PathBuf,
+    /// What judges hook code: the sandboxes' CPython (the cell beside the gateway), or a python3.
+    python: sluice_crds::code::Interpreter,
     /// Per (uid, generation): the problems found in that generation (none: it may serve).
     verdicts: HashMap<(String, i64), Vec<String>>,
     /// Per `namespace/name`: the last generation that passed its checks.
@@ -69,7 +69,7 @@ fn version_of(meta: &kube::api::ObjectMeta) -> (String, i64) {
 }
 
 /// Every problem of one HookChain generation: the semantic rules, then its hooks' code.
-fn check_chain(python: &std::path::Path, hc: &HookChain) -> Vec<String> {
+fn check_chain(python: &sluice_crds::code::Interpreter, hc: &HookChain) -> Vec<String> {
     let mut out: Vec<String> = sluice_crds::validate::hookchain(&hc.spec)
         .iter()
         .map(|p| p.to_string())
@@ -184,7 +184,7 @@ impl KubeSource {
         namespaces: &[String],
         selector: Option<&str>,
         platform_namespace: &str,
-        python: PathBuf,
+        python: sluice_crds::code::Interpreter,
         sync_timeout: Duration,
     ) -> anyhow::Result<Self> {
         let changed = Arc::new(Notify::new());

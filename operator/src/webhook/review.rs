@@ -13,13 +13,13 @@ use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview
 use serde_json::Value;
 use sluice_crds::code::FindingKind;
 use sluice_crds::manifest::{self, Object};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// What the judge needs besides the request.
 #[derive(Clone, Debug)]
 pub struct Judge {
-    /// The interpreter that parses hook code (the operator image's python3).
-    pub python: PathBuf,
+    /// What parses hook code: the sandboxes' CPython (the cell beside the operator), or a python3.
+    pub python: sluice_crds::code::Interpreter,
     /// Where enforced (baseline) chains are honoured and capabilities may point.
     pub rules: manifest::PlatformRules,
 }

@@ -61,10 +61,11 @@ enum Command {
         /// Files or directories of YAML.
         #[arg(required = true)]
         files: Vec<std::path::PathBuf>,
-        /// The Python that parses hook code: the one the sandboxes run, not whichever is first on
-        /// PATH, so that syntax the sandbox would refuse is refused here.
-        #[arg(long, default_value = sluice_cli::DEFAULT_PYTHON)]
-        python: std::path::PathBuf,
+        /// A host Python to parse hook code with instead of the sandboxes' own CPython (the cell
+        /// runtime beside this binary, or SLUICE_CELL_RUNTIME), which checks it by default: the
+        /// interpreter that runs a hook is the one that judges it.
+        #[arg(long)]
+        python: Option<std::path::PathBuf>,
         /// The platform's allowed endpoints (the gateway's and operator's --allowed-endpoints):
         /// Capabilities pointing elsewhere are reported. Default: loopback addresses, as local
         /// mode allows.
@@ -293,6 +294,22 @@ async fn main() -> ExitCode {
                 sandbox_cpu_limit,
                 ..PlatformRules::new(allowed)
             };
+            let python = match python {
+                Some(python) => sluice_crds::code::Interpreter::Python(python),
+                None => match sluice_engine::SupervisorProgram::locate() {
+                    Ok(p) => sluice_crds::code::Interpreter::Cell {
+                        supervisor: p.binary,
+                        runtime: p.runtime,
+                    },
+                    Err(e) => {
+                        eprintln!(
+                            "sluice check: hook code is checked with {}, not the sandboxes' CPython: {e}",
+                            sluice_cli::DEFAULT_PYTHON
+                        );
+                        sluice_crds::code::Interpreter::Python(sluice_cli::DEFAULT_PYTHON.into())
+                    }
+                },
+            };
             return check(&files, &python, &rules);
         }
         Command::Test {
@@ -353,7 +370,7 @@ fn parse_context(pairs: &[String]) -> Result<std::collections::BTreeMap<String, 
 
 fn check(
     files: &[std::path::PathBuf],
-    python: &std::path::Path,
+    python: &sluice_crds::code::Interpreter,
     rules: &PlatformRules,
 ) -> ExitCode {
     let files = sluice_cli::expand(files, false);

@@ -814,6 +814,32 @@ fn check_catches_what_the_compiler_and_the_gateway_would_refuse() {
     assert!(out.contains("can end here without returning"), "{out}");
 }
 
+/// Valid since Python 3.12 (quotes of the f-string reused inside it): the cells run CPython 3.14.
+const PY312_CHAIN: &str = include_str!("../py312.yaml");
+
+/// Hook code is judged by the interpreter that runs it, the cell's CPython, not the host's Python:
+/// code valid only since 3.12 checks clean and runs; the host's python3 (3.11 on Debian 12), named
+/// with --python, refuses it.
+#[test]
+fn check_judges_code_with_the_cells_python_not_the_hosts() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "py312.yaml", PY312_CHAIN);
+    let (code, out) = sluice(&["check", &file]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = sluice(&["run", &file, "--text", "hi"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("\"HI!\""), "{out}");
+    let host = Command::new("/usr/bin/python3")
+        .args(["-c", "import sys; print(sys.version_info >= (3, 12))"])
+        .output()
+        .expect("python3");
+    if String::from_utf8_lossy(&host.stdout).trim() == "False" {
+        let (code, out) = sluice(&["check", &file, "--python", "/usr/bin/python3"]);
+        assert_eq!(code, 1, "{out}");
+        assert!(out.contains("SyntaxError: f-string"), "{out}");
+    }
+}
+
 /// A hook that uses a ready hook is checked against it: the name (with the library's names), the
 /// declared action, the settings it reads, each at its line.
 #[test]

@@ -111,9 +111,9 @@ struct Args {
     /// The runsc binary.
     #[arg(long, default_value = "runsc")]
     runsc: PathBuf,
-    /// The Python interpreter that checks hook code (its compiler and `ast`) when chains are read
-    /// (default: /usr/bin/python3 in local mode, python3 on PATH in kube mode). Hooks themselves
-    /// run in the sandboxes' own CPython (WebAssembly).
+    /// A Python interpreter to check hook code with (its compiler and `ast`) when chains are read.
+    /// Default in local mode: the sandboxes' own CPython (the supervisor's WebAssembly cell), the
+    /// interpreter hooks run on; in kube mode, python3 on PATH.
     #[arg(long)]
     python: Option<PathBuf>,
     /// Local mode: the supervisor binary mounted into every sandbox (default: `sluice-supervisor`
@@ -256,9 +256,7 @@ async fn main() -> anyhow::Result<()> {
             opts.security = security;
             opts.metrics = args.metrics;
             opts.sandbox.runsc = args.runsc;
-            if let Some(python) = args.python {
-                opts.python = python;
-            }
+            opts.python = args.python.clone();
             if let (Some(binary), Some(runtime)) = (args.supervisor, args.cell_runtime) {
                 opts.sandbox.program = Some(
                     sluice_engine::SupervisorProgram::at(binary, runtime)
@@ -316,7 +314,7 @@ async fn main() -> anyhow::Result<()> {
                 .in_cluster_domain(args.cluster_domain.clone());
             opts.trust.credentials = args.capability_credentials;
             if let Some(python) = args.python {
-                opts.python = python;
+                opts.python = python.into();
             }
             opts.limits.claim_timeout = args.claim_timeout;
             opts.limits.warm_sandboxes = args.max_warm_sandboxes as usize;

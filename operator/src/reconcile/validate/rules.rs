@@ -21,9 +21,9 @@ pub enum CheckerError {
 /// The analyser's findings; `Err` when the checker cannot run.
 pub type CodeCheck = Result<CodeProblems, CheckerError>;
 
-/// Runs the code analyser. Blocking: it waits for python3.
+/// Runs the code analyser (`crate::code_checker`). Blocking: it waits for the interpreter.
 pub fn check_code(spec: &HookChainSpec) -> CodeCheck {
-    let per_hook = sluice_crds::code::analyse(&spec.hooks)?;
+    let per_hook = sluice_crds::code::analyse_with(crate::code_checker(), &spec.hooks)?;
     Ok(per_hook
         .into_iter()
         .map(|problems| problems.into_iter().map(|p| (p.line, p.message)).collect())
@@ -322,7 +322,8 @@ mod tests {
     fn a_checker_that_cannot_run_leaves_the_verdict_unknown() {
         let s = spec(GOOD, &[]);
         let missing = std::io::Error::new(std::io::ErrorKind::NotFound, "no python3 on PATH");
-        let cannot_run = Err(sluice_crds::code::CodeCheckError::Spawn(missing).into());
+        let cannot_run =
+            Err(sluice_crds::code::CodeCheckError::Spawn("python3".into(), missing).into());
         let v = verdict("chain", &s, "ns", &cannot_run, |_| CapabilityState::Valid);
         assert_eq!((v.status, v.reason), ("Unknown", "CheckerUnavailable"));
         assert!(
