@@ -11,7 +11,8 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    SLUICE_CELL_CACHE=/tmp/cell supervisor/build-cell.sh release \
+    cargo build --release --locked --workspace --bins \
+ && SLUICE_CELL_CACHE=/tmp/cell supervisor/build-cell.sh release \
  && mkdir -p /out \
  && cp target/release/sluice-operator target/release/sluice-supervisor target/release/sluice-cell.cwasm \
        target/release/sluice-cell.cwasm.sha256 /out/

@@ -66,17 +66,20 @@ class DockerfileTest(unittest.TestCase):
             self.assertTrue(os.path.exists(os.path.join(ROOT, "supervisor", f)))
 
     def test_operator_and_gateway_are_multi_stage_and_run_their_binary(self):
-        # The gateway checks hook code with the same python the sandbox image has (kube mode).
-        for name, runtime in (("operator", "FROM python:3.11-slim"), ("gateway", "FROM python:3.11-slim")):
+        # Both check hook code with the CPython the sandboxes run: the supervisor and its cell runtime
+        # sit beside their binary, and the runtime stage has no Python of its own.
+        for name in ("operator", "gateway"):
             dockerfile = IMAGES[f"sluice-{name}"]
             text = read(dockerfile)
-            self.assertIn(f"cargo build --release --locked -p sluice-{name} --bin sluice-{name}", text)
+            self.assertIn("cargo build --release --locked --workspace --bins", text)
+            self.assertIn("supervisor/build-cell.sh release", text)
             stage = final_stage(dockerfile)
-            self.assertTrue(stage[0].startswith(runtime), f"{dockerfile}: runtime stage {stage[0]!r}")
-            binary = f"/usr/local/bin/sluice-{name}"
-            self.assertIn(f"--from=build {binary} {binary}", " ".join(instructions(stage, "COPY")))
-            self.assertEqual(instructions(stage, "ENTRYPOINT"), [f'["{binary}"]'])
-        self.assertIn("PYTHONDONTWRITEBYTECODE=1", " ".join(instructions(final_stage(IMAGES["sluice-operator"]), "ENV")))
+            self.assertTrue(stage[0].startswith("FROM debian:bookworm-slim"), f"{dockerfile}: runtime stage {stage[0]!r}")
+            self.assertNotIn("python", " ".join(stage).lower(), f"{dockerfile}: a Python in the runtime stage")
+            copies = " ".join(instructions(stage, "COPY"))
+            for file in (f"/out/sluice-{name}", "/out/sluice-supervisor", "/out/sluice-cell.cwasm", "/out/sluice-cell.cwasm.sha256"):
+                self.assertIn(file, copies, dockerfile)
+            self.assertEqual(instructions(stage, "ENTRYPOINT"), [f'["/usr/local/bin/sluice-{name}"]'])
 
     def test_dockerignore_keeps_build_output_out_of_the_context(self):
         ignored = read(".dockerignore").split()
