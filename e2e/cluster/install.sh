@@ -163,6 +163,14 @@ gateway_tls_diagnostics() {
 	} >&2
 }
 
+# Helm installs a chart's crds/ with the first release and never upgrades them: an upgrade applies
+# this checkout's CRDs first, as docs/kubernetes.md tells a platform team to (server-side, so the
+# field manager is the same on every apply).
+apply_crds() {
+	log "kubectl apply --server-side charts/sluice/crds (Helm does not upgrade CRDs)"
+	kubectl apply --server-side --force-conflicts --field-manager=sluice-install -f "$repo/charts/sluice/crds/" >/dev/null
+}
+
 # helm <args>: helm, and when it fails (a --wait that timed out says only "not ready"), what the
 # node and the release's pods were doing.
 helm_() {
@@ -214,6 +222,7 @@ EOF
 upgrade)
 	[ -f "$STATE/sluice-values-previous.yaml" ] || die "no previous release installed here (install.sh previous)"
 	"$here/images.sh" import
+	apply_crds
 	log "helm upgrade sluice: this chart and its images, the previous release's values"
 	helm_ upgrade sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
 		-f "$STATE/sluice-values-previous.yaml" -f "$STATE/sluice-tls-previous.yaml" --set image.tag="${TAG:-e2e}" \
@@ -221,6 +230,7 @@ upgrade)
 	;;
 current)
 	"$here/images.sh" import
+	apply_crds
 	common_values "${TAG:-e2e}" >"$STATE/sluice-values.yaml"
 	# The suite renews certificates and takes the webhook's caBundle away: looked at every 5 s. The
 	# release keeps every chain but another release's (chainSelector), as beside a staging release.
