@@ -273,6 +273,11 @@ impl ChainPool {
         self.closed.load(Ordering::Relaxed)
     }
 
+    /// Closed before it had anything: made after the gateway's pools shut down.
+    pub(super) fn mark_closed(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+    }
+
     /// Claimed sandboxes that count toward the warm target: those that come back after their
     /// trigger point, where the backend counts them (see `claimed_count`).
     fn returning(&self, c: &Counts) -> usize {
@@ -489,6 +494,13 @@ impl ChainPool {
     ) -> Result<Claimed, ClaimError> {
         let tenant: Arc<str> = Arc::from(tenant);
         let began = Instant::now();
+        if self.is_closed() {
+            return Err(ClaimError::Timeout {
+                chain: self.name.clone(),
+                waited_ms: 0,
+                detail: "its pool is closed: the gateway is shutting down".into(),
+            });
+        }
         let deadline = began + timeout;
         let waited_for = |pool: &Self| {
             pool.shared
@@ -514,6 +526,18 @@ impl ChainPool {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            if self.is_closed() {
+                // Closed while it waited (the chain changed, or the gateway shuts down): nothing
+                // will come to it.
+                waited_for(self);
+                return Err(ClaimError::Timeout {
+                    chain: self.name.clone(),
+                    waited_ms: began.elapsed().as_millis() as u64,
+                    detail:
+                        "its pool was closed: the chain changed or the gateway is shutting down"
+                            .into(),
+                });
+            }
             {
                 let mut c = self.lock();
                 // A sandbox that died while it waited (a held pod's exec connection broke, its

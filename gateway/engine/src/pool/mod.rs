@@ -36,6 +36,8 @@ pub struct Pools {
     shared: Arc<Shared>,
     pools: Arc<Mutex<HashMap<PoolKey, Arc<ChainPool>>>>,
     retired: Arc<Mutex<Vec<Arc<ChainPool>>>>,
+    /// Shut down: no pool is made any more, so nothing boots after the sandboxes were torn down.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// What every pool of a gateway shares.
@@ -129,6 +131,7 @@ impl Pools {
             shared,
             pools,
             retired,
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -170,6 +173,13 @@ impl Pools {
     pub(crate) fn pool_serving(&self, chain: &Arc<Chain>) -> Arc<ChainPool> {
         let key = self.key(chain);
         let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            // After shutdown a late run (a task that outlived its connection) gets a pool that is
+            // closed from the start: its claim is refused at once and nothing boots.
+            let pool = ChainPool::new(chain, key.reuse, key.max_uses, self.shared.clone());
+            pool.mark_closed();
+            return Arc::new(pool);
+        }
         pools
             .entry(key.clone())
             .or_insert_with(|| {
@@ -264,6 +274,8 @@ impl Pools {
     pub async fn shutdown(&self, timeout: Duration) {
         let all: Vec<Arc<ChainPool>> = {
             let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+            // Under the map's lock: a pool made from now on is closed (`pool_serving`).
+            self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
             pools.drain().map(|(_, p)| p).collect()
         };
         for p in &all {

@@ -127,3 +127,35 @@ async fn sandboxes_past_the_warm_target_retire_once_idle_for_idle_retire() {
         "nothing booted to replace them"
     );
 }
+
+/// A run that reaches the engine after its pools shut down (a proxy task that outlived its
+/// connection) is refused at once and boots nothing: no sandbox may be started after the gateway's
+/// shutdown has torn its sandboxes down (a local end-to-end test found one left running).
+#[tokio::test(start_paused = true)]
+async fn a_run_after_shutdown_is_refused_and_boots_no_sandbox() {
+    let h = Harness::with_boots(
+        Arc::new(backend()),
+        vec![bot(json!({"warm": 1, "max": 2}))],
+        common::limits(),
+        2,
+    )
+    .await;
+    assert!(h.engine.pools().wait_warm(Duration::from_secs(1)).await);
+    h.run_at("bot", "input", json!("hi")).await.unwrap();
+    h.engine.pools().shutdown(Duration::from_secs(5)).await;
+    let boots = h.engine.metrics().boots();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(1),
+        h.run_at("bot", "input", json!("late")),
+    )
+    .await
+    .expect("refused at once, not after the claim timeout");
+    assert!(refused.is_err(), "{refused:?}");
+    sleep(BOOT * 5).await;
+    assert_eq!(
+        h.engine.metrics().boots(),
+        boots,
+        "a sandbox booted after shutdown"
+    );
+    assert_eq!(now(&h), (0, 0));
+}
