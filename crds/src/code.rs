@@ -343,9 +343,7 @@ impl Interpreter {
             }
         }
     }
-}
 
-impl Interpreter {
     /// The cell beside this executable (`sluice-supervisor` and `sluice-cell.cwasm`, as the images
     /// and the tarball place them), or named by `SLUICE_SUPERVISOR` and `SLUICE_CELL_RUNTIME`; else
     /// `python`. What the operator and the gateway judge hook code with unless told otherwise.
@@ -379,18 +377,6 @@ impl std::fmt::Display for Interpreter {
     }
 }
 
-impl From<&std::path::Path> for Interpreter {
-    fn from(python: &std::path::Path) -> Self {
-        Self::Python(python.to_path_buf())
-    }
-}
-
-impl From<&std::path::PathBuf> for Interpreter {
-    fn from(python: &std::path::PathBuf) -> Self {
-        Self::Python(python.clone())
-    }
-}
-
 impl From<std::path::PathBuf> for Interpreter {
     fn from(python: std::path::PathBuf) -> Self {
         Self::Python(python)
@@ -403,21 +389,15 @@ impl From<&str> for Interpreter {
     }
 }
 
-impl From<&Interpreter> for Interpreter {
-    fn from(i: &Interpreter) -> Self {
-        i.clone()
-    }
-}
-
 /// Per hook, in order, the problems found in its code, as the `python3` first on `PATH` parses it.
 pub fn analyse(hooks: &[HookSpec]) -> Result<Vec<Vec<CodeProblem>>, CodeCheckError> {
-    analyse_with(std::path::Path::new("python3"), hooks)
+    analyse_with(&Interpreter::from("python3"), hooks)
 }
 
 /// Per hook, in order, the problems found in its code, as `python` parses it: give the interpreter
 /// the sandboxes run, so that syntax it would refuse is refused here too.
 pub fn analyse_with(
-    python: impl Into<Interpreter>,
+    python: &Interpreter,
     hooks: &[HookSpec],
 ) -> Result<Vec<Vec<CodeProblem>>, CodeCheckError> {
     let texts: Vec<HookText<'_>> = hooks
@@ -428,7 +408,7 @@ pub fn analyse_with(
             capabilities: h.capabilities.iter().map(String::as_str).collect(),
         })
         .collect();
-    Ok(analyse_code(&python.into(), &texts)?
+    Ok(analyse_code(python, &texts)?
         .into_iter()
         .map(|a| a.problems)
         .collect())
@@ -527,7 +507,7 @@ pub struct HookFinding {
 /// `sluice check` and the operator's admission webhook both word their findings with this.
 #[cfg(feature = "kube")]
 pub fn document_findings(
-    python: impl Into<Interpreter>,
+    python: &Interpreter,
     doc: &serde_json::Value,
 ) -> Result<Vec<HookFinding>, CodeCheckError> {
     if doc["kind"] != "HookChain"
@@ -557,7 +537,7 @@ pub fn document_findings(
         })
         .collect();
     let mut out = Vec::new();
-    for (hook, found) in hooks.iter().zip(analyse_code(&python.into(), &texts)?) {
+    for (hook, found) in hooks.iter().zip(analyse_code(python, &texts)?) {
         let name = hook["name"].as_str().unwrap_or_default();
         let finding = |line: usize, kind: FindingKind, message: String| HookFinding {
             hook: name.to_string(),

@@ -351,7 +351,7 @@ fn main() -> ExitCode {
         }
         Command::Run(args) => {
             if let Some(python) = &args.webhook.python {
-                sluice_operator::set_code_checker(python.into());
+                sluice_operator::set_code_checker(python.clone().into());
             }
             tracing_subscriber::fmt()
                 .with_env_filter(

@@ -28,9 +28,6 @@ pub struct Report {
     pub capabilities: usize,
 }
 
-/// The host interpreter hook code is parsed with when no cell runtime is found.
-pub const DEFAULT_PYTHON: &str = "/usr/bin/python3";
-
 /// Checks the given files together: each document is parsed and validated (every problem of it),
 /// hook code is analysed by `python` (also in documents whose schema is wrong), the settings keys the
 /// code reads must be declared, capabilities hooks list must be defined in one of the files, and

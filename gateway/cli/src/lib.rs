@@ -7,7 +7,7 @@
 mod check;
 mod hooktest;
 
-pub use check::{DEFAULT_PYTHON, Finding, Report, check, expand};
+pub use check::{Finding, Report, check, expand};
 pub use hooktest::{
     Case, CaseError, CaseReport, Expect, FileReport, Local, RunOptions, Stub, TestFile,
     TestFileError, compare, junit, response_json, run_file,

@@ -28,7 +28,7 @@ pub use assembly::{
     ExposureError, KubeOptions, LocalOptions, RunningGateway, Security, start_kube, start_local,
 };
 pub use callers::PolicyError;
-pub use local_dir::{LocalSource, load, load_for};
+pub use local_dir::{LocalSource, code_checker, load, load_for};
 pub use mcp::{McpOptions, McpServer};
 pub use openai::{OpenAiOptions, UpstreamError};
 pub use sluice_capabilities::Trust;

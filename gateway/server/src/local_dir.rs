@@ -179,7 +179,7 @@ pub fn load_for(dir: &Path, platform_namespace: &str) -> std::io::Result<Registr
 /// What judges hook code in local mode: `python` when given, else the CPython the sandboxes run,
 /// through `program` (or the supervisor found beside this binary); the host's `/usr/bin/python3`
 /// only where no supervisor is found.
-pub(crate) fn code_checker(program: Option<&sluice_engine::SupervisorProgram>) -> Interpreter {
+pub fn code_checker(program: Option<&sluice_engine::SupervisorProgram>) -> Interpreter {
     let program = match program {
         Some(p) => Ok(p.clone()),
         None => sluice_engine::SupervisorProgram::locate(),

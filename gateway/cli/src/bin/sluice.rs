@@ -294,21 +294,10 @@ async fn main() -> ExitCode {
                 sandbox_cpu_limit,
                 ..PlatformRules::new(allowed)
             };
+            quiet_logs();
             let python = match python {
                 Some(python) => sluice_crds::code::Interpreter::Python(python),
-                None => match sluice_engine::SupervisorProgram::locate() {
-                    Ok(p) => sluice_crds::code::Interpreter::Cell {
-                        supervisor: p.binary,
-                        runtime: p.runtime,
-                    },
-                    Err(e) => {
-                        eprintln!(
-                            "sluice check: hook code is checked with {}, not the sandboxes' CPython: {e}",
-                            sluice_cli::DEFAULT_PYTHON
-                        );
-                        sluice_crds::code::Interpreter::Python(sluice_cli::DEFAULT_PYTHON.into())
-                    }
-                },
+                None => sluice_gateway::code_checker(None),
             };
             return check(&files, &python, &rules);
         }

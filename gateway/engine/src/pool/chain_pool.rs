@@ -494,13 +494,6 @@ impl ChainPool {
     ) -> Result<Claimed, ClaimError> {
         let tenant: Arc<str> = Arc::from(tenant);
         let began = Instant::now();
-        if self.is_closed() {
-            return Err(ClaimError::Timeout {
-                chain: self.name.clone(),
-                waited_ms: 0,
-                detail: "its pool is closed: the gateway is shutting down".into(),
-            });
-        }
         let deadline = began + timeout;
         let waited_for = |pool: &Self| {
             pool.shared

@@ -23,7 +23,7 @@ pub type CodeCheck = Result<CodeProblems, CheckerError>;
 
 /// Runs the code analyser (`crate::code_checker`). Blocking: it waits for the interpreter.
 pub fn check_code(spec: &HookChainSpec) -> CodeCheck {
-    let per_hook = sluice_crds::code::analyse_with(crate::code_checker(), &spec.hooks)?;
+    let per_hook = sluice_crds::code::analyse_with(&crate::code_checker(), &spec.hooks)?;
     Ok(per_hook
         .into_iter()
         .map(|problems| problems.into_iter().map(|p| (p.line, p.message)).collect())
