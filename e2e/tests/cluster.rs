@@ -107,12 +107,14 @@ async fn cluster(test: &str) -> Option<Cluster> {
         .await
         .unwrap_or_else(|e| panic!("create namespace {ns}: {e}"));
     println!("cluster test {test} in namespace {ns}");
-    Some(Cluster {
+    let c = Cluster {
         client,
         ns,
         sandboxes: sandbox_namespace(),
         gateway,
-    })
+    };
+    c.wait_admission().await;
+    Some(c)
 }
 
 /// A client of the gateway: at a ready pod behind `SLUICE_GATEWAY_SERVICE` (looked up again at each
@@ -240,6 +242,46 @@ impl Cluster {
             Some(_) => format!("sluice-{}.{chain}-deny-all", self.ns),
             None => format!("sluice-{chain}-deny-all"),
         }
+    }
+
+    /// Waits until the release answers admission: a server-side dry run of a chain passes the
+    /// webhook. A test before this one may have restarted the kubelet or the operator, and the
+    /// webhook Service's endpoints follow a pod a while after it is ready again; a test starts on a
+    /// cluster that serves, and fails here (naming why) if it never does.
+    async fn wait_admission(&self) {
+        let probe = json!({
+            "apiVersion": "sluice.dev/v1alpha1",
+            "kind": "HookChain",
+            "metadata": {"name": "admission-probe", "namespace": self.ns},
+            "spec": {
+                "target": format!("{}-admission-probe", self.ns),
+                "triggerPoint": "input",
+                "hooks": [{"name": "upper", "action": "modify", "code": UPPER}],
+            },
+        });
+        let mut last = String::new();
+        let answered = tokio::time::timeout(Duration::from_secs(180), async {
+            loop {
+                match self
+                    .chains()
+                    .patch(
+                        "admission-probe",
+                        &PatchParams::apply("sluice-e2e").force().dry_run(),
+                        &Patch::Apply(&probe),
+                    )
+                    .await
+                {
+                    Ok(_) => return,
+                    Err(e) => last = e.to_string(),
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        })
+        .await;
+        assert!(
+            answered.is_ok(),
+            "the admission webhook answers a dry run within 180 s: {last}"
+        );
     }
 
     /// Server-side applies a chain of `(name, action, code)` hooks.
