@@ -1,11 +1,13 @@
 //! The authoring side of Sluice, behind the `sluice` command (`src/bin/sluice.rs`): `check` (what can
-//! be known of HookChain and Capability files without running a hook) and `hooktest` (`*.test.yaml`
-//! cases run against a local gateway with stubbed capabilities).
+//! be known of HookChain and Capability files without running a hook), `hooktest` (`*.test.yaml`
+//! cases run against a local gateway with stubbed capabilities), and `rollout` (a local gateway's
+//! rollouts, read as `kubectl rollout status` reads a Deployment's).
 //!
-//! Reading order: `bin/sluice.rs` (the commands) → `check` → `hooktest`.
+//! Reading order: `bin/sluice.rs` (the commands) → `check` → `hooktest` → `rollout`.
 
 mod check;
 mod hooktest;
+pub mod rollout;
 
 pub use check::{Finding, Report, check, expand};
 pub use hooktest::{

@@ -5,6 +5,7 @@
 //! - `sluice test FILE...`: runs declarative test cases against chains in local gVisor sandboxes.
 //! - `sluice run FILE... --text ...`: one run (or `--stream`) in local sandboxes, printed as JSON.
 //! - `sluice call`: calls a running gateway (Run, or Stream with `--stream`) and prints the answer as JSON.
+//! - `sluice rollout status [CHAIN]`: a local gateway's rollouts, waiting until the newest hooks are live.
 
 use clap::{Parser, Subcommand};
 use serde_json::{Value, json};
@@ -123,6 +124,40 @@ enum Command {
     Run(RunArgs),
     /// Call a running gateway and print its answer as JSON.
     Call(CallArgs),
+    /// What a local gateway's rollouts are doing (its `/rollouts`), as `kubectl rollout status`
+    /// shows a cluster's.
+    #[command(subcommand)]
+    Rollout(RolloutCommand),
+}
+
+#[derive(Subcommand)]
+enum RolloutCommand {
+    /// Shows a chain's rollout and, by default, waits until its newest hooks are live or rolled
+    /// back, printing each step.
+    ///
+    /// Exit codes: 0 the newest hooks are live (or, with --watch=false or no CHAIN, the status was
+    /// shown); 1 the candidate was rolled back, the wait timed out, or the gateway could not be read.
+    Status {
+        /// The chain, NAMESPACE/NAME (NAME alone: in `default`). Without it: every chain, once.
+        chain: Option<String>,
+        /// The local gateway's metrics address (its --metrics).
+        #[arg(
+            long,
+            env = "SLUICE_METRICS",
+            default_value = "127.0.0.1:9464",
+            value_name = "ADDR"
+        )]
+        metrics: String,
+        /// Wait until the rollout ends (--watch=false: show it once).
+        #[arg(short, long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+        watch: bool,
+        /// Give up waiting after this long (30s, 10m); 0 waits as long as it takes.
+        #[arg(long, value_parser = sluice_crds::duration::parse_duration, default_value = "0s")]
+        timeout: std::time::Duration,
+        /// `json`: the gateway's status entries as they are.
+        #[arg(short, long, value_parser = ["json"])]
+        output: Option<String>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -316,6 +351,16 @@ async fn main() -> ExitCode {
             return test(&files, &opts, junit.as_deref(), watch).await;
         }
         Command::Init { dir, example } => return init(&dir, example.as_deref()),
+        Command::Rollout(RolloutCommand::Status {
+            chain,
+            metrics,
+            watch,
+            timeout,
+            output,
+        }) => {
+            let json = output.is_some();
+            return rollout_status(&metrics, chain.as_deref(), watch, timeout, json).await;
+        }
         Command::Run(a) => {
             let result = run(a).await;
             // An author's run where a hook failed is not a success, whatever the policy made of it.
@@ -335,6 +380,49 @@ async fn main() -> ExitCode {
         }
         Err(e) => {
             eprintln!("sluice: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn rollout_status(
+    metrics: &str,
+    chain: Option<&str>,
+    watch: bool,
+    timeout: std::time::Duration,
+    json: bool,
+) -> ExitCode {
+    use sluice_cli::rollout::{self, Settled};
+    let show = |entry: &Value| {
+        if json {
+            outln!("{}", serde_json::to_string(entry).unwrap_or_default());
+        } else {
+            for line in rollout::describe(entry) {
+                outln!("{line}");
+            }
+        }
+    };
+    let settled = match chain {
+        None => rollout::fetch(metrics).await.map(|all| {
+            all.iter().for_each(show);
+            Settled::InProgress
+        }),
+        Some(chain) if !watch => rollout::fetch(metrics).await.and_then(|all| {
+            let entry = rollout::find(&all, chain)?;
+            show(entry);
+            Ok(rollout::settled(entry))
+        }),
+        Some(chain) => {
+            let limit = (!timeout.is_zero()).then_some(timeout);
+            let every = std::time::Duration::from_millis(250);
+            rollout::watch(metrics, chain, limit, every, show).await
+        }
+    };
+    match settled {
+        Ok(Settled::RolledBack) => ExitCode::FAILURE,
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sluice rollout status: {e}");
             ExitCode::FAILURE
         }
     }

@@ -3,3 +3,4 @@
 
 mod call_secured;
 mod cli;
+mod rollout_status;
