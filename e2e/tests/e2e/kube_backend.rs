@@ -315,7 +315,12 @@ async fn recycled_trigger_points_on_a_held_pod_write_nothing() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let during = api.writes().since(&before);
     println!("API writes while 20 trigger points ran on a held pod (Recycle):\n{during}");
-    assert_eq!(during.total(), 0, "writes per 20 trigger points:\n{during}");
+    assert_eq!(
+        during.total(),
+        0,
+        "writes per 20 trigger points:\n{during}\nsandboxes retired, by reason: {:?}",
+        h.retirements()
+    );
     assert_eq!(
         claimed_pods(&api),
         std::slice::from_ref(&held),

@@ -15,6 +15,7 @@ use crate::engine::Engine;
 use crate::host_call_guard::HostCallReport;
 use crate::outcome::Walk;
 use crate::outcome::{Layer, merge_action};
+use crate::pool::Claimed;
 use crate::request::{EngineError, Target};
 use crate::run::Handback;
 use crate::run_id::RunId;
@@ -63,6 +64,7 @@ impl<'e> Pipeline<'e> {
             self.stages
                 .iter_mut()
                 .filter_map(|s| s.claimed.take_claim())
+                .map(Claimed::answered)
                 .collect(),
         )
     }
@@ -278,6 +280,7 @@ mod tests {
             error: None,
             latency_us: 1,
             output: None,
+            lines: None,
         }
     }
 

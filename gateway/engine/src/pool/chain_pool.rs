@@ -76,6 +76,9 @@ struct Counts {
     claimed: usize,
     /// Released sandboxes whose cell is being ended and the next one opened.
     recycling: usize,
+    /// Claimed sandboxes whose trigger point is answered, held until the answer is written: back
+    /// in moments, so a claim waits for them rather than boot another.
+    answered: usize,
     /// Warm sandboxes taken out for a keepalive `ping`.
     probing: usize,
     tearing_down: usize,
@@ -129,6 +132,8 @@ pub struct Claimed {
     conn: Option<SupervisorConn>,
     pool: Arc<ChainPool>,
     tenant: Arc<str>,
+    /// Its trigger point is answered: it is held only until the answer is written (`answered`).
+    answered: bool,
 }
 
 // === impl Counts ===
@@ -354,7 +359,7 @@ impl ChainPool {
             return false;
         }
         let wanted = match kind {
-            BootFor::Claims => c.coming() < c.waiting.len(),
+            BootFor::Claims => c.coming() + c.answered < c.waiting.len(),
             BootFor::Warm => c.coming() + self.returning(&c) < self.warm_target,
         };
         if wanted {
@@ -569,6 +574,7 @@ impl ChainPool {
                         conn: Some(conn),
                         pool: self.clone(),
                         tenant,
+                        answered: false,
                     });
                 }
             }
@@ -634,6 +640,7 @@ impl ChainPool {
                         conn: Some(conn),
                         pool: self.clone(),
                         tenant,
+                        answered: false,
                     });
                 }
             }
@@ -689,12 +696,13 @@ impl ChainPool {
     }
 
     /// The trigger point is over: recycle the sandbox for the next one, or retire it.
-    fn release(self: &Arc<Self>, mut conn: SupervisorConn) {
+    fn release(self: &Arc<Self>, mut conn: SupervisorConn, answered: bool) {
         self.count_throttling(&mut conn);
         let retire = self.retirement_on_release(&conn);
         {
             let mut c = self.lock();
             c.claimed -= 1;
+            c.answered -= usize::from(answered);
             if retire.is_some() {
                 c.tearing_down += 1;
             } else {
@@ -893,13 +901,24 @@ impl Claimed {
             .as_mut()
             .expect("a Claimed holds its connection until dropped")
     }
+
+    /// Its trigger point is answered and it is held only until the answer is written: a claim
+    /// that comes meanwhile (the client's next request, sent as soon as it read the answer)
+    /// waits for it instead of booting another sandbox.
+    pub(crate) fn answered(mut self) -> Self {
+        if !self.answered {
+            self.answered = true;
+            self.pool.lock().answered += 1;
+        }
+        self
+    }
 }
 
 impl Drop for Claimed {
     fn drop(&mut self) {
         if let Some(conn) = self.conn.take() {
             self.pool.lock().handed_back(&self.tenant);
-            self.pool.release(conn);
+            self.pool.release(conn, self.answered);
         }
     }
 }

@@ -159,3 +159,42 @@ async fn a_run_after_shutdown_is_refused_and_boots_no_sandbox() {
     );
     assert_eq!(now(&h), (0, 0));
 }
+
+/// A run that comes while the only held sandbox's last answer is on its way back (answered, not yet
+/// handed back: the client already has it and asks again) waits for that sandbox instead of
+/// booting another: in a cluster a boot is a claim, a pod for the operator to replace and a pod
+/// held twice over (`kube_backend::recycled_trigger_points_on_a_held_pod_write_nothing` met it).
+#[tokio::test(start_paused = true)]
+async fn a_run_waits_for_a_sandbox_whose_answer_is_on_its_way_instead_of_booting_another() {
+    let h = Harness::with_boots(
+        Arc::new(backend().holds(1)),
+        vec![bot(json!({"warm": 1, "max": 4, "reuse": "Recycle"}))],
+        common::limits(),
+        2,
+    )
+    .await;
+    assert!(h.engine.pools().wait_warm(Duration::from_secs(1)).await);
+    let boots = h.engine.metrics().boots();
+    let input = |text: &str| sluice_engine::RunInput {
+        namespace: NS.into(),
+        target: "bot".into(),
+        trigger_point: "input".into(),
+        payload: Some(json!(text)),
+        ..Default::default()
+    };
+    let (first, handback) = h.engine.run_holding(input("one")).await.unwrap();
+    assert_eq!(first.walk.payload, json!("one"));
+    let engine = h.engine.clone();
+    let next = tokio::spawn(async move { engine.run(input("two")).await });
+    // The answer is written a little later; meanwhile the next run waits.
+    sleep(Duration::from_millis(10)).await;
+    drop(handback);
+    let second = next.await.unwrap().unwrap();
+    assert_eq!(second.walk.payload, json!("two"));
+    sleep(BOOT * 5).await;
+    assert_eq!(
+        h.engine.metrics().boots(),
+        boots,
+        "a sandbox booted for a run that its pool's own sandbox was coming back for"
+    );
+}

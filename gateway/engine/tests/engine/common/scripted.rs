@@ -41,6 +41,8 @@ pub(crate) struct ScriptedBackend {
     /// in `exchange` what came and went in which order.
     end_waits_for_next: bool,
     exchange: Arc<Mutex<Vec<String>>>,
+    /// Holds this many sandboxes per chain, serving or not, as the kube backend's `--kube-hold`.
+    holds: Option<usize>,
 }
 
 impl ScriptedBackend {
@@ -56,7 +58,15 @@ impl ScriptedBackend {
             outdated_before: Arc::default(),
             end_waits_for_next: false,
             exchange: Arc::default(),
+            holds: None,
         }
+    }
+
+    /// Keeps `n` sandboxes per chain whatever the chain's `pool.warm`, those serving a trigger point
+    /// counted (the kube backend's `--kube-hold`).
+    pub(crate) fn holds(mut self, n: usize) -> Self {
+        self.holds = Some(n);
+        self
     }
 
     /// Answers each `end` only once the next request has arrived (within a few seconds), as a
@@ -273,6 +283,14 @@ impl SandboxBackend for ScriptedBackend {
 
     async fn clean_leftovers(&self) -> usize {
         0
+    }
+
+    fn warm_target(&self, chain_warm: usize) -> usize {
+        self.holds.unwrap_or(chain_warm)
+    }
+
+    fn claimed_count_toward_warm(&self) -> bool {
+        self.holds.is_some()
     }
 
     async fn live(&self) -> Vec<String> {
