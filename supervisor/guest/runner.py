@@ -53,25 +53,53 @@ class SandboxFinder:
         )
 
 
-def stop_at_line_after(filename, seconds):
-    """Authoring tools' mode (`sluice test`, `sluice run`): trace the hook's lines and, once
-    `seconds` have passed, raise where it is, so the error names the line an endless loop or slow
-    code is on (the supervisor's hard deadline, a little later, names none). Never in a gateway
-    that serves: tracing every line is slow."""
+def stop_at_line_after(filename, seconds, covered):
+    """Authoring tools' mode (`sluice test`, `sluice run`): trace the hook's lines, noting each one
+    run in `covered` (`sluice test --coverage`), and once `seconds` have passed raise where it is,
+    so the error names the line an endless loop or slow code is on (the supervisor's hard deadline,
+    a little later, names none). Never in a gateway that serves: tracing every line is slow."""
     import time
 
     end = time.monotonic() + seconds
 
     def line(frame, event, arg):
-        if event == "line" and time.monotonic() > end:
-            sys.settrace(None)
-            raise TimeoutError(
-                f"ran out of time at line {frame.f_lineno}: an endless loop or slow code there "
-                "(the chain's spec.timeoutMs is the time all its hooks share)"
-            )
+        if event == "line":
+            covered.add(frame.f_lineno)
+            if time.monotonic() > end:
+                sys.settrace(None)
+                raise TimeoutError(
+                    f"ran out of time at line {frame.f_lineno}: an endless loop or slow code there "
+                    "(the chain's spec.timeoutMs is the time all its hooks share)"
+                )
         return line
 
     sys.settrace(lambda frame, event, arg: line if frame.f_code.co_filename == filename else None)
+
+
+CO_OPTIMIZED = 0x1
+
+
+def code_lines(code, at_import):
+    """The lines of a hook's compiled module that can run: `at_import` those its module code runs
+    when the hook is loaded (the module's own statements and class bodies), else those of its
+    functions."""
+    lines = set()
+    pending = [(code, True)]
+    while pending:
+        c, imported = pending.pop()
+        if imported == at_import:
+            lines.update(line for _, _, line in c.co_lines() if line is not None and line > 0)
+        for const in c.co_consts:
+            if isinstance(const, type(code)):
+                pending.append((const, imported and not const.co_flags & CO_OPTIMIZED))
+    return lines
+
+
+def coverage(compiled, covered):
+    """Which lines of the hook ran (its module code ran whole when it was loaded, or the call
+    failed) and which could have: what `--trace-lines` adds to an answer."""
+    run = covered | code_lines(compiled, True)
+    return {"run": sorted(run), "code": sorted(run | code_lines(compiled, False))}
 
 
 class HostCallError(Exception):
@@ -167,11 +195,11 @@ def prepare_module(name, compiled):
     # seed from the host (WASI random_get), so no two instances share a sequence.
     random.seed()
     try:
-        PREPARED = (name, run_module(name, compiled), None)
+        PREPARED = (name, run_module(name, compiled), None, compiled)
     except NoExecute as e:
-        PREPARED = (name, None, str(e))
+        PREPARED = (name, None, str(e), compiled)
     except BaseException as e:  # a hook's module code may raise anything, SystemExit included
-        PREPARED = (name, None, trimmed_traceback(e, filename))
+        PREPARED = (name, None, trimmed_traceback(e, filename), compiled)
         return last_line(e, filename)
     return None
 
@@ -199,26 +227,36 @@ class WitWorld(wit_world.WitWorld):
     def answer_of(self, request_json):
         if PREPARED is None:
             return json.dumps({"error": "this instance was not prepared for a hook"})
-        name, execute, error = PREPARED
+        name, execute, error, compiled = PREPARED
         if error is not None:
             return json.dumps({"error": error})
         filename = filename_of(name)
         request = json.loads(request_json)
+        traced = bool(request.get("trace_s"))
+        covered = set()
+        answer = {}
         try:
-            if request.get("trace_s"):
-                stop_at_line_after(filename, request["trace_s"])
+            if traced:
+                stop_at_line_after(filename, request["trace_s"], covered)
             ctx = Context(request.get("context") or {})
             ctx["outgoing"] = request.get("outgoing")
             ctx["state"] = request.get("state")
             ctx["hook"] = name
             ctx["host_call"] = host_call
-            value = execute(ctx, request.get("settings") or {})
+            answer["value"] = execute(ctx, request.get("settings") or {})
         except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError: hook errors too
-            return json.dumps({"error": trimmed_traceback(e, filename)})
+            answer = {"error": trimmed_traceback(e, filename)}
+        finally:
+            if traced:
+                sys.settrace(None)
+                answer["lines"] = coverage(compiled, covered)
         try:
-            return json.dumps({"value": value}, allow_nan=False, ensure_ascii=False)
+            return json.dumps(answer, allow_nan=False, ensure_ascii=False)
         except (TypeError, ValueError, RecursionError) as e:
-            return json.dumps({"error": f"execute returned something that is not JSON-serializable: {e}"})
+            error = {"error": f"execute returned something that is not JSON-serializable: {e}"}
+            if traced:
+                error["lines"] = answer["lines"]
+            return json.dumps(error)
 
 
 def warm_up():

@@ -20,6 +20,30 @@ use crate::relay::{Link, Relay};
 use crate::runtime::{CallError, HookCode, Runtime};
 
 pub(crate) const PROTOCOL_VERSION: u64 = 3;
+
+/// The most line numbers of a hook's code `lines` carries (a hook's code is far shorter).
+const MAX_LINES: usize = 100_000;
+
+/// The `lines` of an instance's answer under `--trace-lines` (which lines of the hook's code ran,
+/// which could have), passed on only in the shape the protocol gives it: `{"run": [n...], "code":
+/// [n...]}`, positive line numbers, bounded. The instance runs beside the hook, which can change
+/// what it answers: anything else is dropped.
+fn lines_of(lines: Value) -> Option<Value> {
+    let numbers = |key: &str| -> Option<Vec<u32>> {
+        let list = lines.get(key)?.as_array()?;
+        if list.len() > MAX_LINES {
+            return None;
+        }
+        list.iter()
+            .map(|n| {
+                n.as_u64()
+                    .filter(|&n| n > 0)
+                    .and_then(|n| u32::try_from(n).ok())
+            })
+            .collect()
+    };
+    Some(json!({"run": numbers("run")?, "code": numbers("code")?}))
+}
 const DEFAULT_TIMEOUT_MS: u64 = 2000;
 /// Compiled hooks kept across trigger points (a chain's code changes rarely; each entry is the
 /// marshalled bytecode of one hook, never a payload).
@@ -514,6 +538,11 @@ impl Supervisor {
         })?;
         let mut answer: Value = serde_json::from_str(&answer)
             .map_err(|e| HookError(format!("the hook's instance answered malformed JSON: {e}")))?;
+        if self.trace_lines
+            && let Some(lines) = answer.get_mut("lines").map(Value::take).and_then(lines_of)
+        {
+            output.insert("lines".into(), lines);
+        }
         if let Some(error) = answer.get_mut("error").map(Value::take) {
             return Err(HookError(match error {
                 Value::String(error) => error,
@@ -536,5 +565,31 @@ impl Supervisor {
     fn end(&mut self) {
         self.cell = None;
         self.send(&json!({"type": "ended", "clean": true}));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_lines_in_the_protocols_shape_are_passed_on() {
+        let ok = json!({"run": [1, 3], "code": [1, 2, 3], "extra": "dropped"});
+        assert_eq!(
+            lines_of(ok),
+            Some(json!({"run": [1, 3], "code": [1, 2, 3]}))
+        );
+        for bad in [
+            json!({"run": [1]}),
+            json!({"run": [0], "code": [1]}),
+            json!({"run": [-1], "code": [1]}),
+            json!({"run": ["1"], "code": [1]}),
+            json!({"run": [1.5], "code": [1]}),
+            json!({"run": [1], "code": [1u64 << 40]}),
+            json!({"run": vec![1; MAX_LINES + 1], "code": [1]}),
+            json!([1, 2]),
+        ] {
+            assert_eq!(lines_of(bad.clone()), None, "{bad}");
+        }
     }
 }

@@ -37,10 +37,15 @@ fn runtime() -> PathBuf {
 
 impl Supervisor {
     fn start(memory_bytes: u64) -> Self {
+        Self::start_with(memory_bytes, &[])
+    }
+
+    fn start_with(memory_bytes: u64, flags: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_sluice-supervisor"))
             .arg("--runtime")
             .arg(runtime())
             .args(["--memory-bytes", &memory_bytes.to_string()])
+            .args(flags)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -975,5 +980,64 @@ fn a_walk_of_hooks_each_within_its_memory_limit_never_holds_them_all() {
         "the supervisor peaked at {} MiB: more than one hook's memory at once",
         peak >> 20
     );
+    s.end();
+}
+
+const BRANCHES: &str = "import re\nP = re.compile('x')\ndef execute(context, settings):\n    if context['outgoing'] == 'boom':\n        raise ValueError('boom')\n    if context['outgoing'] == 'long':\n        return {'action': 'block', 'message': 'long'}\n    return {'action': 'pass'}\n";
+
+/// A hook that makes every answer of its instance claim lines it did not run.
+const FORGER: &str = "import json\n_dumps = json.dumps\njson.dumps = lambda o, **k: _dumps(dict(o, lines={'run': [1, 2, 3], 'code': [1, 2, 3]}) if isinstance(o, dict) else o, **k)\ndef execute(context, settings):\n    return {'action': 'pass'}\n";
+
+/// Under `--trace-lines` each hook_result says which lines of the hook ran (module code counted,
+/// a failed call's lines too) and which could have; without it none does, whatever the hook makes
+/// its instance answer.
+#[test]
+fn lines_run_are_reported_under_trace_lines_only() {
+    let mut s = Supervisor::start_with(256 << 20, &["--trace-lines"]);
+    s.init("input", 2000, &[("branches", "block", BRANCHES)]);
+    let code: Vec<u64> = vec![1, 2, 3, 4, 5, 6, 7, 8];
+    let passed = s.chunk(json!("hi"), no_host);
+    assert_eq!(passed[0]["lines"]["code"], json!(code), "{}", passed[0]);
+    assert_eq!(
+        passed[0]["lines"]["run"],
+        json!([1, 2, 3, 4, 6, 8]),
+        "{}",
+        passed[0]
+    );
+    let blocked = s.chunk(json!("long"), no_host);
+    assert_eq!(
+        blocked[0]["lines"]["run"],
+        json!([1, 2, 3, 4, 6, 7]),
+        "{}",
+        blocked[0]
+    );
+    let failed = s.chunk(json!("boom"), no_host);
+    assert!(
+        failed[0]["error"].as_str().unwrap().contains("ValueError"),
+        "{}",
+        failed[0]
+    );
+    assert_eq!(
+        failed[0]["lines"]["run"],
+        json!([1, 2, 3, 4, 5]),
+        "{}",
+        failed[0]
+    );
+    s.end();
+    drop(s);
+
+    let mut s = Supervisor::start(256 << 20);
+    s.init(
+        "input",
+        2000,
+        &[
+            ("branches", "block", BRANCHES),
+            ("forger", "detect", FORGER),
+        ],
+    );
+    let results = s.chunk(json!("hi"), no_host);
+    for r in &results {
+        assert!(r.get("lines").is_none(), "{r}");
+    }
     s.end();
 }

@@ -294,6 +294,8 @@ impl Local {
             .with_trace_lines(),
         );
         let gateway = start_local(opts).await?;
+        // Which lines each hook ran (the sandboxes trace them, above): `sluice test --coverage`.
+        gateway.engine.record_coverage();
         // Every problem of the files, each once, at the author's file and line.
         let problems: Vec<String> = gateway
             .engine
@@ -332,6 +334,18 @@ impl Local {
             stubs: stub_task,
             copies,
         })
+    }
+
+    /// Each hook written as code in the files, with the lines the runs so far ran, in the files
+    /// the author edits.
+    pub fn coverage(&self) -> Vec<sluice_engine::HookCoverage> {
+        let mut hooks = self.gateway.engine.coverage().unwrap_or_default();
+        for h in &mut hooks {
+            if let Some((_, original)) = self.copies.iter().find(|(copy, _)| *copy == h.file) {
+                h.file = original.clone();
+            }
+        }
+        hooks
     }
 
     pub async fn stop(self) {
@@ -719,6 +733,8 @@ pub struct CaseReport {
 pub struct FileReport {
     pub path: PathBuf,
     pub cases: Vec<CaseReport>,
+    /// Each hook written as code in the chains the file uses, with the lines its cases ran.
+    pub coverage: Vec<sluice_engine::HookCoverage>,
 }
 
 impl FileReport {
@@ -860,6 +876,7 @@ pub async fn run_file(path: &Path, opts: &RunOptions) -> Result<FileReport, Test
     let mut report = FileReport {
         path: path.to_path_buf(),
         cases: Vec::new(),
+        coverage: Vec::new(),
     };
     if cases.is_empty() {
         return Ok(report);
@@ -938,6 +955,7 @@ pub async fn run_file(path: &Path, opts: &RunOptions) -> Result<FileReport, Test
             answer: got.ok().filter(|_| opts.verbose),
         });
     }
+    report.coverage = local.coverage();
     local.stop().await;
     Ok(report)
 }

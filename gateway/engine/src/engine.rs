@@ -5,6 +5,7 @@
 
 use crate::audit::{Audit, AuditEvent, AuditHook};
 use crate::chains::Chains;
+use crate::coverage::{Coverage, HookCoverage};
 use crate::host_calls::Capabilities;
 use crate::limits::Limits;
 use crate::log_text::Escaped;
@@ -37,6 +38,8 @@ pub struct Engine {
     rollouts: Rollouts,
     /// The engine itself, for the work a run leaves behind it (shadow runs).
     me: Weak<Engine>,
+    /// The lines each hook ran, once an authoring tool asks for them (`record_coverage`).
+    coverage: std::sync::OnceLock<Coverage>,
 }
 
 /// When the last NOT_FOUND audit event was written, and how many were left out since.
@@ -65,6 +68,7 @@ impl Engine {
             capabilities,
             stopping: tokio::sync::watch::channel(false).0,
             not_found: Mutex::default(),
+            coverage: std::sync::OnceLock::new(),
             me: me.clone(),
         })
     }
@@ -102,6 +106,20 @@ impl Engine {
 
     pub fn registry(&self) -> Arc<Registry> {
         self.registry.load_full()
+    }
+
+    /// From now on, keeps which lines of each hook's code the runs ran, as sandboxes under
+    /// `--trace-lines` report them (`sluice test --coverage`). A gateway that serves never does.
+    pub fn record_coverage(&self) {
+        let _ = self.coverage.set(Coverage::default());
+    }
+
+    /// Each hook written as code in the served chains, with the lines its runs ran so far; None
+    /// unless `record_coverage` was called.
+    pub fn coverage(&self) -> Option<Vec<HookCoverage>> {
+        let coverage = self.coverage.get()?;
+        let registry = self.registry();
+        Some(coverage.report(registry.all_chains().map(|c| c.as_ref())))
     }
 
     /// Swaps in a new registry; pools follow. Runs in flight keep the chain they started with.
@@ -316,6 +334,9 @@ impl Engine {
     ) {
         audit.hooks = audit_hooks(walk);
         self.count_hooks(chains, walk);
+        if let Some(coverage) = self.coverage.get() {
+            coverage.record(chains, walk);
+        }
         audit.action = walk.action.as_str();
         audit.terminal_index = walk.terminal_index;
         audit.latency_us = began.elapsed().as_micros() as u64;

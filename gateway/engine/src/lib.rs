@@ -15,12 +15,13 @@
 //! 5. `host_calls` (the trait the capability runner implements) and `host_call_guard` (the limits the
 //!    gateway keeps on them), `registry` and `chain` (what is
 //!    served), `request` (checking what callers send), `engine` (what runs share: audit, metrics,
-//!    limits).
+//!    limits), `coverage` (the lines hooks ran, for authoring tools).
 
 mod audit;
 mod chain;
 mod chains;
 mod claimed_chain;
+mod coverage;
 mod engine;
 mod host_call_guard;
 mod host_calls;
@@ -54,6 +55,7 @@ pub use audit::{
     Audit, AuditGate, AuditHostCall, AuditHostCallCount, AuditHostCallSummary, AuditRollout,
 };
 pub use chain::{Chain, ChainError, ChainKey};
+pub use coverage::HookCoverage;
 pub use engine::Engine;
 pub use host_calls::{Caller, Capabilities, HostCallCode, HostCallError, HostCalls, NoHostCalls};
 pub use limits::Limits;

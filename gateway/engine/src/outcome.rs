@@ -8,6 +8,7 @@ use crate::chain::Chain;
 use crate::limits::Limits;
 use crate::state_vector::StateVector;
 use crate::supervisor::{SandboxFailure, WalkReport};
+use crate::wire::Lines;
 use serde_json::Value;
 use sluice_crds::fields::did_you_mean;
 use sluice_crds::{Action, FailurePolicy, TriggerPoint};
@@ -58,6 +59,8 @@ pub struct HookOutcome {
     /// The end of what the hook printed, up to `Limits::hook_output_bytes` (None when it printed
     /// nothing or the gateway carries none).
     pub output: Option<String>,
+    /// Which lines of its code ran, when its sandbox traces them (authoring tools only).
+    pub lines: Option<Lines>,
 }
 
 impl HookOutcome {
@@ -119,7 +122,7 @@ impl Walk {
         index: usize,
         error: String,
         latency_us: u64,
-        output: Option<String>,
+        (output, lines): (Option<String>, Option<Lines>),
     ) {
         let error = explain(chain, index, &error);
         let name = chain.spec.hooks[index].name.clone();
@@ -134,6 +137,7 @@ impl Walk {
             error: Some(error),
             latency_us,
             output,
+            lines,
         });
         if chain.spec.failure_policy == FailurePolicy::Closed {
             self.end(index, Action::Block, reason);
@@ -154,6 +158,7 @@ impl Walk {
             error: Some(message.clone()),
             latency_us: 0,
             output: None,
+            lines: None,
         });
         self.end(index, Action::Block, message);
     }
@@ -476,7 +481,10 @@ pub(crate) fn fold(
                 r.index,
                 error.clone(),
                 r.latency_us,
-                output_tail(r.output.as_deref(), limits.hook_output_bytes),
+                (
+                    output_tail(r.output.as_deref(), limits.hook_output_bytes),
+                    r.lines.as_deref().cloned(),
+                ),
             );
             continue;
         }
@@ -536,6 +544,7 @@ pub(crate) fn fold(
             error: None,
             latency_us: r.latency_us,
             output: output_tail(r.output.as_deref(), limits.hook_output_bytes),
+            lines: r.lines.as_deref().cloned(),
         });
         match action {
             Action::Block | Action::Skip => walk.end(r.index, action, message),
@@ -558,7 +567,7 @@ pub(crate) fn fold(
             return;
         }
         let (error, latency_us) = failure_text(chain, failure);
-        walk.hook_failed(chain, expected, error, latency_us, None);
+        walk.hook_failed(chain, expected, error, latency_us, (None, None));
         if !walk.is_terminal() && expected + 1 < hooks.len() {
             walk.resume_at = Some(expected + 1);
         }

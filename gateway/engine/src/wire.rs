@@ -133,6 +133,16 @@ pub struct HookResult {
     /// The end of what the hook wrote to stdout and stderr, when it wrote anything.
     #[serde(default)]
     pub output: Option<String>,
+    /// Under `--trace-lines` (authoring tools): which lines of the hook's code ran.
+    #[serde(default)]
+    pub lines: Option<Box<Lines>>,
+}
+
+/// Which lines of a hook's code ran in one call, and which could have (code line numbers, from 1).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct Lines {
+    pub run: Vec<u32>,
+    pub code: Vec<u32>,
 }
 
 /// A key that is present is `Some`, even when its value is `null`.

@@ -103,6 +103,9 @@ enum Command {
         /// Run again whenever a test file or a chain it uses changes (Ctrl-C ends).
         #[arg(long)]
         watch: bool,
+        /// Also show which lines of each hook's code the cases ran, and those none did.
+        #[arg(long)]
+        coverage: bool,
     },
     /// Write a starter chain (DIR/redact-customer-ids.yaml) and its test file
     /// (DIR/tests/redact-customer-ids.test.yaml) that `sluice check` and `sluice test` pass.
@@ -342,13 +345,15 @@ async fn main() -> ExitCode {
             verbose,
             junit,
             watch,
+            coverage,
         } => {
             let opts = sluice_cli::RunOptions {
                 only: run,
                 verbose,
                 gvisor: gvisor_or_say_why("sluice test"),
             };
-            return test(&files, &opts, junit.as_deref(), watch).await;
+            let report = Report { junit, coverage };
+            return test(&files, &opts, &report, watch).await;
         }
         Command::Init { dir, example } => return init(&dir, example.as_deref()),
         Command::Rollout(RolloutCommand::Status {
@@ -472,16 +477,24 @@ fn check(
 /// Exit code of `sluice test` when something could not be run at all.
 const TEST_COULD_NOT_RUN: u8 = 2;
 
+/// What `sluice test` reports besides each case.
+struct Report {
+    /// JUnit XML written here.
+    junit: Option<std::path::PathBuf>,
+    /// The lines of hook code the cases ran.
+    coverage: bool,
+}
+
 async fn test(
     files: &[std::path::PathBuf],
     opts: &sluice_cli::RunOptions,
-    junit: Option<&std::path::Path>,
+    report: &Report,
     watch: bool,
 ) -> ExitCode {
     quiet_logs();
     // Taken before the run, so that a change made while it runs starts the next one.
     let mut seen = watched(files);
-    let mut code = test_once(files, opts, junit).await;
+    let mut code = test_once(files, opts, report).await;
     if !watch {
         return code;
     }
@@ -494,7 +507,7 @@ async fn test(
         if now != seen {
             seen = now;
             outln!("--- changed; running again ---");
-            code = test_once(files, opts, junit).await;
+            code = test_once(files, opts, report).await;
         }
     }
 }
@@ -502,7 +515,7 @@ async fn test(
 async fn test_once(
     files: &[std::path::PathBuf],
     opts: &sluice_cli::RunOptions,
-    junit: Option<&std::path::Path>,
+    report: &Report,
 ) -> ExitCode {
     let (mut passed, mut failed, mut broken) = (0, 0, 0);
     let mut reports = Vec::new();
@@ -538,7 +551,13 @@ async fn test_once(
     } else {
         outln!("{passed} passed, {failed} failed");
     }
-    if let Some(path) = junit
+    let ran: Vec<&sluice_cli::FileReport> = reports.iter().flatten().collect();
+    if report.coverage && !ran.is_empty() {
+        for line in sluice_cli::coverage::describe(&sluice_cli::coverage::merge(&ran)) {
+            outln!("{line}");
+        }
+    }
+    if let Some(path) = &report.junit
         && let Err(e) = std::fs::write(path, sluice_cli::junit(&reports))
     {
         outln!("sluice test: cannot write {}: {e}", path.display());

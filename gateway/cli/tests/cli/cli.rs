@@ -1116,3 +1116,99 @@ fn a_chain_that_does_not_compile_is_said_once_with_the_authors_path() {
     assert!(err.contains(&format!("{chain}:11:")), "{err}");
     assert!(!err.contains("ERROR"), "{err}");
 }
+
+const COVERED: &str = r#"apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: support-input}
+spec:
+  target: support-bot
+  triggerPoint: input
+  hooks:
+    - name: limit
+      action: block
+      code: |
+        def execute(context, settings):
+            text = context["outgoing"]
+            if len(text) > 20:
+                return {"action": "block", "message": "too long"}
+            return {"action": "pass"}
+    - name: shout
+      action: modify
+      code: |
+        def execute(context, settings):
+            return {"action": "modify", "outgoing": context["outgoing"].upper()}
+    - {name: cards, action: modify, uses: pii/card}
+---
+apiVersion: sluice.dev/v1alpha1
+kind: HookChain
+metadata: {name: other-input}
+spec:
+  target: other-bot
+  triggerPoint: input
+  hooks:
+    - name: untested
+      action: modify
+      code: |
+        def execute(context, settings):
+            return {"action": "modify", "outgoing": "x"}
+"#;
+
+/// `sluice test --coverage` names, at the chain file's lines, what no case ran: the branch a case
+/// never took, a hook behind a block, a chain no case calls; ready hooks are the library's and not
+/// listed. Another case that takes the branch covers it.
+#[test]
+fn test_coverage_names_the_lines_no_case_ran() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "chain.yaml", COVERED);
+    let line_of = |needle: &str| COVERED.lines().position(|l| l.contains(needle)).unwrap() + 1;
+    let long = "chains: [chain.yaml]\ncases:\n  - name: too long\n    target: support-bot\n    text: this text is far longer than twenty characters\n    expect: {action: block}\n";
+    let tests = write(dir.path(), "chain.test.yaml", long);
+    let (code, out) = sluice(&["test", "--coverage", &tests]);
+    assert_eq!(code, 0, "{out}");
+    let chain = dir.path().join("chain.yaml").display().to_string();
+    assert!(out.contains(&format!("\n  {chain}\n")), "{out}");
+    // `limit` has 5 lines that can run (the def line among them); the pass line never ran.
+    let pass = line_of(r#"return {"action": "pass"}"#);
+    assert!(
+        out.contains(&format!(
+            "default/support-input/limit   4/5 lines (80%)  not run: line {pass}\n"
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains("default/support-input/shout   never run: no case reached it"),
+        "{out}"
+    );
+    assert!(
+        out.contains("default/other-input/untested  never run: no case reached it"),
+        "{out}"
+    );
+    assert!(!out.contains("cards"), "ready hooks are not listed: {out}");
+    assert!(
+        out.contains("total: 4/5 lines (80%), 2 hook(s) never run"),
+        "{out}"
+    );
+    // Without --coverage, none of it.
+    let (code, out) = sluice(&["test", &tests]);
+    assert_eq!(code, 0, "{out}");
+    assert!(!out.contains("coverage"), "{out}");
+
+    let both = format!(
+        "{long}  - name: short\n    target: support-bot\n    text: hi\n    expect: {{action: modify, text: HI}}\n"
+    );
+    let tests = write(dir.path(), "chain.test.yaml", &both);
+    let (code, out) = sluice(&["test", "--coverage", &tests]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("default/support-input/limit   5/5 lines (100%)\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("default/support-input/shout   2/2 lines (100%)\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("total: 7/7 lines (100%), 1 hook(s) never run"),
+        "{out}"
+    );
+}

@@ -5,6 +5,7 @@ mod baseline;
 mod callers;
 mod clocks;
 mod common;
+mod coverage;
 mod host_calls;
 mod integrity;
 mod logs;
