@@ -4,3 +4,4 @@
 mod call_secured;
 mod cli;
 mod rollout_status;
+mod walk;
