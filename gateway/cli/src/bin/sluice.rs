@@ -106,6 +106,10 @@ enum Command {
         /// Also show which lines of each hook's code the cases ran, and those none did.
         #[arg(long)]
         coverage: bool,
+        /// Test files run at once, each against a local gateway of its own (default: the
+        /// machine's cores, at most 4). Results are printed in file order either way.
+        #[arg(short, long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+        jobs: Option<u16>,
     },
     /// Write a starter chain (DIR/redact-customer-ids.yaml) and its test file
     /// (DIR/tests/redact-customer-ids.test.yaml) that `sluice check` and `sluice test` pass.
@@ -346,13 +350,22 @@ async fn main() -> ExitCode {
             junit,
             watch,
             coverage,
+            jobs,
         } => {
             let opts = sluice_cli::RunOptions {
                 only: run,
                 verbose,
                 gvisor: gvisor_or_say_why("sluice test"),
             };
-            let report = Report { junit, coverage };
+            let jobs = jobs.map_or_else(
+                || std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
+                usize::from,
+            );
+            let report = Report {
+                junit,
+                coverage,
+                jobs,
+            };
             return test(&files, &opts, &report, watch).await;
         }
         Command::Init { dir, example } => return init(&dir, example.as_deref()),
@@ -483,6 +496,8 @@ struct Report {
     junit: Option<std::path::PathBuf>,
     /// The lines of hook code the cases ran.
     coverage: bool,
+    /// Test files run at once.
+    jobs: usize,
 }
 
 async fn test(
@@ -519,8 +534,14 @@ async fn test_once(
 ) -> ExitCode {
     let (mut passed, mut failed, mut broken) = (0, 0, 0);
     let mut reports = Vec::new();
-    for f in sluice_cli::expand(files, true) {
-        match sluice_cli::run_file(&f, opts).await {
+    let files = sluice_cli::expand(files, true);
+    // Up to `jobs` files at once, each against a gateway of its own; answers in file order.
+    let mut results = futures::StreamExt::buffered(
+        futures::stream::iter(files.iter().map(|f| sluice_cli::run_file(f, opts))),
+        report.jobs.max(1),
+    );
+    while let Some(result) = futures::StreamExt::next(&mut results).await {
+        match result {
             Ok(report) => {
                 outln!("{}", report.path.display());
                 for c in &report.cases {

@@ -206,14 +206,25 @@ fn run_prints_what_the_gateway_would_return() {
     assert_eq!(v["final"]["payload"]["text"], "HELLO WORLD");
 }
 
+/// Every example's test cases pass; two files at a time (`--jobs 2`), reported in file order.
 #[test]
 fn every_example_chain_passes_its_test_cases() {
-    let (code, out) = sluice(&[
-        "test",
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/tests"),
-    ]);
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/tests");
+    let (code, out) = sluice(&["test", "--jobs", "2", dir]);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains(" passed, 0 failed"), "{out}");
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".test.yaml"))
+        .collect();
+    files.sort();
+    let reported: Vec<&str> = out
+        .lines()
+        .filter(|l| l.ends_with(".test.yaml"))
+        .map(|l| l.rsplit('/').next().unwrap())
+        .collect();
+    assert_eq!(reported, files, "{out}");
 }
 
 /// Every mistake here is one `check` must name, with its line, in one pass over the file.
@@ -879,25 +890,54 @@ fn every_recipe_checks_and_tests_clean_and_its_tests_catch_a_broken_recipe() {
             2,
         ),
     ];
-    for (name, good, bad, cases) in breakages {
-        let target = dir.path().join(name);
-        let target = target.to_string_lossy();
-        let (code, out) = sluice(&["init", &target, "--example", name]);
+    let targets: Vec<String> = breakages
+        .iter()
+        .map(|(name, ..)| dir.path().join(name).to_string_lossy().into_owned())
+        .collect();
+    for ((name, ..), target) in breakages.iter().zip(&targets) {
+        let (code, out) = sluice(&["init", target, "--example", name]);
         assert_eq!(code, 0, "{out}");
-        let (code, out) = sluice(&["check", &target]);
+        let (code, out) = sluice(&["check", target]);
         assert_eq!(code, 0, "{name}: {out}");
-        let (code, out) = sluice(&["test", &target]);
-        assert_eq!(code, 0, "{name}: {out}");
-        assert!(
-            out.contains(&format!("{cases} passed, 0 failed")),
-            "{name}: {out}"
-        );
+    }
+    // Every recipe's tests in one run (its files side by side), then again with each recipe broken.
+    let every = |out: &str| -> Vec<(String, String)> {
+        let mut files: Vec<(String, String)> = Vec::new();
+        for line in out.lines() {
+            if line.ends_with(".test.yaml") {
+                files.push((line.to_string(), String::new()));
+            } else if let Some((_, cases)) = files.last_mut() {
+                cases.push_str(line);
+                cases.push('\n');
+            }
+        }
+        files
+    };
+    let mut args = vec!["test"];
+    args.extend(targets.iter().map(String::as_str));
+    let (code, out) = sluice(&args);
+    assert_eq!(code, 0, "{out}");
+    for (name, _, _, cases) in breakages {
+        let passed: usize = every(&out)
+            .iter()
+            .filter(|(file, _)| file.contains(&format!("/{name}/")))
+            .map(|(_, c)| c.matches("  PASS  ").count())
+            .sum();
+        assert_eq!(passed, cases, "{name}: {out}");
+    }
+    for (name, good, bad, _) in breakages {
         let chain = dir.path().join(name).join(format!("{name}.yaml"));
         let text = std::fs::read_to_string(&chain).unwrap();
         assert!(text.contains(good), "{name}");
         std::fs::write(&chain, text.replace(good, bad)).unwrap();
-        let (code, out) = sluice(&["test", &target]);
-        assert_eq!(code, 1, "{name} broken still passes: {out}");
+    }
+    let (code, out) = sluice(&args);
+    assert_eq!(code, 1, "{out}");
+    for (name, ..) in breakages {
+        let failed = every(&out)
+            .iter()
+            .any(|(file, c)| file.contains(&format!("/{name}/")) && c.contains("  FAIL  "));
+        assert!(failed, "{name} broken still passes: {out}");
     }
     let (code, out) = sluice(&["init", "x", "--example", "no-such-recipe"]);
     assert_ne!(code, 0, "{out}");
