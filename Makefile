@@ -20,7 +20,7 @@ DOCKER ?= docker
 TEST_BUILD = $(CARGO) build --workspace --bins --tests
 RELEASE_BUILD = $(CARGO) build --release --workspace --bins
 
-.PHONY: deps cell cell-release build install dist test-dist run test print-test-targets test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
+.PHONY: deps cell cell-release build install dist wheel test-dist run test print-test-targets test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
 	cluster-deps cluster-build cluster-up cluster-down cluster-images cluster-install test-cluster bench-cluster
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
@@ -78,7 +78,16 @@ dist:
 	tar -C dist -czf dist/$(DIST_NAME).tar.gz $(DIST_NAME)
 	@echo "wrote dist/$(DIST_NAME).tar.gz"
 
-# The tarball as an author uses it: unpacked into a fresh directory, its `sluice` checks and tests the
+# `pip install` for hook authors: dist/sluice-<version>-py3-none-manylinux_<glibc>_<arch>.whl carries
+# what the tarball's bin/ does (deploy/tools/wheel.py, a plain wheel: no build backend, nothing fetched).
+wheel:
+	rm -rf dist/wheel-tree
+	$(MAKE) install PREFIX=$(CURDIR)/dist/wheel-tree PROFILE=$(PROFILE)
+	python3 deploy/tools/wheel.py --bin dist/wheel-tree/bin --version $(TAG) --readme deploy/tools/wheel-README.md --out dist
+	rm -rf dist/wheel-tree
+
+# The tarball and the wheel as an author uses them: the tarball unpacked into a fresh directory, the
+# wheel pip-installed into a fresh venv by an unprivileged user; each `sluice` checks and tests the
 # examples with nothing else on PATH.
 test-dist:
 	$(MAKE) dist PROFILE=debug
@@ -91,6 +100,9 @@ test-dist:
 		&& env -i PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=$$HOME \
 		./$(DIST_NAME)/bin/sluice check $(CURDIR)/gateway/cli/tests/py312.yaml
 	rm -rf target/test-dist dist/$(DIST_NAME) dist/$(DIST_NAME).tar.gz
+	$(MAKE) wheel PROFILE=debug
+	deploy/tools/test-wheel.sh dist/sluice-$(TAG)-py3-none-*.whl
+	rm -f dist/sluice-$(TAG)-py3-none-*.whl
 
 # The example services (fake LLM on :7001, credit ledger on :7002, OpenAI-compatible fake LLM on
 # :7003) run beside the gateway and stop with it; the gateway's OpenAI-compatible proxy serves
