@@ -156,7 +156,8 @@ enum RolloutCommand {
         )]
         metrics: String,
         /// Wait until the rollout ends (--watch=false: show it once).
-        #[arg(short, long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+        #[arg(short, long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL",
+              num_args = 0..=1, require_equals = true, default_missing_value = "true")]
         watch: bool,
         /// Give up waiting after this long (30s, 10m); 0 waits as long as it takes.
         #[arg(long, value_parser = sluice_crds::duration::parse_duration, default_value = "0s")]
