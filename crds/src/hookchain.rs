@@ -434,6 +434,8 @@ pub struct HookSpec {
     /// What the document gave: code of its own (with or without `uses`: both is refused by
     /// validation).
     pub(crate) wrote_code: bool,
+    /// An SSH signature (sshsig, armored) of this hook as written in this chain (`crate::signing`).
+    pub signature: Option<String>,
 }
 
 impl HookSpec {
@@ -446,6 +448,7 @@ impl HookSpec {
             capabilities: Vec::new(),
             uses: None,
             code: Some(code.to_string()),
+            signature: None,
         })
     }
 
@@ -487,6 +490,11 @@ struct HookFields {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 262144))]
     code: Option<String>,
+    /// An SSH signature of this hook as written, bound to the chain's namespace and name (`sluice
+    /// sign`; docs/signing.md): required where the platform requires signed code.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16384))]
+    signature: Option<String>,
 }
 
 impl From<HookFields> for HookSpec {
@@ -507,6 +515,7 @@ impl From<HookFields> for HookSpec {
             uses: f.uses,
             code,
             wrote_code,
+            signature: f.signature,
         }
     }
 }
@@ -520,6 +529,7 @@ impl From<HookSpec> for HookFields {
             capabilities: h.capabilities,
             code: (h.uses.is_none() || h.wrote_code).then_some(h.code),
             uses: h.uses,
+            signature: h.signature,
         }
     }
 }

@@ -34,6 +34,7 @@ pub mod quantity;
 pub mod rollout;
 pub mod sandbox_pod;
 pub mod schema;
+pub mod signing;
 pub mod validate;
 #[cfg(feature = "kube")]
 pub mod watch;

@@ -452,6 +452,8 @@ pub struct PlatformRules {
     pub allowed_endpoints: crate::endpoints::AllowedEndpoints,
     /// The most CPU one sandbox may use; a chain may not ask to be guaranteed more.
     pub sandbox_cpu_limit: crate::cpu::SandboxCpuLimit,
+    /// Where signed hook code is required and whose signatures count (`--trusted-signers`).
+    pub signing: Option<std::sync::Arc<crate::signing::PolicyFile>>,
 }
 
 impl PlatformRules {
@@ -461,6 +463,7 @@ impl PlatformRules {
             platform_namespace: crate::DEFAULT_PLATFORM_NAMESPACE.to_string(),
             allowed_endpoints,
             sandbox_cpu_limit: crate::cpu::SandboxCpuLimit::default(),
+            signing: None,
         }
     }
 }
@@ -497,6 +500,12 @@ pub fn object_problems(object: &Object, rules: &PlatformRules) -> Vec<String> {
                     "HookChain {:?}: {p}",
                     hc.metadata.name.clone().unwrap_or_default()
                 ));
+            }
+            if let Some(signing) = &rules.signing {
+                let name = hc.metadata.name.clone().unwrap_or_default();
+                if let Err(why) = signing.current().check(&ns, &name, &hc.spec) {
+                    out.push(format!("HookChain {name:?}: {why}"));
+                }
             }
         }
     }

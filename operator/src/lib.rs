@@ -27,6 +27,19 @@ pub fn set_code_checker(python: sluice_crds::code::Interpreter) {
     let _ = CODE_CHECKER.set(python);
 }
 
+/// The platform's signing policy (`--trusted-signers`), set once at start: the webhook refuses and
+/// the reconciler marks invalid what it does not let serve.
+static SIGNING: std::sync::OnceLock<std::sync::Arc<sluice_crds::signing::PolicyFile>> =
+    std::sync::OnceLock::new();
+
+pub fn set_signing(signing: std::sync::Arc<sluice_crds::signing::PolicyFile>) {
+    let _ = SIGNING.set(signing);
+}
+
+pub fn signing() -> Option<std::sync::Arc<sluice_crds::signing::PolicyFile>> {
+    SIGNING.get().cloned()
+}
+
 pub fn code_checker() -> sluice_crds::code::Interpreter {
     CODE_CHECKER
         .get_or_init(|| sluice_crds::code::Interpreter::cell_or("python3"))

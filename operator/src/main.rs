@@ -90,6 +90,19 @@ struct WebhookArgs {
     /// not.
     #[arg(long = "python", alias = "webhook-python")]
     python: Option<PathBuf>,
+    /// Admit and serve only hook code signed by a key this `allowed_signers` file trusts (the
+    /// chart mounts the platform's ConfigMap here), in the namespaces `--signed-namespaces` names.
+    /// Read again when it changes.
+    #[arg(long, value_name = "FILE")]
+    trusted_signers: Option<PathBuf>,
+    /// Where signed hook code is required: `*` (every namespace) or a comma-separated list.
+    #[arg(
+        long,
+        value_name = "NAMESPACES",
+        default_value = "*",
+        requires = "trusted_signers"
+    )]
+    signed_namespaces: String,
     /// A review not finished in this long is refused as unfinished; keep it under the webhook's
     /// timeoutSeconds so the reason reaches kubectl (8s, 1500ms).
     #[arg(long, default_value = "8s", value_parser = parse_duration)]
@@ -291,6 +304,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         platform_namespace: args.platform_namespace.clone(),
         allowed_endpoints: allowed_endpoints.clone(),
         sandbox_cpu_limit: args.pod.sandbox_cpu_limit,
+        signing: sluice_operator::signing(),
     };
     if let Some(webhook) = args.webhook.config(&rules) {
         let webhook = Webhook::bind(webhook).await?.with_metrics(metrics.clone());
@@ -360,6 +374,12 @@ fn main() -> ExitCode {
                 )
                 .json()
                 .init();
+            if let Some(path) = &args.webhook.trusted_signers
+                && let Err(e) = trust_signers(path, &args.webhook.signed_namespaces)
+            {
+                eprintln!("sluice-operator: {e}");
+                return ExitCode::FAILURE;
+            }
             let rt = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,
                 Err(e) => {
@@ -376,6 +396,37 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// Loads the trusted signers at `path` for the webhook and the reconciler, and reads them again
+/// every few seconds: a key added or removed needs no restart.
+fn trust_signers(path: &std::path::Path, namespaces: &str) -> anyhow::Result<()> {
+    use sluice_crds::signing::{PolicyFile, Required, Reread};
+    let (file, problems) =
+        PolicyFile::load(path, Required::parse(namespaces)).map_err(anyhow::Error::msg)?;
+    for p in &problems {
+        tracing::error!(file = %path.display(), "trusted signers: {p}");
+    }
+    let file = std::sync::Arc::new(file);
+    sluice_operator::set_signing(file.clone());
+    std::thread::Builder::new()
+        .name("trusted-signers".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_secs(2));
+                match file.reread() {
+                    Reread::Unchanged => {}
+                    Reread::Changed(problems) => {
+                        for p in &problems {
+                            tracing::error!(file = %file.path().display(), "trusted signers: {p}");
+                        }
+                        tracing::info!(file = %file.path().display(), "trusted signers changed");
+                    }
+                    Reread::Kept(why) => tracing::error!("{why}"),
+                }
+            }
+        })?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -158,10 +158,12 @@ pub fn check(files: &[PathBuf], python: &Interpreter, rules: &PlatformRules) -> 
         .cloned()
         .map(Definition::from)
         .collect();
+    // Signatures are reported per object above (`object_problems`); the conflicts alone here.
     let registry = sluice_engine::Registry::build_for(
         sluice_crds::DEFAULT_PLATFORM_NAMESPACE,
         definitions,
         vec![],
+        &Default::default(),
     );
     for e in registry.errors() {
         if e.message.contains("only the first is served") {

@@ -9,6 +9,7 @@ mod check;
 pub mod coverage;
 mod hooktest;
 pub mod rollout;
+pub mod sign;
 
 pub use check::{Finding, Report, check, expand};
 pub use hooktest::{

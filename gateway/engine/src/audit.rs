@@ -16,6 +16,10 @@ pub struct AuditHook {
     pub error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub findings: Option<Value>,
+    /// Who signed the code that answered, where the platform requires signed code: the
+    /// `allowed_signers` principal and the key's fingerprint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signed_by: Option<String>,
 }
 
 /// One host_call as the capability runner saw it.

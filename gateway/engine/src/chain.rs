@@ -25,6 +25,9 @@ pub struct Chain {
     pub orders: sluice_crds::definition::RolloutOrders,
     /// In a cluster: the rollout as the operator directs it.
     pub directed: Option<sluice_crds::definition::Directed>,
+    /// Per hook, who signed its code, where the platform requires signed code (`Registry`
+    /// verifies before it serves; the audit names them).
+    pub signers: Vec<Option<sluice_crds::signing::SignedBy>>,
 }
 
 /// Why a HookChain cannot be served.
@@ -76,6 +79,7 @@ impl Chain {
             code_lines: Vec::new(),
             orders: Default::default(),
             directed: None,
+            signers: Vec::new(),
         })
     }
 
@@ -102,6 +106,11 @@ impl Chain {
         self.code_hash
             .strip_prefix("sha256:")
             .unwrap_or(&self.code_hash)
+    }
+
+    /// Who signed hook `index`'s code, when the platform requires signed code here.
+    pub fn signer(&self, index: usize) -> Option<&sluice_crds::signing::SignedBy> {
+        self.signers.get(index).and_then(Option::as_ref)
     }
 
     /// "namespace/name", as chains are named in logs, metrics and the audit.

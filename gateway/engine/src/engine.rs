@@ -262,7 +262,7 @@ impl Engine {
                         engine
                             .rollouts
                             .record_shadow(&job.candidate, &live, &walk, refused);
-                    audit.hooks = audit_hooks(&walk);
+                    audit.hooks = audit_hooks(&job.chains, &walk);
                     audit.action = walk.action.as_str();
                     audit.terminal_index = walk.terminal_index;
                     audit.message = (!walk.message.is_empty()).then(|| walk.message.clone());
@@ -332,7 +332,7 @@ impl Engine {
         began: Instant,
         mode: &'static str,
     ) {
-        audit.hooks = audit_hooks(walk);
+        audit.hooks = audit_hooks(chains, walk);
         self.count_hooks(chains, walk);
         if let Some(coverage) = self.coverage.get() {
             coverage.record(chains, walk);
@@ -416,16 +416,28 @@ impl Engine {
     }
 }
 
-/// A walk's hooks as the audit lists them.
-fn audit_hooks(walk: &Walk) -> Vec<AuditHook> {
+/// A walk's hooks as the audit lists them, each with who signed its code where that is required.
+fn audit_hooks(chains: &Chains, walk: &Walk) -> Vec<AuditHook> {
     walk.hooks
         .iter()
-        .map(|h| AuditHook {
-            name: h.shown_name(),
-            action: h.action.as_str(),
-            latency_us: h.latency_us,
-            error: h.error.clone(),
-            findings: h.findings.clone(),
+        .map(|h| {
+            let baseline = h.layer.is_baseline();
+            let signed_by = chains
+                .ordered()
+                .find(|(_, b)| *b == baseline)
+                .and_then(|(chain, _)| {
+                    let index = chain.spec.hooks.iter().position(|s| s.name == h.name)?;
+                    chain.signer(index)
+                })
+                .map(|by| by.to_string());
+            AuditHook {
+                name: h.shown_name(),
+                action: h.action.as_str(),
+                latency_us: h.latency_us,
+                error: h.error.clone(),
+                findings: h.findings.clone(),
+                signed_by,
+            }
         })
         .collect()
 }

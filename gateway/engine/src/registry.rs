@@ -9,6 +9,7 @@
 use crate::chain::{Chain, ChainKey};
 use crate::log_text::Escaped;
 use sluice_crds::definition::{Definition, NotServed, Origin, Spec};
+use sluice_crds::signing::Policy;
 use sluice_crds::{CapabilitySpec, TriggerPoint};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -38,10 +39,16 @@ impl Registry {
     /// file order and report the rest. An enforced chain outside `platform_namespace` is not served:
     /// a tenant cannot make its own chain a baseline, and serving it as an ordinary chain would hide
     /// that its author expected more.
+    ///
+    /// Where `signing` requires signed code, a chain is served only when every hook of it (and of
+    /// the live revision a cluster's rollout keeps) verifies against the trusted signers now: an
+    /// object written past the webhook, or signed by a key the platform no longer trusts, never
+    /// runs.
     pub fn build_for(
         platform_namespace: &str,
         definitions: Vec<Definition>,
         mut errors: Vec<NotServed>,
+        signing: &Policy,
     ) -> Self {
         let mut chains: BTreeMap<ChainKey, (Arc<Chain>, Origin)> = BTreeMap::new();
         let mut baselines: BTreeMap<TriggerPoint, (Arc<Chain>, Origin)> = BTreeMap::new();
@@ -53,7 +60,22 @@ impl Registry {
             };
             match &d.spec {
                 Spec::HookChain(spec) => {
+                    let live = d.directed.as_ref().and_then(|x| x.live.as_deref());
+                    let signers = match signing.check(&d.namespace, &d.name, spec).and_then(|s| {
+                        live.map_or(Ok(()), |l| {
+                            signing.check(&d.namespace, &d.name, l).map(drop)
+                        })
+                        .map(|()| s)
+                    }) {
+                        Ok(signers) => signers,
+                        Err(refused) => {
+                            errors
+                                .push(at(format!("HookChain {:?}: {refused}; not served", d.name)));
+                            continue;
+                        }
+                    };
                     match Chain::new(&d.namespace, &d.name, spec).map(|mut c| {
+                        c.signers = signers;
                         c.superseded = d.superseded.clone();
                         c.origin = d.origin.clone();
                         c.code_lines = d.code_lines.clone();
@@ -272,7 +294,7 @@ mod tests {
     }
 
     fn build(platform: &str, definitions: Vec<Definition>) -> Registry {
-        Registry::build_for(platform, definitions, vec![])
+        Registry::build_for(platform, definitions, vec![], &Policy::default())
     }
 
     #[test]

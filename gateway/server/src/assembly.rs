@@ -11,6 +11,7 @@ use crate::tls::{ReloadingTls, TlsFiles, TlsMetrics};
 use crate::{dir_watch, local_dir};
 use anyhow::Context as _;
 use sluice_capabilities::{Runner, Trust};
+use sluice_crds::signing::PolicyFile;
 use sluice_engine::{Audit, Engine, Limits, Metrics, Pools, SandboxBackend};
 use sluice_proto::gateway_server::GatewayServer;
 use sluice_sandbox_kube::{KubeBackend, KubeConfig};
@@ -152,6 +153,9 @@ pub struct LocalOptions {
     pub openai: Option<OpenAiOptions>,
     /// The MCP proxy, when it is served (`--mcp-listen`).
     pub mcp: Option<McpOptions>,
+    /// Signed hook code: the trusted signers (read again when they change) and where signatures
+    /// are required (`--trusted-signers`, `--signed-namespaces`; docs/signing.md).
+    pub signing: Option<Arc<PolicyFile>>,
 }
 
 impl LocalOptions {
@@ -173,6 +177,7 @@ impl LocalOptions {
             trust: Trust::local(),
             openai: None,
             mcp: None,
+            signing: None,
         }
     }
 }
@@ -287,6 +292,9 @@ pub async fn start_local(opts: LocalOptions) -> anyhow::Result<RunningGateway> {
         None => local_dir::code_checker(opts.sandbox.program.as_ref()),
     };
     let mut source = local_dir::LocalSource::new(&opts.dir, &opts.platform_namespace, checker);
+    if let Some(signing) = &opts.signing {
+        source = source.with_signing(signing.clone());
+    }
     // Reading checks hook code with python: kept off the async workers, each file bounded in time.
     let (source, registry) = tokio::task::spawn_blocking(move || {
         let registry = source.reload(local_dir::CHECK_BOUND);
@@ -333,6 +341,9 @@ pub struct KubeOptions {
     pub openai: Option<OpenAiOptions>,
     /// The MCP proxy, when it is served (`--mcp-listen`).
     pub mcp: Option<McpOptions>,
+    /// Signed hook code: the trusted signers (read again when they change) and where signatures
+    /// are required (`--trusted-signers`, `--signed-namespaces`; docs/signing.md).
+    pub signing: Option<Arc<PolicyFile>>,
 }
 
 impl KubeOptions {
@@ -351,6 +362,7 @@ impl KubeOptions {
             trust: Trust::cluster(),
             openai: None,
             mcp: None,
+            signing: None,
         }
     }
 }
@@ -415,6 +427,9 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
         opts.sync_timeout,
     )
     .await?;
+    if let Some(signing) = &opts.signing {
+        source = source.with_signing(signing.clone());
+    }
     let registry = source.registry().await;
     registry.log_summary();
     engine.set_registry(registry).await;

@@ -16,6 +16,8 @@ use tokio::sync::Notify;
 const POLL: Duration = Duration::from_millis(250);
 /// How often it is compared anyway when notifications work.
 const BACKSTOP: Duration = Duration::from_secs(5);
+/// How often the trusted signers file (`--trusted-signers`) is read again.
+const SIGNERS_EVERY: Duration = Duration::from_secs(1);
 /// After a notification, how long to let an editor's burst of writes settle before reading.
 const SETTLE: Duration = Duration::from_millis(50);
 
@@ -57,10 +59,17 @@ pub(crate) async fn watch(engine: Arc<Engine>, dir: PathBuf, mut source: LocalSo
     let changed = Arc::new(Notify::new());
     let noticing = notice(&dir, changed.clone());
     let mut seen = fingerprint(&dir).await;
+    let signing = source.signing();
     loop {
         let tick = match (&noticing, source.has_pending()) {
             (_, true) | (Noticing::Polling, _) => POLL,
             (Noticing::Notifications { .. }, false) => BACKSTOP,
+        };
+        // The trusted signers file is read again at least every second.
+        let tick = if signing.is_some() {
+            tick.min(SIGNERS_EVERY)
+        } else {
+            tick
         };
         let notified = tokio::select! {
             _ = changed.notified() => true,
@@ -70,7 +79,10 @@ pub(crate) async fn watch(engine: Arc<Engine>, dir: PathBuf, mut source: LocalSo
             tokio::time::sleep(SETTLE).await;
         }
         let now = fingerprint(&dir).await;
-        if !notified && now == seen && !source.has_pending() {
+        let signers_changed = signing
+            .as_ref()
+            .is_some_and(|s| sluice_source_kube::reread_signers(s));
+        if !notified && now == seen && !source.has_pending() && !signers_changed {
             continue;
         }
         seen = now;

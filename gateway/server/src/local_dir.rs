@@ -2,7 +2,8 @@
 //! anything in it changes. A bad file is reported with file and line and the rest keep serving.
 
 use sluice_crds::code::Interpreter;
-use sluice_crds::definition::{Definition, NotServed, Origin};
+use sluice_crds::definition::{Definition, NotServed, Origin, Spec};
+use sluice_crds::signing::{Policy, PolicyFile};
 use sluice_crds::{code, manifest};
 use sluice_engine::Registry;
 use std::collections::BTreeMap;
@@ -10,6 +11,7 @@ use std::fs::OpenOptions;
 use std::io::Read as _;
 use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -252,6 +254,8 @@ pub struct LocalSource {
     check_bound: Duration,
     files: BTreeMap<PathBuf, FileState>,
     pending: BTreeMap<PathBuf, Pending>,
+    /// Where signed hook code is required and whose signatures count (`--trusted-signers`).
+    signing: Option<Arc<PolicyFile>>,
 }
 
 impl LocalSource {
@@ -264,7 +268,25 @@ impl LocalSource {
             check_bound: CHECK_BOUND,
             files: BTreeMap::new(),
             pending: BTreeMap::new(),
+            signing: None,
         }
+    }
+
+    /// Serves only hook code signed by a key `signing` trusts, where it requires signed code.
+    pub fn with_signing(mut self, signing: Arc<PolicyFile>) -> Self {
+        self.signing = Some(signing);
+        self
+    }
+
+    /// The trusted signers this source verifies with, if any.
+    pub fn signing(&self) -> Option<Arc<PolicyFile>> {
+        self.signing.clone()
+    }
+
+    fn policy(&self) -> Arc<Policy> {
+        self.signing
+            .as_ref()
+            .map_or_else(|| Arc::new(Policy::default()), |s| s.current())
     }
 
     /// How long one file's checks may take (`CHECK_BOUND` unless set).
@@ -312,6 +334,7 @@ impl LocalSource {
             }
         }
         self.collect(Instant::now() + wait);
+        let policy = self.policy();
         let mut definitions = Vec::new();
         let mut errors = Vec::new();
         for f in &found {
@@ -342,14 +365,18 @@ impl LocalSource {
                 // First seen and still being checked: served once its checks finish.
                 continue;
             };
-            match (&state.last_valid, state.read.problems.is_empty()) {
+            // Signatures are checked against the signers trusted now, not when the file was read.
+            let (signed, unsigned) = by_signatures(&policy, &state.read.definitions);
+            let mut problems = state.read.problems.clone();
+            problems.extend(unsigned);
+            match (&state.last_valid, problems.is_empty()) {
                 (_, true) | (None, false) => {
-                    definitions.extend(state.read.definitions.iter().cloned());
-                    errors.extend(state.read.problems.iter().cloned());
+                    definitions.extend(signed);
+                    errors.extend(problems);
                 }
                 (Some((defs, since)), false) => {
-                    definitions.extend(superseded(defs, file, *since, &state.read.problems));
-                    errors.extend(state.read.problems.iter().cloned().map(keeps_serving));
+                    definitions.extend(superseded(defs, file, *since, &problems));
+                    errors.extend(problems.into_iter().map(keeps_serving));
                 }
             }
         }
@@ -357,6 +384,7 @@ impl LocalSource {
             &self.platform_namespace,
             definitions,
             errors,
+            &policy,
         ))
     }
 
@@ -395,7 +423,11 @@ impl LocalSource {
                 continue;
             };
             let old = self.files.remove(&path);
-            let last_valid = if read.problems.is_empty() {
+            let last_valid = if read.problems.is_empty()
+                && by_signatures(&self.policy(), &read.definitions)
+                    .1
+                    .is_empty()
+            {
                 Some((read.definitions.clone(), SystemTime::now()))
             } else {
                 old.and_then(|o| o.last_valid)
@@ -410,6 +442,25 @@ impl LocalSource {
             );
         }
     }
+}
+
+/// A file's definitions that `policy` lets serve, and why each other one is refused.
+fn by_signatures(policy: &Policy, defs: &[Definition]) -> (Vec<Definition>, Vec<NotServed>) {
+    let mut signed = Vec::new();
+    let mut refused = Vec::new();
+    for d in defs {
+        if let Spec::HookChain(spec) = &d.spec
+            && let Err(why) = policy.check(&d.namespace, &d.name, spec)
+        {
+            refused.push(NotServed {
+                origin: d.origin.clone(),
+                message: format!("HookChain {:?}: {why}", d.name),
+            });
+            continue;
+        }
+        signed.push(d.clone());
+    }
+    (signed, refused)
 }
 
 fn keeps_serving(mut p: NotServed) -> NotServed {

@@ -6,4 +6,4 @@
 
 mod source;
 
-pub use source::{AnnotateRollback, KubeSource, publish_shadows};
+pub use source::{AnnotateRollback, KubeSource, publish_shadows, reread_signers};

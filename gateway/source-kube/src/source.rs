@@ -31,6 +31,27 @@ type Guarded<K> = DeserializeGuard<K>;
 
 /// Changes arriving within this window are folded into one registry rebuild.
 const DEBOUNCE: Duration = Duration::from_millis(50);
+/// How often the trusted signers file is read again.
+const SIGNERS_EVERY: Duration = Duration::from_secs(2);
+
+/// Reads the trusted signers again and logs what changed; true when they did.
+pub fn reread_signers(signing: &sluice_crds::signing::PolicyFile) -> bool {
+    use sluice_crds::signing::Reread;
+    match signing.reread() {
+        Reread::Unchanged => false,
+        Reread::Changed(problems) => {
+            for p in &problems {
+                tracing::error!(file = %signing.path().display(), "trusted signers: {p}");
+            }
+            tracing::info!(file = %signing.path().display(), "trusted signers changed: every chain is verified again");
+            true
+        }
+        Reread::Kept(why) => {
+            tracing::error!("{why}");
+            false
+        }
+    }
+}
 
 pub struct KubeSource {
     /// One cache per watched namespace (or one for all namespaces).
@@ -48,6 +69,8 @@ pub struct KubeSource {
     /// Live revisions' specs read from their ControllerRevisions, by `namespace/object name`
     /// (immutable: read once).
     revisions: HashMap<String, HookChainSpec>,
+    /// Where signed hook code is required and whose signatures count (`--trusted-signers`).
+    signing: Option<Arc<sluice_crds::signing::PolicyFile>>,
     _tasks: Tasks,
 }
 
@@ -215,6 +238,7 @@ impl KubeSource {
             last_valid: HashMap::new(),
             client: client.clone(),
             revisions: HashMap::new(),
+            signing: None,
             _tasks: Tasks(tasks),
         };
         let synced = async {
@@ -233,9 +257,20 @@ impl KubeSource {
         Ok(source)
     }
 
+    /// Serves only hook code signed by a key `signing` trusts, where it requires signed code; the
+    /// trusted signers are read again every few seconds (`feed`).
+    pub fn with_signing(mut self, signing: Arc<sluice_crds::signing::PolicyFile>) -> Self {
+        self.signing = Some(signing);
+        self
+    }
+
     /// The registry the caches describe now: each chain at its newest generation that passes its
-    /// checks, or at its last valid one.
+    /// checks (its signatures against the signers trusted now included), or at its last valid one.
     pub async fn registry(&mut self) -> Registry {
+        let policy = self
+            .signing
+            .as_ref()
+            .map_or_else(Default::default, |s| s.current());
         let chains: Vec<Arc<Guarded<HookChain>>> =
             self.chains.iter().flat_map(|s| s.state()).collect();
         // Generations not judged yet are checked off the async workers (the analyser is python).
@@ -270,11 +305,16 @@ impl KubeSource {
         for guarded in &chains {
             let (meta, problems) = match &guarded.0 {
                 Ok(hc) => {
-                    let problems = self
+                    let mut problems = self
                         .verdicts
                         .get(&version_of(&hc.metadata))
                         .cloned()
                         .unwrap_or_default();
+                    let namespace = hc.metadata.namespace.as_deref().unwrap_or("default");
+                    let name = hc.metadata.name.as_deref().unwrap_or_default();
+                    if let Err(why) = policy.check(namespace, name, &hc.spec) {
+                        problems.push(why.to_string());
+                    }
                     if problems.is_empty() {
                         self.last_valid.insert(key_of(&hc.metadata), hc.clone());
                         present.insert(key_of(&hc.metadata));
@@ -361,7 +401,7 @@ impl KubeSource {
         }
         // Sorted so that conflicts (two chains for one target) resolve the same way every time.
         objects.sort_by(|a, b| a.origin.cmp(&b.origin));
-        Registry::build_for(&self.platform_namespace, objects, errors)
+        Registry::build_for(&self.platform_namespace, objects, errors, &policy)
     }
 
     /// The rollout the operator directs for a chain (`status.rollout`), with the live revision's
@@ -403,7 +443,21 @@ impl KubeSource {
     /// Swaps the engine's registry whenever the caches change, until the task is dropped.
     pub async fn feed(mut self, engine: Arc<Engine>) {
         loop {
-            self.changed.notified().await;
+            let reread = async {
+                match &self.signing {
+                    Some(signing) => loop {
+                        tokio::time::sleep(SIGNERS_EVERY).await;
+                        if reread_signers(signing) {
+                            return;
+                        }
+                    },
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = self.changed.notified() => {}
+                _ = reread => {}
+            }
             tokio::time::sleep(DEBOUNCE).await;
             let registry = self.registry().await;
             registry.log_summary();

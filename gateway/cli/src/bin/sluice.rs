@@ -80,6 +80,42 @@ enum Command {
         /// entry allows no other domain after `.svc`.
         #[arg(long, env = "SLUICE_CLUSTER_DOMAIN", default_value_t = Default::default(), value_name = "DOMAIN")]
         cluster_domain: sluice_crds::endpoints::ClusterDomain,
+        /// The platform's trusted signers (an `allowed_signers` file): chains whose hooks are not
+        /// signed by one of them are reported where `--signed-namespaces` requires signatures.
+        #[arg(long, value_name = "FILE")]
+        trusted_signers: Option<std::path::PathBuf>,
+        /// Where the platform requires signed code: `*` or a comma-separated list of namespaces.
+        #[arg(
+            long,
+            value_name = "NAMESPACES",
+            default_value = "*",
+            requires = "trusted_signers"
+        )]
+        signed_namespaces: String,
+    },
+    /// Sign the hooks of chain files with an SSH key: each hook gets a `signature:` bound to its
+    /// chain's namespace and name (docs/signing.md). The files are rewritten in place.
+    Sign {
+        /// Chain files (YAML).
+        #[arg(required = true)]
+        files: Vec<std::path::PathBuf>,
+        /// The SSH key: a private key file (one with a passphrase, or a `.pub` whose private key is
+        /// in ssh-agent, is used through `ssh-keygen -Y sign`).
+        #[arg(short = 'k', long, value_name = "KEY")]
+        key: std::path::PathBuf,
+        /// Sign only the hook of this name.
+        #[arg(long, value_name = "NAME")]
+        hook: Option<String>,
+    },
+    /// Verify the hooks' signatures of chain files against trusted signers, offline. Exit code 0
+    /// when every hook is signed by one of them, 1 otherwise.
+    Verify {
+        /// Chain files (YAML).
+        #[arg(required = true)]
+        files: Vec<std::path::PathBuf>,
+        /// The trusted signers: an `allowed_signers` file, as git and `ssh-keygen -Y verify` use.
+        #[arg(long, value_name = "FILE")]
+        trusted_signers: std::path::PathBuf,
     },
     /// Run declarative test cases (YAML) against their chains in local gVisor sandboxes.
     ///
@@ -329,12 +365,33 @@ async fn main() -> ExitCode {
             allowed_endpoints,
             sandbox_cpu_limit,
             cluster_domain,
+            trusted_signers,
+            signed_namespaces,
         } => {
             let allowed = allowed_endpoints
                 .unwrap_or_else(sluice_crds::endpoints::AllowedEndpoints::loopback)
                 .in_cluster_domain(cluster_domain);
+            let signing = match trusted_signers {
+                Some(path) => match sluice_crds::signing::PolicyFile::load(
+                    &path,
+                    sluice_crds::signing::Required::parse(&signed_namespaces),
+                ) {
+                    Ok((file, problems)) => {
+                        for p in problems {
+                            eprintln!("{}:{p}", path.display());
+                        }
+                        Some(std::sync::Arc::new(file))
+                    }
+                    Err(e) => {
+                        eprintln!("sluice check: {e}");
+                        return ExitCode::from(2);
+                    }
+                },
+                None => None,
+            };
             let rules = PlatformRules {
                 sandbox_cpu_limit,
+                signing,
                 ..PlatformRules::new(allowed)
             };
             quiet_logs();
@@ -343,6 +400,69 @@ async fn main() -> ExitCode {
                 None => sluice_gateway::code_checker(None),
             };
             return check(&files, &python, &rules);
+        }
+        Command::Sign { files, key, hook } => {
+            let key = match sluice_cli::sign::Key::load(&key) {
+                Ok(k) => k,
+                Err(e) => {
+                    eprintln!("sluice sign: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            for file in &files {
+                let signed = std::fs::read_to_string(file)
+                    .map_err(|e| format!("cannot read {}: {e}", file.display()))
+                    .and_then(|text| {
+                        sluice_cli::sign::sign_text(file, &text, &key, hook.as_deref())
+                    })
+                    .and_then(|(text, signed)| {
+                        std::fs::write(file, text)
+                            .map_err(|e| format!("cannot write {}: {e}", file.display()))
+                            .map(|()| signed)
+                    });
+                match signed {
+                    Ok(signed) => {
+                        for s in signed {
+                            println!(
+                                "{}: signed HookChain {}, hook {:?}",
+                                file.display(),
+                                s.chain,
+                                s.hook
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("sluice sign: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
+            return ExitCode::SUCCESS;
+        }
+        Command::Verify {
+            files,
+            trusted_signers,
+        } => {
+            let trusted = match sluice_crds::signing::TrustedSigners::read(&trusted_signers) {
+                Ok((trusted, problems)) => {
+                    for p in problems {
+                        eprintln!("{}:{p}", trusted_signers.display());
+                    }
+                    trusted
+                }
+                Err(e) => {
+                    eprintln!(
+                        "sluice verify: cannot read {}: {e}",
+                        trusted_signers.display()
+                    );
+                    return ExitCode::from(2);
+                }
+            };
+            return if sluice_cli::sign::verify(&files, &trusted) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            };
         }
         Command::Test {
             files,

@@ -137,8 +137,13 @@ async fn a_newline_in_tenant_written_fields_does_not_start_a_log_line() {
         json!({}),
     );
     let h = Harness::process(vec![forged.clone()]).await;
-    sluice_engine::Registry::build_for(common::PLATFORM, vec![forged, conflicting], vec![])
-        .log_summary();
+    sluice_engine::Registry::build_for(
+        common::PLATFORM,
+        vec![forged, conflicting],
+        vec![],
+        &sluice_crds::signing::Policy::default(),
+    )
+    .log_summary();
     h.engine.registry().log_summary();
     // A run of that chain: its claim and pool lines name the chain.
     let ran = h

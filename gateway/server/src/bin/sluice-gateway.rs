@@ -116,6 +116,19 @@ struct Args {
     /// interpreter hooks run on; in kube mode, python3 on PATH.
     #[arg(long)]
     python: Option<PathBuf>,
+    /// Serve only hook code signed by a key this `allowed_signers` file trusts (SSH signatures, as
+    /// git uses them; docs/signing.md), in the namespaces `--signed-namespaces` names. Read again
+    /// when it changes.
+    #[arg(long, value_name = "FILE")]
+    trusted_signers: Option<PathBuf>,
+    /// Where signed hook code is required: `*` (every namespace) or a comma-separated list.
+    #[arg(
+        long,
+        value_name = "NAMESPACES",
+        default_value = "*",
+        requires = "trusted_signers"
+    )]
+    signed_namespaces: String,
     /// Local mode: the supervisor binary mounted into every sandbox (default: `sluice-supervisor`
     /// beside this binary).
     #[arg(long, requires = "cell_runtime")]
@@ -249,6 +262,18 @@ async fn main() -> anyhow::Result<()> {
     {
         anyhow::bail!("--mcp-pass-non-text {unknown:?} names no --mcp-server");
     }
+    let signing = match &args.trusted_signers {
+        Some(path) => {
+            let required = sluice_crds::signing::Required::parse(&args.signed_namespaces);
+            let (file, problems) = sluice_crds::signing::PolicyFile::load(path, required)
+                .map_err(anyhow::Error::msg)?;
+            for p in &problems {
+                tracing::error!(file = %path.display(), "trusted signers: {p}");
+            }
+            Some(std::sync::Arc::new(file))
+        }
+        None => None,
+    };
     let gateway = match &args.local {
         Some(dir) => {
             let mut opts = LocalOptions::new(dir, &args.state_dir);
@@ -277,6 +302,7 @@ async fn main() -> anyhow::Result<()> {
             opts.limits.hook_output_bytes = args.hook_output_bytes as usize;
             opts.openai = openai;
             opts.mcp = mcp;
+            opts.signing = signing;
             start_local(opts).await?
         }
         None => {
@@ -321,6 +347,7 @@ async fn main() -> anyhow::Result<()> {
             opts.limits.hook_output_bytes = args.hook_output_bytes as usize;
             opts.openai = openai;
             opts.mcp = mcp;
+            opts.signing = signing;
             start_kube(opts).await?
         }
     };

@@ -7,4 +7,5 @@ mod common;
 mod local_mode;
 mod metrics;
 mod security;
+mod signing;
 mod tracing;

@@ -22,7 +22,9 @@ pub(crate) async fn validate(
     let verdict = rules::verdict(name, &chain.spec, namespace, &code, |cap| {
         capability_state(ctx, namespace, cap)
     });
-    rules::within_cpu_limit(verdict, &chain.spec, ctx.settings.sandbox_cpu_limit)
+    let verdict = rules::within_cpu_limit(verdict, &chain.spec, ctx.settings.sandbox_cpu_limit);
+    let policy = crate::signing().map(|s| s.current());
+    rules::signed(verdict, namespace, name, &chain.spec, policy.as_deref())
 }
 
 async fn code_check(chain: &HookChain, ctx: &Context) -> rules::CodeCheck {

@@ -182,9 +182,57 @@ pub fn within_cpu_limit(
     }
 }
 
+/// The verdict with the platform's signing policy applied: where signed code is required, a chain
+/// whose hooks do not all verify is invalid (`UnsignedCode`), as every gateway will not serve it.
+pub fn signed(
+    verdict: Verdict,
+    namespace: &str,
+    name: &str,
+    spec: &HookChainSpec,
+    signing: Option<&sluice_crds::signing::Policy>,
+) -> Verdict {
+    let Some(Err(refused)) = signing.map(|p| p.check(namespace, name, spec)) else {
+        return verdict;
+    };
+    let problem = refused.to_string();
+    let message = if verdict.is_invalid() {
+        format!("{}; {problem}", verdict.message)
+    } else {
+        problem
+    };
+    Verdict {
+        status: "False",
+        reason: if verdict.is_invalid() {
+            verdict.reason
+        } else {
+            "UnsignedCode"
+        },
+        message: bounded(message),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unsigned_chain_is_invalid_where_signed_code_is_required() {
+        let s = spec(GOOD, &[]);
+        let valid = verdict("chain", &s, "ns", &check_code(&s), |_| {
+            CapabilityState::Valid
+        });
+        assert!(!valid.is_invalid(), "{valid:?}");
+        let policy = sluice_crds::signing::Policy {
+            signers: Default::default(),
+            required: sluice_crds::signing::Required::parse("ns"),
+        };
+        let v = signed(valid.clone(), "ns", "chain", &s, Some(&policy));
+        assert_eq!((v.status, v.reason), ("False", "UnsignedCode"), "{v:?}");
+        assert!(v.message.contains("is not signed"), "{v:?}");
+        let elsewhere = signed(valid.clone(), "other", "chain", &s, Some(&policy));
+        assert!(!elsewhere.is_invalid(), "{elsewhere:?}");
+        assert!(!signed(valid, "ns", "chain", &s, None).is_invalid());
+    }
 
     #[test]
     fn a_chain_asking_more_cpu_than_the_platform_limit_is_invalid() {

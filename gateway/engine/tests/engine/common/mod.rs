@@ -283,7 +283,12 @@ impl Harness {
             limits,
             Arc::new(capabilities.clone()),
         );
-        let registry = Registry::build_for(PLATFORM, definitions, vec![]);
+        let registry = Registry::build_for(
+            PLATFORM,
+            definitions,
+            vec![],
+            &sluice_crds::signing::Policy::default(),
+        );
         // Capabilities are the fake's, not the registry's: hooks listing them are reported, and served.
         let errors: Vec<_> = registry
             .errors()
@@ -310,7 +315,12 @@ impl Harness {
 
     /// Serves `definitions` from now on, as a changed chain directory or cluster would.
     pub(crate) async fn apply(&self, definitions: Vec<Definition>) {
-        let registry = Registry::build_for(PLATFORM, definitions, vec![]);
+        let registry = Registry::build_for(
+            PLATFORM,
+            definitions,
+            vec![],
+            &sluice_crds::signing::Policy::default(),
+        );
         self.engine.set_registry(registry).await;
     }
 
