@@ -25,16 +25,17 @@ RELEASE_BUILD = $(CARGO) build --release --workspace --bins
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
 # venv for the manifest tools), promtool (Debian's prometheus package, without its recommends) for the
-# chart's alerts and dashboard. runsc comes from bookworm-backports (0.0~20240729 or newer): cells
-# need unprivileged user, pid and mount namespaces inside the sandbox, which bookworm's 20221219 lacks.
+# chart's alerts and dashboard, ssh-keygen (openssh-client) for the signed-code tests. runsc comes
+# from bookworm-backports (0.0~20240729 or newer): cells need unprivileged user, pid and mount
+# namespaces inside the sandbox, which bookworm's 20221219 lacks.
 BACKPORTS_LIST ?= /etc/apt/sources.list.d/sluice-bookworm-backports.list
 deps:
 	@if ! runsc --version 2>/dev/null | grep -Eq 'version 0\.0~20(2[4-9]|[3-9][0-9])' || ! command -v protoc >/dev/null \
-		|| ! [ -x /usr/bin/python3 ] || ! python3 -c 'import ensurepip, venv' 2>/dev/null || ! command -v promtool >/dev/null; then \
+		|| ! [ -x /usr/bin/python3 ] || ! python3 -c 'import ensurepip, venv' 2>/dev/null || ! command -v promtool >/dev/null || ! command -v ssh-keygen >/dev/null; then \
 		if ! apt-cache policy runsc 2>/dev/null | grep -q bookworm-backports; then \
 			echo 'deb http://deb.debian.org/debian bookworm-backports main' > $(BACKPORTS_LIST); \
 		fi; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq protobuf-compiler python3 python3-venv >/dev/null \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq protobuf-compiler python3 python3-venv openssh-client >/dev/null \
 			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
 			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports runsc >/dev/null; \
 	fi

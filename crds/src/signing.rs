@@ -229,6 +229,11 @@ impl Signer {
             .next()
             .ok_or_else(|| "no principals".to_string())?
             .to_string();
+        if looks_like_key_type(&principal) {
+            return Err(format!(
+                "the line starts with a key type ({principal}): an allowed_signers line starts with who the key is (\"alice@example.com ssh-ed25519 AAAA...\")"
+            ));
+        }
         let mut next = rest
             .next()
             .ok_or_else(|| "no key after the principals".to_string())?;
@@ -768,12 +773,16 @@ Bf5yWCIj62RnuFumdiNfAAAAEHJldmlld2VyQGV4YW1wbGUBAgMEBQ==
     fn bad_allowed_signers_lines_are_reported_and_the_rest_kept() {
         let public = key().public_key().to_openssh().unwrap();
         let text = format!(
-            "# a comment\n\nalice {public}\nbob cert-authority {public}\ncarol ssh-ed25519 AAAAnotbase64\ndave\nerin valid-after=\"tomorrow\" {public}\n"
+            "# a comment\n\nalice {public}\nbob cert-authority {public}\ncarol ssh-ed25519 AAAAnotbase64\ndave\nerin valid-after=\"tomorrow\" {public}\n{public}\n"
         );
         let (t, problems) = TrustedSigners::parse(&text);
         assert_eq!(t.len(), 1);
         let lines: Vec<usize> = problems.iter().map(|p| p.line).collect();
-        assert_eq!(lines, vec![4, 5, 6, 7], "{problems:?}");
+        assert_eq!(lines, vec![4, 5, 6, 7, 8], "{problems:?}");
+        assert!(
+            problems[4].message.contains("starts with a key type"),
+            "{problems:?}"
+        );
         assert!(
             problems[0].message.contains("cert-authority"),
             "{problems:?}"

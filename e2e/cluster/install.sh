@@ -21,6 +21,7 @@ STATE=${SLUICE_CLUSTER_STATE:-/var/lib/sluice-cluster}
 HELM=${HELM:-helm}
 RELEASE_NS=sluice-system
 SANDBOX_NS=sluice-sandboxes
+SIGNED_NS=e2e-signed
 PKI=$STATE/sluice-pki
 export KUBECONFIG=$STATE/admin.kubeconfig
 # Set by cluster.sh: the node address the API server listens on. There is no kube-proxy, so pods
@@ -90,6 +91,8 @@ export SLUICE_GATEWAY_SERVICE=$RELEASE_NS/sluice-gateway
 export SLUICE_CA=$1
 export SLUICE_TOKEN=$(cat "$PKI/token")
 export SLUICE_SANDBOX_NAMESPACE=$SANDBOX_NS
+export SLUICE_SIGNED_NAMESPACE=$SIGNED_NS
+export SLUICE_SIGNING_KEY=$here/signing/e2e-signer
 export SLUICE_RELEASE_NAMESPACE=$RELEASE_NS
 export SLUICE_CLUSTER_CTL=$here/cluster.sh
 export SLUICE_UPGRADE_CTL=$([ "$mode" = previous ] && echo "$here/install.sh")
@@ -238,6 +241,9 @@ current)
 	# here is Ready in a few seconds).
 	printf 'operator:\n  startDeadline: 45s\n  certificates:\n    checkInterval: 5s\nchainSelector: "sluice.dev/release!=other"\n' \
 		>"$STATE/sluice-certificates.yaml"
+	# Signed hook code is required in one namespace, trusting the suite's own key (signing/).
+	printf 'signing:\n  enabled: true\n  namespaces: [%s]\n  allowedSigners: "%s"\n' \
+		"$SIGNED_NS" "e2e-signer@sluice.test $(cat "$here/signing/e2e-signer.pub")" >"$STATE/sluice-signing.yaml"
 	# The images keep their tag from build to build: the operator's and the gateway's pods carry the
 	# images' checksum, so that installing again after a rebuild rolls them out. (Sandbox pods keep
 	# the supervisor they started with until they are replaced: kubectl delete pods -n $SANDBOX_NS --all.)
@@ -247,6 +253,7 @@ current)
 	log "helm upgrade --install sluice charts/sluice (images $images)"
 	helm_ upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
 		-f "$STATE/sluice-values.yaml" -f "$STATE/sluice-certificates.yaml" -f "$STATE/sluice-images.yaml" \
+		-f "$STATE/sluice-signing.yaml" \
 		--wait --timeout 5m
 	# After the upgrade test the gateway still serves the previous install's certificate until the
 	# kubelet projects the Secret the operator made (up to a minute or two): wait until every Ready

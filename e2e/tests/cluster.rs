@@ -2540,3 +2540,217 @@ async fn default_resources_request_cpu_and_walks_fit_the_limit() {
         writeln!(file, "{row}").expect("written");
     }
 }
+
+/// Signed hook code (docs/signing.md) on the real API server: `install.sh` requires signatures in
+/// `SLUICE_SIGNED_NAMESPACE`, trusting the suite's key (`SLUICE_SIGNING_KEY`). `kubectl apply` of an
+/// unsigned chain there is refused by the webhook, naming the hook; a signed one is admitted and
+/// served; a chain changed after signing and written past the webhook (its objectSelector moved
+/// aside for a moment, as an outage under `failurePolicy: Ignore` or etcd access would let it in) is
+/// marked invalid by the operator and never run by the gateway, which keeps serving the signed
+/// generation; a signature replayed into another chain is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_signed_hook_code_is_admitted_and_served_where_signatures_are_required() {
+    let Some(c) = cluster("signing").await else {
+        return;
+    };
+    let (Ok(ns), Ok(key)) = (
+        std::env::var("SLUICE_SIGNED_NAMESPACE"),
+        std::env::var("SLUICE_SIGNING_KEY"),
+    ) else {
+        skip("SLUICE_SIGNED_NAMESPACE/SLUICE_SIGNING_KEY are not set: install.sh sets them");
+        return;
+    };
+    let key = ssh_key::PrivateKey::read_openssh_file(std::path::Path::new(&key))
+        .expect("the suite's signing key");
+    let namespace: Namespace = serde_json::from_value(json!({
+        "metadata": {"name": ns, "labels": {"sluice.dev/e2e": "true"}}
+    }))
+    .expect("namespace object");
+    let namespaces = Api::<Namespace>::all(c.client.clone());
+    if namespaces
+        .get_opt(&ns)
+        .await
+        .expect("get namespace")
+        .is_none()
+    {
+        namespaces
+            .create(&PostParams::default(), &namespace)
+            .await
+            .expect("create the signed namespace");
+    }
+    let chains: Api<HookChain> = Api::namespaced(c.client.clone(), &ns);
+    // A chain `name` whose hook runs `code`, signed for the chain `signed_for` (or not at all).
+    let chain = |name: &str, code: &str, signed_for: Option<&str>| {
+        let mut hook = sluice_crds::HookSpec::with_code("upper", sluice_crds::Action::Modify, code);
+        if let Some(for_chain) = signed_for {
+            hook.signature = Some(
+                sluice_crds::signing::sign(
+                    &key,
+                    &ns,
+                    for_chain,
+                    sluice_crds::TriggerPoint::Input,
+                    &hook,
+                )
+                .expect("sign"),
+            );
+        }
+        json!({
+            "apiVersion": "sluice.dev/v1alpha1",
+            "kind": "HookChain",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"target": format!("{name}-bot"), "triggerPoint": "input",
+                     "pool": {"warm": 1, "max": 2}, "hooks": [hook]},
+        })
+    };
+    let apply = |name: &str, object: Value| {
+        let chains = chains.clone();
+        let name = name.to_string();
+        async move {
+            chains
+                .patch(
+                    &name,
+                    &PatchParams::apply("sluice-e2e").force(),
+                    &Patch::Apply(&object),
+                )
+                .await
+        }
+    };
+
+    // Unsigned: refused at apply, with the hook named; nothing stored.
+    let refused = apply("signed", chain("signed", UPPER, None))
+        .await
+        .expect_err("an unsigned chain is refused where signatures are required");
+    let said = refused.to_string();
+    assert!(
+        said.contains("denied the request") && said.contains("hook \"upper\" is not signed"),
+        "{said}"
+    );
+    assert!(chains.get_opt("signed").await.expect("get").is_none());
+    // A signature made for another chain: refused too.
+    let replayed = apply("signed", chain("signed", UPPER, Some("elsewhere")))
+        .await
+        .expect_err("a replayed signature is refused");
+    assert!(
+        replayed.to_string().contains("does not match"),
+        "{replayed}"
+    );
+
+    // Signed: admitted and served.
+    apply("signed", chain("signed", UPPER, Some("signed")))
+        .await
+        .expect("a signed chain is admitted");
+    let r = poll(
+        Duration::from_secs(120),
+        "the gateway serves the signed chain",
+        || async {
+            match run_input(c.gateway.clone(), &ns, "signed-bot", "hello").await {
+                Ok(r) => Some(r),
+                Err(s)
+                    if s.code() == tonic::Code::NotFound
+                        || s.code() == tonic::Code::Unavailable =>
+                {
+                    None
+                }
+                Err(s) => panic!("Run: {s}"),
+            }
+        },
+    )
+    .await;
+    assert_eq!(text(&r), "HELLO");
+
+    // Changed after signing and written past the webhook: the gateway keeps the signed generation.
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    let configs = Api::<ValidatingWebhookConfiguration>::all(c.client.clone());
+    let config = configs
+        .list(&ListParams::default().labels("app.kubernetes.io/part-of=sluice"))
+        .await
+        .expect("list ValidatingWebhookConfigurations")
+        .items
+        .into_iter()
+        .next()
+        .expect("the release's webhook configuration");
+    let config_name = config.metadata.name.clone().expect("name");
+    /// Puts the webhooks' objectSelectors back, whatever happens to the test.
+    struct Restore(String, Vec<Value>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let ops: Vec<Value> = self
+                .1
+                .iter()
+                .enumerate()
+                .map(|(i, sel)| json!({"op": "replace", "path": format!("/webhooks/{i}/objectSelector"), "value": sel}))
+                .collect();
+            kubectl(&[
+                "patch",
+                "validatingwebhookconfiguration",
+                &self.0,
+                "--type=json",
+                "-p",
+                &Value::Array(ops).to_string(),
+            ]);
+        }
+    }
+    let original: Vec<Value> = config
+        .webhooks
+        .iter()
+        .flatten()
+        .map(|w| {
+            serde_json::to_value(w.object_selector.clone().unwrap_or_default()).expect("selector")
+        })
+        .collect();
+    let aside: Vec<Value> = (0..original.len())
+        .map(|i| json!({"op": "replace", "path": format!("/webhooks/{i}/objectSelector"), "value": {"matchLabels": {"sluice.test/webhook": "never"}}}))
+        .collect();
+    let restore = Restore(config_name.clone(), original);
+    kubectl(&[
+        "patch",
+        "validatingwebhookconfiguration",
+        &config_name,
+        "--type=json",
+        "-p",
+        &Value::Array(aside).to_string(),
+    ]);
+    // The API server applies a webhook configuration change a moment later: retried until stored.
+    let mut tampered = chain("signed", UPPER, Some("signed"));
+    tampered["spec"]["hooks"][0]["code"] = json!(LOWER);
+    poll(
+        Duration::from_secs(60),
+        "the tampered chain is stored past the webhook",
+        || async { apply("signed", tampered.clone()).await.ok() },
+    )
+    .await;
+    drop(restore);
+    let status = poll(
+        Duration::from_secs(60),
+        "the operator marks the tampered chain invalid",
+        || async {
+            let hc = chains.get("signed").await.ok()?;
+            let status = hc.status?;
+            status
+                .conditions
+                .iter()
+                .find(|c| {
+                    c.type_ == "CodeValid" && c.status == "False" && c.reason == "UnsignedCode"
+                })
+                .map(|c| c.message.clone())
+        },
+    )
+    .await;
+    assert!(status.contains("does not match"), "{status}");
+    // The gateway never runs the tampered code: the signed generation keeps answering.
+    for _ in 0..5 {
+        let r = run_input(c.gateway.clone(), &ns, "signed-bot", "Hello")
+            .await
+            .expect("Run");
+        assert_eq!(
+            text(&r),
+            "HELLO",
+            "the tampered (lower-casing) code must never run"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    chains
+        .delete("signed", &DeleteParams::default())
+        .await
+        .expect("delete the chain");
+}

@@ -427,3 +427,16 @@ networkPolicy.gateway.otlpCollector. Endpoints given through valueFrom cannot be
 {{- define "sluice.gateway.mcpSessionSecret" -}}
 {{- .Values.gateway.mcp.sessionKeySecret | default (printf "%s-mcp-session" (include "sluice.gateway.name" .)) -}}
 {{- end }}
+
+{{/* The ConfigMap of trusted signers (key allowed_signers). */}}
+{{- define "sluice.signing.configMap" -}}
+{{- .Values.signing.existingConfigMap | default (printf "%s-trusted-signers" (include "sluice.fullname" .)) -}}
+{{- end -}}
+
+{{/* The flags that make a component verify signed hook code, when signing is enabled. */}}
+{{- define "sluice.signingArgs" -}}
+{{- if .Values.signing.enabled }}
+- --trusted-signers=/etc/sluice/signing/allowed_signers
+- --signed-namespaces={{ join "," .Values.signing.namespaces }}
+{{- end }}
+{{- end -}}

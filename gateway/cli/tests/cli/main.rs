@@ -4,4 +4,5 @@
 mod call_secured;
 mod cli;
 mod rollout_status;
+mod signing;
 mod walk;

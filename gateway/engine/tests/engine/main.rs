@@ -15,5 +15,6 @@ mod recycle;
 mod rollout;
 mod run;
 mod scheduling;
+mod signing;
 mod stream;
 mod stream_window;
