@@ -2616,11 +2616,19 @@ async fn only_signed_hook_code_is_admitted_and_served_where_signatures_are_requi
         }
     };
 
-    // Unsigned: refused at apply, with the hook named; nothing stored.
-    let refused = apply("signed", chain("signed", UPPER, None))
-        .await
-        .expect_err("an unsigned chain is refused where signatures are required");
-    let said = refused.to_string();
+    // Unsigned: `kubectl apply` is refused, with the hook named; nothing stored.
+    let file = tempfile::NamedTempFile::new().expect("a temp file");
+    std::fs::write(file.path(), chain("signed", UPPER, None).to_string()).expect("write");
+    let out = std::process::Command::new("kubectl")
+        .args(["apply", "-f"])
+        .arg(file.path())
+        .output()
+        .expect("run kubectl apply");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "an unsigned chain is refused: {said}"
+    );
     assert!(
         said.contains("denied the request") && said.contains("hook \"upper\" is not signed"),
         "{said}"

@@ -16,6 +16,7 @@ mod local_core;
 mod local_hostile;
 mod local_openai;
 mod local_rollout;
+mod local_signing;
 mod local_stream;
 mod local_tenants;
 mod local_trust;
