@@ -597,6 +597,42 @@ impl PolicyFile {
     }
 }
 
+/// The flags of signed hook code, the same in the gateway, the operator and `sluice check`.
+#[cfg(feature = "clap")]
+#[derive(Clone, Debug, clap::Args)]
+pub struct SigningArgs {
+    /// Serve (admit, check) only hook code signed by a key this `allowed_signers` file trusts (SSH
+    /// signatures, as git uses them; docs/signing.md), in the namespaces `--signed-namespaces`
+    /// names. Read again when it changes.
+    #[arg(long, value_name = "FILE")]
+    pub trusted_signers: Option<std::path::PathBuf>,
+    /// Where signed hook code is required: `*` (every namespace) or a comma-separated list.
+    #[arg(
+        long,
+        value_name = "NAMESPACES",
+        default_value = "*",
+        requires = "trusted_signers"
+    )]
+    pub signed_namespaces: String,
+}
+
+/// A policy file as loaded, with the lines of it that trust nothing.
+#[cfg(feature = "clap")]
+pub type Loaded = (std::sync::Arc<PolicyFile>, Vec<SignersProblem>);
+
+#[cfg(feature = "clap")]
+impl SigningArgs {
+    /// The policy file the flags name, with the lines of it that trust nothing; None without
+    /// `--trusted-signers`.
+    pub fn load(&self) -> Result<Option<Loaded>, String> {
+        let Some(path) = &self.trusted_signers else {
+            return Ok(None);
+        };
+        let (file, problems) = PolicyFile::load(path, Required::parse(&self.signed_namespaces))?;
+        Ok(Some((std::sync::Arc::new(file), problems)))
+    }
+}
+
 /// Signs one hook of the chain `namespace/chain` at `trigger_point` with `key` (unencrypted); the
 /// armored signature, ready for the hook's `signature` field.
 pub fn sign(

@@ -90,19 +90,8 @@ struct WebhookArgs {
     /// not.
     #[arg(long = "python", alias = "webhook-python")]
     python: Option<PathBuf>,
-    /// Admit and serve only hook code signed by a key this `allowed_signers` file trusts (the
-    /// chart mounts the platform's ConfigMap here), in the namespaces `--signed-namespaces` names.
-    /// Read again when it changes.
-    #[arg(long, value_name = "FILE")]
-    trusted_signers: Option<PathBuf>,
-    /// Where signed hook code is required: `*` (every namespace) or a comma-separated list.
-    #[arg(
-        long,
-        value_name = "NAMESPACES",
-        default_value = "*",
-        requires = "trusted_signers"
-    )]
-    signed_namespaces: String,
+    #[command(flatten)]
+    signing: sluice_crds::signing::SigningArgs,
     /// A review not finished in this long is refused as unfinished; keep it under the webhook's
     /// timeoutSeconds so the reason reaches kubectl (8s, 1500ms).
     #[arg(long, default_value = "8s", value_parser = parse_duration)]
@@ -374,9 +363,7 @@ fn main() -> ExitCode {
                 )
                 .json()
                 .init();
-            if let Some(path) = &args.webhook.trusted_signers
-                && let Err(e) = trust_signers(path, &args.webhook.signed_namespaces)
-            {
+            if let Err(e) = trust_signers(&args.webhook.signing) {
                 eprintln!("sluice-operator: {e}");
                 return ExitCode::FAILURE;
             }
@@ -400,14 +387,14 @@ fn main() -> ExitCode {
 
 /// Loads the trusted signers at `path` for the webhook and the reconciler, and reads them again
 /// every few seconds: a key added or removed needs no restart.
-fn trust_signers(path: &std::path::Path, namespaces: &str) -> anyhow::Result<()> {
-    use sluice_crds::signing::{PolicyFile, Required, Reread};
-    let (file, problems) =
-        PolicyFile::load(path, Required::parse(namespaces)).map_err(anyhow::Error::msg)?;
+fn trust_signers(args: &sluice_crds::signing::SigningArgs) -> anyhow::Result<()> {
+    use sluice_crds::signing::Reread;
+    let Some((file, problems)) = args.load().map_err(anyhow::Error::msg)? else {
+        return Ok(());
+    };
     for p in &problems {
-        tracing::error!(file = %path.display(), "trusted signers: {p}");
+        tracing::error!(file = %file.path().display(), "trusted signers: {p}");
     }
-    let file = std::sync::Arc::new(file);
     sluice_operator::set_signing(file.clone());
     std::thread::Builder::new()
         .name("trusted-signers".into())

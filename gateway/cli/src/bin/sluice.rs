@@ -80,18 +80,10 @@ enum Command {
         /// entry allows no other domain after `.svc`.
         #[arg(long, env = "SLUICE_CLUSTER_DOMAIN", default_value_t = Default::default(), value_name = "DOMAIN")]
         cluster_domain: sluice_crds::endpoints::ClusterDomain,
-        /// The platform's trusted signers (an `allowed_signers` file): chains whose hooks are not
-        /// signed by one of them are reported where `--signed-namespaces` requires signatures.
-        #[arg(long, value_name = "FILE")]
-        trusted_signers: Option<std::path::PathBuf>,
-        /// Where the platform requires signed code: `*` or a comma-separated list of namespaces.
-        #[arg(
-            long,
-            value_name = "NAMESPACES",
-            default_value = "*",
-            requires = "trusted_signers"
-        )]
-        signed_namespaces: String,
+        /// The platform's trusted signers and where it requires signatures: chains that would be
+        /// refused there are reported.
+        #[command(flatten)]
+        signing: sluice_crds::signing::SigningArgs,
     },
     /// Sign the hooks of chain files with an SSH key: each hook gets a `signature:` bound to its
     /// chain's namespace and name (docs/signing.md). The files are rewritten in place.
@@ -365,29 +357,22 @@ async fn main() -> ExitCode {
             allowed_endpoints,
             sandbox_cpu_limit,
             cluster_domain,
-            trusted_signers,
-            signed_namespaces,
+            signing,
         } => {
             let allowed = allowed_endpoints
                 .unwrap_or_else(sluice_crds::endpoints::AllowedEndpoints::loopback)
                 .in_cluster_domain(cluster_domain);
-            let signing = match trusted_signers {
-                Some(path) => match sluice_crds::signing::PolicyFile::load(
-                    &path,
-                    sluice_crds::signing::Required::parse(&signed_namespaces),
-                ) {
-                    Ok((file, problems)) => {
-                        for p in problems {
-                            eprintln!("{}:{p}", path.display());
-                        }
-                        Some(std::sync::Arc::new(file))
+            let signing = match signing.load() {
+                Ok(loaded) => loaded.map(|(file, problems)| {
+                    for p in problems {
+                        eprintln!("{}:{p}", file.path().display());
                     }
-                    Err(e) => {
-                        eprintln!("sluice check: {e}");
-                        return ExitCode::from(2);
-                    }
-                },
-                None => None,
+                    file
+                }),
+                Err(e) => {
+                    eprintln!("sluice check: {e}");
+                    return ExitCode::from(2);
+                }
             };
             let rules = PlatformRules {
                 sandbox_cpu_limit,

@@ -116,19 +116,8 @@ struct Args {
     /// interpreter hooks run on; in kube mode, python3 on PATH.
     #[arg(long)]
     python: Option<PathBuf>,
-    /// Serve only hook code signed by a key this `allowed_signers` file trusts (SSH signatures, as
-    /// git uses them; docs/signing.md), in the namespaces `--signed-namespaces` names. Read again
-    /// when it changes.
-    #[arg(long, value_name = "FILE")]
-    trusted_signers: Option<PathBuf>,
-    /// Where signed hook code is required: `*` (every namespace) or a comma-separated list.
-    #[arg(
-        long,
-        value_name = "NAMESPACES",
-        default_value = "*",
-        requires = "trusted_signers"
-    )]
-    signed_namespaces: String,
+    #[command(flatten)]
+    signing: sluice_crds::signing::SigningArgs,
     /// Local mode: the supervisor binary mounted into every sandbox (default: `sluice-supervisor`
     /// beside this binary).
     #[arg(long, requires = "cell_runtime")]
@@ -262,15 +251,12 @@ async fn main() -> anyhow::Result<()> {
     {
         anyhow::bail!("--mcp-pass-non-text {unknown:?} names no --mcp-server");
     }
-    let signing = match &args.trusted_signers {
-        Some(path) => {
-            let required = sluice_crds::signing::Required::parse(&args.signed_namespaces);
-            let (file, problems) = sluice_crds::signing::PolicyFile::load(path, required)
-                .map_err(anyhow::Error::msg)?;
+    let signing = match args.signing.load().map_err(anyhow::Error::msg)? {
+        Some((file, problems)) => {
             for p in &problems {
-                tracing::error!(file = %path.display(), "trusted signers: {p}");
+                tracing::error!(file = %file.path().display(), "trusted signers: {p}");
             }
-            Some(std::sync::Arc::new(file))
+            Some(file)
         }
         None => None,
     };

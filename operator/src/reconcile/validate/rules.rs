@@ -163,21 +163,22 @@ pub fn within_cpu_limit(
     spec: &HookChainSpec,
     limit: sluice_crds::cpu::SandboxCpuLimit,
 ) -> Verdict {
-    let Some(problem) = limit.refuses(&spec.resources.cpu) else {
-        return verdict;
-    };
-    let message = if verdict.is_invalid() {
-        format!("{}; {problem}", verdict.message)
+    match limit.refuses(&spec.resources.cpu) {
+        Some(problem) => invalid_also(verdict, "CpuOverLimit", problem),
+        None => verdict,
+    }
+}
+
+/// `verdict` with one more problem: invalid, for the reason it had if it was invalid already.
+fn invalid_also(verdict: Verdict, reason: &'static str, problem: String) -> Verdict {
+    let (reason, message) = if verdict.is_invalid() {
+        (verdict.reason, format!("{}; {problem}", verdict.message))
     } else {
-        problem
+        (reason, problem)
     };
     Verdict {
         status: "False",
-        reason: if verdict.is_invalid() {
-            verdict.reason
-        } else {
-            "CpuOverLimit"
-        },
+        reason,
         message: bounded(message),
     }
 }
@@ -191,23 +192,9 @@ pub fn signed(
     spec: &HookChainSpec,
     signing: Option<&sluice_crds::signing::Policy>,
 ) -> Verdict {
-    let Some(Err(refused)) = signing.map(|p| p.check(namespace, name, spec)) else {
-        return verdict;
-    };
-    let problem = refused.to_string();
-    let message = if verdict.is_invalid() {
-        format!("{}; {problem}", verdict.message)
-    } else {
-        problem
-    };
-    Verdict {
-        status: "False",
-        reason: if verdict.is_invalid() {
-            verdict.reason
-        } else {
-            "UnsignedCode"
-        },
-        message: bounded(message),
+    match signing.map(|p| p.check(namespace, name, spec)) {
+        Some(Err(refused)) => invalid_also(verdict, "UnsignedCode", refused.to_string()),
+        _ => verdict,
     }
 }
 
