@@ -267,3 +267,66 @@ fn hooks_that_cannot_be_signed_are_refused_with_why() {
     );
     assert_eq!(code, 1, "{out}");
 }
+
+#[test]
+fn a_key_held_by_ssh_agent_signs_from_its_public_half() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let key = keygen(d, "agent", "");
+    let socket = d.join("agent.sock");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _agent = Kill(
+        Command::new("ssh-agent")
+            .args(["-D", "-a"])
+            .arg(&socket)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("ssh-agent runs"),
+    );
+    let sock = socket.to_string_lossy().to_string();
+    for _ in 0..100 {
+        if socket.exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let added = Command::new("ssh-add")
+        .arg("-q")
+        .arg(&key)
+        .env("SSH_AUTH_SOCK", &sock)
+        .output()
+        .expect("ssh-add runs");
+    assert!(
+        added.status.success(),
+        "{}",
+        String::from_utf8_lossy(&added.stderr)
+    );
+    // Only the agent holds the private key now.
+    std::fs::remove_file(&key).unwrap();
+    let pii = example(d, "pii-redaction.yaml");
+    let (code, out) = sluice(
+        &["sign", "--key", &format!("{key}.pub"), &pii],
+        &[("SSH_AUTH_SOCK", &sock)],
+    );
+    assert_eq!(code, 0, "{out}");
+    let public = std::fs::read_to_string(format!("{key}.pub")).unwrap();
+    let allowed = d.join("allowed_signers");
+    std::fs::write(&allowed, format!("agent@example {public}")).unwrap();
+    let (code, out) = sluice(
+        &[
+            "verify",
+            "--trusted-signers",
+            &allowed.to_string_lossy(),
+            &pii,
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(out.matches("signed by agent@example").count(), 3, "{out}");
+}
