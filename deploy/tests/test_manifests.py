@@ -16,6 +16,7 @@ import base64
 import copy
 import filecmp
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
@@ -924,9 +925,29 @@ class CapabilitiesChartTest(ManifestCase):
         self.assertFalse([a for a in pod["containers"][0]["args"] if a.startswith("--openai")])
         self.assertNotIn("openai", [p["name"] for p in self.find(helm_template(), "Service", "sluice-gateway")["spec"]["ports"]])
 
+        # A host outside the cluster is reachable only at addresses the NetworkPolicy lists: without
+        # them every proxied call would time out, so the render is refused, saying what to do.
         values = {"gateway": {"openai": {"enabled": True, "upstream": "https://api.openai.com/v1",
                                          "apiKeySecret": "openai-key"}}}
+        refusal = helm_refusal(values=values)
+        self.assertIn("capabilities.egressCIDRs", refusal)
+        self.assertIn("https://api.openai.com/v1", refusal)
+        values["capabilities"] = {"egressCIDRs": ["162.159.140.245/32"]}
         objs = helm_template(values=values)
+        self.assertIn({"to": [{"ipBlock": {"cidr": "162.159.140.245/32"}}]},
+                      self.find(objs, "NetworkPolicy", "sluice-gateway")["spec"]["egress"])
+        # An upstream in the cluster (a Service) or at an address: the gateway's egress follows it.
+        for upstream, rule in [
+            ("http://vllm.models.svc:8000/v1",
+             {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "models"}}}],
+              "ports": [{"protocol": "TCP", "port": 8000}]}),
+            ("https://10.20.30.40/v1",
+             {"to": [{"ipBlock": {"cidr": "10.20.30.40/32"}}], "ports": [{"protocol": "TCP", "port": 443}]}),
+        ]:
+            policy = self.find(helm_template(values={"gateway": {"openai": {"enabled": True, "upstream": upstream}}}),
+                               "NetworkPolicy", "sluice-gateway")
+            self.assertIn(rule, policy["spec"]["egress"], upstream)
+            self.assertEqual(open_egress(policy), [])
         (c,) = gateway(objs)["containers"]
         self.assertIn("--openai-listen=0.0.0.0:8080", c["args"])
         self.assertIn("--openai-upstream=https://api.openai.com/v1", c["args"])
@@ -950,6 +971,28 @@ class CapabilitiesChartTest(ManifestCase):
         with self.assertRaises(AssertionError) as e:
             helm_template(values={"gateway": {"openai": {"enabled": True}}})
         self.assertIn("gateway.openai.upstream", str(e.exception))
+
+    def test_the_chart_makes_a_callers_token_its_policy_admits(self):
+        values = {"gateway": {"callers": {
+            "callers": [{"name": "svc", "match": {"dnsSAN": "svc.internal"}, "namespaces": ["a"]}],
+            "tokens": [{"name": "support-app", "namespaces": ["support"]},
+                       {"name": "batch", "namespaces": ["*"], "secretNamespace": "jobs"}]}}}
+        objs = helm_template(values=values)
+        policy = yaml.safe_load(self.find(objs, "ConfigMap", "sluice-gateway-callers")["data"]["callers.yaml"])
+        by_name = {c["name"]: c for c in policy["callers"]}
+        self.assertEqual(by_name["svc"]["match"], {"dnsSAN": "svc.internal"})
+        for name, namespace, allowed in [("support-app", NAMESPACE, ["support"]), ("batch", "jobs", ["*"])]:
+            secret = self.find(objs, "Secret", f"sluice-gateway-caller-{name}")
+            self.assertEqual(secret["metadata"]["namespace"], namespace)
+            token = base64.b64decode(secret["data"]["token"])
+            self.assertGreaterEqual(len(token), 43)
+            # The policy matches the token by its SHA-256, as the gateway compares a bearer token.
+            self.assertEqual(by_name[name]["match"], {"tokenSha256": hashlib.sha256(token).hexdigest()})
+            self.assertEqual(by_name[name]["namespaces"], allowed)
+        self.assertValid(objs, "helm template with caller tokens")
+        self.assertIn("listed twice", helm_refusal(values={"gateway": {"callers": {
+            "callers": [{"name": "x", "match": {"dnsSAN": "x"}, "namespaces": ["a"]}],
+            "tokens": [{"name": "x", "namespaces": ["a"]}]}}}))
 
     def test_the_mcp_proxy_is_served_only_when_enabled_with_its_port_egress_and_a_shared_session_key(self):
         def gateway(objs):

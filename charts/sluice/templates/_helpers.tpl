@@ -313,6 +313,26 @@ the capability endpoints of capabilities.allowedEndpoints that a NetworkPolicy c
 namespace, an address), capabilities.egressCIDRs, the OTLP collector and
 networkPolicy.gateway.capabilityEgress. Nothing that selects every namespace or every address.
 */}}
+{{/* The egress rule that lets the gateway reach `url` (JSON), or {} when a NetworkPolicy cannot name it:
+a Service of the cluster written as SERVICE.NAMESPACE[.svc[.cluster.local]][:PORT] (its namespace, on
+that port), or an IPv4 address (that address, on that port). Host names outside the cluster have no
+rule: their addresses come from capabilities.egressCIDRs. */}}
+{{- define "sluice.urlEgressRule" -}}
+{{- $u := urlParse . -}}
+{{- $hostport := splitList ":" $u.host -}}
+{{- $host := first $hostport -}}
+{{- $port := ternary (last $hostport) (ternary "443" "80" (eq $u.scheme "https")) (eq (len $hostport) 2) -}}
+{{- $ports := list (dict "protocol" "TCP" "port" (int $port)) -}}
+{{- $parts := splitList "." $host -}}
+{{- if regexMatch "^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$" $host -}}
+{{- dict "to" (list (dict "ipBlock" (dict "cidr" (printf "%s/32" $host)))) "ports" $ports | toJson -}}
+{{- else if and (ge (len $parts) 2) (or (eq (len $parts) 2) (eq (index $parts 2) "svc")) -}}
+{{- dict "to" (list (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" (index $parts 1))))) "ports" $ports | toJson -}}
+{{- else -}}
+{}
+{{- end -}}
+{{- end -}}
+
 {{- define "sluice.gateway.egress" -}}
 {{- $rules := list -}}
 {{- range .Values.capabilities.allowedEndpoints -}}
@@ -341,16 +361,22 @@ networkPolicy.gateway.capabilityEgress. Nothing that selects every namespace or 
 their namespace on their port. Others are reached through capabilities.egressCIDRs. */ -}}
 {{- if .Values.gateway.mcp.enabled -}}
 {{- range .Values.gateway.mcp.servers -}}
-{{- $u := urlParse .url -}}
-{{- $hostport := splitList ":" $u.host -}}
-{{- $parts := splitList "." (first $hostport) -}}
-{{- if and (ge (len $parts) 2) (or (eq (len $parts) 2) (eq (index $parts 2) "svc")) -}}
-{{- $port := ternary (last $hostport) (ternary "443" "80" (eq $u.scheme "https")) (eq (len $hostport) 2) -}}
-{{- $rule := dict "to" (list (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" (index $parts 1))))) "ports" (list (dict "protocol" "TCP" "port" (int $port))) -}}
-{{- if not (has $rule $rules) -}}
+{{- $rule := include "sluice.urlEgressRule" .url | fromJson -}}
+{{- if and $rule (not (has $rule $rules)) -}}
 {{- $rules = append $rules $rule -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+{{- /* The OpenAI proxy's upstream likewise; one outside the cluster must be reachable through
+capabilities.egressCIDRs, or every proxied call would time out. */ -}}
+{{- if .Values.gateway.openai.enabled -}}
+{{- $rule := include "sluice.urlEgressRule" .Values.gateway.openai.upstream | fromJson -}}
+{{- if $rule -}}
+{{- if not (has $rule $rules) -}}
+{{- $rules = append $rules $rule -}}
+{{- end -}}
+{{- else if not .Values.capabilities.egressCIDRs -}}
+{{- fail (printf "gateway.openai.upstream %q is a host outside the cluster, and with networkPolicy.enabled the gateway may reach only the addresses its NetworkPolicy lists (a NetworkPolicy cannot match a host name): list the upstream's addresses in capabilities.egressCIDRs, or set networkPolicy.enabled=false and control the gateway's egress yourself" .Values.gateway.openai.upstream) -}}
 {{- end -}}
 {{- end -}}
 {{- with .Values.capabilities.egressCIDRs -}}
