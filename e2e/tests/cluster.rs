@@ -2762,3 +2762,59 @@ async fn only_signed_hook_code_is_admitted_and_served_where_signatures_are_requi
         .await
         .expect("delete the chain");
 }
+
+/// `sluice doctor` against the test cluster: every check holds, the last one being a pod made like
+/// a sandbox pod that ran a hook under gVisor. On RuntimeClasses whose handler no node has (as on
+/// a node without runsc configured) or whose handler is not gVisor (plain runc), that check fails
+/// and says why in the cluster's words.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sluice_doctor_passes_here_and_says_why_without_a_gvisor_handler() {
+    let Some(c) = cluster("doctor").await else {
+        return;
+    };
+    use k8s_openapi::api::node::v1::RuntimeClass;
+    use sluice_cli::doctor::{Options, run};
+    let opts = |class: Option<&str>, secs: u64| Options {
+        namespace: release_namespace(),
+        runtime_class: class.map(str::to_string),
+        timeout: Duration::from_secs(secs),
+    };
+    let report = |checks: &[sluice_cli::doctor::Check]| {
+        checks
+            .iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let checks = run(c.client.clone(), &opts(None, 120)).await;
+    let said = report(&checks);
+    println!("{said}");
+    assert!(checks.iter().all(|c| c.ok), "{said}");
+    assert!(said.contains("ran a hook in a cell under gVisor"), "{said}");
+
+    let classes = Api::<RuntimeClass>::all(c.client.clone());
+    for (name, handler) in [
+        ("sluice-e2e-no-handler", "no-such-handler"),
+        ("sluice-e2e-runc", "runc"),
+    ] {
+        let class: RuntimeClass =
+            serde_json::from_value(json!({"metadata": {"name": name}, "handler": handler}))
+                .expect("RuntimeClass");
+        let _ = classes.delete(name, &DeleteParams::default()).await;
+        classes
+            .create(&PostParams::default(), &class)
+            .await
+            .expect("create the RuntimeClass");
+        let checks = run(c.client.clone(), &opts(Some(name), 45)).await;
+        let _ = classes.delete(name, &DeleteParams::default()).await;
+        let said = report(&checks);
+        println!("{said}");
+        let last = checks.last().expect("checks");
+        assert_eq!(last.what, "sandbox pod under gVisor", "{said}");
+        assert!(!last.ok, "{said}");
+        match handler {
+            "runc" => assert!(last.detail.contains("not running under gVisor"), "{said}"),
+            _ => assert!(last.detail.contains("no-such-handler"), "{said}"),
+        }
+    }
+}

@@ -37,7 +37,7 @@ use supervisor::Supervisor;
 const USAGE: &str = "usage:
   sluice-supervisor --runtime CWASM [--runtime-sha256 HEX] [--memory-bytes BYTES] [--trace-lines]   serve the protocol on stdin/stderr
   sluice-supervisor --listen --runtime CWASM [--runtime-sha256 HEX] [--memory-bytes BYTES]   a warm pod's main process: wait for one attach
-  sluice-supervisor --probe --runtime CWASM [--runtime-sha256 HEX] [--memory-bytes BYTES]    self-test: one hook through a real instance
+  sluice-supervisor --probe --runtime CWASM [--runtime-sha256 HEX] [--memory-bytes BYTES] [--require-gvisor]   self-test: one hook through a real instance (and gVisor under it)
   sluice-supervisor attach [--probe]                                                         the relay a claimed pod's exec runs (or its readiness probe)
   sluice-supervisor compile COMPONENT.wasm OUT.cwasm                                         build step: precompile the cell component
   sluice-supervisor python --runtime CWASM [-I] [-S] -c PROGRAM                              run a Python program in a cell: stdin in, stdout out (how hook code is checked)
@@ -62,6 +62,9 @@ struct Options {
     /// Authoring tools (`sluice test`, `sluice run`): a hook that runs out of time stops at the
     /// line it is on, and its error names that line (each call traces its lines; slower).
     trace_lines: bool,
+    /// `--probe --require-gvisor` (`sluice doctor`): the probe fails unless the kernel it runs on
+    /// is gVisor's.
+    require_gvisor: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options, String> {
@@ -70,6 +73,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
     let mut runtime_sha256 = None;
     let mut memory_bytes = DEFAULT_MEMORY_BYTES;
     let mut trace_lines = false;
+    let mut require_gvisor = false;
     let mut args = args.iter();
     while let Some(arg) = args.next() {
         let (flag, inline) = match arg.split_once('=') {
@@ -94,6 +98,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
                 };
             }
             "--trace-lines" => trace_lines = true,
+            "--require-gvisor" => require_gvisor = true,
             "--runtime" => runtime = Some(PathBuf::from(value("--runtime")?)),
             "--runtime-sha256" => runtime_sha256 = Some(value("--runtime-sha256")?),
             "--memory-bytes" => {
@@ -130,6 +135,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
         runtime_sha256,
         memory_bytes,
         trace_lines,
+        require_gvisor,
     })
 }
 
@@ -273,8 +279,23 @@ fn probe(opts: &Options) -> ExitCode {
             serde_json::json!(want)
         ));
     }
+    let kernel = std::fs::read_to_string("/proc/version").unwrap_or_default();
+    let gvisor = kernel.trim() == GVISOR_KERNEL;
+    if opts.require_gvisor && !gvisor {
+        return fail(format!(
+            "not running under gVisor: the kernel says {:?} (gVisor's says {GVISOR_KERNEL:?}); the pod's RuntimeClass handler is not runsc",
+            kernel.trim()
+        ));
+    }
+    eprintln!(
+        "sluice supervisor probe: a hook ran in a cell{}",
+        if gvisor { ", under gVisor" } else { "" }
+    );
     ExitCode::SUCCESS
 }
+
+/// What gVisor's Sentry reports as the kernel in `/proc/version`, whatever the host runs.
+const GVISOR_KERNEL: &str = "Linux version 4.4.0 #1 SMP Sun Jan 10 15:06:54 PST 2016";
 
 fn pipe() -> std::io::Result<(File, File)> {
     let (r, w) = std::io::pipe()?;

@@ -7,6 +7,7 @@
 
 mod check;
 pub mod coverage;
+pub mod doctor;
 mod hooktest;
 pub mod rollout;
 pub mod sign;

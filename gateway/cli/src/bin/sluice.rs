@@ -85,6 +85,21 @@ enum Command {
         #[command(flatten)]
         signing: sluice_crds::signing::SigningArgs,
     },
+    /// Check an installed Sluice from the cluster (KUBECONFIG): the CRDs, the operator and the
+    /// gateway, the RuntimeClass, and a pod made like a sandbox pod that must run a hook in a cell
+    /// under gVisor; each failed check says why, in the cluster's words. Exit code 0 when every
+    /// check holds, 1 otherwise.
+    Doctor {
+        /// The release's namespace.
+        #[arg(short, long, default_value = "sluice-system")]
+        namespace: String,
+        /// The RuntimeClass to try (default: the operator's --runtime-class).
+        #[arg(long, value_name = "NAME")]
+        runtime_class: Option<String>,
+        /// How long the gVisor pod may take to run.
+        #[arg(long, value_parser = sluice_crds::duration::parse_duration, default_value = "120s")]
+        timeout: std::time::Duration,
+    },
     /// Sign the hooks of chain files with an SSH key: each hook gets a `signature:` bound to its
     /// chain's namespace and name (docs/signing.md). The files are rewritten in place.
     Sign {
@@ -385,6 +400,37 @@ async fn main() -> ExitCode {
                 None => sluice_gateway::code_checker(None),
             };
             return check(&files, &python, &rules);
+        }
+        Command::Doctor {
+            namespace,
+            runtime_class,
+            timeout,
+        } => {
+            let opts = sluice_cli::doctor::Options {
+                namespace,
+                runtime_class,
+                timeout,
+            };
+            let checks = match kube::Client::try_default().await {
+                Ok(client) => Ok(sluice_cli::doctor::run(client, &opts).await),
+                Err(e) => Err(e),
+            };
+            return match checks {
+                Ok(checks) => {
+                    for c in &checks {
+                        println!("{c}");
+                    }
+                    if checks.iter().all(|c| c.ok) {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    }
+                }
+                Err(e) => {
+                    eprintln!("sluice doctor: no cluster (KUBECONFIG, or in-cluster): {e}");
+                    ExitCode::from(2)
+                }
+            };
         }
         Command::Sign { files, key, hook } => {
             let key = match sluice_cli::sign::Key::load(&key) {
