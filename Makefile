@@ -20,7 +20,7 @@ DOCKER ?= docker
 TEST_BUILD = $(CARGO) build --workspace --bins --tests
 RELEASE_BUILD = $(CARGO) build --release --workspace --bins
 
-.PHONY: deps cell cell-release build install dist wheel test-dist run test print-test-targets test-rust test-clients test-manifests tools deploy-base images push e2e-cluster crds bench fmt lint clean \
+.PHONY: deps cell cell-release build install dist wheel test-dist run test print-test-targets test-rust test-clients test-manifests tools deploy-base images images-docker push e2e-cluster crds bench fmt lint clean \
 	cluster-deps cluster-build cluster-up cluster-down cluster-images cluster-install test-cluster bench-cluster
 
 # What a fresh Debian machine needs: gVisor, protoc for the gRPC API, Python for the supervisor (and
@@ -153,17 +153,27 @@ test-manifests: tools
 deploy-base: tools
 	$(TOOLS)/bin/python deploy/tools/gen_base.py $(TOOLS)/bin/helm deploy/base
 
-IMAGES := sluice-supervisor sluice-operator sluice-gateway
 
-images:
+# The three images as OCI archives in $(IMAGES_DIR), named $(REGISTRY)/sluice-*:$(TAG), without a
+# container engine (e2e/cluster/images.sh, as the test cluster gets them: this checkout's release
+# binaries and cell runtime on a Debian root filesystem made by debootstrap, so root). Reproducible:
+# the same binaries give the same archives.
+IMAGES_DIR ?= dist/images
+images: deps
+	SLUICE_IMAGE_PROFILE=release REGISTRY=$(REGISTRY) TAG=$(TAG) OUT=$(abspath $(IMAGES_DIR)) $(CLUSTER)/images.sh build
+
+# Pushes the three images (skopeo) and the chart (helm push, oci://$(REGISTRY)/charts/sluice) to your
+# registry: make push REGISTRY=registry.example.com/team (log in first: skopeo login, helm registry
+# login; PUSH_FLAGS=--plain-http for a registry without TLS). The test cluster installs this way from
+# a registry of its own (e2e/cluster/install.sh). Install with --set image.registry=$(REGISTRY).
+push: images tools
+	HELM=$(CURDIR)/$(TOOLS)/bin/helm deploy/tools/push.sh $(IMAGES_DIR) $(REGISTRY) $(TAG) $(PUSH_FLAGS)
+
+# The same images with a docker daemon (BuildKit) from the Dockerfiles, for those who build so.
+images-docker:
 	$(DOCKER) build -f supervisor/Dockerfile -t $(REGISTRY)/sluice-supervisor:$(TAG) .
 	$(DOCKER) build -f deploy/docker/operator.Dockerfile -t $(REGISTRY)/sluice-operator:$(TAG) .
 	$(DOCKER) build -f deploy/docker/gateway.Dockerfile -t $(REGISTRY)/sluice-gateway:$(TAG) .
-
-# Builds and pushes the three images to your registry: make push REGISTRY=registry.example.com/team
-# (log in first: docker login registry.example.com). Install with --set image.registry=$(REGISTRY).
-push: images
-	@for image in $(IMAGES); do $(DOCKER) push $(REGISTRY)/$$image:$(TAG) || exit 1; done
 
 # A real single-node Kubernetes on this machine (e2e/cluster/README.md): Kubernetes and etcd built
 # from the Go module proxy into a cache outside the checkout, containerd and gVisor from Debian.

@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The gateway image (ghcr.io/sluice-dev/sluice-gateway). Build from the repository root: `make images`.
+# The gateway image (ghcr.io/sluice-dev/sluice-gateway). Build from the repository root: `make images-docker` (`make images` builds the same without a daemon).
 # The gateway links rustls (no OpenSSL), so the runtime image needs only glibc and libgcc.
 FROM rust:1.95-bookworm AS build
 RUN apt-get update \

@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The operator image (ghcr.io/sluice-dev/sluice-operator). Build from the repository root: `make images`.
+# The operator image (ghcr.io/sluice-dev/sluice-operator). Build from the repository root: `make images-docker` (`make images` builds the same without a daemon).
 # The operator checks hook code (syntax, execute, imports) with the CPython hooks run on: the
 # supervisor and its cell runtime sit beside it (`sluice-supervisor python`), so the runtime image
 # needs no Python of its own; it runs as uid 65534 on a read-only root.

@@ -36,6 +36,9 @@ ETCD_PEER=127.0.0.1:23800
 CGROUP_ROOT=/sluice-cluster
 # What containerd 1.6 uses as the pod sandbox image (it cannot be pinned, so image GC stays off).
 PAUSE_IMAGE=registry.k8s.io/pause:3.6
+# A registry of our own (Debian's docker-registry, the CNCF distribution registry): install.sh pushes
+# the images and the chart there and the node's containerd pulls them, as a user's cluster would.
+REGISTRY_ADDR=${SLUICE_CLUSTER_REGISTRY:-127.0.0.1:5757}
 
 PKI=$STATE/pki
 LOGS=$STATE/logs
@@ -67,10 +70,21 @@ deps() {
 	command -v openssl >/dev/null || missing+=(openssl)
 	command -v debootstrap >/dev/null || missing+=(debootstrap)
 	command -v gcc >/dev/null || missing+=(gcc libc6-dev)
+	command -v skopeo >/dev/null || missing+=(skopeo)
+	command -v docker-registry >/dev/null || missing+=(docker-registry)
 	if [ ${#missing[@]} -gt 0 ]; then
 		log "installing ${missing[*]}"
 		apt-get update -qq
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+		# Installed, not started: docker-registry's package would start a registry of the machine's
+		# own on :5000; the cluster runs one of its own at up.
+		local guard=
+		if [ ! -e /usr/sbin/policy-rc.d ]; then
+			printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 0755 /usr/sbin/policy-rc.d && guard=1
+		fi
+		local rc=0
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?
+		[ -z "$guard" ] || rm -f /usr/sbin/policy-rc.d
+		[ "$rc" = 0 ] || die "apt-get install ${missing[*]} failed"
 	fi
 	command -v runsc >/dev/null || die "runsc is missing: make deps installs it (bookworm-backports)"
 }
@@ -256,7 +270,33 @@ state = "$RUN/containerd"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "$STATE/cni/net.d"
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "$STATE/certs.d"
 EOF
+	# The cluster's registry speaks plain HTTP on the loopback address.
+	mkdir -p "$STATE/certs.d/$REGISTRY_ADDR"
+	cat >"$STATE/certs.d/$REGISTRY_ADDR/hosts.toml" <<EOF
+server = "http://$REGISTRY_ADDR"
+[host."http://$REGISTRY_ADDR"]
+  capabilities = ["pull", "resolve"]
+EOF
+}
+
+# === registry ===
+
+run_registry() {
+	mkdir -p "$STATE/registry"
+	cat >"$STATE/registry.yml" <<EOF
+version: 0.1
+log: {level: warn}
+storage:
+  filesystem: {rootdirectory: $STATE/registry}
+  delete: {enabled: true}
+http:
+  addr: $REGISTRY_ADDR
+EOF
+	start registry docker-registry serve "$STATE/registry.yml"
+	wait_for "the registry at $REGISTRY_ADDR" 30 python3 -c "import urllib.request; urllib.request.urlopen('http://$REGISTRY_ADDR/v2/')"
 }
 
 # === kubelet ===
@@ -441,6 +481,8 @@ up() {
 	log "kube-controller-manager, kube-scheduler"
 	run_kube_controller_manager
 	run_kube_scheduler
+	log "registry ($REGISTRY_ADDR)"
+	run_registry
 	log "containerd"
 	containerd_config
 	run_containerd
@@ -457,7 +499,7 @@ metadata: {name: gvisor}
 handler: runsc
 EOF
 	wait_for "the default ServiceAccount" 60 kubectl_ -n default get serviceaccount default
-	log "up: kube-apiserver https://$NODE_IP:$APISERVER_PORT, node $NODE_NAME Ready"
+	log "up: kube-apiserver https://$NODE_IP:$APISERVER_PORT, node $NODE_NAME Ready, registry http://$REGISTRY_ADDR"
 	echo "$KUBECONFIG_ADMIN"
 }
 
@@ -509,6 +551,7 @@ down() {
 		for c in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks delete -f "$c" >/dev/null 2>&1 || true; done
 	fi
 	stop containerd
+	stop registry
 	log "stopping the control plane"
 	stop kube-scheduler
 	stop kube-controller-manager

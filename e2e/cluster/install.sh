@@ -22,6 +22,7 @@ HELM=${HELM:-helm}
 RELEASE_NS=sluice-system
 SANDBOX_NS=sluice-sandboxes
 SIGNED_NS=e2e-signed
+REGISTRY_ADDR=${SLUICE_CLUSTER_REGISTRY:-127.0.0.1:5757}
 PKI=$STATE/sluice-pki
 export KUBECONFIG=$STATE/admin.kubeconfig
 # Set by cluster.sh: the node address the API server listens on. There is no kube-proxy, so pods
@@ -92,6 +93,7 @@ export SLUICE_CA=$1
 export SLUICE_TOKEN=$(cat "$PKI/token")
 export SLUICE_SANDBOX_NAMESPACE=$SANDBOX_NS
 export SLUICE_SIGNED_NAMESPACE=$SIGNED_NS
+export SLUICE_CLUSTER_REGISTRY=$REGISTRY_ADDR
 export SLUICE_SIGNING_KEY=$here/signing/e2e-signer
 export SLUICE_RELEASE_NAMESPACE=$RELEASE_NS
 export SLUICE_CLUSTER_CTL=$here/cluster.sh
@@ -250,10 +252,19 @@ current)
 	images=$(cat "${OUT:-$STATE/images}"/sluice-{supervisor,operator,gateway}.tar | sha256sum | cut -c1-16)
 	printf 'operator:\n  podAnnotations: {sluice.test/images: "%s"}\ngateway:\n  podAnnotations: {sluice.test/images: "%s"}\n' \
 		"$images" "$images" >"$STATE/sluice-images.yaml"
-	log "helm upgrade --install sluice charts/sluice (images $images)"
-	helm_ upgrade --install sluice "$repo/charts/sluice" --namespace "$RELEASE_NS" \
+	# Installed as a user installs: the images and the chart pushed to a registry (the cluster's own,
+	# cluster.sh), the chart installed from there and the images pulled by the node's containerd, not
+	# imported. The tag carries the images' checksum, so a rebuild is pulled anew.
+	log "pushing the images and the chart to the cluster's registry ($REGISTRY_ADDR)"
+	HELM=$HELM "$repo/deploy/tools/push.sh" "${OUT:-$STATE/images}" "$REGISTRY_ADDR" "e2e-$images" --plain-http
+	printf 'image:\n  registry: %s\n  tag: e2e-%s\n  pullPolicy: IfNotPresent\n' "$REGISTRY_ADDR" "$images" \
+		>"$STATE/sluice-registry.yaml"
+	chart_version=$(sed -n 's/^version: //p' "$repo/charts/sluice/Chart.yaml")
+	log "helm upgrade --install sluice oci://$REGISTRY_ADDR/charts/sluice --version $chart_version (images $images)"
+	helm_ upgrade --install sluice "oci://$REGISTRY_ADDR/charts/sluice" --version "$chart_version" --plain-http \
+		--namespace "$RELEASE_NS" \
 		-f "$STATE/sluice-values.yaml" -f "$STATE/sluice-certificates.yaml" -f "$STATE/sluice-images.yaml" \
-		-f "$STATE/sluice-signing.yaml" \
+		-f "$STATE/sluice-signing.yaml" -f "$STATE/sluice-registry.yaml" \
 		--wait --timeout 5m
 	# After the upgrade test the gateway still serves the previous install's certificate until the
 	# kubelet projects the Secret the operator made (up to a minute or two): wait until every Ready

@@ -2791,6 +2791,35 @@ async fn sluice_doctor_passes_here_and_says_why_without_a_gvisor_handler() {
     println!("{said}");
     assert!(checks.iter().all(|c| c.ok), "{said}");
     assert!(said.contains("ran a hook in a cell under gVisor"), "{said}");
+    // Installed from the cluster's registry: the operator's and the gateway's images, and the
+    // supervisor's the doctor's pod ran, were pulled from it by the node's containerd.
+    if let Ok(registry) = std::env::var("SLUICE_CLUSTER_REGISTRY") {
+        let pods = Api::<Pod>::namespaced(c.client.clone(), &release_namespace())
+            .list(&ListParams::default().labels("app.kubernetes.io/part-of=sluice"))
+            .await
+            .expect("list the release's pods");
+        let ids: Vec<String> = pods
+            .items
+            .iter()
+            .flat_map(|p| {
+                p.status
+                    .iter()
+                    .flat_map(|s| s.container_statuses.iter().flatten())
+            })
+            .map(|c| format!("{} {}", c.image, c.image_id))
+            .collect();
+        assert!(!ids.is_empty());
+        for id in &ids {
+            assert!(
+                id.starts_with(&format!("{registry}/")) && id.contains(&format!(" {registry}/")),
+                "an image not pulled from {registry}: {id}"
+            );
+        }
+        assert!(
+            said.contains(&format!(", {registry}/sluice-supervisor:")),
+            "{said}"
+        );
+    }
 
     let classes = Api::<RuntimeClass>::all(c.client.clone());
     for (name, handler) in [
@@ -2805,7 +2834,7 @@ async fn sluice_doctor_passes_here_and_says_why_without_a_gvisor_handler() {
             .create(&PostParams::default(), &class)
             .await
             .expect("create the RuntimeClass");
-        let checks = run(c.client.clone(), &opts(Some(name), 45)).await;
+        let checks = run(c.client.clone(), &opts(Some(name), 20)).await;
         let _ = classes.delete(name, &DeleteParams::default()).await;
         let said = report(&checks);
         println!("{said}");
