@@ -105,6 +105,45 @@ pub enum HookSignatureError {
     Mismatch { signer: SignedBy },
 }
 
+/// Why one line of an `allowed_signers` file trusts nothing.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+enum LineError {
+    #[error(
+        "the line starts with a key type ({0}): an allowed_signers line starts with who the key is (\"alice@example.com ssh-ed25519 AAAA...\")"
+    )]
+    KeyTypeFirst(String),
+    #[error("no principals")]
+    NoPrincipals,
+    #[error("no key after the principals")]
+    NoKeyAfterPrincipals,
+    #[error("no key after the options")]
+    NoKeyAfterOptions,
+    #[error("no key after the key type {0:?}")]
+    NoKeyAfterType(String),
+    #[error("not an OpenSSH public key ({key_type}): {reason}")]
+    NotAPublicKey { key_type: String, reason: String },
+    #[error("cert-authority lines are not supported: list the signers' keys themselves")]
+    CertAuthority,
+    #[error("unknown option {0:?}")]
+    UnknownOption(String),
+    #[error("a quote is not closed")]
+    UnclosedQuote,
+    #[error("{0:?} is not a time (YYYYMMDD[HHMM[SS]][Z])")]
+    BadTime(String),
+}
+
+/// Why a trusted signers file cannot be used (as a whole).
+#[derive(Debug, thiserror::Error)]
+pub enum SignersFileError {
+    #[error("cannot read the trusted signers {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("the trusted signers {path} list no usable key: {problems}")]
+    NoUsableKey { path: String, problems: String },
+}
+
 /// One line of an `allowed_signers` file.
 #[derive(Clone, Debug)]
 struct Signer {
@@ -148,9 +187,9 @@ impl TrustedSigners {
             }
             match Signer::parse(line) {
                 Ok(s) => signers.push(s),
-                Err(message) => problems.push(SignersProblem {
+                Err(e) => problems.push(SignersProblem {
                     line: i + 1,
-                    message,
+                    message: e.to_string(),
                 }),
             }
         }
@@ -222,21 +261,14 @@ impl TrustedSigners {
 }
 
 impl Signer {
-    fn parse(line: &str) -> Result<Self, String> {
+    fn parse(line: &str) -> Result<Self, LineError> {
         let tokens = tokens(line)?;
         let mut rest = tokens.iter().map(String::as_str);
-        let principal = rest
-            .next()
-            .ok_or_else(|| "no principals".to_string())?
-            .to_string();
+        let principal = rest.next().ok_or(LineError::NoPrincipals)?.to_string();
         if looks_like_key_type(&principal) {
-            return Err(format!(
-                "the line starts with a key type ({principal}): an allowed_signers line starts with who the key is (\"alice@example.com ssh-ed25519 AAAA...\")"
-            ));
+            return Err(LineError::KeyTypeFirst(principal));
         }
-        let mut next = rest
-            .next()
-            .ok_or_else(|| "no key after the principals".to_string())?;
+        let mut next = rest.next().ok_or(LineError::NoKeyAfterPrincipals)?;
         let mut namespaces = None;
         let (mut valid_after, mut valid_before) = (None, None);
         if !looks_like_key_type(next) {
@@ -254,25 +286,22 @@ impl Signer {
                     }
                     ("valid-after", Some(v)) => valid_after = Some(ssh_time(&v)?),
                     ("valid-before", Some(v)) => valid_before = Some(ssh_time(&v)?),
-                    ("cert-authority", _) => {
-                        return Err(
-                            "cert-authority lines are not supported: list the signers' keys themselves"
-                                .into(),
-                        );
-                    }
-                    (other, _) => return Err(format!("unknown option {other:?}")),
+                    ("cert-authority", _) => return Err(LineError::CertAuthority),
+                    (other, _) => return Err(LineError::UnknownOption(other.to_string())),
                 }
             }
-            next = rest
-                .next()
-                .ok_or_else(|| "no key after the options".to_string())?;
+            next = rest.next().ok_or(LineError::NoKeyAfterOptions)?;
         }
         let key_type = next;
         let body = rest
             .next()
-            .ok_or_else(|| format!("no key after the key type {key_type:?}"))?;
-        let key = PublicKey::from_openssh(&format!("{key_type} {body}"))
-            .map_err(|e| format!("not an OpenSSH public key ({key_type}): {e}"))?;
+            .ok_or_else(|| LineError::NoKeyAfterType(key_type.to_string()))?;
+        let key = PublicKey::from_openssh(&format!("{key_type} {body}")).map_err(|e| {
+            LineError::NotAPublicKey {
+                key_type: key_type.to_string(),
+                reason: e.to_string(),
+            }
+        })?;
         Ok(Self {
             principal,
             fingerprint: key.fingerprint(HashAlg::Sha256).to_string(),
@@ -305,7 +334,7 @@ impl Signer {
 }
 
 /// Splits a line into whitespace-separated tokens; double quotes keep spaces inside one.
-fn tokens(line: &str) -> Result<Vec<String>, String> {
+fn tokens(line: &str) -> Result<Vec<String>, LineError> {
     let mut out = Vec::new();
     let mut cur = String::new();
     let mut quoted = false;
@@ -324,7 +353,7 @@ fn tokens(line: &str) -> Result<Vec<String>, String> {
         }
     }
     if quoted {
-        return Err("a quote is not closed".into());
+        return Err(LineError::UnclosedQuote);
     }
     if !cur.is_empty() {
         out.push(cur);
@@ -374,9 +403,9 @@ fn glob(pattern: &str, s: &str) -> bool {
 
 /// `YYYYMMDD[HHMM[SS]][Z]` as `ssh-keygen` reads it; taken as UTC (OpenSSH reads it as local time
 /// without `Z`; Sluice's components run in UTC).
-fn ssh_time(v: &str) -> Result<i64, String> {
+fn ssh_time(v: &str) -> Result<i64, LineError> {
     let digits = v.trim_end_matches(['Z', 'z']);
-    let bad = || format!("{v:?} is not a time (YYYYMMDD[HHMM[SS]][Z])");
+    let bad = || LineError::BadTime(v.to_string());
     if !digits.chars().all(|c| c.is_ascii_digit()) || ![8, 12, 14].contains(&digits.len()) {
         return Err(bad());
     }
@@ -512,25 +541,37 @@ pub enum Reread {
     /// The trusted signers changed (lines that trust nothing listed).
     Changed(Vec<SignersProblem>),
     /// The file cannot be used now; the previous signers stay.
-    Kept(String),
+    Kept(SignersFileError),
+}
+
+fn read_signers(path: &Path) -> Result<String, SignersFileError> {
+    std::fs::read_to_string(path).map_err(|source| SignersFileError::Read {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+fn no_usable_key(path: &Path, problems: &[SignersProblem]) -> SignersFileError {
+    SignersFileError::NoUsableKey {
+        path: path.display().to_string(),
+        problems: problems
+            .iter()
+            .map(|p| p.to_string())
+            .collect::<Vec<_>>()
+            .join("; "),
+    }
 }
 
 impl PolicyFile {
     /// Reads `path` once; a file that cannot be read or has unusable lines only is an error.
-    pub fn load(path: &Path, required: Required) -> Result<(Self, Vec<SignersProblem>), String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read the trusted signers {}: {e}", path.display()))?;
+    pub fn load(
+        path: &Path,
+        required: Required,
+    ) -> Result<(Self, Vec<SignersProblem>), SignersFileError> {
+        let text = read_signers(path)?;
         let (signers, problems) = TrustedSigners::parse(&text);
         if signers.is_empty() && !problems.is_empty() {
-            return Err(format!(
-                "the trusted signers {} list no usable key: {}",
-                path.display(),
-                problems
-                    .iter()
-                    .map(|p| p.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            ));
+            return Err(no_usable_key(path, &problems));
         }
         let policy = Policy {
             signers,
@@ -561,14 +602,9 @@ impl PolicyFile {
 
     /// Reads the file again; the policy changes only when its text did and is usable.
     pub fn reread(&self) -> Reread {
-        let text = match std::fs::read_to_string(&self.path) {
+        let text = match read_signers(&self.path) {
             Ok(t) => t,
-            Err(e) => {
-                return Reread::Kept(format!(
-                    "cannot read the trusted signers {}: {e}; the previous ones stay trusted",
-                    self.path.display()
-                ));
-            }
+            Err(e) => return Reread::Kept(e),
         };
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if state.0 == text {
@@ -576,15 +612,7 @@ impl PolicyFile {
         }
         let (signers, problems) = TrustedSigners::parse(&text);
         if signers.is_empty() && !problems.is_empty() {
-            return Reread::Kept(format!(
-                "the trusted signers {} list no usable key now ({}); the previous ones stay trusted",
-                self.path.display(),
-                problems
-                    .iter()
-                    .map(|p| p.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            ));
+            return Reread::Kept(no_usable_key(&self.path, &problems));
         }
         *state = (
             text,
@@ -624,7 +652,7 @@ pub type Loaded = (std::sync::Arc<PolicyFile>, Vec<SignersProblem>);
 impl SigningArgs {
     /// The policy file the flags name, with the lines of it that trust nothing; None without
     /// `--trusted-signers`.
-    pub fn load(&self) -> Result<Option<Loaded>, String> {
+    pub fn load(&self) -> Result<Option<Loaded>, SignersFileError> {
         let Some(path) = &self.trusted_signers else {
             return Ok(None);
         };

@@ -409,7 +409,9 @@ fn trust_signers(args: &sluice_crds::signing::SigningArgs) -> anyhow::Result<()>
                         }
                         tracing::info!(file = %file.path().display(), "trusted signers changed");
                     }
-                    Reread::Kept(why) => tracing::error!("{why}"),
+                    Reread::Kept(why) => {
+                        tracing::error!("{why}; the signers read before stay trusted")
+                    }
                 }
             }
         })?;

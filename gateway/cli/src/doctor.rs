@@ -62,18 +62,36 @@ fn arg_of(deployment: &Deployment, flag: &str) -> Option<String> {
         .find_map(|a| a.strip_prefix(&prefix).map(str::to_string))
 }
 
-async fn component(client: &kube::Client, ns: &str, component: &str) -> Result<Deployment, String> {
+/// Why a component's Deployment was not found.
+#[derive(Debug, thiserror::Error)]
+enum NotFound {
+    #[error("cannot list Deployments in {ns}: {source}")]
+    List { ns: String, source: kube::Error },
+    #[error("no {component} Deployment in namespace {ns} (is Sluice installed there? --namespace)")]
+    Missing { component: String, ns: String },
+}
+
+async fn component(
+    client: &kube::Client,
+    ns: &str,
+    component: &str,
+) -> Result<Deployment, NotFound> {
     let list = Api::<Deployment>::namespaced(client.clone(), ns)
         .list(&ListParams::default().labels(&format!(
             "app.kubernetes.io/part-of=sluice,app.kubernetes.io/component={component}"
         )))
         .await
-        .map_err(|e| format!("cannot list Deployments in {ns}: {e}"))?;
-    list.items.into_iter().next().ok_or_else(|| {
-        format!(
-            "no {component} Deployment in namespace {ns} (is Sluice installed there? --namespace)"
-        )
-    })
+        .map_err(|source| NotFound::List {
+            ns: ns.to_string(),
+            source,
+        })?;
+    list.items
+        .into_iter()
+        .next()
+        .ok_or_else(|| NotFound::Missing {
+            component: component.to_string(),
+            ns: ns.to_string(),
+        })
 }
 
 fn availability(d: &Deployment) -> (bool, String) {
@@ -113,14 +131,14 @@ pub async fn run(client: kube::Client, opts: &Options) -> Vec<Check> {
             let (ok, detail) = availability(d);
             out.push(check("operator", ok, detail));
         }
-        Err(e) => out.push(check("operator", false, e.clone())),
+        Err(e) => out.push(check("operator", false, e.to_string())),
     }
     match component(&client, &opts.namespace, "gateway").await {
         Ok(d) => {
             let (ok, detail) = availability(&d);
             out.push(check("gateway", ok, detail));
         }
-        Err(e) => out.push(check("gateway", false, e)),
+        Err(e) => out.push(check("gateway", false, e.to_string())),
     }
     let Ok(operator) = operator else {
         out.push(check(

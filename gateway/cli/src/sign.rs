@@ -11,6 +11,60 @@ use ssh_key::PrivateKey;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+/// Why a file could not be signed.
+#[derive(Debug, thiserror::Error)]
+pub enum SignError {
+    #[error("cannot read the key {path}: {source}")]
+    ReadKey {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is neither an OpenSSH private key nor a public key (for ssh-agent): {reason}")]
+    NotAKey {
+        path: String,
+        reason: ssh_key::Error,
+    },
+    #[error("{path}: not an OpenSSH public key: {reason}")]
+    NotAPublicKey {
+        path: String,
+        reason: ssh_key::Error,
+    },
+    #[error("cannot sign: {0}")]
+    Sign(ssh_key::Error),
+    #[error("cannot run ssh-keygen to sign with {path}: {source}")]
+    SshKeygen {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("ssh-keygen -Y sign failed ({0})")]
+    SshKeygenFailed(std::process::ExitStatus),
+    #[error("ssh-keygen -Y sign wrote no signature")]
+    NoSignature,
+    #[error("{0}: fix it before signing")]
+    Unreadable(Box<manifest::LoadError>),
+    #[error(
+        "{file}:{line}: HookChain {chain:?}, hook {hook:?}: no `name: {hook}` line of its own to sign under (a hook written in flow style, `{{name: ...}}`?): write it as a block mapping"
+    )]
+    FlowStyle {
+        file: String,
+        line: usize,
+        chain: String,
+        hook: String,
+    },
+    #[error("no hook named {hook:?} in {file}")]
+    NoSuchHook { hook: String, file: String },
+    #[error("the signed text does not read back: {0}")]
+    ReadBack(Box<manifest::LoadError>),
+    #[error(
+        "HookChain {chain:?}, hook {hook:?}: the signed file does not verify ({reason}); nothing written"
+    )]
+    DoesNotVerify {
+        chain: String,
+        hook: String,
+        reason: signing::HookSignatureError,
+    },
+}
+
 /// What signs: a private key read here, or `ssh-keygen -Y sign` for keys only it can use (a
 /// passphrase-protected key, asked for as ssh-keygen asks; a public key whose private half is in
 /// ssh-agent; a security key).
@@ -20,24 +74,26 @@ pub enum Key {
 }
 
 impl Key {
-    pub fn load(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read the key {}: {e}", path.display()))?;
+    pub fn load(path: &Path) -> Result<Self, SignError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SignError::ReadKey {
+            path: path.display().to_string(),
+            source,
+        })?;
         match PrivateKey::from_openssh(&text) {
             Ok(key) if !key.is_encrypted() => Ok(Self::Plain(Box::new(key))),
             Ok(_) => Ok(Self::SshKeygen(path.to_path_buf())),
             Err(_) if ssh_key::PublicKey::from_openssh(text.trim()).is_ok() => {
                 Ok(Self::SshKeygen(path.to_path_buf()))
             }
-            Err(e) => Err(format!(
-                "{} is neither an OpenSSH private key nor a public key (for ssh-agent): {e}",
-                path.display()
-            )),
+            Err(reason) => Err(SignError::NotAKey {
+                path: path.display().to_string(),
+                reason,
+            }),
         }
     }
 
     /// The public key, to check what was signed.
-    fn public(&self) -> Result<ssh_key::PublicKey, String> {
+    fn public(&self) -> Result<ssh_key::PublicKey, SignError> {
         match self {
             Self::Plain(k) => Ok(k.public_key().clone()),
             Self::SshKeygen(path) => {
@@ -48,21 +104,27 @@ impl Key {
                     p.push(".pub");
                     PathBuf::from(p)
                 };
-                let text = std::fs::read_to_string(&pub_path).map_err(|e| {
-                    format!("cannot read the public key {}: {e}", pub_path.display())
-                })?;
-                ssh_key::PublicKey::from_openssh(text.trim())
-                    .map_err(|e| format!("{}: not an OpenSSH public key: {e}", pub_path.display()))
+                let text =
+                    std::fs::read_to_string(&pub_path).map_err(|source| SignError::ReadKey {
+                        path: pub_path.display().to_string(),
+                        source,
+                    })?;
+                ssh_key::PublicKey::from_openssh(text.trim()).map_err(|reason| {
+                    SignError::NotAPublicKey {
+                        path: pub_path.display().to_string(),
+                        reason,
+                    }
+                })
             }
         }
     }
 
-    fn sign(&self, msg: &[u8]) -> Result<String, String> {
+    fn sign(&self, msg: &[u8]) -> Result<String, SignError> {
         match self {
             Self::Plain(k) => k
                 .sign(signing::NAMESPACE, ssh_key::HashAlg::Sha512, msg)
                 .and_then(|s| s.to_pem(ssh_key::LineEnding::LF))
-                .map_err(|e| format!("cannot sign: {e}")),
+                .map_err(SignError::Sign),
             Self::SshKeygen(path) => {
                 let mut child = Command::new("ssh-keygen")
                     .args(["-q", "-Y", "sign", "-n", signing::NAMESPACE, "-f"])
@@ -70,22 +132,23 @@ impl Key {
                     .stdin(Stdio::piped())
                     .stdout(Stdio::piped())
                     .spawn()
-                    .map_err(|e| {
-                        format!("cannot run ssh-keygen to sign with {}: {e}", path.display())
+                    .map_err(|source| SignError::SshKeygen {
+                        path: path.display().to_string(),
+                        source,
                     })?;
+                let failed = |source| SignError::SshKeygen {
+                    path: path.display().to_string(),
+                    source,
+                };
                 if let Some(mut stdin) = child.stdin.take() {
                     use std::io::Write as _;
-                    stdin
-                        .write_all(msg)
-                        .map_err(|e| format!("cannot give ssh-keygen the message: {e}"))?;
+                    stdin.write_all(msg).map_err(failed)?;
                 }
-                let out = child
-                    .wait_with_output()
-                    .map_err(|e| format!("ssh-keygen: {e}"))?;
+                let out = child.wait_with_output().map_err(failed)?;
                 if !out.status.success() {
-                    return Err(format!("ssh-keygen -Y sign failed ({})", out.status));
+                    return Err(SignError::SshKeygenFailed(out.status));
                 }
-                String::from_utf8(out.stdout).map_err(|_| "ssh-keygen wrote no text".to_string())
+                String::from_utf8(out.stdout).map_err(|_| SignError::NoSignature)
             }
         }
     }
@@ -103,11 +166,11 @@ pub fn sign_text(
     text: &str,
     key: &Key,
     only: Option<&str>,
-) -> Result<(String, Vec<Signed>), String> {
+) -> Result<(String, Vec<Signed>), SignError> {
     let mut edits: Vec<Edit> = Vec::new();
     let mut signed = Vec::new();
     for item in manifest::parse(file, text) {
-        let o = item.map_err(|e| format!("{e}: fix it before signing"))?;
+        let o = item.map_err(|e| SignError::Unreadable(Box::new(e)))?;
         let Object::HookChain(hc) = &o.value else {
             continue;
         };
@@ -119,15 +182,16 @@ pub fn sign_text(
             }
             let msg = signing::message(&ns, &name, hc.spec.trigger_point, hook);
             let signature = key.sign(&msg)?;
-            edits.push(Edit::find(text, o.line, &hook.name, signature).ok_or_else(|| {
-                format!(
-                    "{}:{}: HookChain {name:?}, hook {:?}: no `name: {}` line of its own to sign under (a hook written in flow style, `{{name: ...}}`?): write it as a block mapping",
-                    file.display(),
-                    o.line,
-                    hook.name,
-                    hook.name
-                )
-            })?);
+            edits.push(
+                Edit::find(text, o.line, &hook.name, signature).ok_or_else(|| {
+                    SignError::FlowStyle {
+                        file: file.display().to_string(),
+                        line: o.line,
+                        chain: name.clone(),
+                        hook: hook.name.clone(),
+                    }
+                })?,
+            );
             signed.push(Signed {
                 chain: format!("{ns}/{name}"),
                 hook: hook.name.clone(),
@@ -137,7 +201,10 @@ pub fn sign_text(
     if let Some(only) = only
         && signed.is_empty()
     {
-        return Err(format!("no hook named {only:?} in {}", file.display()));
+        return Err(SignError::NoSuchHook {
+            hook: only.to_string(),
+            file: file.display().to_string(),
+        });
     }
     let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
     edits.sort_by_key(|e| std::cmp::Reverse(e.name_line));
@@ -152,14 +219,14 @@ pub fn sign_text(
     let public = key.public()?;
     let (trusted, _) = TrustedSigners::parse(&format!(
         "signer {}",
-        public.to_openssh().map_err(|e| e.to_string())?
+        public.to_openssh().map_err(SignError::Sign)?
     ));
     let policy = Policy {
         signers: trusted,
         required: Required::Everywhere,
     };
     for item in manifest::parse(file, &out) {
-        let o = item.map_err(|e| format!("the signed text does not read back: {e}"))?;
+        let o = item.map_err(|e| SignError::ReadBack(Box::new(e)))?;
         if let Object::HookChain(hc) = &o.value {
             let ns = manifest::namespace_of(&hc.metadata);
             let name = hc.metadata.name.clone().unwrap_or_default();
@@ -168,15 +235,16 @@ pub fn sign_text(
                     .iter()
                     .any(|s| s.chain == format!("{ns}/{name}") && s.hook == hook.name);
                 if wanted
-                    && let Err(e) =
+                    && let Err(reason) =
                         policy
                             .signers
                             .verify(&ns, &name, hc.spec.trigger_point, hook, 0)
                 {
-                    return Err(format!(
-                        "HookChain {name:?}, hook {:?}: the signed file does not verify ({e}); nothing written",
-                        hook.name
-                    ));
+                    return Err(SignError::DoesNotVerify {
+                        chain: name,
+                        hook: hook.name.clone(),
+                        reason,
+                    });
                 }
             }
         }

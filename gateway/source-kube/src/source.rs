@@ -47,7 +47,7 @@ pub fn reread_signers(signing: &sluice_crds::signing::PolicyFile) -> bool {
             true
         }
         Reread::Kept(why) => {
-            tracing::error!("{why}");
+            tracing::error!("{why}; the signers read before stay trusted");
             false
         }
     }

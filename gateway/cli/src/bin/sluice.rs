@@ -441,16 +441,16 @@ async fn main() -> ExitCode {
                 }
             };
             for file in &files {
-                let signed = std::fs::read_to_string(file)
-                    .map_err(|e| format!("cannot read {}: {e}", file.display()))
-                    .and_then(|text| {
-                        sluice_cli::sign::sign_text(file, &text, &key, hook.as_deref())
-                    })
-                    .and_then(|(text, signed)| {
-                        std::fs::write(file, text)
-                            .map_err(|e| format!("cannot write {}: {e}", file.display()))
-                            .map(|()| signed)
-                    });
+                let signed = (|| -> anyhow::Result<Vec<sluice_cli::sign::Signed>> {
+                    use anyhow::Context as _;
+                    let text = std::fs::read_to_string(file)
+                        .with_context(|| format!("cannot read {}", file.display()))?;
+                    let (text, signed) =
+                        sluice_cli::sign::sign_text(file, &text, &key, hook.as_deref())?;
+                    std::fs::write(file, text)
+                        .with_context(|| format!("cannot write {}", file.display()))?;
+                    Ok(signed)
+                })();
                 match signed {
                     Ok(signed) => {
                         for s in signed {
@@ -463,7 +463,7 @@ async fn main() -> ExitCode {
                         }
                     }
                     Err(e) => {
-                        eprintln!("sluice sign: {e}");
+                        eprintln!("sluice sign: {e:#}");
                         return ExitCode::FAILURE;
                     }
                 }
