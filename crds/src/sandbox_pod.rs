@@ -26,6 +26,11 @@ pub const ANNOTATION_CLAIMED_AT: &str = "sluice.dev/claimed-at";
 /// may be scaled down: the operator makes new ones elsewhere), `"false"` from the claim on (a
 /// claimed pod holds a gateway's session). Without it, autoscaled sandbox node pools never shrink.
 pub const ANNOTATION_SAFE_TO_EVICT: &str = "cluster-autoscaler.kubernetes.io/safe-to-evict";
+/// Set by the operator on a claimed pod whose node is cordoned (drained) or lost, saying which and
+/// why: the gateway that holds it gives it back (deletes it) when its trigger point ends, and no
+/// gateway claims a pod that carries it. A drain waits for that (the chart's PodDisruptionBudget
+/// keeps claimed pods from eviction), so no trigger point is cut off.
+pub const ANNOTATION_DRAINING: &str = "sluice.dev/draining";
 pub const SANDBOX_NAME: &str = "sluice-sandbox";
 /// The container the gateway execs into.
 pub const CONTAINER: &str = "supervisor";

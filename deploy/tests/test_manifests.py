@@ -99,7 +99,7 @@ def expected_rbac(watch_namespace, sandbox_namespace, platform_namespace=NAMESPA
     operator of `objs` makes certificates, what that takes (certificate_rbac)."""
     chains = {"*"} if not watch_namespace else {watch_namespace, platform_namespace}
     where = {"chains": chains, "sandboxes": {sandbox_namespace} if sandbox_namespace else chains,
-             "release": {release_namespace}}
+             "release": {release_namespace}, "cluster": {"*"}}
     out = {who: {(ns, *rule) for scope, rules in scopes.items() for ns in where[scope] for rule in rules}
            for who, scopes in REQUIRED_RBAC.items()}
     out["operator"] |= certificate_rbac(objs, release_namespace)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# A single-node Kubernetes on this machine for the cluster suite: etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler and kubelet built by build.sh; containerd, runc, the CNI
-# plugins and runsc from Debian. Pods of RuntimeClass `gvisor` (handler runsc) run under runsc.
+# A two-node Kubernetes on this machine for the cluster suite: etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler and a kubelet per node built by build.sh; containerd, runc,
+# the CNI plugins and runsc from Debian. Pods of RuntimeClass `gvisor` (handler runsc) run under runsc.
+# Each node has its own kubelet, containerd, node address, pod bridge and subnet, and cgroup root: a
+# node can be drained, stopped and started again on its own (node-stop, node-start).
 #
 #   cluster.sh deps     install the Debian packages it needs
 #   cluster.sh up       start it; waits for the node to be Ready; prints the kubeconfig path
@@ -9,6 +11,10 @@
 #                       cgroup it made, then check that none is left
 #   cluster.sh status   what runs
 #   cluster.sh restart <component>   stop one component and start it again (tests)
+#   cluster.sh node-stop <node>      stop a node's kubelet and containerd (its sandboxes keep running,
+#                                    unreachable: a lost node as the control plane sees it)
+#   cluster.sh node-start <node>     start them again
+#   cluster.sh nodes                 the nodes' names
 #   cluster.sh kubeconfig
 #
 # Everything lives under $SLUICE_CLUSTER_STATE (default /var/lib/sluice-cluster) and
@@ -18,21 +24,36 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 STATE=${SLUICE_CLUSTER_STATE:-/var/lib/sluice-cluster}
 RUN=${SLUICE_CLUSTER_RUN:-/run/sluice-cluster}
-# The node's address: the host end of a veth pair whose other end lives in a network namespace of
-# our own (the kubelet refuses a loopback node IP). Pods get addresses on a bridge of our own.
-NODE_NAME=sluice-node
-NODE_IP=172.31.255.1
-PEER_IP=172.31.255.2
-NETNS=sluice-cluster
-VETH=sluice-node
-POD_CIDR=172.31.254.0/24
-BRIDGE=sluice-cni0
+# The nodes. Each node's address is the host end of a veth pair whose other end lives in a network
+# namespace of our own (the kubelet refuses a loopback node IP); its pods get addresses on a bridge
+# and subnet of its own, routed to the other node's through this machine. The first node keeps the
+# names a single-node cluster had (its kubelet and containerd are `kubelet`, `containerd`).
+NODES=(sluice-node sluice-node-b)
+# node <name>: sets the NODE_* variables of that node.
+node() {
+	NODE_NAME=$1
+	case "$1" in
+	sluice-node)
+		NODE_IP=172.31.255.1 PEER_IP=172.31.255.2 NETNS=sluice-cluster VETH=sluice-node
+		POD_CIDR=172.31.254.0/24 BRIDGE=sluice-cni0 SUFFIX= NODE_CGROUP=/sluice-cluster
+		;;
+	sluice-node-b)
+		NODE_IP=172.31.255.5 PEER_IP=172.31.255.6 NETNS=sluice-cluster-b VETH=sluice-node-b
+		POD_CIDR=172.31.252.0/24 BRIDGE=sluice-cni1 SUFFIX=-b NODE_CGROUP=/sluice-cluster/node-b
+		;;
+	*) die "unknown node '$1' (${NODES[*]})" ;;
+	esac
+	CONTAINERD_SOCK=$RUN/containerd$SUFFIX/containerd.sock
+}
 SERVICE_CIDR=172.31.253.0/24
 SERVICE_IP=172.31.253.1
 APISERVER_PORT=6443
+# The API server listens on the first node's address.
+APISERVER_IP=172.31.255.1
 ETCD_CLIENT=127.0.0.1:23790
 ETCD_PEER=127.0.0.1:23800
-# The kubelet puts every pod cgroup under this parent in each hierarchy: down removes it whole.
+# Each kubelet puts its pod cgroups under its node's NODE_CGROUP, all below this parent in each
+# hierarchy: down removes it whole.
 CGROUP_ROOT=/sluice-cluster
 # What containerd 1.6 uses as the pod sandbox image (it cannot be pinned, so image GC stays off).
 PAUSE_IMAGE=registry.k8s.io/pause:3.6
@@ -44,10 +65,12 @@ PKI=$STATE/pki
 LOGS=$STATE/logs
 PIDS=$RUN/pids
 KUBECONFIG_ADMIN=$STATE/admin.kubeconfig
-CONTAINERD_SOCK=$RUN/containerd/containerd.sock
 
 log() { echo "cluster: $*" >&2; }
 die() { echo "cluster: $*" >&2; exit 1; }
+
+# The first node, until a command picks another.
+node sluice-node
 
 need_root() { [ "$(id -u)" = 0 ] || die "needs root (it starts containerd and the kubelet)"; }
 
@@ -117,7 +140,7 @@ clusters:
 - name: sluice
   cluster:
     certificate-authority: $PKI/ca.crt
-    server: https://$NODE_IP:$APISERVER_PORT
+    server: https://$APISERVER_IP:$APISERVER_PORT
 users:
 - name: $2
   user:
@@ -135,18 +158,22 @@ make_pki() {
 	openssl req -x509 -new -newkey rsa:2048 -nodes -keyout "$PKI/ca.key" -subj "/CN=sluice-cluster-ca" \
 		-days 30 -out "$PKI/ca.crt" 2>/dev/null
 	cert apiserver "/CN=kube-apiserver" \
-		"IP:$NODE_IP,IP:$SERVICE_IP,IP:127.0.0.1,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,DNS:localhost"
+		"IP:$APISERVER_IP,IP:$SERVICE_IP,IP:127.0.0.1,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,DNS:localhost"
 	cert admin "/O=system:masters/CN=sluice-admin"
 	cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client"
 	cert controller-manager "/CN=system:kube-controller-manager"
 	cert scheduler "/CN=system:kube-scheduler"
-	cert kubelet "/O=system:nodes/CN=system:node:$NODE_NAME" "IP:$NODE_IP,DNS:$NODE_NAME"
+	local n
+	for n in "${NODES[@]}"; do
+		node "$n"
+		cert "kubelet$SUFFIX" "/O=system:nodes/CN=system:node:$NODE_NAME" "IP:$NODE_IP,DNS:$NODE_NAME"
+		kubeconfig "$STATE/kubelet$SUFFIX.kubeconfig" "kubelet$SUFFIX"
+	done
 	openssl genrsa -out "$PKI/sa.key" 2048 2>/dev/null
 	openssl rsa -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub" 2>/dev/null
 	kubeconfig "$KUBECONFIG_ADMIN" admin
 	kubeconfig "$STATE/controller-manager.kubeconfig" controller-manager
 	kubeconfig "$STATE/scheduler.kubeconfig" scheduler
-	kubeconfig "$STATE/kubelet.kubeconfig" kubelet
 }
 
 # === processes ===
@@ -187,7 +214,7 @@ wait_for() {
 
 # === node network ===
 
-node_network() {
+node_network() { # (node sets which)
 	ip netns add "$NETNS"
 	ip link add "$VETH" type veth peer name sluice-peer netns "$NETNS"
 	ip addr add "$NODE_IP/30" dev "$VETH"
@@ -196,9 +223,9 @@ node_network() {
 	ip -n "$NETNS" link set sluice-peer up
 	ip -n "$NETNS" link set lo up
 	# The bridge plugin turns on IPv4 forwarding for its gateway; down puts it back.
-	cat /proc/sys/net/ipv4/ip_forward >"$STATE/ip_forward.before"
-	mkdir -p "$STATE/cni/net.d"
-	cat >"$STATE/cni/net.d/10-sluice.conflist" <<EOF
+	[ -f "$STATE/ip_forward.before" ] || cat /proc/sys/net/ipv4/ip_forward >"$STATE/ip_forward.before"
+	mkdir -p "$STATE/cni$SUFFIX/net.d"
+	cat >"$STATE/cni$SUFFIX/net.d/10-sluice.conflist" <<EOF
 {
   "cniVersion": "1.0.0",
   "name": "sluice",
@@ -208,7 +235,7 @@ node_network() {
       "bridge": "$BRIDGE",
       "isGateway": true,
       "ipMasq": false,
-      "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR"}]], "routes": [{"dst": "0.0.0.0/0"}], "dataDir": "$STATE/cni/ipam"}
+      "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR"}]], "routes": [{"dst": "0.0.0.0/0"}], "dataDir": "$STATE/cni$SUFFIX/ipam"}
     },
     {"type": "loopback"}
   ]
@@ -218,8 +245,8 @@ EOF
 
 # === containerd ===
 
-containerd_config() {
-	mkdir -p "$STATE/containerd" "$RUN/containerd" "$RUN/runsc"
+containerd_config() { # (node sets which)
+	mkdir -p "$STATE/containerd$SUFFIX" "$RUN/containerd$SUFFIX" "$RUN/runsc$SUFFIX"
 	# runsc through containerd's runc shim (gVisor's own shim is not on the module proxy). The shim
 	# starts one runtime per container; this wrapper makes each container a gVisor sandbox of its
 	# own (see README.md, "gVisor without its shim").
@@ -234,10 +261,10 @@ containerd_config() {
 exec python3 -I -S $here/runsc-runtime.py --runsc $(command -v runsc) $debug -- "\$@"
 EOF
 	chmod 0755 "$RUN/runsc-runtime"
-	cat >"$STATE/containerd.toml" <<EOF
+	cat >"$STATE/containerd$SUFFIX.toml" <<EOF
 version = 2
-root = "$STATE/containerd"
-state = "$RUN/containerd"
+root = "$STATE/containerd$SUFFIX"
+state = "$RUN/containerd$SUFFIX"
 [grpc]
   address = "$CONTAINERD_SOCK"
 [ttrpc]
@@ -260,16 +287,16 @@ state = "$RUN/containerd"
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
-        Root = "$RUN/runc"
+        Root = "$RUN/runc$SUFFIX"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runsc]
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runsc.options]
         SystemdCgroup = false
         BinaryName = "$RUN/runsc-runtime"
-        Root = "$RUN/runsc"
+        Root = "$RUN/runsc$SUFFIX"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
-    conf_dir = "$STATE/cni/net.d"
+    conf_dir = "$STATE/cni$SUFFIX/net.d"
   [plugins."io.containerd.grpc.v1.cri".registry]
     config_path = "$STATE/certs.d"
 EOF
@@ -301,26 +328,27 @@ EOF
 
 # === kubelet ===
 
-kubelet_config() {
-	mkdir -p "$STATE/kubelet"
-	cat >"$STATE/kubelet.yaml" <<EOF
+kubelet_config() { # (node sets which)
+	mkdir -p "$STATE/kubelet$SUFFIX"
+	cat >"$STATE/kubelet$SUFFIX.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 address: $NODE_IP
+healthzBindAddress: $NODE_IP
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: true}
   x509: {clientCAFile: $PKI/ca.crt}
 authorization: {mode: Webhook}
 cgroupDriver: cgroupfs
-cgroupRoot: $CGROUP_ROOT
+cgroupRoot: $NODE_CGROUP
 failCgroupV1: false
 containerRuntimeEndpoint: unix://$CONTAINERD_SOCK
-tlsCertFile: $PKI/kubelet.crt
-tlsPrivateKeyFile: $PKI/kubelet.key
+tlsCertFile: $PKI/kubelet$SUFFIX.crt
+tlsPrivateKeyFile: $PKI/kubelet$SUFFIX.key
 clusterDomain: cluster.local
 resolvConf: /etc/resolv.conf
-podLogsDirectory: $STATE/pod-logs
+podLogsDirectory: $STATE/pod-logs$SUFFIX
 # Test machines have small, busy disks: never evict, never collect images (the pause image is
 # imported, not pulled, so it must not be collected either).
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
@@ -336,13 +364,15 @@ EOF
 
 # === images ===
 
-pause_image() {
+pause_image() { # (node sets which)
 	local work=$STATE/pause
 	mkdir -p "$work"
-	gcc -static -Os -o "$work/pause" "$here/pause.c"
-	strip "$work/pause"
-	python3 "$here/oci.py" --name "$PAUSE_IMAGE" --file "$work/pause:/pause:0755" \
-		--entrypoint /pause --user 65535:65535 --out "$work/pause.tar" >/dev/null
+	if [ ! -f "$work/pause.tar" ]; then
+		gcc -static -Os -o "$work/pause" "$here/pause.c"
+		strip "$work/pause"
+		python3 "$here/oci.py" --name "$PAUSE_IMAGE" --file "$work/pause:/pause:0755" \
+			--entrypoint /pause --user 65535:65535 --out "$work/pause.tar" >/dev/null
+	fi
 	ctr_ images import "$work/pause.tar" >/dev/null
 }
 
@@ -359,10 +389,29 @@ run_etcd() {
 	wait_for etcd 60 curl -sf "http://$ETCD_CLIENT/health"
 }
 
+# The API server's audit log: every write of Sluice's service accounts (whatever the release
+# namespace), one JSON line each, and nothing else: `make bench-cluster` counts the writes per
+# trigger point in it exactly (the request counters mix every client of the cluster).
+audit_policy() {
+	cat >"$STATE/audit-policy.yaml" <<EOF
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived, ResponseStarted]
+rules:
+  - level: Metadata
+    verbs: [create, update, patch, delete, deletecollection]
+    userGroups: [system:serviceaccounts]
+  - level: None
+EOF
+}
+
 run_kube_apiserver() {
+	[ -f "$STATE/audit-policy.yaml" ] || audit_policy
 	start kube-apiserver "$BIN/kube-apiserver" \
+		--audit-policy-file "$STATE/audit-policy.yaml" --audit-log-path "$LOGS/audit.log" \
+		--audit-log-maxsize 100 --audit-log-maxbackup 1 \
 		--etcd-servers "http://$ETCD_CLIENT" \
-		--advertise-address "$NODE_IP" --bind-address 0.0.0.0 --secure-port "$APISERVER_PORT" \
+		--advertise-address "$APISERVER_IP" --bind-address 0.0.0.0 --secure-port "$APISERVER_PORT" \
 		--service-cluster-ip-range "$SERVICE_CIDR" \
 		--tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
 		--client-ca-file "$PKI/ca.crt" \
@@ -399,32 +448,43 @@ run_kube_scheduler() {
 		--bind-address 127.0.0.1 --leader-elect=false
 }
 
-run_containerd() {
-	start containerd containerd --config "$STATE/containerd.toml"
-	wait_for containerd 60 ctr_ version
+run_containerd() { # (node sets which)
+	start "containerd$SUFFIX" containerd --config "$STATE/containerd$SUFFIX.toml"
+	wait_for "containerd$SUFFIX" 60 ctr_ version
 }
 
 # The kubelet's cgroupRoot must exist in every hierarchy; a new cpuset cgroup needs its parent's
 # cpus and mems before anything can join it.
-pod_cgroups() {
-	local c
+pod_cgroups() { # (node sets which)
+	local c d
 	for c in /sys/fs/cgroup/*/; do
 		[ "$c" = /sys/fs/cgroup/unified/ ] && continue
-		mkdir -p "$c${CGROUP_ROOT#/}"
+		mkdir -p "$c${NODE_CGROUP#/}"
 	done
-	if [ -d "/sys/fs/cgroup/cpuset${CGROUP_ROOT}" ]; then
-		cat /sys/fs/cgroup/cpuset/cpuset.cpus >"/sys/fs/cgroup/cpuset${CGROUP_ROOT}/cpuset.cpus"
-		cat /sys/fs/cgroup/cpuset/cpuset.mems >"/sys/fs/cgroup/cpuset${CGROUP_ROOT}/cpuset.mems"
-	fi
+	# Each level from the top down: a cpuset cgroup starts empty.
+	for d in "$CGROUP_ROOT" "$NODE_CGROUP"; do
+		if [ -d "/sys/fs/cgroup/cpuset$d" ]; then
+			cat /sys/fs/cgroup/cpuset/cpuset.cpus >"/sys/fs/cgroup/cpuset$d/cpuset.cpus"
+			cat /sys/fs/cgroup/cpuset/cpuset.mems >"/sys/fs/cgroup/cpuset$d/cpuset.mems"
+		fi
+	done
 }
 
-run_kubelet() {
+run_kubelet() { # (node sets which)
 	pod_cgroups
-	start kubelet "$BIN/kubelet" --config "$STATE/kubelet.yaml" \
-		--kubeconfig "$STATE/kubelet.kubeconfig" --root-dir "$STATE/kubelet" \
+	start "kubelet$SUFFIX" "$BIN/kubelet" --config "$STATE/kubelet$SUFFIX.yaml" \
+		--kubeconfig "$STATE/kubelet$SUFFIX.kubeconfig" --root-dir "$STATE/kubelet$SUFFIX" \
 		--hostname-override "$NODE_NAME" --node-ip "$NODE_IP" --v 1
 	wait_for "node $NODE_NAME to register" 120 kubectl_ get node "$NODE_NAME"
-	wait_for "the kubelet's health" 60 curl -sf http://127.0.0.1:10248/healthz
+	wait_for "the kubelet's health on $NODE_NAME" 60 curl -sf "http://$NODE_IP:10248/healthz"
+}
+
+# The component names of a node's processes: `kubelet`, `containerd` on the first, `kubelet-b`...
+node_of() { # <component>: sets the node it runs on
+	case "$1" in
+	*-b) node sluice-node-b ;;
+	*) node sluice-node ;;
+	esac
 }
 
 # restart <component>: stop it and start it again as up did (the cluster suite's restart tests).
@@ -432,14 +492,39 @@ restart() {
 	need_root
 	local name=${1:-}
 	case "$name" in
-	etcd | kube-apiserver | kube-controller-manager | kube-scheduler | containerd | kubelet) ;;
-	*) die "restart: unknown component '$name' (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, containerd, kubelet)" ;;
+	etcd | kube-apiserver | kube-controller-manager | kube-scheduler | containerd | kubelet | containerd-b | kubelet-b) ;;
+	*) die "restart: unknown component '$name' (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, containerd, kubelet, containerd-b, kubelet-b)" ;;
 	esac
 	running "$name" || die "restart: $name is not running (make cluster-up first)"
 	BIN=$("$here/build.sh" --path)
+	node_of "$name"
 	stop "$name"
-	"run_${name//-/_}"
+	local run=${name%-b}
+	"run_${run//-/_}"
 	log "restarted $name"
+}
+
+# node-stop <node>: its kubelet and containerd stop (SIGTERM); its containers keep running, as on a
+# node that lost its network. The node controller marks it NotReady after its grace period.
+node_stop() {
+	need_root
+	node "${1:-}"
+	running "kubelet$SUFFIX" || die "node-stop: the kubelet of $NODE_NAME is not running"
+	stop "kubelet$SUFFIX"
+	stop "containerd$SUFFIX"
+	log "node $NODE_NAME stopped (kubelet and containerd)"
+}
+
+# node-start <node>: its containerd and kubelet start again; waits for the node to be Ready.
+node_start() {
+	need_root
+	node "${1:-}"
+	running "kubelet$SUFFIX" && die "node-start: the kubelet of $NODE_NAME is running"
+	BIN=$("$here/build.sh" --path)
+	run_containerd
+	run_kubelet
+	wait_for "node $NODE_NAME Ready" 180 kubectl_ wait --for=condition=Ready "node/$NODE_NAME" --timeout=1s
+	log "node $NODE_NAME started"
 }
 
 # === up ===
@@ -466,13 +551,20 @@ up() {
 	if running kube-apiserver || [ -e "$RUN/pids" ]; then
 		die "a cluster is already up (or was not taken down): make cluster-down first"
 	fi
-	ip netns list | grep -qw "$NETNS" && die "network namespace $NETNS exists: make cluster-down first"
+	local n
+	for n in "${NODES[@]}"; do
+		node "$n"
+		! ip netns list | grep -qw "$NETNS" || die "network namespace $NETNS exists: make cluster-down first"
+	done
 	mkdir -p "$STATE" "$RUN" "$PIDS" "$LOGS"
 
 	log "certificates"
 	make_pki
-	log "node network ($NODE_IP on $VETH)"
-	node_network
+	for n in "${NODES[@]}"; do
+		node "$n"
+		log "node network of $n ($NODE_IP on $VETH, pods $POD_CIDR on $BRIDGE)"
+		node_network
+	done
 
 	log "etcd"
 	run_etcd
@@ -483,14 +575,18 @@ up() {
 	run_kube_scheduler
 	log "registry ($REGISTRY_ADDR)"
 	run_registry
-	log "containerd"
-	containerd_config
-	run_containerd
-	pause_image
-	log "kubelet"
-	kubelet_config
-	run_kubelet
-	wait_for "node $NODE_NAME Ready" 180 kubectl_ wait --for=condition=Ready "node/$NODE_NAME" --timeout=1s
+	for n in "${NODES[@]}"; do
+		node "$n"
+		log "$n: containerd, kubelet"
+		containerd_config
+		run_containerd
+		pause_image
+		kubelet_config
+		run_kubelet
+	done
+	for n in "${NODES[@]}"; do
+		wait_for "node $n Ready" 180 kubectl_ wait --for=condition=Ready "node/$n" --timeout=1s
+	done
 
 	kubectl_ apply -f - >/dev/null <<EOF
 apiVersion: node.k8s.io/v1
@@ -499,7 +595,7 @@ metadata: {name: gvisor}
 handler: runsc
 EOF
 	wait_for "the default ServiceAccount" 60 kubectl_ -n default get serviceaccount default
-	log "up: kube-apiserver https://$NODE_IP:$APISERVER_PORT, node $NODE_NAME Ready, registry http://$REGISTRY_ADDR"
+	log "up: kube-apiserver https://$APISERVER_IP:$APISERVER_PORT, nodes ${NODES[*]} Ready, registry http://$REGISTRY_ADDR"
 	echo "$KUBECONFIG_ADMIN"
 }
 
@@ -512,7 +608,7 @@ leftover_pids() {
 	for pid in $(ls /proc | grep -E '^[0-9]+$'); do
 		cmd=$( { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null) || continue
 		case "$cmd" in
-		*"$CONTAINERD_SOCK"* | *"--root=$RUN/"* | *"--root $RUN/"* | *"$STATE/"*) echo "$pid" ;;
+		*"-address $RUN/"* | *"--root=$RUN/"* | *"--root $RUN/"* | *"$STATE/"*) echo "$pid" ;;
 		esac
 	done
 }
@@ -531,26 +627,42 @@ our_cgroups() {
 
 down() {
 	need_root
-	if [ -f "$KUBECONFIG_ADMIN" ] && running kube-apiserver && running kubelet; then
-		log "deleting every pod (the kubelet tears down their sandboxes)"
+	local n
+	if [ -f "$KUBECONFIG_ADMIN" ] && running kube-apiserver; then
+		log "deleting every pod (the kubelets tear down their sandboxes)"
 		stop kube-controller-manager
 		stop kube-scheduler
 		kubectl_ delete pods --all -A --grace-period=1 --wait=false >/dev/null 2>&1 || true
-		local i
+		local i left
 		for i in $(seq 1 90); do
-			[ -z "$(kubectl_ get pods -A --field-selector "spec.nodeName=$NODE_NAME" -o name 2>/dev/null)" ] && break
+			left=
+			for n in "${NODES[@]}"; do
+				node "$n"
+				running "kubelet$SUFFIX" || continue
+				[ -z "$(kubectl_ get pods -A --field-selector "spec.nodeName=$NODE_NAME" -o name 2>/dev/null)" ] || left=1
+			done
+			[ -z "$left" ] && break
 			sleep 1
 		done
 	fi
-	log "stopping the kubelet and containerd"
-	stop kubelet
-	if running containerd; then
-		local c
-		for c in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks kill -s KILL "$c" >/dev/null 2>&1 || true; done
-		sleep 1
-		for c in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks delete -f "$c" >/dev/null 2>&1 || true; done
-	fi
-	stop containerd
+	log "stopping the kubelets and containerds"
+	for n in "${NODES[@]}"; do
+		node "$n"
+		stop "kubelet$SUFFIX"
+		# A stopped node's containerd (node-stop) starts again to kill what it left running.
+		if ! running "containerd$SUFFIX" && [ -f "$STATE/containerd$SUFFIX.toml" ]; then
+			start "containerd$SUFFIX" containerd --config "$STATE/containerd$SUFFIX.toml"
+			local j
+			for j in $(seq 1 30); do ctr_ version >/dev/null 2>&1 && break; sleep 1; done
+		fi
+		if running "containerd$SUFFIX"; then
+			local c
+			for c in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks kill -s KILL "$c" >/dev/null 2>&1 || true; done
+			sleep 1
+			for c in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks delete -f "$c" >/dev/null 2>&1 || true; done
+		fi
+		stop "containerd$SUFFIX"
+	done
 	stop registry
 	log "stopping the control plane"
 	stop kube-scheduler
@@ -568,9 +680,12 @@ down() {
 		# Deepest first; a cgroup with processes left cannot go (reported below).
 		find "$cg" -depth -type d -exec rmdir {} \; 2>/dev/null || true
 	done
-	ip netns list 2>/dev/null | grep -qw "$NETNS" && ip netns delete "$NETNS"
-	ip link show "$VETH" >/dev/null 2>&1 && ip link delete "$VETH"
-	ip link show "$BRIDGE" >/dev/null 2>&1 && ip link delete "$BRIDGE"
+	for n in "${NODES[@]}"; do
+		node "$n"
+		! ip netns list 2>/dev/null | grep -qw "$NETNS" || ip netns delete "$NETNS"
+		! ip link show "$VETH" >/dev/null 2>&1 || ip link delete "$VETH"
+		! ip link show "$BRIDGE" >/dev/null 2>&1 || ip link delete "$BRIDGE"
+	done
 	[ -f "$STATE/ip_forward.before" ] && cat "$STATE/ip_forward.before" >/proc/sys/net/ipv4/ip_forward
 	# The kubelet's iptables canaries.
 	local table chain
@@ -590,9 +705,13 @@ check_clean() {
 	[ -z "$(leftover_pids)" ] || left+=("processes: $(leftover_pids | tr '\n' ' ')")
 	[ -z "$(our_mounts)" ] || left+=("mounts: $(our_mounts | tr '\n' ' ')")
 	[ -z "$(our_cgroups)" ] || left+=("cgroups: $(our_cgroups | tr '\n' ' ')")
-	! ip netns list 2>/dev/null | grep -qw "$NETNS" || left+=("network namespace $NETNS")
-	! ip link show "$VETH" >/dev/null 2>&1 || left+=("interface $VETH")
-	! ip link show "$BRIDGE" >/dev/null 2>&1 || left+=("interface $BRIDGE")
+	local n
+	for n in "${NODES[@]}"; do
+		node "$n"
+		! ip netns list 2>/dev/null | grep -qw "$NETNS" || left+=("network namespace $NETNS")
+		! ip link show "$VETH" >/dev/null 2>&1 || left+=("interface $VETH")
+		! ip link show "$BRIDGE" >/dev/null 2>&1 || left+=("interface $BRIDGE")
+	done
 	[ ! -e "$STATE" ] || left+=("directory $STATE")
 	[ ! -e "$RUN" ] || left+=("directory $RUN")
 	if [ ${#left[@]} -gt 0 ]; then
@@ -604,7 +723,7 @@ check_clean() {
 
 status() {
 	local name
-	for name in etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet; do
+	for name in etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet containerd-b kubelet-b; do
 		if running "$name"; then echo "$name: running (pid $(cat "$PIDS/$name.pid"))"; else echo "$name: stopped"; fi
 	done
 	[ -f "$KUBECONFIG_ADMIN" ] && echo "kubeconfig: $KUBECONFIG_ADMIN"
@@ -617,6 +736,9 @@ up) up ;;
 down) down ;;
 status) status ;;
 restart) restart "${2:-}" ;;
+node-stop) node_stop "${2:-}" ;;
+node-start) node_start "${2:-}" ;;
+nodes) echo "${NODES[*]}" ;;
 kubeconfig) [ -f "$KUBECONFIG_ADMIN" ] || die "no cluster is up"; echo "$KUBECONFIG_ADMIN" ;;
-*) die "usage: cluster.sh deps|up|down|status|restart <component>|kubeconfig" ;;
+*) die "usage: cluster.sh deps|up|down|status|restart <component>|node-stop <node>|node-start <node>|nodes|kubeconfig" ;;
 esac

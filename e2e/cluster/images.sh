@@ -124,11 +124,14 @@ build() {
 }
 
 import() {
-	local sock=${SLUICE_CLUSTER_RUN:-/run/sluice-cluster}/containerd/containerd.sock image
-	[ -S "$sock" ] || die "no cluster containerd at $sock: make cluster-up first"
+	# Every node's containerd (cluster.sh: containerd/, containerd-b/).
+	local socks=("${SLUICE_CLUSTER_RUN:-/run/sluice-cluster}"/containerd*/containerd.sock) sock image
+	[ -S "${socks[0]}" ] || die "no cluster containerd at ${socks[0]}: make cluster-up first"
 	build
 	for image in sluice-supervisor sluice-operator sluice-gateway; do
-		ctr --address "$sock" -n k8s.io images import "$OUT/$image.tar" >/dev/null
+		for sock in "${socks[@]}"; do
+			ctr --address "$sock" -n k8s.io images import "$OUT/$image.tar" >/dev/null
+		done
 	done
 	log "imported into the cluster's containerd"
 }

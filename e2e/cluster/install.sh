@@ -47,8 +47,9 @@ mkdir -p "$PKI"
 token_sha=$(tr -d '\n' <"$PKI/token" | sha256sum | cut -d' ' -f1)
 kubectl create namespace "$RELEASE_NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 
-# The values of every install here, whichever release's chart: both schemas accept them. One node
-# with two cores: one gateway replica, small requests, so that sandbox pools fit beside them.
+# The values of every install here, whichever release's chart: both schemas accept them. The
+# production shape (two gateways, two operators electing a leader) on two nodes that share two
+# cores: small requests, so that sandbox pools fit beside them.
 # cluster.sh up declares RuntimeClass gvisor itself, as GKE does. The API server's address is given
 # for the NetworkPolicies (this cluster enforces none, but they must render).
 common_values() { # <image tag>
@@ -65,10 +66,11 @@ operator:
   extraEnv: &apiserver
     - {name: KUBERNETES_SERVICE_HOST, value: "$NODE_IP"}
     - {name: KUBERNETES_SERVICE_PORT, value: "6443"}
+  replicas: 2
   resources:
     requests: {cpu: 50m, memory: 64Mi}
 gateway:
-  replicas: 1
+  replicas: 2
   extraEnv: *apiserver
   resources:
     requests: {cpu: 50m, memory: 64Mi}
@@ -97,6 +99,7 @@ export SLUICE_CLUSTER_REGISTRY=$REGISTRY_ADDR
 export SLUICE_SIGNING_KEY=$here/signing/e2e-signer
 export SLUICE_RELEASE_NAMESPACE=$RELEASE_NS
 export SLUICE_CLUSTER_CTL=$here/cluster.sh
+export SLUICE_APISERVER_AUDIT_LOG=$STATE/logs/audit.log
 export SLUICE_UPGRADE_CTL=$([ "$mode" = previous ] && echo "$here/install.sh")
 export PATH=$cluster_bin:\$PATH
 EOF

@@ -565,7 +565,7 @@ fn pod_cpu_throttling_in(cgroups: &Path, uid: &str) -> Option<sluice_sandbox::Cp
     }
     let dir = format!("pod{uid}");
     ["cpu", "cpu,cpuacct"].iter().find_map(|hierarchy| {
-        let pod = find(&cgroups.join(hierarchy), &dir, 3)?;
+        let pod = find(&cgroups.join(hierarchy), &dir, 5)?;
         let stat = std::fs::read_to_string(pod.join("cpu.stat")).ok()?;
         sluice_sandbox::CpuThrottling::from_cpu_stat(&stat)
     })

@@ -8,7 +8,8 @@
 //! shared either (every pool, expectation and Capability a chain depends on is of its namespace).
 //!
 //! One pod watch feeds both the cache and the triggers, so a reconcile triggered by a pod change
-//! always sees that change. Objects are read through `DeserializeGuard`: a malformed HookChain or
+//! always sees that change. A node watch (cordoned, lost) requeues the chains with pods on the node
+//! that changed. Objects are read through `DeserializeGuard`: a malformed HookChain or
 //! Capability is reported on the object and cannot break a watch.
 
 use crate::expectations::Expectations;
@@ -20,7 +21,7 @@ use crate::reconcile::build::{
 use crate::reconcile::{self, Context};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt, stream::BoxStream};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{ReconcileRequest, trigger_self, trigger_with};
 use kube::runtime::events::{Recorder, Reporter};
@@ -32,7 +33,7 @@ use sluice_crds::{Capability, HookChain};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 
 #[derive(Clone, Debug)]
 pub struct RunConfig {
@@ -109,22 +110,78 @@ pub async fn run_until(
     abandon: impl Future<Output = ()> + Send,
 ) {
     let stop = stop.boxed().shared();
+    // One node watch for every namespace's controller (nodes are cluster-scoped).
+    let (nodes, node_writer) = reflector::store::<Node>();
+    let (node_changed, _) = broadcast::channel(NODE_CHANGES);
     let controllers = config.watched_namespaces().into_iter().map(|namespace| {
         run_namespace(
             client.clone(),
             config,
             namespace,
+            NodeFeed {
+                store: nodes.clone(),
+                changed: node_changed.subscribe(),
+            },
             metrics.clone(),
             stop.clone(),
         )
     });
     let applied = futures::future::join_all(controllers);
+    let node_watch =
+        watch_nodes(client.clone(), node_writer, node_changed).take_until(stop.clone());
+    let running = futures::future::join(applied, node_watch.for_each(|_| async {}));
     tokio::select! {
-        _ = applied => {}
+        _ = running => {}
         _ = abandon => {
             tracing::warn!("reconciles did not finish within the grace; abandoning them");
         }
     }
+}
+
+/// How many node changes a namespace's controller may fall behind by before it skips some.
+const NODE_CHANGES: usize = 256;
+
+/// The operator's node cache, and the names of the nodes that change, for one namespace's
+/// controller.
+struct NodeFeed {
+    store: reflector::Store<Node>,
+    changed: broadcast::Receiver<String>,
+}
+
+/// Watches the cluster's nodes into `writer` (without what the pool never reads: their image lists
+/// and volumes are most of a node's size), and tells `changed` the name of each node that changes.
+/// Without the right to watch nodes the watch retries (with a warning) and the cache stays empty:
+/// every pod's node then counts as serving.
+fn watch_nodes(
+    client: Client,
+    writer: reflector::store::Writer<Node>,
+    changed: broadcast::Sender<String>,
+) -> impl futures::Stream<Item = ()> {
+    watcher(Api::<Node>::all(client), watcher::Config::default())
+        .backoff(WatchBackoff::default())
+        .modify(|node| {
+            node.managed_fields_mut().clear();
+            if let Some(status) = node.status.as_mut() {
+                status.images = None;
+                status.volumes_attached = None;
+                status.volumes_in_use = None;
+            }
+        })
+        .reflect(writer)
+        .touched_objects()
+        .filter_map(move |node| {
+            let changed = changed.clone();
+            async move {
+                match node {
+                    // Nobody listening (no controller yet, or all stopped) is not an error.
+                    Ok(node) => {
+                        let _ = changed.send(node.name_any());
+                    }
+                    Err(e) => tracing::warn!(error = %e, "node watch failed; retrying"),
+                }
+                Some(())
+            }
+        })
 }
 
 /// The controller of one namespace (`None`: all): its watches, caches and applier, until `stop`
@@ -133,6 +190,7 @@ async fn run_namespace(
     client: Client,
     config: &RunConfig,
     namespace: Option<String>,
+    nodes: NodeFeed,
     metrics: Metrics,
     stop: Shared<BoxFuture<'static, ()>>,
 ) {
@@ -158,6 +216,7 @@ async fn run_namespace(
             metrics,
         )
         .with_start_deadline(config.start_deadline)
+        .with_nodes(nodes.store)
         .with_allowed_endpoints(config.allowed_endpoints.clone()),
     );
 
@@ -255,9 +314,30 @@ async fn run_namespace(
             .or_else(|| pod.namespace())?;
         Some(ObjectRef::<Chain>::new(chain).within(&ns))
     };
+    // A node change requeues the chains with pods on it.
+    let pod_reader = ctx.pods.clone();
+    let node_events = futures::stream::unfold(nodes.changed, |mut changed| async move {
+        loop {
+            match changed.recv().await {
+                Ok(name) => return Some((Ok::<_, watcher::Error>(name), changed)),
+                // Missed changes: every chain is looked at again within RESYNC anyway.
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    });
+    let by_node = move |name: String| {
+        pod_reader
+            .state()
+            .into_iter()
+            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&name))
+            .filter_map(|p| by_pod((*p).clone()))
+            .collect::<std::collections::HashSet<_>>()
+    };
     let queues: Vec<Queue> = vec![
         trigger_self(chain_events, ()).boxed(),
         trigger_with(pod_events, by_pod).boxed(),
+        trigger_with(node_events, by_node).boxed(),
         trigger_with(cap_events, by_capability).boxed(),
     ];
     // Ending the input lets running reconciles finish: a graceful stop. A reconcile stuck on an

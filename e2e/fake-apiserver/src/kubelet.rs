@@ -22,7 +22,7 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-pub(crate) const NODE: &str = "fake-node";
+pub const NODE: &str = "fake-node";
 
 /// Deadline by which a deleted pod's container must be gone; `None` while the pod is not deleted.
 pub(crate) type Deletion = watch::Receiver<Option<Instant>>;

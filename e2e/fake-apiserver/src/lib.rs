@@ -33,6 +33,8 @@ mod kubelet;
 mod store;
 mod writes;
 
+/// The node every pod of the fake runs on.
+pub use kubelet::NODE;
 pub use store::Resource;
 pub use writes::{Verb, Write, Writes};
 

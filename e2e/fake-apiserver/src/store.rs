@@ -26,10 +26,12 @@ pub enum Resource {
     NetworkPolicies,
     /// apps/v1 ControllerRevisions (a chain's revisions of its hooks).
     ControllerRevisions,
+    /// core/v1 Nodes (cluster-scoped: the operator watches them for cordons and lost nodes).
+    Nodes,
 }
 
 impl Resource {
-    pub const ALL: [Resource; 8] = [
+    pub const ALL: [Resource; 9] = [
         Resource::Pods,
         Resource::HookChains,
         Resource::Capabilities,
@@ -38,6 +40,7 @@ impl Resource {
         Resource::Leases,
         Resource::NetworkPolicies,
         Resource::ControllerRevisions,
+        Resource::Nodes,
     ];
 
     pub fn plural(self) -> &'static str {
@@ -49,13 +52,14 @@ impl Resource {
             Resource::Leases => "leases",
             Resource::NetworkPolicies => "networkpolicies",
             Resource::ControllerRevisions => "controllerrevisions",
+            Resource::Nodes => "nodes",
         }
     }
 
     /// `apiVersion` of the resource's objects.
     pub fn api_version(self) -> &'static str {
         match self {
-            Resource::Pods | Resource::Events => "v1",
+            Resource::Pods | Resource::Events | Resource::Nodes => "v1",
             Resource::HookChains | Resource::Capabilities => "sluice.dev/v1alpha1",
             Resource::EventsV1 => "events.k8s.io/v1",
             Resource::Leases => "coordination.k8s.io/v1",
@@ -73,6 +77,7 @@ impl Resource {
             Resource::Leases => "Lease",
             Resource::NetworkPolicies => "NetworkPolicy",
             Resource::ControllerRevisions => "ControllerRevision",
+            Resource::Nodes => "Node",
         }
     }
 
@@ -80,8 +85,13 @@ impl Resource {
     pub fn has_status_subresource(self) -> bool {
         matches!(
             self,
-            Resource::Pods | Resource::HookChains | Resource::Capabilities
+            Resource::Pods | Resource::HookChains | Resource::Capabilities | Resource::Nodes
         )
+    }
+
+    /// Cluster-scoped: stored under the empty namespace, and served without one.
+    pub fn cluster_scoped(self) -> bool {
+        matches!(self, Resource::Nodes)
     }
 
     fn of(api_version: &str, plural: &str) -> Option<Resource> {
@@ -250,11 +260,27 @@ pub(crate) struct Store {
 
 fn key_of(resource: Resource, object: &Value) -> Key {
     let meta = &object["metadata"];
+    let namespace = if resource.cluster_scoped() {
+        ""
+    } else {
+        meta["namespace"].as_str().unwrap_or("default")
+    };
     (
         resource,
-        meta["namespace"].as_str().unwrap_or("default").to_string(),
+        namespace.to_string(),
         meta["name"].as_str().unwrap_or_default().to_string(),
     )
+}
+
+/// The namespace the object is stored under; none for a cluster-scoped one.
+fn set_namespace(object: &mut Value, resource: Resource, namespace: &str) {
+    if resource.cluster_scoped() {
+        if let Some(meta) = object["metadata"].as_object_mut() {
+            meta.remove("namespace");
+        }
+    } else {
+        object["metadata"]["namespace"] = json!(namespace);
+    }
 }
 
 /// RFC 7386 JSON merge patch.
@@ -365,7 +391,7 @@ impl Store {
         let rv = inner.rv;
         object["apiVersion"] = json!(resource.api_version());
         object["kind"] = json!(resource.kind());
-        object["metadata"]["namespace"] = json!(key.1);
+        set_namespace(&mut object, resource, &key.1);
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
         object["metadata"]["generation"] = json!(1);
         if object["metadata"]["uid"].is_null() {
@@ -423,7 +449,7 @@ impl Store {
             None => self.insert_new(&mut inner, resource, key, object),
             Some(previous) => {
                 let mut object = object;
-                object["metadata"]["namespace"] = json!(key.1);
+                set_namespace(&mut object, resource, &key.1);
                 for kept in ["uid", "creationTimestamp", "generation"] {
                     if object["metadata"][kept].is_null() {
                         object["metadata"][kept] = previous["metadata"][kept].clone();

@@ -23,9 +23,13 @@ const REQUIRED: &str = concat!(
     "/../deploy/tests/rbac_required.yaml"
 );
 
-/// Where a rule must hold: in every namespace with HookChains (a ClusterRole, or Roles in the
-/// watched and platform namespaces), in the sandbox namespace, or in the release namespace.
-fn scope(namespace: Option<&str>) -> &'static str {
+/// Where a rule must hold: cluster-wide for a cluster-scoped resource (nodes), in every namespace
+/// with HookChains (a ClusterRole, or Roles in the watched and platform namespaces), in the sandbox
+/// namespace, or in the release namespace.
+fn scope(namespace: Option<&str>, resource: &str) -> &'static str {
+    if CLUSTER_SCOPED.contains(&resource) {
+        return "cluster";
+    }
     match namespace {
         None | Some(TENANT) => "chains",
         Some(SANDBOXES) => "sandboxes",
@@ -33,6 +37,9 @@ fn scope(namespace: Option<&str>) -> &'static str {
         Some(other) => panic!("a request in an unexpected namespace {other}"),
     }
 }
+
+/// The cluster-scoped resources the components read.
+const CLUSTER_SCOPED: [&str; 1] = ["nodes"];
 
 type Rules = BTreeMap<String, BTreeMap<&'static str, BTreeMap<(String, String), BTreeSet<String>>>>;
 
@@ -90,7 +97,7 @@ fn derive(log: &[Logged]) -> Rules {
         let scoped = rules
             .entry(who.clone())
             .or_default()
-            .entry(scope(namespace.as_deref()))
+            .entry(scope(namespace.as_deref(), &resource))
             .or_default()
             .entry((group, resource))
             .or_default();
@@ -108,7 +115,8 @@ fn to_yaml(rules: &Rules) -> String {
          #   chains:    every namespace with HookChains (ClusterRole, or Roles in watchNamespace and\n\
          #              platformNamespace)\n\
          #   sandboxes: the sandbox namespace (with sandboxNamespace empty: the chains' namespaces)\n\
-         #   release:   the release namespace\n",
+         #   release:   the release namespace\n\
+         #   cluster:   cluster-scoped resources (a ClusterRole in every install shape)\n",
     );
     for (who, scopes) in rules {
         out.push_str(&format!("{who}:\n"));
@@ -322,6 +330,42 @@ async fn the_rules_each_component_needs_are_the_ones_the_chart_is_held_to() {
         api.list(Resource::ControllerRevisions, TENANT).len() == 1
     })
     .await;
+
+    // A drain: the node is cordoned while the gateway holds the pod it recycles. The operator marks
+    // that pod draining, and the gateway gives it back (deletes it).
+    let r = h.run_text("bot", "input", "call 555").await.expect("run");
+    assert_eq!(action(&r), Action::Modify, "{r:?}");
+    let held: Vec<String> = sandbox_pods(&api)
+        .iter()
+        .filter(|p| p["metadata"]["labels"]["sluice.dev/pool"] == "claimed")
+        .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_string))
+        .collect();
+    assert!(!held.is_empty(), "the gateway holds no pod after a run");
+    let node = |unschedulable: bool| {
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": sluice_fake_apiserver::NODE},
+            "spec": {"unschedulable": unschedulable},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        })
+    };
+    api.apply(Resource::Nodes, node(true));
+    let by = |client: &str, method: &str, pod: &str| {
+        api.requests().iter().any(|l| {
+            l.client.as_deref() == Some(client)
+                && l.method == method
+                && l.path == format!("/api/v1/namespaces/{SANDBOXES}/pods/{pod}")
+        })
+    };
+    until(&api, "the operator marks the held pod draining", || {
+        held.iter().all(|p| by("operator", "PATCH", p))
+    })
+    .await;
+    until(&api, "the gateway gives the marked pod back", || {
+        held.iter().all(|p| by("gateway", "DELETE", p))
+    })
+    .await;
+    api.apply(Resource::Nodes, node(false));
     h.stop_kube_and_check(&api).await;
 
     // Deleting the chain: the finalizer deletes its pods and policy in the sandbox namespace.

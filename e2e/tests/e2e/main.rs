@@ -2,7 +2,7 @@
 //! e2e/fake-apiserver), one module per suite, linked as one test binary: a binary per suite cost a
 //! link of ~110 MiB each. nextest still runs every test in a process of its own, and
 //! .config/nextest.toml names suites by module (`test(/^local_hostile::/)`). The cluster suite
-//! (`tests/cluster.rs`) stays a binary of its own: `make test-cluster` runs it alone.
+//! (`tests/cluster/`) stays a binary of its own: `make test-cluster` runs it alone.
 
 mod kube_backend;
 mod kube_operator;

@@ -106,6 +106,9 @@ pub struct KubeBackend {
     failing: Arc<AtomicUsize>,
     /// Pods this gateway claimed and has not yet seen deleted: "namespace/name".
     live: Arc<Mutex<HashSet<String>>>,
+    /// Nodes where an exec into a claimed pod failed lately, and when: their pods are tried last
+    /// (a lost node's kubelet refuses every exec, and the node controller takes a minute to say so).
+    suspect: Arc<Mutex<HashMap<String, Instant>>>,
     /// Claim attempts by result (`sluice_gateway_pod_claims_total`).
     claims: IntCounterVec,
     _watches: Tasks,
@@ -183,6 +186,7 @@ impl KubeBackend {
             changed,
             failing,
             live: Arc::default(),
+            suspect: Arc::default(),
             claims,
             _watches: Tasks(watches),
         })
@@ -212,7 +216,15 @@ impl KubeBackend {
                 chain: &spec.chain,
                 runtime_class: self.cfg.runtime_class.as_deref(),
             };
-            for (name, rv) in claim::candidates(&pods, &wanted, &lost) {
+            let mut candidates = claim::candidates(&pods, &wanted, &lost);
+            // Pods on nodes where an exec failed lately go last (a stable sort: still shuffled).
+            let suspect = self.suspect_nodes();
+            if !suspect.is_empty() {
+                candidates.sort_by_key(|(name, _)| {
+                    claim::node_of(&pods, pod_namespace, name).is_some_and(|n| suspect.contains(n))
+                });
+            }
+            for (name, rv) in candidates {
                 match claim::try_claim(&api, &name, &rv, &self.cfg.identity, deadline).await {
                     Ok(claim::Outcome::Claimed) => {
                         self.metric("claimed");
@@ -285,6 +297,25 @@ impl KubeBackend {
         }
     }
 
+    /// The nodes an exec failed on within `SUSPECT_FOR`.
+    fn suspect_nodes(&self) -> HashSet<String> {
+        let mut suspect = self.suspect.lock().unwrap_or_else(|p| p.into_inner());
+        suspect.retain(|_, at| at.elapsed() < SUSPECT_FOR);
+        suspect.keys().cloned().collect()
+    }
+
+    /// Remembers that an exec into `pod` failed: its node may be lost.
+    fn suspect_node_of(&self, pod_namespace: &str, pod: &str) {
+        let pods: Vec<Arc<Pod>> = self.pods.iter().flat_map(|s| s.state()).collect();
+        if let Some(node) = claim::node_of(&pods, pod_namespace, pod) {
+            tracing::warn!(%node, %pod, "an exec into a pod on this node failed: its pods are tried last for a while");
+            self.suspect
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(node.to_string(), Instant::now());
+        }
+    }
+
     fn metric(&self, result: &str) {
         self.claims.with_label_values(&[result]).inc();
     }
@@ -296,8 +327,66 @@ impl KubeBackend {
 
 #[async_trait]
 impl SandboxBackend for KubeBackend {
+    /// Claims a warm pod and attaches to its supervisor. An exec refused at once (a lost node's
+    /// kubelet refuses every one) gives the pod back and claims another right away, at most
+    /// `EXEC_RETRIES` times, preferring other nodes: a run does not wait out a boot retry for one
+    /// dead pod. An exec that timed out has spent the boot's time: its error is the answer, as it
+    /// is when no other pod is there to claim.
     async fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, StartError> {
         let (api, pod) = self.claim(spec).await?;
+        let mut failed = match self.attach(spec, api, pod).await {
+            Ok(sandbox) => return Ok(sandbox),
+            Err(f) => f,
+        };
+        for _ in 0..EXEC_RETRIES {
+            if failed.timed_out {
+                break;
+            }
+            tracing::warn!(error = %failed.error, "claiming another pod");
+            let Ok((api, pod)) = self.claim(spec).await else {
+                break;
+            };
+            failed = match self.attach(spec, api, pod).await {
+                Ok(sandbox) => return Ok(sandbox),
+                Err(f) => f,
+            };
+        }
+        Err(failed.error)
+    }
+
+    async fn clean_leftovers(&self) -> usize {
+        self.clean_leftovers_now().await
+    }
+
+    async fn live(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.live().iter().cloned().collect();
+        v.sort();
+        v
+    }
+
+    fn warm_target(&self, chain_warm: usize) -> usize {
+        self.cfg.hold.min(chain_warm)
+    }
+
+    /// The hold is the pods kept claimed: one serving a recycled trigger point still counts.
+    fn claimed_count_toward_warm(&self) -> bool {
+        true
+    }
+
+    fn ready_needs_warm(&self) -> bool {
+        false
+    }
+}
+
+impl KubeBackend {
+    /// Attaches to the supervisor of the claimed `pod`; on failure the pod is given back (deleted)
+    /// and its node remembered as suspect.
+    async fn attach(
+        &self,
+        spec: &SandboxSpec,
+        api: Api<Pod>,
+        pod: String,
+    ) -> Result<Sandbox, AttachFailed> {
         let pod_namespace = self.cfg.pod_namespace(&spec.namespace).to_string();
         let handle = KubeHandle {
             api: api.clone(),
@@ -335,16 +424,21 @@ impl SandboxBackend for KubeBackend {
                 })
             }
             Err(e) => {
+                self.suspect_node_of(&pod_namespace, &pod);
                 // The pod is ours now: it goes, whatever state it is in.
                 handle.destroy(true).await;
+                let timed_out = matches!(e, exec::ExecError::Timeout(_));
                 let failure =
                     StartFailure::Runtime(format!("exec into pod {pod_namespace}/{pod}: {e}"));
-                Err(StartError::new(spec, failure).of(pod.clone()))
+                Err(AttachFailed {
+                    error: StartError::new(spec, failure).of(pod.clone()),
+                    timed_out,
+                })
             }
         }
     }
 
-    async fn clean_leftovers(&self) -> usize {
+    async fn clean_leftovers_now(&self) -> usize {
         let mut gone = 0;
         // Our own claims still open, and pods an earlier process under our name claimed.
         let mut victims: HashMap<String, (String, String)> = self
@@ -390,26 +484,20 @@ impl SandboxBackend for KubeBackend {
         }
         gone
     }
-
-    async fn live(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.live().iter().cloned().collect();
-        v.sort();
-        v
-    }
-
-    fn warm_target(&self, chain_warm: usize) -> usize {
-        self.cfg.hold.min(chain_warm)
-    }
-
-    /// The hold is the pods kept claimed: one serving a recycled trigger point still counts.
-    fn claimed_count_toward_warm(&self) -> bool {
-        true
-    }
-
-    fn ready_needs_warm(&self) -> bool {
-        false
-    }
 }
+
+/// An exec into a claimed pod that failed (the pod is given back).
+struct AttachFailed {
+    error: StartError,
+    /// It took the whole exec deadline.
+    timed_out: bool,
+}
+
+/// How many more pods a start claims after an exec that failed.
+const EXEC_RETRIES: u32 = 2;
+
+/// How long a node where an exec failed has its pods tried last.
+const SUSPECT_FOR: Duration = Duration::from_secs(30);
 
 /// How often a claim reads the API server again while the pod watch is retrying.
 const RELIST_EVERY: Duration = Duration::from_millis(500);

@@ -78,6 +78,7 @@ pub(crate) fn is_warm(pod: &Pod, wanted: &Wanted) -> bool {
         && label(labels::LABEL_CHAIN) == Some(wanted.chain)
         && label(labels::LABEL_POOL) == Some(labels::POOL_WARM)
         && meta.deletion_timestamp.is_none()
+        && !draining(pod)
         && ready
         && running
         && owned
@@ -103,6 +104,29 @@ pub(crate) fn candidates(
         .collect();
     out.shuffle(&mut rand::rng());
     out
+}
+
+/// The node the pod `name` (in `pod_namespace`) runs on, if the cache knows.
+pub(crate) fn node_of<'a>(
+    pods: &'a [Arc<Pod>],
+    pod_namespace: &str,
+    name: &str,
+) -> Option<&'a str> {
+    pods.iter()
+        .find(|p| {
+            p.metadata.name.as_deref() == Some(name)
+                && p.metadata.namespace.as_deref() == Some(pod_namespace)
+        })
+        .and_then(|p| p.spec.as_ref()?.node_name.as_deref())
+}
+
+/// True if the operator marked `pod` for its node's drain (or loss): it serves no new claim, and
+/// its holder gives it back when its trigger point ends.
+pub(crate) fn draining(pod: &Pod) -> bool {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(labels::ANNOTATION_DRAINING))
 }
 
 /// Renews a held pod's `claimed-at` every `every` until aborted (when the pod is let go).
@@ -262,10 +286,11 @@ pub(crate) async fn claimed_by_us(
     }
 }
 
-/// Whether the pod `name` (in `pod_namespace`) is outdated: the newest pod of its chain there has
-/// another template (the operator now makes pods of another template, such as a new supervisor
-/// image after an upgrade; it makes only current ones). The newest decides, so a template rolled
-/// back to makes its older pods current again. Unknown (not in `pods`): not outdated.
+/// Whether the pod `name` (in `pod_namespace`) is outdated: the operator marked it for its node's
+/// drain, or the newest pod of its chain there has another template (the operator now makes pods of
+/// another template, such as a new supervisor image after an upgrade; it makes only current ones).
+/// The newest decides, so a template rolled back to makes its older pods current again. Unknown
+/// (not in `pods`): not outdated.
 pub(crate) fn outdated(pods: &[Arc<Pod>], pod_namespace: &str, name: &str) -> bool {
     let label = |p: &Pod, k: &str| p.metadata.labels.as_ref()?.get(k).cloned();
     let Some(me) = pods.iter().find(|p| {
@@ -274,6 +299,9 @@ pub(crate) fn outdated(pods: &[Arc<Pod>], pod_namespace: &str, name: &str) -> bo
     }) else {
         return false;
     };
+    if draining(me) {
+        return true;
+    }
     let chain = |p: &Pod| {
         (
             label(p, labels::LABEL_CHAIN_NAMESPACE),
@@ -384,6 +412,27 @@ mod tests {
             jiff::Timestamp::now(),
         ));
         assert!(!is_warm(&p, &WANTED));
+    }
+
+    #[test]
+    fn a_pod_marked_for_its_nodes_drain_is_not_claimed_and_its_holder_gives_it_back() {
+        let mut p = (*pod("a", labels::POOL_WARM, true, "Running")).clone();
+        let mut claimed = (*pod_of("held", "a", 100, "redact")).clone();
+        let pods = vec![Arc::new(claimed.clone())];
+        assert!(is_warm(&p, &WANTED));
+        assert!(!outdated(&pods, "sandboxes", "held"));
+        for q in [&mut p, &mut claimed] {
+            q.metadata.annotations.get_or_insert_default().insert(
+                labels::ANNOTATION_DRAINING.into(),
+                "node n1 is cordoned".into(),
+            );
+        }
+        assert!(!is_warm(&p, &WANTED), "a draining pod is never claimed");
+        let pods = vec![Arc::new(claimed)];
+        assert!(
+            outdated(&pods, "sandboxes", "held"),
+            "its holder retires it when its trigger point ends"
+        );
     }
 
     #[test]

@@ -74,6 +74,7 @@ pub(crate) async fn apply(
         .unwrap_or_default();
     announce_verdict(ctx, &reference, previous, verdict).await;
     delete_pods(chain, read, &plan, &desired.template, ctx).await?;
+    mark_draining(chain, read, &plan, ctx).await;
     let created = create_pods(chain, read, &plan, desired, ctx).await?;
     announce_hold(ctx, &reference, previous, &plan).await;
     Ok(Applied::new(plan, created))
@@ -131,6 +132,45 @@ async fn apply_network_policy(
     })?;
     lock(&ctx.netpol_applied).insert(uid, Instant::now());
     Ok(())
+}
+
+/// Marks claimed pods on cordoned or lost nodes `sluice.dev/draining`: the gateway that holds each
+/// gives it back when its trigger point ends, and the drain (waiting on the claimed pods'
+/// PodDisruptionBudget) goes on. A failed mark is tried again at the next reconcile.
+async fn mark_draining(chain: &HookChain, read: &Snapshot, plan: &Plan, ctx: &Context) {
+    if plan.drain.is_empty() {
+        return;
+    }
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &read.pod_namespace);
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    let mut marked = Vec::new();
+    for (pod, why) in &plan.drain {
+        let patch = serde_json::json!({
+            "metadata": {"annotations": {build::ANNOTATION_DRAINING: why}}
+        });
+        match api.patch(pod, &params, &Patch::Merge(&patch)).await {
+            Ok(_) => marked.push(format!("{pod} ({why})")),
+            Err(e) if api_code(&e) == Some(404) => {}
+            Err(e) => {
+                tracing::warn!(chain = %read.key, %pod, error = %e, "cannot mark a claimed pod draining")
+            }
+        }
+    }
+    if !marked.is_empty() {
+        ctx.publish(
+            &chain.object_ref(&()),
+            EventType::Normal,
+            "Draining",
+            format!(
+                "claimed sandbox pod(s) {} marked draining: their gateways give them back when their trigger points end",
+                marked.join(", ")
+            ),
+        )
+        .await;
+    }
 }
 
 /// Deletes every pod and the NetworkPolicy of the chain `namespace/name`, wherever they live (the
@@ -284,7 +324,7 @@ async fn delete_pods(
                 .await;
             }
             DeleteReason::Outdated => outdated += 1,
-            DeleteReason::ScaleDown => {}
+            DeleteReason::ScaleDown | DeleteReason::NodeLost => {}
         }
     }
     if outdated > 0 {

@@ -5,7 +5,7 @@
 use super::build::Settings;
 use crate::expectations::Expectations;
 use crate::metrics::Metrics;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::core::DeserializeGuard;
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -35,6 +35,10 @@ pub struct Context {
     /// A pod not ready this long after its creation is replaced (see `pool::plan`).
     pub start_deadline: Duration,
     pub pods: Store<Pod>,
+    /// The cluster's nodes: a claimed pod on a cordoned or lost node is marked draining, warm pods
+    /// move off them (`pool::NodeState`). Empty (not watched, or not allowed to be): every pod's
+    /// node counts as serving.
+    pub nodes: Store<Node>,
     pub capabilities: Store<DeserializeGuard<Capability>>,
     /// Where Capabilities may point; others are `Ready=False` (`EndpointNotAllowed`), and so are
     /// the chains whose hooks call them.
@@ -73,6 +77,7 @@ impl Context {
             claim_deadline,
             start_deadline: DEFAULT_START_DEADLINE,
             pods,
+            nodes: kube::runtime::reflector::store().0,
             capabilities,
             allowed_endpoints: Default::default(),
             expectations,
@@ -92,6 +97,12 @@ impl Context {
         allowed: sluice_crds::endpoints::AllowedEndpoints,
     ) -> Self {
         self.allowed_endpoints = allowed;
+        self
+    }
+
+    /// Sets the node cache (see `nodes`).
+    pub fn with_nodes(mut self, nodes: Store<Node>) -> Self {
+        self.nodes = nodes;
         self
     }
 

@@ -4,9 +4,9 @@
 
 use super::build::{LABEL_CHAIN, LABEL_CHAIN_NAMESPACE};
 use super::context::Context;
-use super::decide::pool::Observed;
+use super::decide::pool::{NodeState, Observed};
 use crate::expectations::{Pending, Seen};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::ResourceExt;
 use sluice_crds::HookChain;
 use std::sync::Arc;
@@ -63,7 +63,10 @@ pub(crate) async fn read(
     let pods: Vec<Arc<Pod>> = ctx
         .pods
         .state_filter(|p| is_of_chain(p, &namespace, &name, &pod_namespace));
-    let observed: Vec<Observed> = pods.iter().map(|p| Observed::from_pod(p)).collect();
+    let observed: Vec<Observed> = pods
+        .iter()
+        .map(|p| Observed::from_pod(p).on_node(node_state(p, ctx)))
+        .collect();
     let pending = ctx.expectations.observe(&key, Instant::now(), |pod| {
         match observed.iter().find(|o| o.name == pod) {
             None => Seen::Absent,
@@ -82,6 +85,50 @@ pub(crate) async fn read(
     })
 }
 
+/// Where `pod`'s node stands in the node cache (serving when it is not there).
+fn node_state(pod: &Pod, ctx: &Context) -> NodeState {
+    let Some(name) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {
+        return NodeState::Serving;
+    };
+    match ctx
+        .nodes
+        .get(&kube::runtime::reflector::ObjectRef::new(name))
+    {
+        Some(node) => of_node(&node),
+        None => NodeState::Serving,
+    }
+}
+
+/// Taints the node controller puts on a node whose kubelet stopped reporting, or reports NotReady.
+const TAINTS_LOST: [&str; 2] = [
+    "node.kubernetes.io/unreachable",
+    "node.kubernetes.io/not-ready",
+];
+
+/// Where a node stands: lost (not Ready, or tainted so by the node controller), cordoned, serving.
+pub(crate) fn of_node(node: &Node) -> NodeState {
+    let name = node.name_any();
+    let spec = node.spec.as_ref();
+    // `False`: the kubelet says so. `Unknown` (its reports stopped) is lost once the node
+    // controller taints the node, after its grace period: one late report is not a lost node.
+    let not_ready = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+        .is_some_and(|c| c.status == "False");
+    let tainted_lost = spec
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| TAINTS_LOST.contains(&t.key.as_str())));
+    if not_ready || tainted_lost {
+        NodeState::Lost(name)
+    } else if spec.and_then(|s| s.unschedulable) == Some(true) {
+        NodeState::Cordoned(name)
+    } else {
+        NodeState::Serving
+    }
+}
+
 /// True if `pod` belongs to the chain `namespace/name` whose pods live in `pod_namespace`: by its
 /// chain-namespace label, or, for a pod made before that label existed, by living beside the chain.
 pub(crate) fn is_of_chain(pod: &Pod, namespace: &str, name: &str, pod_namespace: &str) -> bool {
@@ -93,4 +140,49 @@ pub(crate) fn is_of_chain(pod: &Pod, namespace: &str, name: &str, pod_namespace:
     pod.metadata.namespace.as_deref() == Some(pod_namespace)
         && labels.get(LABEL_CHAIN).map(String::as_str) == Some(name)
         && of_namespace
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(yaml: serde_json::Value) -> Node {
+        serde_json::from_value(yaml).expect("a node")
+    }
+
+    #[test]
+    fn a_node_is_lost_when_not_ready_or_tainted_so_and_cordoned_when_unschedulable() {
+        let ready = serde_json::json!({"conditions": [{"type": "Ready", "status": "True"}]});
+        let unknown = serde_json::json!({"conditions": [{"type": "Ready", "status": "Unknown"}]});
+        let not_ready = serde_json::json!({"conditions": [{"type": "Ready", "status": "False"}]});
+        let serving = node(serde_json::json!({"metadata": {"name": "n"}, "status": ready}));
+        assert_eq!(of_node(&serving), NodeState::Serving);
+        let cordoned = node(serde_json::json!({
+            "metadata": {"name": "n"}, "spec": {"unschedulable": true}, "status": ready,
+        }));
+        assert_eq!(of_node(&cordoned), NodeState::Cordoned("n".into()));
+        let down = node(serde_json::json!({
+            "metadata": {"name": "n"}, "spec": {"unschedulable": true}, "status": not_ready,
+        }));
+        assert_eq!(
+            of_node(&down),
+            NodeState::Lost("n".into()),
+            "lost beats cordoned"
+        );
+        // The node controller: Ready Unknown and the unreachable taint once the kubelet is silent.
+        let silent = node(serde_json::json!({
+            "metadata": {"name": "n"},
+            "spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}]},
+            "status": unknown,
+        }));
+        assert_eq!(of_node(&silent), NodeState::Lost("n".into()));
+        let unknown_only = node(serde_json::json!({"metadata": {"name": "n"}, "status": unknown}));
+        assert_eq!(
+            of_node(&unknown_only),
+            NodeState::Serving,
+            "Unknown alone is a kubelet late once, not a lost node: the taint follows if it is"
+        );
+        let no_status = node(serde_json::json!({"metadata": {"name": "n"}}));
+        assert_eq!(of_node(&no_status), NodeState::Serving);
+    }
 }

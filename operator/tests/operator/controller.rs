@@ -12,6 +12,9 @@ use sluice_operator::metrics::Metrics;
 use sluice_operator::reconcile::build::Settings;
 use std::time::Duration;
 
+/// The operator's node watch (one, whichever namespaces it watches).
+const NODES: &str = "/api/v1/nodes";
+
 fn list(kind: &str, items: Vec<Value>) -> Value {
     json!({"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": "100"}, "items": items})
 }
@@ -92,6 +95,7 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
                 pods_listed = true;
                 call.reply(200, list("PodList", vec![]))
             }
+            ("GET", NODES) => call.reply(200, list("NodeList", vec![])),
             ("GET", "/apis/sluice.dev/v1alpha1/capabilities") => {
                 call.reply(200, list("CapabilityList", vec![bad_capability()]))
             }
@@ -230,7 +234,9 @@ async fn a_single_namespace_operator_keeps_the_platform_baselines_too() {
         .await
     });
 
-    const LISTS: [&str; 6] = [
+    // Nodes once, for both namespaces' controllers (they are cluster-scoped).
+    const LISTS: [&str; 7] = [
+        NODES,
         "/apis/sluice.dev/v1alpha1/namespaces/team/hookchains",
         "/api/v1/namespaces/team/pods",
         "/apis/sluice.dev/v1alpha1/namespaces/team/capabilities",
@@ -266,7 +272,7 @@ async fn a_single_namespace_operator_keeps_the_platform_baselines_too() {
                     );
                 }
                 listed.push(path.to_string());
-                let items = if path == LISTS[3] {
+                let items = if path == LISTS[4] {
                     vec![baseline_chain()]
                 } else {
                     vec![]
@@ -279,7 +285,7 @@ async fn a_single_namespace_operator_keeps_the_platform_baselines_too() {
             ) => call.echo(),
             ("POST", "/api/v1/namespaces/sluice-system/pods") => {
                 assert!(
-                    listed.iter().any(|p| p == LISTS[4]),
+                    listed.iter().any(|p| p == LISTS[5]),
                     "created a pod before the platform pod cache listed: {seen:?}"
                 );
                 assert_eq!(call.body["metadata"]["namespace"], "sluice-system");
@@ -450,10 +456,12 @@ async fn only_the_lease_holder_reconciles() {
     let mut listed = Vec::new();
     let mut watches = Vec::new();
     let ours = |path: &str| {
-        path.contains("/namespaces/team-a/") || path.contains("/namespaces/sluice-system/")
+        path.contains("/namespaces/team-a/")
+            || path.contains("/namespaces/sluice-system/")
+            || path == NODES
     };
-    // Chains, pods and Capabilities, in team-a and in the platform namespace.
-    while listed.len() < 6 {
+    // Chains, pods and Capabilities, in team-a and in the platform namespace, and the nodes.
+    while listed.len() < 7 {
         let call = api.next().await;
         match (call.method.as_str(), call.path.as_str()) {
             ("GET", LEASE) => {
@@ -652,6 +660,7 @@ async fn with_a_sandbox_namespace_pods_are_watched_and_made_there_only() {
                 pod_selectors.push(call.query("labelSelector").unwrap_or_default().to_string());
                 call.reply(200, list("PodList", vec![]))
             }
+            ("GET", NODES) => call.reply(200, list("NodeList", vec![])),
             ("GET", "/apis/sluice.dev/v1alpha1/namespaces/sluice-system/hookchains") => {
                 call.reply(200, list("HookChainList", vec![baseline_chain()]))
             }

@@ -7,13 +7,17 @@
 //! - count terminating pods (and pods just deleted) toward `max`;
 //! - hold unschedulable pods instead of deleting and recreating them, and create no more beside them;
 //! - roll warm pods of an old template, keeping old ready ones only while new ones are not ready;
-//! - never touch a claimed pod, unless its claim is past the deadline (its gateway is gone);
+//! - never touch a claimed pod, unless its claim is past the deadline (its gateway is gone); mark one
+//!   on a cordoned or lost node `draining`, so its gateway gives it back when its trigger point ends;
+//! - make warm pods again ahead of a drain: a cordoned node's warm pods serve on until evicted but
+//!   count as leaving; a lost node's are deleted, and no pod of a lost node counts toward `max` (it
+//!   cannot serve, and may stay Terminating until the node comes back);
 //! - replace a pod that never becomes ready within the start deadline (bad image, missing runtime
 //!   handler, failing probe), but only one at a time while the template has not proven it can
 //!   start, so a broken image does not churn.
 
 use crate::reconcile::build::{
-    ANNOTATION_CLAIMED_AT, LABEL_POOL, LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM,
+    ANNOTATION_CLAIMED_AT, ANNOTATION_DRAINING, LABEL_POOL, LABEL_TEMPLATE, POOL_CLAIMED, POOL_WARM,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -42,6 +46,36 @@ pub struct Observed {
     /// Why a pod that is not ready is not: the container's waiting reason and message, a sandbox
     /// that does not start, a startup probe that does not pass.
     pub problem: Option<String>,
+    /// Where its node stands (`Observed::on_node`; `Serving` when unknown).
+    pub node: NodeState,
+    /// Already marked `sluice.dev/draining`.
+    pub draining: bool,
+}
+
+/// Where a pod's node stands, from the operator's node cache.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum NodeState {
+    /// Schedulable and Ready; also a pod not scheduled yet, or a node the cache does not show (the
+    /// operator may not be allowed to watch nodes: then nothing here changes the pool).
+    #[default]
+    Serving,
+    /// `spec.unschedulable` (cordoned, as a drain does first): its node is being taken out of
+    /// service. Holds the node's name.
+    Cordoned(String),
+    /// Not Ready, or tainted unreachable or not-ready by the node controller: its pods cannot
+    /// serve. Holds the node's name.
+    Lost(String),
+}
+
+impl NodeState {
+    /// What the `sluice.dev/draining` annotation of a claimed pod on this node says.
+    fn why(&self) -> Option<String> {
+        match self {
+            NodeState::Serving => None,
+            NodeState::Cordoned(n) => Some(format!("node {n} is cordoned")),
+            NodeState::Lost(n) => Some(format!("node {n} is not ready")),
+        }
+    }
 }
 
 /// Longest pod problem quoted in conditions and Events.
@@ -146,7 +180,17 @@ impl Observed {
                 .and_then(|a| a.get(ANNOTATION_CLAIMED_AT))
                 .and_then(|v| v.parse::<Timestamp>().ok()),
             problem: if ready { None } else { not_ready_problem(pod) },
+            node: NodeState::Serving,
+            draining: meta
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(ANNOTATION_DRAINING)),
         }
+    }
+
+    /// The same, on a node that stands as `node` does.
+    pub fn on_node(self, node: NodeState) -> Self {
+        Self { node, ..self }
     }
 }
 
@@ -188,6 +232,8 @@ pub enum DeleteReason {
     ScaleDown,
     /// Not ready within the start deadline.
     StartTimeout,
+    /// A warm pod on a lost node: it cannot serve.
+    NodeLost,
 }
 
 impl DeleteReason {
@@ -198,6 +244,7 @@ impl DeleteReason {
             Self::Outdated => "outdated",
             Self::ScaleDown => "scale_down",
             Self::StartTimeout => "start_timeout",
+            Self::NodeLost => "node_lost",
         }
     }
 }
@@ -238,6 +285,11 @@ pub struct Counts {
     pub terminating: u32,
     /// Pods with a pool label the operator does not know: left alone, counted toward max.
     pub other: u32,
+    /// Pods on lost nodes: they cannot serve, and are not counted toward max.
+    pub lost: u32,
+    /// Warm pods on cordoned nodes: they serve until the drain evicts them, but are made again
+    /// elsewhere meanwhile (counted toward max).
+    pub leaving: u32,
     /// Every pod counted toward `max`.
     pub total: u32,
 }
@@ -258,6 +310,8 @@ pub struct Plan {
     pub start_problem: Option<String>,
     /// A pod of the current template is ready: the template can start.
     pub template_proven: bool,
+    /// Claimed pods on cordoned or lost nodes to mark `sluice.dev/draining`, as (pod, why).
+    pub drain: Vec<(String, String)>,
 }
 
 fn u(n: usize) -> u32 {
@@ -337,7 +391,23 @@ impl Draft {
         let mut pods: Vec<&Observed> = input.pods.iter().collect();
         pods.sort_by(|a, b| a.name.cmp(&b.name));
         for p in pods {
-            if p.terminating || input.pending_deletes.contains(&p.name) {
+            let gone = p.terminating || input.pending_deletes.contains(&p.name);
+            if let NodeState::Lost(_) = p.node {
+                // It cannot serve, and may stay Terminating until its node is back: not counted
+                // toward max, so the pool is made again on the nodes that serve.
+                self.counts.lost += 1;
+                match p.pool {
+                    PoolState::Warm if !gone => self.plan.delete.push(Deletion {
+                        name: p.name.clone(),
+                        reason: DeleteReason::NodeLost,
+                        resource_version: p.resource_version.clone(),
+                    }),
+                    PoolState::Claimed if !gone => self.drain(p),
+                    _ => {}
+                }
+                continue;
+            }
+            if gone {
                 self.counts.terminating += 1;
                 continue;
             }
@@ -354,7 +424,15 @@ impl Draft {
         sorted
     }
 
+    /// Marks claimed `p` for its node's drain (once).
+    fn drain(&mut self, p: &Observed) {
+        if let (false, Some(why)) = (p.draining, p.node.why()) {
+            self.plan.drain.push((p.name.clone(), why));
+        }
+    }
+
     fn claimed(&mut self, input: &Input, p: &Observed) {
+        self.drain(p);
         // A claim without (a readable) claimed-at is timed from the pod's creation; a claim "from
         // the future" counts from now; an expiry past the end of time never comes.
         let since = p.claimed_at.or(p.created).map(|t| t.min(input.now));
@@ -372,6 +450,12 @@ impl Draft {
     }
 
     fn warm<'a>(&mut self, input: &Input, p: &'a Observed, sorted: &mut Sorted<'a>) {
+        if let NodeState::Cordoned(_) = p.node {
+            // It serves until the drain evicts it (when every node is cordoned, deleting it would
+            // leave nothing), and is made again on another node now, not then.
+            self.counts.leaving += 1;
+            return;
+        }
         let current = p.template.as_deref() == Some(input.template);
         let start_expiry = p
             .scheduled
@@ -461,7 +545,7 @@ impl Draft {
         let c = &mut self.counts;
         c.starting += u(sorted.cur_starting.len() + input.pending_creates);
         c.warm = u(sorted.cur_ready.len() + kept_old);
-        c.total = c.warm + c.claimed + c.starting + c.terminating + c.other;
+        c.total = c.warm + c.claimed + c.starting + c.terminating + c.other + c.leaving;
     }
 
     /// Pods of the current template still to create for `warm`, and room left under `max`.
@@ -553,6 +637,8 @@ mod tests {
             scheduled: None,
             claimed_at: None,
             problem: None,
+            node: NodeState::Serving,
+            draining: false,
         }
     }
 
@@ -1110,5 +1196,94 @@ mod tests {
         assert!(!o.ready && !o.finished && !o.terminating);
         assert_eq!(o.unschedulable.as_deref(), Some("no gvisor node"));
         assert_eq!(o.claimed_at, Some("2026-01-01T11:59:00Z".parse().unwrap()));
+    }
+
+    fn on(node: NodeState, p: Observed) -> Observed {
+        p.on_node(node)
+    }
+
+    #[test]
+    fn a_cordoned_nodes_warm_pods_are_made_again_elsewhere_and_its_claimed_pods_marked_draining_once()
+     {
+        let cordoned = NodeState::Cordoned("n2".into());
+        let p = case(
+            3,
+            10,
+            vec![
+                pod("a"),
+                on(cordoned.clone(), pod("b")),
+                on(cordoned.clone(), pod("c")),
+                on(cordoned.clone(), claimed("held", 10)),
+                on(
+                    cordoned.clone(),
+                    Observed {
+                        draining: true,
+                        ..claimed("marked", 10)
+                    },
+                ),
+            ],
+        )
+        .run();
+        assert!(
+            p.delete.is_empty(),
+            "they serve until the drain evicts them: {:?}",
+            p.delete
+        );
+        assert_eq!(
+            p.create, 2,
+            "made again for the warm target, ahead of the drain"
+        );
+        assert_eq!((p.counts.warm, p.counts.leaving), (1, 2));
+        assert_eq!(
+            p.drain,
+            vec![("held".to_string(), "node n2 is cordoned".to_string())],
+            "the claimed pods are left to their gateways; one marked already is not marked again"
+        );
+        assert_eq!(p.counts.claimed, 2);
+    }
+
+    #[test]
+    fn a_lost_nodes_pods_do_not_count_toward_max_and_the_pool_is_made_again() {
+        let lost = NodeState::Lost("n2".into());
+        let p = case(
+            3,
+            3,
+            vec![
+                on(
+                    lost.clone(),
+                    Observed {
+                        terminating: true,
+                        ..pod("stuck")
+                    },
+                ),
+                on(lost.clone(), pod("w")),
+                on(lost.clone(), claimed("held", 10)),
+            ],
+        )
+        .run();
+        assert_eq!(deleted(&p), vec![("w", DeleteReason::NodeLost)]);
+        assert_eq!(p.create, 3, "max counts only pods that can serve");
+        assert_eq!(p.hold, None);
+        assert_eq!((p.counts.lost, p.counts.total), (3, 0));
+        assert_eq!(
+            p.drain,
+            vec![("held".to_string(), "node n2 is not ready".to_string())]
+        );
+    }
+
+    #[test]
+    fn a_serving_node_changes_nothing() {
+        let plain = case(2, 4, vec![pod("a"), claimed("c", 10)]).run();
+        let on_serving = case(
+            2,
+            4,
+            vec![
+                on(NodeState::Serving, pod("a")),
+                on(NodeState::Serving, claimed("c", 10)),
+            ],
+        )
+        .run();
+        assert_eq!(plain, on_serving);
+        assert!(plain.drain.is_empty());
     }
 }

@@ -285,6 +285,8 @@ mod tests {
                 starting: 0,
                 terminating: 1,
                 other: 0,
+                lost: 0,
+                leaving: 0,
                 total: 5,
             },
             hold: Some(Hold::AtMax),

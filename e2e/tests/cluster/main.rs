@@ -14,6 +14,8 @@
 //! looked for in `SLUICE_SANDBOX_NAMESPACE` (the chart's `sandboxNamespace.name`, default
 //! `sluice-sandboxes`; empty for a single-namespace install, where they live beside their chain).
 
+mod production;
+
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -1602,6 +1604,7 @@ async fn service_accounts_can_do_what_they_need_and_nothing_more() {
                 "chains" => c.ns.clone(),
                 "sandboxes" => c.pod_ns().to_string(),
                 "release" => release.clone(),
+                "cluster" => String::new(),
                 other => panic!("unknown scope {other} in rbac_required.yaml"),
             };
             for rule in rules.as_array().expect("rules") {
@@ -2243,10 +2246,18 @@ struct Traffic {
     resent: u64,
     /// Anything else: a wrong answer, an error a chain's policy would not give.
     failed: Vec<String>,
+    /// The run ids of the runs served, to find them in the audit.
+    run_ids: Vec<String>,
 }
 
-/// One client calling back to back, following the gateway's pods as they are replaced, until `stop`.
-async fn traffic(client: Client, ns: String, stop: tokio::sync::watch::Receiver<bool>) -> Traffic {
+/// One client calling `target` (an upper-casing chain) back to back, following the gateway's pods
+/// as they are replaced, until `stop`.
+async fn traffic(
+    client: Client,
+    ns: String,
+    target: String,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Traffic {
     let mut seen = Traffic::default();
     let mut gateway = None;
     let mut n = 0u64;
@@ -2266,12 +2277,13 @@ async fn traffic(client: Client, ns: String, stop: tokio::sync::watch::Receiver<
             };
             let answer = tokio::time::timeout(
                 Duration::from_secs(10),
-                run_input(g.clone(), &ns, "upgrade-bot", &said),
+                run_input(g.clone(), &ns, &target, &said),
             )
             .await;
             match answer {
                 Ok(Ok(r)) if action(&r) == Action::Modify && text(&r) == said.to_uppercase() => {
                     seen.served += 1;
+                    seen.run_ids.push(r.run_id.clone());
                 }
                 Ok(Ok(r)) => seen.failed.push(format!("{said}: {r:?}")),
                 // UNAVAILABLE, or the connection closed under the request by a gateway going away
@@ -2404,7 +2416,12 @@ async fn upgrade_from_the_previous_release_with_traffic_running() {
     );
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let load = tokio::spawn(traffic(c.client.clone(), c.ns.clone(), stop_rx));
+    let load = tokio::spawn(traffic(
+        c.client.clone(),
+        c.ns.clone(),
+        "upgrade-bot".into(),
+        stop_rx,
+    ));
     tokio::time::sleep(Duration::from_secs(5)).await;
     let upgraded = tokio::task::spawn_blocking(move || {
         std::process::Command::new(&ctl)

@@ -1,0 +1,847 @@
+//! The production shape (`cluster.sh up`: two nodes; `install.sh`: two gateways, two operators
+//! electing a leader): what a managed cluster does to Sluice that one node with one replica of
+//! everything cannot show. A node drained under traffic, a node lost, the operator's leader killed,
+//! two gateways claiming the same warm pods, a sandbox pod's limits in its cgroup.
+
+use super::*;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+fn node_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.node_name.as_deref()
+}
+
+fn ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The cluster's nodes, by name.
+async fn node_names(client: &Client) -> Vec<String> {
+    let mut names: Vec<String> = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .expect("list nodes")
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    names.sort();
+    names
+}
+
+/// The release's pods of `component` (`gateway`, `operator`) not being deleted.
+async fn release_pods(client: &Client, component: &str) -> Vec<Pod> {
+    Api::<Pod>::namespaced(client.clone(), &release_namespace())
+        .list(&ListParams::default().labels(&format!(
+            "app.kubernetes.io/name=sluice,app.kubernetes.io/component={component}"
+        )))
+        .await
+        .expect("list the release's pods")
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect()
+}
+
+/// The port named `name` of the pod's first container.
+fn port(pod: &Pod, name: &str) -> i32 {
+    pod.spec.as_ref().unwrap().containers[0]
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some(name))
+        .unwrap_or_else(|| panic!("no port {name} on {:?}", pod.metadata.name))
+        .container_port
+}
+
+fn pod_ip(pod: &Pod) -> String {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .unwrap_or_else(|| panic!("pod {:?} has no IP", pod.metadata.name))
+}
+
+/// A client of one gateway pod (not the Service): the claim race needs both.
+async fn connect_gateway_pod(pod: &Pod) -> GatewayClient {
+    let auth = ClientAuth {
+        ca: std::env::var_os("SLUICE_CA").map(Into::into),
+        token: std::env::var("SLUICE_TOKEN").ok(),
+        server_name: Some(format!("sluice-gateway.{}.svc", release_namespace())),
+        ..Default::default()
+    };
+    let addr = format!("https://{}:{}", pod_ip(pod), port(pod, "grpc"));
+    auth.connect(&addr)
+        .await
+        .unwrap_or_else(|e| panic!("gateway pod at {addr}: {e}"))
+}
+
+/// The value of a counter in a gateway pod's metrics, summed over the series whose labels contain
+/// `labels` (`result="conflict"`).
+async fn gateway_counter(pod: &Pod, metric: &str, labels: &str) -> f64 {
+    let url = format!("http://{}:{}/metrics", pod_ip(pod), port(pod, "metrics"));
+    let text = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("curl")
+            .args(["-sf", "--max-time", "5", &url])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    })
+    .await
+    .expect("curl");
+    text.lines()
+        .filter(|l| l.starts_with(metric) && l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Every gateway pod's output, followed (`kubectl logs -f`, as a node's log collector does) from
+/// now on, pods that start later included: the audit is a JSON line per run on the gateway's
+/// stdout, and a drained gateway's pod (and its log) goes with the drain.
+struct GatewayLogs {
+    /// (pod, line)
+    lines: Arc<Mutex<Vec<(String, String)>>>,
+    stop: Arc<AtomicBool>,
+    children: Arc<Mutex<Vec<std::process::Child>>>,
+}
+
+impl GatewayLogs {
+    fn follow() -> Self {
+        let logs = GatewayLogs {
+            lines: Arc::default(),
+            stop: Arc::default(),
+            children: Arc::default(),
+        };
+        let (lines, stop, children) =
+            (logs.lines.clone(), logs.stop.clone(), logs.children.clone());
+        std::thread::spawn(move || {
+            let ns = release_namespace();
+            let mut followed = HashSet::new();
+            while !stop.load(Ordering::Relaxed) {
+                let out = std::process::Command::new("kubectl")
+                    .args([
+                        "-n",
+                        &ns,
+                        "get",
+                        "pods",
+                        "-l",
+                        "app.kubernetes.io/component=gateway",
+                        "--field-selector",
+                        "status.phase=Running",
+                        "-o",
+                        "name",
+                    ])
+                    .output();
+                let names = out
+                    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                    .unwrap_or_default();
+                for pod in names
+                    .lines()
+                    .map(|l| l.trim_start_matches("pod/").to_string())
+                {
+                    if pod.is_empty() || !followed.insert(pod.clone()) {
+                        continue;
+                    }
+                    let child = std::process::Command::new("kubectl")
+                        .args(["-n", &ns, "logs", "-f", "--tail=-1", &pod])
+                        .stdout(std::process::Stdio::piped())
+                        .stderr(std::process::Stdio::null())
+                        .spawn();
+                    let Ok(mut child) = child else { continue };
+                    let out = child.stdout.take().expect("piped");
+                    let lines = lines.clone();
+                    std::thread::spawn(move || {
+                        use std::io::BufRead;
+                        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                            lines
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .push((pod.clone(), line));
+                        }
+                    });
+                    children
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(child);
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        });
+        logs
+    }
+
+    /// The audit lines seen so far, as (gateway pod, audit record).
+    fn audit(&self) -> Vec<(String, Value)> {
+        self.lines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter_map(|(pod, line)| {
+                let v: Value = serde_json::from_str(line).ok()?;
+                v.get("run_id")?;
+                Some((pod.clone(), v))
+            })
+            .collect()
+    }
+
+    /// Waits (up to `limit`) until every run of `run_ids` is in some gateway's audit; the ones
+    /// that are not.
+    async fn missing(&self, run_ids: &[String], limit: Duration) -> Vec<String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let seen: HashSet<String> = self
+                .audit()
+                .iter()
+                .filter_map(|(_, v)| v["run_id"].as_str().map(str::to_string))
+                .collect();
+            let missing: Vec<String> = run_ids
+                .iter()
+                .filter(|id| !seen.contains(*id))
+                .cloned()
+                .collect();
+            if missing.is_empty() || Instant::now() >= deadline {
+                return missing;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}
+
+impl Drop for GatewayLogs {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for c in self
+            .children
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter_mut()
+        {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Starts a stopped node's kubelet and containerd again when dropped (`cluster.sh node-start`), so
+/// a failing test leaves the cluster whole.
+struct StartNode(Option<String>);
+
+impl Drop for StartNode {
+    fn drop(&mut self) {
+        if let Some(node) = self.0.take() {
+            cluster_ctl(&["node-start", &node]);
+        }
+    }
+}
+
+/// The chain's pods by node (not being deleted, Ready or not).
+async fn pods_by_node(c: &Cluster, chain: &str) -> BTreeMap<String, Vec<Pod>> {
+    let mut by: BTreeMap<String, Vec<Pod>> = BTreeMap::new();
+    for p in c.live_pods(chain, "").await {
+        if let Some(n) = node_of(&p) {
+            by.entry(n.to_string()).or_default().push(p);
+        }
+    }
+    by
+}
+
+/// `kubectl drain` of a node while two clients call the gateways back to back, with the chain's
+/// claimed pods on that node. The drain completes; no run that was answered failed (a client whose
+/// gateway was evicted connects to the other, as behind a Service); the claimed pods were marked
+/// draining by the operator and given back by their gateways when their trigger point ended, not
+/// evicted under it (the chart's PodDisruptionBudget refuses that); nothing of Sluice is left on the
+/// node; and every answered run is in a gateway's audit, the drained gateway's included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_under_traffic_fails_no_run_and_moves_the_pool() {
+    let Some(c) = cluster("drain").await else {
+        return;
+    };
+    let nodes = node_names(&c.client).await;
+    assert!(
+        nodes.len() >= 2,
+        "the production shape has two nodes: {nodes:?}"
+    );
+    let logs = GatewayLogs::follow();
+    c.apply_chain(
+        "drained",
+        "drain-bot",
+        "input",
+        json!({"pool": {"warm": 3, "max": 10}, "resources": {"cpu": "100m"}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("drained").await;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let loads: Vec<_> = (0..2)
+        .map(|_| {
+            tokio::spawn(traffic(
+                c.client.clone(),
+                c.ns.clone(),
+                "drain-bot".into(),
+                stop_rx.clone(),
+            ))
+        })
+        .collect();
+    // The node of a pod a gateway holds: what the drain must not cut off.
+    let victim = poll(
+        Duration::from_secs(60),
+        "a claimed pod of the chain on a node",
+        || async {
+            c.pool_pods("drained", "claimed")
+                .await
+                .iter()
+                .find_map(|p| node_of(p).map(str::to_string))
+        },
+    )
+    .await;
+    let held_there: Vec<String> = c
+        .pool_pods("drained", "claimed")
+        .await
+        .iter()
+        .filter(|p| node_of(p) == Some(victim.as_str()))
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    println!("draining {victim}, where the gateways hold {held_there:?}");
+    let _uncordon = Uncordon(vec![victim.clone()]);
+    let began = Instant::now();
+    let node = victim.clone();
+    // --force: sandbox pods in the sandbox namespace declare no controller (owner references do
+    // not cross namespaces); they are still evicted through the eviction API, which the budget
+    // governs. A managed node upgrade calls the eviction API itself.
+    let said = tokio::task::spawn_blocking(move || {
+        kubectl(&[
+            "drain",
+            &node,
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--force",
+            "--timeout=240s",
+        ])
+    })
+    .await
+    .expect("kubectl drain");
+    println!("drained {victim} in {:?}:\n{said}", began.elapsed());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let _ = stop_tx.send(true);
+    let (mut served, mut resent, mut failed, mut run_ids) = (0, 0, Vec::new(), Vec::new());
+    for load in loads {
+        let t = load.await.expect("traffic");
+        served += t.served;
+        resent += t.resent;
+        failed.extend(t.failed);
+        run_ids.extend(t.run_ids);
+    }
+    println!("under the drain: {served} runs served, {resent} sent again on a new connection");
+    assert!(
+        failed.is_empty(),
+        "runs failed under the drain: {failed:#?}"
+    );
+    assert!(
+        served >= 20,
+        "too little traffic to show anything: {served}"
+    );
+
+    let left: Vec<String> = Api::<Pod>::all(c.client.clone())
+        .list(&ListParams::default().fields(&format!("spec.nodeName={victim}")))
+        .await
+        .expect("list pods")
+        .items
+        .iter()
+        .filter(|p| {
+            p.metadata
+                .labels
+                .as_ref()
+                .is_some_and(|l| l.values().any(|v| v.starts_with("sluice")))
+        })
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    assert!(left.is_empty(), "Sluice pods left on {victim}: {left:?}");
+    // The held pods were given back by their gateways once marked, not evicted mid-walk.
+    let events = kubectl(&["-n", &c.ns, "get", "events.events.k8s.io", "-o", "json"]);
+    let events: Value = serde_json::from_str(&events).expect("events");
+    let draining: Vec<&str> = events["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["reason"] == "Draining")
+        .filter_map(|e| e["note"].as_str())
+        .collect();
+    for pod in &held_there {
+        assert!(
+            draining.iter().any(|n| n.contains(pod.as_str())),
+            "no Draining event names the held pod {pod}: {draining:?}"
+        );
+    }
+    let missing = logs.missing(&run_ids, Duration::from_secs(30)).await;
+    assert!(
+        missing.is_empty(),
+        "{} of {} answered runs are in no gateway's audit: {:?}",
+        missing.len(),
+        run_ids.len(),
+        &missing[..missing.len().min(5)]
+    );
+    drop(_uncordon);
+    c.wait_pool_ready("drained").await;
+}
+
+/// A node stops (its kubelet and containerd: its containers keep running, unreachable through the
+/// API, as on a node cut off). Within 10 s the chain is served from the other node, and no run
+/// waits out the exec timeout on a dead pod; once the node controller marks the node (its 50 s
+/// grace), the operator makes the pool again on the serving node while the lost pods still exist:
+/// `pool.max` counts only pods that can serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_node_is_served_around_within_seconds_and_its_pods_do_not_count() {
+    let Some(c) = cluster("lost").await else {
+        return;
+    };
+    let nodes = node_names(&c.client).await;
+    assert!(
+        nodes.len() >= 2,
+        "the production shape has two nodes: {nodes:?}"
+    );
+    const WARM: usize = 4;
+    c.apply_chain(
+        "lost",
+        "lost-bot",
+        "input",
+        json!({"pool": {"warm": WARM, "max": WARM + 1}, "resources": {"cpu": "100m"}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("lost").await;
+    // At least two of the chain's pods on the node to lose, one elsewhere: until the scheduler has
+    // spread them so, one pod of the fuller node is replaced (it lands where there is more room).
+    let victim = poll(
+        Duration::from_secs(180),
+        "the chain's pods spread two and one over the nodes",
+        || async {
+            let by = pods_by_node(&c, "lost").await;
+            let ready_on = |n: &str| {
+                by.get(n)
+                    .map_or(0, |ps| ps.iter().filter(|p| ready(p)).count())
+            };
+            let fullest = nodes.iter().max_by_key(|n| ready_on(n))?.clone();
+            let others: usize = nodes
+                .iter()
+                .filter(|n| **n != fullest)
+                .map(|n| ready_on(n))
+                .sum();
+            if ready_on(&fullest) >= 2 && others >= 1 {
+                return Some(fullest);
+            }
+            if let Some(p) = by
+                .get(&fullest)
+                .and_then(|ps| ps.iter().find(|p| pool_of(p) == "warm"))
+            {
+                let _ = c
+                    .pods()
+                    .delete(p.metadata.name.as_deref()?, &DeleteParams::default())
+                    .await;
+            }
+            None
+        },
+    )
+    .await;
+    let on_victim: Vec<String> = pods_by_node(&c, "lost").await[&victim]
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    c.run("lost-bot", "before")
+        .await
+        .expect("Run before the loss");
+    println!("stopping {victim}, which runs {on_victim:?}");
+    let _restart = StartNode(Some(victim.clone()));
+    let Some(()) = cluster_ctl(&["node-stop", &victim]) else {
+        return;
+    };
+    let stopped = Instant::now();
+    let (mut late, mut slowest, mut n) = (Vec::new(), Duration::ZERO, 0);
+    while stopped.elapsed() < Duration::from_secs(20) {
+        let sent = stopped.elapsed();
+        let began = Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(30), c.run("lost-bot", "after")).await;
+        let took = began.elapsed();
+        slowest = slowest.max(took);
+        n += 1;
+        let ok = matches!(&r, Ok(Ok(r)) if text(r) == "AFTER");
+        if !ok {
+            println!("run sent {sent:?} after the loss: {r:?} ({took:?})");
+            if sent >= Duration::from_secs(10) {
+                late.push(format!("sent {sent:?} after: {r:?}"));
+            }
+        }
+    }
+    println!("{n} runs in the 20 s after the loss; the slowest took {slowest:?}");
+    assert!(
+        late.is_empty(),
+        "runs sent 10 s or more after the node was lost failed: {late:#?}"
+    );
+    assert!(
+        slowest < Duration::from_secs(5),
+        "a run waited {slowest:?}: on a dead pod's exec?"
+    );
+    // The node controller's verdict, then the pool made again beside the lost pods.
+    let ready_elsewhere = poll(
+        Duration::from_secs(150),
+        "the pool made again on the serving node while the lost node's pods still exist",
+        || async {
+            let by = pods_by_node(&c, "lost").await;
+            let all = c
+                .pods()
+                .list(&ListParams::default().labels(&format!(
+                    "sluice.dev/chain-namespace={},sluice.dev/chain=lost",
+                    c.ns
+                )))
+                .await
+                .ok()?
+                .items;
+            let lost_still_there = all
+                .iter()
+                .filter(|p| {
+                    on_victim
+                        .iter()
+                        .any(|v| p.metadata.name.as_deref() == Some(v.as_str()))
+                })
+                .count();
+            let serving: usize = by
+                .iter()
+                .filter(|(n, _)| **n != victim)
+                .map(|(_, ps)| ps.iter().filter(|p| ready(p)).count())
+                .sum();
+            (serving >= WARM && lost_still_there >= 2).then_some((serving, lost_still_there))
+        },
+    )
+    .await;
+    println!(
+        "{} ready pods on the serving node beside {} lost ones (max {})",
+        ready_elsewhere.0,
+        ready_elsewhere.1,
+        WARM + 1
+    );
+    drop(_restart);
+    c.wait_pool_ready("lost").await;
+    let r = c
+        .run("lost-bot", "back")
+        .await
+        .expect("Run once the node is back");
+    assert_eq!(text(&r), "BACK");
+}
+
+/// The operator's leader is killed (its pod deleted without grace: no Lease handed back). The other
+/// replica takes the Lease when it expires and reconciles: a chain applied right after the kill
+/// gets its pods within the Lease's duration (15 s) and a margin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_operator_leader_hands_reconciling_over_within_the_lease() {
+    let Some(c) = cluster("leader").await else {
+        return;
+    };
+    let release = release_namespace();
+    let leases = Api::<Lease>::namespaced(c.client.clone(), &release);
+    let operators = poll(
+        Duration::from_secs(120),
+        "two ready operator replicas",
+        || async {
+            let pods = release_pods(&c.client, "operator").await;
+            (pods.iter().filter(|p| ready(p)).count() >= 2).then_some(pods)
+        },
+    )
+    .await;
+    let holder = poll(
+        Duration::from_secs(60),
+        "the operator's Lease held",
+        || async {
+            let lease = leases.get("sluice-operator").await.ok()?;
+            lease.spec?.holder_identity.filter(|h| !h.is_empty())
+        },
+    )
+    .await;
+    assert!(
+        operators
+            .iter()
+            .any(|p| p.metadata.name.as_deref() == Some(holder.as_str())),
+        "the Lease holder {holder} is not an operator pod"
+    );
+    println!("killing the leader {holder}");
+    Api::<Pod>::namespaced(c.client.clone(), &release)
+        .delete(
+            &holder,
+            &DeleteParams {
+                grace_period_seconds: Some(0),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("delete the leader's pod");
+    let killed = Instant::now();
+    c.apply_chain(
+        "failover",
+        "failover-bot",
+        "input",
+        json!({"pool": {"warm": 1, "max": 2}, "resources": {"cpu": "100m"}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    poll(
+        Duration::from_secs(60),
+        "the chain's first pod, made by the new leader",
+        || async { (!c.live_pods("failover", "").await.is_empty()).then_some(()) },
+    )
+    .await;
+    let took = killed.elapsed();
+    let new_holder = leases
+        .get("sluice-operator")
+        .await
+        .expect("the Lease")
+        .spec
+        .and_then(|s| s.holder_identity)
+        .unwrap_or_default();
+    println!("the new leader {new_holder} made the chain's pods {took:?} after the kill");
+    assert_ne!(new_holder, holder, "the dead leader still holds the Lease");
+    assert!(
+        took <= Duration::from_secs(15 + 10),
+        "reconciling came back after {took:?}: more than the Lease (15 s) and a margin"
+    );
+    c.wait_pool_ready("failover").await;
+}
+
+/// Both gateways claim from one small warm pool at once, a pod per run (`reuse: None`), until the
+/// real API server has answered a claim 409 (the `resourceVersion` precondition is the lock). No
+/// run fails, and no pod served runs of both gateways (their audits name the pod of each run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_claiming_at_once_never_share_a_pod() {
+    let Some(c) = cluster("race").await else {
+        return;
+    };
+    let gateways = poll(
+        Duration::from_secs(120),
+        "two ready gateway replicas",
+        || async {
+            let pods: Vec<Pod> = release_pods(&c.client, "gateway")
+                .await
+                .into_iter()
+                .filter(ready)
+                .collect();
+            (pods.len() >= 2).then_some(pods)
+        },
+    )
+    .await;
+    let logs = GatewayLogs::follow();
+    c.apply_chain(
+        "race",
+        "race-bot",
+        "input",
+        json!({"pool": {"warm": 3, "max": 8, "reuse": "None"}, "resources": {"cpu": "100m"}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("race").await;
+    let mut clients = Vec::new();
+    for g in &gateways {
+        clients.push(connect_gateway_pod(g).await);
+    }
+    let conflicts = || async {
+        let mut total = 0.0;
+        for g in &gateways {
+            total +=
+                gateway_counter(g, "sluice_gateway_pod_claims_total", "result=\"conflict\"").await;
+        }
+        total
+    };
+    let before = conflicts().await;
+    let mut run_ids = Vec::new();
+    let mut failed = Vec::new();
+    for round in 0..8 {
+        let ns = &c.ns;
+        let calls =
+            clients.iter().flat_map(|g| {
+                (0..3).map(move |i| {
+                    let g = g.clone();
+                    let ns = ns.clone();
+                    async move {
+                        run_input(g, &ns, "race-bot", &format!("round {round} call {i}")).await
+                    }
+                })
+            });
+        for r in futures::future::join_all(calls).await {
+            match r {
+                Ok(r) if action(&r) == Action::Modify => run_ids.push(r.run_id.clone()),
+                other => failed.push(format!("{other:?}")),
+            }
+        }
+        if conflicts().await > before && round >= 2 {
+            break;
+        }
+    }
+    let raced = conflicts().await - before;
+    println!(
+        "{} runs through two gateways; {raced} claims answered 409",
+        run_ids.len()
+    );
+    assert!(failed.is_empty(), "runs failed: {failed:#?}");
+    assert!(
+        raced > 0.0,
+        "the gateways never raced for a pod (no claim answered 409)"
+    );
+    let missing = logs.missing(&run_ids, Duration::from_secs(30)).await;
+    assert!(missing.is_empty(), "runs in no audit: {missing:?}");
+    let mut served_by: HashMap<String, HashSet<String>> = HashMap::new();
+    for (gateway, record) in logs.audit() {
+        if let Some(sandbox) = record["sandbox"].as_str() {
+            served_by
+                .entry(sandbox.to_string())
+                .or_default()
+                .insert(gateway);
+        }
+    }
+    let shared: Vec<_> = served_by.iter().filter(|(_, g)| g.len() > 1).collect();
+    assert!(
+        shared.is_empty(),
+        "pods that served two gateways: {shared:?}"
+    );
+}
+
+/// The first `key` value of a cgroup file under the pod's cgroup (any hierarchy holding `file`).
+fn pod_cgroup_file(uid: &str, file: &str) -> Option<String> {
+    fn find(dir: &std::path::Path, name: &str, depth: u32) -> Option<std::path::PathBuf> {
+        for e in std::fs::read_dir(dir).ok()?.flatten() {
+            let p = e.path();
+            if !p.is_dir() {
+                continue;
+            }
+            if p.file_name().is_some_and(|n| n == name) {
+                return Some(p);
+            }
+            if depth > 0
+                && let Some(hit) = find(&p, name, depth - 1)
+            {
+                return Some(hit);
+            }
+        }
+        None
+    }
+    let hierarchy = file.split('.').next()?;
+    let roots = match hierarchy {
+        "cpu" => vec!["cpu", "cpu,cpuacct"],
+        other => vec![other],
+    };
+    roots.into_iter().find_map(|h| {
+        let pod = find(
+            &std::path::Path::new("/sys/fs/cgroup").join(h),
+            &format!("pod{uid}"),
+            5,
+        )?;
+        std::fs::read_to_string(pod.join(file))
+            .ok()
+            .map(|s| s.trim().to_string())
+    })
+}
+
+const EAT_MEMORY: &str = "def execute(context, settings):\n    keep = []\n    while True:\n        keep.append(bytearray(1 << 20))\n";
+
+/// A sandbox pod's resources reach its cgroup on the node (memory limit, CPU shares and quota), and
+/// a hook that eats memory ends its own run, with its chain's failure policy, and nobody else's:
+/// another chain's pods on the same nodes keep serving, none restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_limits_reach_the_pods_cgroup_and_a_hook_eating_memory_costs_only_its_run() {
+    let Some(c) = cluster("limits").await else {
+        return;
+    };
+    c.apply_chain(
+        "neighbour",
+        "neighbour-bot",
+        "input",
+        json!({"pool": {"warm": 2, "max": 4}, "resources": {"cpu": "200m", "memory": "64Mi"}}),
+        &[("upper", "modify", UPPER)],
+    )
+    .await;
+    c.apply_chain(
+        "hog",
+        "hog-bot",
+        "input",
+        json!({"pool": {"warm": 1, "max": 3}, "failurePolicy": "Closed", "timeoutMs": 10000,
+               "resources": {"cpu": "200m", "memory": "64Mi"}}),
+        &[("eat", "detect", EAT_MEMORY)],
+    )
+    .await;
+    c.wait_pool_ready("neighbour").await;
+    c.wait_pool_ready("hog").await;
+    let pod = c.pool_pods("neighbour", "warm").await.remove(0);
+    let uid = pod.metadata.uid.clone().expect("uid");
+    let limits = pod.spec.as_ref().unwrap().containers[0]
+        .resources
+        .clone()
+        .expect("resources");
+    let memory_limit =
+        sluice_crds::quantity::memory_bytes(&limits.limits.as_ref().unwrap()["memory"].0)
+            .expect("a memory quantity");
+    assert_eq!(
+        pod_cgroup_file(&uid, "memory.limit_in_bytes").as_deref(),
+        Some(memory_limit.to_string().as_str()),
+        "the pod's memory limit is its cgroup's"
+    );
+    // 200m requested: cpu.shares 1024 * 0.2; the platform's CPU limit (one core): a 100 ms quota per
+    // 100 ms period.
+    assert_eq!(pod_cgroup_file(&uid, "cpu.shares").as_deref(), Some("204"));
+    if let Some(cpu) = limits.limits.as_ref().unwrap().get("cpu") {
+        let quota: i64 = pod_cgroup_file(&uid, "cpu.cfs_quota_us")
+            .and_then(|q| q.parse().ok())
+            .expect("a CFS quota");
+        let period: i64 = pod_cgroup_file(&uid, "cpu.cfs_period_us")
+            .and_then(|q| q.parse().ok())
+            .expect("a CFS period");
+        let millis = sluice_crds::quantity::cpu_millis(&cpu.0).expect("a cpu quantity") as i64;
+        assert_eq!(
+            quota * 1000 / period,
+            millis,
+            "the CPU limit {} is its CFS quota",
+            cpu.0
+        );
+    }
+    let neighbours_before: BTreeMap<String, i32> = c
+        .live_pods("neighbour", "")
+        .await
+        .iter()
+        .map(|p| (p.metadata.name.clone().unwrap_or_default(), restarts(p)))
+        .collect();
+    let began = Instant::now();
+    let r = c.run("hog-bot", "eat").await;
+    let took = began.elapsed();
+    println!("the hog's run: {r:?} after {took:?}");
+    let r = r.expect("a Run under Closed answers (blocked), it does not error");
+    assert_eq!(action(&r), Action::Block, "{r:?}");
+    assert!(
+        took < Duration::from_secs(15),
+        "the hog's run took {took:?}"
+    );
+    for i in 0..5 {
+        let r = c
+            .run("neighbour-bot", &format!("still here {i}"))
+            .await
+            .expect("the neighbour serves");
+        assert_eq!(text(&r), format!("STILL HERE {i}"));
+    }
+    for p in c.live_pods("neighbour", "").await {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        if let Some(before) = neighbours_before.get(&name) {
+            assert_eq!(
+                restarts(&p),
+                *before,
+                "the neighbour's pod {name} restarted"
+            );
+        }
+    }
+    c.wait_pool_ready("hog").await;
+}
+
+fn restarts(pod: &Pod) -> i32 {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .map(|cs| cs.iter().map(|c| c.restart_count).sum())
+        .unwrap_or(0)
+}
