@@ -122,6 +122,15 @@ struct Endpoint {
 }
 
 async fn gateway(client: &Client) -> anyhow::Result<Endpoint> {
+    gateways(client)
+        .await?
+        .into_iter()
+        .next()
+        .context("no ready gateway endpoint")
+}
+
+/// Every ready gateway behind `SLUICE_GATEWAY_SERVICE` (the chart runs two).
+async fn gateways(client: &Client) -> anyhow::Result<Vec<Endpoint>> {
     let service = std::env::var("SLUICE_GATEWAY_SERVICE").context("SLUICE_GATEWAY_SERVICE")?;
     let (ns, name) = service
         .split_once('/')
@@ -129,10 +138,10 @@ async fn gateway(client: &Client) -> anyhow::Result<Endpoint> {
     let slices = Api::<EndpointSlice>::namespaced(client.clone(), ns)
         .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={name}")))
         .await?;
-    let (ip, grpc, metrics) = slices
+    let ready: Vec<(String, i32, Option<i32>)> = slices
         .items
         .iter()
-        .find_map(|s| {
+        .flat_map(|s| {
             let port = |name: &str| {
                 s.ports
                     .as_ref()?
@@ -140,23 +149,48 @@ async fn gateway(client: &Client) -> anyhow::Result<Endpoint> {
                     .find(|p| p.name.as_deref() == Some(name))?
                     .port
             };
-            let e = s
-                .endpoints
+            let (grpc, metrics) = (port("grpc"), port("metrics"));
+            s.endpoints
                 .iter()
-                .find(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))?;
-            Some((e.addresses.first()?.clone(), port("grpc")?, port("metrics")))
+                .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+                .filter_map(move |e| Some((e.addresses.first()?.clone(), grpc?, metrics)))
         })
-        .context("no ready gateway endpoint")?;
+        .collect();
     let auth = ClientAuth {
         ca: std::env::var_os("SLUICE_CA").map(Into::into),
         token: std::env::var("SLUICE_TOKEN").ok(),
         server_name: Some(format!("{name}.{ns}.svc")),
         ..Default::default()
     };
-    Ok(Endpoint {
-        client: auth.connect(&format!("https://{ip}:{grpc}")).await?,
-        metrics: metrics.map(|port| format!("{ip}:{port}")),
-    })
+    let mut out = Vec::new();
+    for (ip, grpc, metrics) in ready {
+        out.push(Endpoint {
+            client: auth.connect(&format!("https://{ip}:{grpc}")).await?,
+            metrics: metrics.map(|port| format!("{ip}:{port}")),
+        });
+    }
+    Ok(out)
+}
+
+/// Runs of `chain` (`reuse: None`: a claim of a warm pod each) through each of `gws` at once, one
+/// per gateway a round, a round every 500 ms so that the pool refills: each run's time.
+async fn fresh_claims(
+    gws: &[GatewayClient],
+    chain: &str,
+    rounds: usize,
+) -> anyhow::Result<Vec<Duration>> {
+    let mut out = Vec::new();
+    for _ in 0..rounds {
+        let runs = gws.iter().map(|g| {
+            let mut g = g.clone();
+            async move { run_when_ready(&mut g, chain).await }
+        });
+        for r in futures::future::join_all(runs).await {
+            out.push(r?);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Ok(out)
 }
 
 /// What one gateway counted for the bench's Recycle chain so far (its `/metrics`): runs, their
@@ -601,6 +635,30 @@ pub(crate) async fn bench(table: &mut Table) -> anyhow::Result<()> {
         "API writes per trigger point (None)",
         format!("{none:.2} ({})", writes_source()),
     ));
+
+    // Claims: a run of the None chain claims a warm pod (the preconditioned PATCH) and attaches.
+    // Both gateways at once race for the same pods; one alone is the baseline, in the same run.
+    let all = gateways(&client).await?;
+    if all.len() >= 2 {
+        let clients: Vec<GatewayClient> = all.iter().map(|e| e.client.clone()).collect();
+        let alone = fresh_claims(&clients[..1], "bench-none", 10).await?;
+        let both = fresh_claims(&clients, "bench-none", 10).await?;
+        table.push(Row::latency(
+            &format!(
+                "Run from a fresh claim (None), {} gateways claiming at once",
+                clients.len()
+            ),
+            &both,
+        ));
+        table.push(
+            Row::latency("  one gateway claiming, same chain, same run", &alone).target("baseline"),
+        );
+    } else {
+        table.push(Row::value(
+            "Run from a fresh claim (None), two gateways claiming at once",
+            format!("not measured: {} ready gateway(s)", all.len()),
+        ));
+    }
 
     table.push(Row::latency(
         "pod create → Ready with gVisor",

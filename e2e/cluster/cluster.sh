@@ -348,7 +348,9 @@ tlsCertFile: $PKI/kubelet$SUFFIX.crt
 tlsPrivateKeyFile: $PKI/kubelet$SUFFIX.key
 clusterDomain: cluster.local
 resolvConf: /etc/resolv.conf
-podLogsDirectory: $STATE/pod-logs$SUFFIX
+# Each node's own: a kubelet deletes the log directories of pods it does not run (in a shared
+# /var/log/pods, the other node's pods' logs went, and kubectl logs with them).
+podLogsDir: $STATE/pod-logs$SUFFIX
 # Test machines have small, busy disks: never evict, never collect images (the pause image is
 # imported, not pulled, so it must not be collected either).
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}

@@ -1409,6 +1409,14 @@ async fn metadata_only_updates_do_not_wait_for_the_webhook() {
                 .expect("scale the operator")
         }
     };
+    // The replicas it runs with (the production shape: two), put back at the end.
+    let replicas = deployments
+        .get("sluice-operator")
+        .await
+        .expect("the operator's Deployment")
+        .spec
+        .and_then(|s| s.replicas)
+        .unwrap_or(1);
     scale(0).await;
     poll(
         Duration::from_secs(120),
@@ -1438,10 +1446,10 @@ async fn metadata_only_updates_do_not_wait_for_the_webhook() {
             &Patch::Merge(json!({"spec": {"timeoutMs": 3000}})),
         )
         .await;
-    scale(1).await;
+    scale(replicas).await;
     poll(Duration::from_secs(180), "the operator is back", || async {
         let d = deployments.get("sluice-operator").await.ok()?;
-        (d.status?.available_replicas? >= 1).then_some(())
+        (d.status?.available_replicas? >= replicas).then_some(())
     })
     .await;
     // The cluster goes back as it was found: the API server reaches the webhook through the
