@@ -99,7 +99,9 @@ def expected_rbac(watch_namespace, sandbox_namespace, platform_namespace=NAMESPA
     operator of `objs` makes certificates, what that takes (certificate_rbac)."""
     chains = {"*"} if not watch_namespace else {watch_namespace, platform_namespace}
     where = {"chains": chains, "sandboxes": {sandbox_namespace} if sandbox_namespace else chains,
-             "release": {release_namespace}, "cluster": {"*"}}
+             "release": {release_namespace},
+             # Nodes: read by an operator not confined to watchNamespace (operator.watchNodes).
+             "cluster": set() if watch_namespace else {"*"}}
     out = {who: {(ns, *rule) for scope, rules in scopes.items() for ns in where[scope] for rule in rules}
            for who, scopes in REQUIRED_RBAC.items()}
     out["operator"] |= certificate_rbac(objs, release_namespace)
@@ -755,10 +757,14 @@ class ChartTest(ManifestCase):
         kinds = lambda objs: sorted(o["kind"] for o in objs)  # noqa: E731
         defaults = kinds(helm_template())
         self.assertNotIn("ServiceMonitor", defaults)
-        self.assertNotIn("PodDisruptionBudget", defaults)
+        # By default: the gateway's (two replicas) and the claimed sandboxes'.
+        budgets = lambda objs: sorted(o["metadata"]["name"] for o in objs if o["kind"] == "PodDisruptionBudget")  # noqa: E731
+        self.assertEqual(budgets(helm_template()), ["sluice-claimed-sandboxes", "sluice-gateway"])
+        self.assertEqual(budgets(helm_template("podDisruptionBudget.enabled=false",
+                                               "sandboxNamespace.claimedDisruptionBudget=false")), [])
         on = helm_template("serviceMonitor.enabled=true", "podDisruptionBudget.enabled=true", "operator.replicas=2")
         self.assertEqual(kinds(o for o in on if o["kind"] in ("ServiceMonitor", "PodDisruptionBudget")),
-                         ["PodDisruptionBudget"] * 2 + ["ServiceMonitor"] * 2)
+                         ["PodDisruptionBudget"] * 3 + ["ServiceMonitor"] * 2)
         # The chain's `namespace` label survives scraping (the alerts group by it).
         for monitor in (o for o in on if o["kind"] == "ServiceMonitor"):
             self.assertTrue(all(e.get("honorLabels") is True for e in monitor["spec"]["endpoints"]),
@@ -1144,6 +1150,7 @@ class ReleasesTest(ManifestCase):
             ("ClusterRole", "sluice-hookchain-edit"), ("ClusterRole", "sluice-view"), ("ClusterRole", "sluice-platform"),
             ("ClusterRole", "sluice-capability-admin"), ("Namespace", SANDBOXES), ("RuntimeClass", "gvisor"),
             ("ClusterRole", "sluice-operator-webhook-ca"), ("ClusterRoleBinding", "sluice-operator-webhook-ca"),
+            ("ClusterRole", "sluice-operator-nodes"), ("ClusterRoleBinding", "sluice-operator-nodes"),
             ("ValidatingWebhookConfiguration", f"sluice-validate-{NAMESPACE}"),
             ("FlowSchema", f"sluice-{NAMESPACE}"), ("PriorityLevelConfiguration", f"sluice-{NAMESPACE}")]))
         names = lambda kind: sorted(o["metadata"]["name"] for o in objs if o["kind"] == kind)  # noqa: E731

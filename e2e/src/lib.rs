@@ -503,6 +503,7 @@ pub mod operator {
             platform_namespace: "sluice-system".into(),
             allowed_endpoints: Default::default(),
             identity: identity.into(),
+            watch_nodes: true,
         }
     }
 

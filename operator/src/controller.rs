@@ -53,6 +53,9 @@ pub struct RunConfig {
     pub allowed_endpoints: sluice_crds::endpoints::AllowedEndpoints,
     /// This replica's name, recorded in Events.
     pub identity: String,
+    /// Watch the cluster's nodes (cordons, lost nodes: `pool::NodeState`). Off for installs that
+    /// may not read cluster-scoped objects: every pod's node then counts as serving.
+    pub watch_nodes: bool,
 }
 
 impl RunConfig {
@@ -127,9 +130,16 @@ pub async fn run_until(
         )
     });
     let applied = futures::future::join_all(controllers);
-    let node_watch =
-        watch_nodes(client.clone(), node_writer, node_changed).take_until(stop.clone());
-    let running = futures::future::join(applied, node_watch.for_each(|_| async {}));
+    let node_watch = if config.watch_nodes {
+        watch_nodes(client.clone(), node_writer, node_changed)
+            .take_until(stop.clone())
+            .for_each(|_| async {})
+            .boxed()
+    } else {
+        drop((node_writer, node_changed));
+        futures::future::ready(()).boxed()
+    };
+    let running = futures::future::join(applied, node_watch);
     tokio::select! {
         _ = running => {}
         _ = abandon => {

@@ -236,6 +236,11 @@ struct RunArgs {
     /// This replica's identity in the Lease and in Events.
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
+    /// Watch the cluster's nodes: claimed pods on a cordoned or lost node are marked draining and
+    /// the pool is made again elsewhere (docs/kubernetes.md, "Drains, lost nodes and operator
+    /// failover"). `--watch-nodes=false` for installs without the right to read nodes.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    watch_nodes: bool,
 }
 
 fn identity(given: Option<String>) -> String {
@@ -313,6 +318,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         platform_namespace: args.platform_namespace,
         allowed_endpoints,
         identity: identity(args.identity),
+        watch_nodes: args.watch_nodes,
     };
     tracing::info!(identity = %config.identity, runtime_class = %config.settings.runtime_class,
         image = %config.settings.supervisor_image,

@@ -466,3 +466,13 @@ networkPolicy.gateway.otlpCollector. Endpoints given through valueFrom cannot be
 - --signed-namespaces={{ join "," .Values.signing.namespaces }}
 {{- end }}
 {{- end -}}
+
+{{/* Whether the operator watches nodes (operator.watchNodes; by default, unless the release is
+confined to watchNamespace, where it gets no cluster-scoped rights). Empty when not. */}}
+{{- define "sluice.operator.watchNodes" -}}
+{{- if kindIs "bool" .Values.operator.watchNodes -}}
+{{- if .Values.operator.watchNodes }}true{{ end -}}
+{{- else if not .Values.watchNamespace -}}
+true
+{{- end -}}
+{{- end -}}

@@ -57,6 +57,7 @@ async fn one_malformed_chain_does_not_stop_the_others_and_bad_capabilities_are_r
         platform_namespace: "sluice-system".into(),
         allowed_endpoints: Default::default(),
         identity: "operator-test".into(),
+        watch_nodes: true,
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let run = spawn(async move {
@@ -199,6 +200,7 @@ fn the_platform_namespace_is_watched_beside_a_single_namespace_only() {
         platform_namespace: "sluice-system".into(),
         allowed_endpoints: Default::default(),
         identity: "operator-test".into(),
+        watch_nodes: true,
     };
     assert_eq!(config(None).watched_namespaces(), vec![None]);
     assert_eq!(
@@ -225,6 +227,7 @@ async fn a_single_namespace_operator_keeps_the_platform_baselines_too() {
         platform_namespace: "sluice-system".into(),
         allowed_endpoints: Default::default(),
         identity: "operator-test".into(),
+        watch_nodes: true,
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let run = spawn(async move {
@@ -401,6 +404,7 @@ fn operator_a(client: &kube::Client) -> (sluice_operator::leader::LeaseLock, Run
         platform_namespace: "sluice-system".into(),
         allowed_endpoints: Default::default(),
         identity: "operator-a".into(),
+        watch_nodes: true,
     };
     (lock, config)
 }
@@ -626,6 +630,7 @@ async fn with_a_sandbox_namespace_pods_are_watched_and_made_there_only() {
         platform_namespace: "sluice-system".into(),
         allowed_endpoints: Default::default(),
         identity: "operator-test".into(),
+        watch_nodes: true,
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let run = spawn(async move {
