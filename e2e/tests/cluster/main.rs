@@ -429,10 +429,21 @@ impl Cluster {
 
 /// One `Gateway.Run` of `text` at the input trigger point of `target`.
 async fn run_input(
+    gateway: GatewayClient,
+    ns: &str,
+    target: &str,
+    text: &str,
+) -> Result<proto::RunResponse, tonic::Status> {
+    run_in_session(gateway, ns, target, text, "e2e").await
+}
+
+/// One `Gateway.Run` of `text` at the input trigger point of `target`, in session `session`.
+async fn run_in_session(
     mut gateway: GatewayClient,
     ns: &str,
     target: &str,
     text: &str,
+    session: &str,
 ) -> Result<proto::RunResponse, tonic::Status> {
     let req = proto::RunRequest {
         namespace: ns.into(),
@@ -440,7 +451,7 @@ async fn run_input(
         trigger_point: "input".into(),
         payload: Some(proto::run_request::Payload::Text(text.into())),
         context: Default::default(),
-        session_id: "e2e".into(),
+        session_id: session.into(),
     };
     gateway.run(req).await.map(|r| r.into_inner())
 }

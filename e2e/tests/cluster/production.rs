@@ -1,12 +1,13 @@
 //! The production shape (`cluster.sh up`: two nodes; `install.sh`: two gateways, two operators
 //! electing a leader): what a managed cluster does to Sluice that one node with one replica of
 //! everything cannot show. A node drained under traffic, a node lost, the operator's leader killed,
-//! two gateways claiming the same warm pods, a sandbox pod's limits in its cgroup.
+//! two gateways claiming the same warm pods, a canary judged by two gateways, a gateway's shadow
+//! comparison when its pod goes, a sandbox pod's limits in its cgroup.
 
 use super::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -215,6 +216,17 @@ impl GatewayLogs {
                 v.get("run_id")?;
                 Some((pod.clone(), v))
             })
+            .collect()
+    }
+
+    /// The gateway pods that wrote a line containing `needle` so far.
+    fn said(&self, needle: &str) -> BTreeSet<String> {
+        self.lines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, line)| line.contains(needle))
+            .map(|(pod, _)| pod.clone())
             .collect()
     }
 
@@ -978,4 +990,262 @@ fn restarts(pod: &Pod) -> i32 {
         .and_then(|s| s.container_statuses.as_ref())
         .map(|cs| cs.iter().map(|c| c.restart_count).sum())
         .unwrap_or(0)
+}
+
+const RAISES: &str = "def execute(context, settings):\n    raise ValueError('broken candidate')\n";
+
+/// The gateway pods' names whose entries are in the chain's `status.rollout.shadow`.
+async fn shadow_gateways(c: &Cluster, chain: &str) -> BTreeSet<String> {
+    c.chains()
+        .get(chain)
+        .await
+        .ok()
+        .and_then(|hc| hc.status?.rollout)
+        .map(|r| r.shadow.into_iter().map(|e| e.gateway).collect())
+        .unwrap_or_default()
+}
+
+/// Two gateways and one rollout. A canary whose candidate fails is judged by each gateway on its
+/// own traffic: the one that serves enough of the candidate's sessions finds it out of bounds and
+/// sets `sluice.dev/rollback`; the other, which served the candidate to some sessions but never
+/// judged, rolls back too and serves every session the live hooks. Then a shadow candidate: both
+/// gateways write their comparison into the chain's status, and a gateway pod deleted (as a
+/// rollout or a drain deletes it) takes its own entry away as it stops, while the other's stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_judged_by_two_gateways_and_a_stopped_gateways_shadow_entry() {
+    let Some(c) = cluster("canary2").await else {
+        return;
+    };
+    let gateways = poll(
+        Duration::from_secs(120),
+        "two ready gateway replicas",
+        || async {
+            let pods: Vec<Pod> = release_pods(&c.client, "gateway")
+                .await
+                .into_iter()
+                .filter(ready)
+                .collect();
+            (pods.len() >= 2).then_some(pods)
+        },
+    )
+    .await;
+    let names: Vec<String> = gateways
+        .iter()
+        .map(|g| g.metadata.name.clone().unwrap())
+        .collect();
+    let (judge, follower) = (
+        connect_gateway_pod(&gateways[0]).await,
+        connect_gateway_pod(&gateways[1]).await,
+    );
+    let logs = GatewayLogs::follow();
+    c.apply_chain(
+        "canary2",
+        "canary2-bot",
+        "input",
+        json!({"failurePolicy": "Open", "pool": {"warm": 2, "max": 8}}),
+        &[("case", "modify", UPPER)],
+    )
+    .await;
+    c.wait_pool_ready("canary2").await;
+    let ns = c.ns.clone();
+    let answer = |g: GatewayClient, session: String| {
+        let ns = ns.clone();
+        async move {
+            let r = run_in_session(g, &ns, "canary2-bot", "Mixed Case", &session)
+                .await
+                .unwrap_or_else(|e| panic!("Run in {session}: {e}"));
+            text(&r).to_string()
+        }
+    };
+    assert_eq!(answer(judge.clone(), "first".into()).await, "MIXED CASE");
+
+    c.apply_chain(
+        "canary2",
+        "canary2-bot",
+        "input",
+        json!({"failurePolicy": "Open", "pool": {"warm": 2, "max": 8},
+               "rollout": {"strategy": "Canary", "steps": [50], "stepDuration": "1h", "minRuns": 5}}),
+        &[("case", "modify", RAISES)],
+    )
+    .await;
+    let api = c.chains();
+    poll(Duration::from_secs(60), "the canary Progressing", || {
+        let api = api.clone();
+        async move {
+            let r = api.get("canary2").await.ok()?.status?.rollout?;
+            (r.phase == "Progressing").then_some(())
+        }
+    })
+    .await;
+    // The follower serves the candidate to a session or two (fewer than minRuns: it cannot judge).
+    let mut follower_canary = Vec::new();
+    for i in 0..60 {
+        let session = format!("follower-{i}");
+        if answer(follower.clone(), session.clone()).await == "Mixed Case" {
+            follower_canary.push(session);
+            if follower_canary.len() == 2 {
+                break;
+            }
+        }
+    }
+    assert_eq!(
+        follower_canary.len(),
+        2,
+        "the follower never served the candidate"
+    );
+    // The judge serves sessions until it rolls the candidate back.
+    let mut candidate_runs = 0;
+    let until = Instant::now() + Duration::from_secs(120);
+    for i in 0.. {
+        let r = api
+            .get("canary2")
+            .await
+            .ok()
+            .and_then(|hc| hc.status?.rollout);
+        if r.as_ref().is_some_and(|r| r.phase == "RolledBack") {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the canary was never rolled back: {r:?}"
+        );
+        if answer(judge.clone(), format!("judge-{i}")).await == "Mixed Case" {
+            candidate_runs += 1;
+        }
+    }
+    let annotations = api
+        .get("canary2")
+        .await
+        .expect("the chain")
+        .metadata
+        .annotations
+        .unwrap_or_default();
+    assert!(
+        annotations.contains_key("sluice.dev/rollback"),
+        "{annotations:?}"
+    );
+    let judged = poll(
+        Duration::from_secs(30),
+        "the judge's log of the rollback",
+        || async {
+            let said = logs.said("canary rolled back for the cluster");
+            (!said.is_empty()).then_some(said)
+        },
+    )
+    .await;
+    assert_eq!(
+        judged,
+        BTreeSet::from([names[0].clone()]),
+        "who judged: {}",
+        logs.describe()
+    );
+    // The follower rolls back too: its canary sessions, and every other, get the live hooks.
+    let until = Instant::now() + Duration::from_secs(30);
+    for s in &follower_canary {
+        loop {
+            let got = answer(follower.clone(), s.clone()).await;
+            if got == "MIXED CASE" {
+                break;
+            }
+            assert!(
+                Instant::now() < until,
+                "the follower still serves {s} the candidate: {got:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    for i in 0..20 {
+        assert_eq!(
+            answer(follower.clone(), format!("after-{i}")).await,
+            "MIXED CASE"
+        );
+        assert_eq!(
+            answer(judge.clone(), format!("after-{i}")).await,
+            "MIXED CASE"
+        );
+    }
+    println!(
+        "canary rolled back by {judged:?} after {candidate_runs} candidate runs on it; {} followed",
+        names[1]
+    );
+
+    // A shadow candidate: both gateways compare and write their entries.
+    c.apply_chain(
+        "canary2",
+        "canary2-bot",
+        "input",
+        json!({"failurePolicy": "Open", "pool": {"warm": 2, "max": 8}, "rollout": {"strategy": "Shadow"}}),
+        &[("case", "modify", LOWER)],
+    )
+    .await;
+    let both: BTreeSet<String> = names.iter().cloned().collect();
+    let mut i = 0;
+    poll(
+        Duration::from_secs(120),
+        "both gateways' shadow entries",
+        || {
+            i += 1;
+            let runs = futures::future::join(
+                answer(judge.clone(), format!("shadow-{i}")),
+                answer(follower.clone(), format!("shadow-{i}")),
+            );
+            let both = both.clone();
+            let c = &c;
+            async move {
+                let (a, b) = runs.await;
+                assert_eq!(
+                    (a.as_str(), b.as_str()),
+                    ("MIXED CASE", "MIXED CASE"),
+                    "a shadow candidate answered"
+                );
+                (shadow_gateways(c, "canary2").await == both).then_some(())
+            }
+        },
+    )
+    .await;
+    // The judge's pod is deleted (graceful, as by a rollout or a drain): its entry goes with it.
+    let deleted = Instant::now();
+    kubectl(&[
+        "delete",
+        "pod",
+        "-n",
+        &release_namespace(),
+        &names[0],
+        "--wait=false",
+    ]);
+    let gone = poll(
+        Duration::from_secs(90),
+        "the deleted gateway's shadow entry gone",
+        || async {
+            let left = shadow_gateways(&c, "canary2").await;
+            (!left.contains(&names[0])).then_some(left)
+        },
+    )
+    .await;
+    let took = deleted.elapsed();
+    assert!(
+        gone.contains(&names[1]),
+        "the other gateway's entry went too: {gone:?}"
+    );
+    assert!(
+        took < Duration::from_secs(60),
+        "the entry went after {took:?}: the operator's pruning (claim deadline), not the gateway's farewell"
+    );
+    println!(
+        "a deleted gateway's shadow entry was gone {took:?} after the delete; the other's stayed"
+    );
+    // The Deployment's new replica, for the tests after this one.
+    poll(
+        Duration::from_secs(120),
+        "two ready gateway replicas again",
+        || async {
+            let pods: Vec<Pod> = release_pods(&c.client, "gateway")
+                .await
+                .into_iter()
+                .filter(ready)
+                .collect();
+            (pods.len() >= 2).then_some(())
+        },
+    )
+    .await;
 }

@@ -340,3 +340,113 @@ async fn a_chain_deleted_mid_shadow_is_not_written_to_again() {
     h.stop_kube_and_check(&api).await;
     operator::stop(running).await;
 }
+
+/// The shadow entries, `(gateway, updatedAt)`, in the chain's status now.
+fn shadow_entries(api: &FakeApiServer) -> Vec<(String, String)> {
+    let hc = api
+        .get(Resource::HookChains, "default", CHAIN)
+        .expect("the chain");
+    hc["status"]["rollout"]["shadow"]
+        .as_array()
+        .map(|entries| {
+            entries
+                .iter()
+                .map(|e| {
+                    (
+                        e["gateway"].as_str().unwrap_or_default().to_string(),
+                        e["updatedAt"].as_str().unwrap_or_default().to_string(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A gateway that stops without taking its shadow comparison away (killed, or its node lost) left
+/// it in the chain's status for good, read by `kubectl get hc -o yaml` and `sluice rollout status`
+/// as a live gateway's. The operator takes away an entry its gateway has not renewed within the
+/// claim deadline (as a claim not renewed in that time expires), and leaves a renewed one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gone_gateways_shadow_comparison_is_taken_out_of_the_status_after_the_claim_deadline() {
+    let api = FakeApiServer::builder()
+        .start()
+        .await
+        .expect("fake API server");
+    api.apply(Resource::HookChains, chain());
+    let deadline = Duration::from_secs(3);
+    let mut config = operator::config("operator-prune", Default::default());
+    config.claim_deadline = deadline;
+    let running = operator::start(api.client(), config);
+    wait_for(&api, "rolled out", |hc| {
+        hc["status"]["rollout"]["phase"] == "RolledOut"
+    })
+    .await;
+    let chains: kube::Api<sluice_crds::HookChain> =
+        kube::Api::namespaced(api.client_as("gateway"), "default");
+    let entry = |gateway: &str| {
+        json!({
+            "gateway": gateway, "candidateRevision": "abc", "runs": 3, "agreed": 3,
+            "actionDiffers": 0, "outputDiffers": 0, "errors": 0, "dropped": 0,
+            "disagreementPercent": "0.0", "updatedAt": k8s_openapi::jiff::Timestamp::now().to_string(),
+        })
+    };
+    chains
+        .patch_status(
+            CHAIN,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                json!({"status": {"rollout": {"shadow": [entry("gw-live"), entry("gw-killed")]}}}),
+            ),
+        )
+        .await
+        .expect("the entries written");
+    let written = Instant::now();
+    // gw-live renews its entry every half second; gw-killed is gone.
+    let renew_live = || async {
+        let entries = shadow_entries(&api);
+        let live = entries
+            .iter()
+            .position(|(g, _)| g == "gw-live")
+            .unwrap_or_else(|| panic!("the renewed entry was taken away: {entries:?}"));
+        let renew = json!([
+            {"op": "test", "path": format!("/status/rollout/shadow/{live}/gateway"), "value": "gw-live"},
+            {"op": "replace", "path": format!("/status/rollout/shadow/{live}/updatedAt"), "value": k8s_openapi::jiff::Timestamp::now().to_string()},
+        ]);
+        let renew: json_patch::Patch = serde_json::from_value(renew).expect("a JSON patch");
+        // A renewal may meet the operator's removal in between (a failed test): next turn.
+        let _ = chains
+            .patch_status(
+                CHAIN,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::<()>::Json(renew),
+            )
+            .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        entries
+    };
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let entries = renew_live().await;
+        if !entries.iter().any(|(g, _)| g == "gw-killed") {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the gone gateway's entry stayed: {entries:?}"
+        );
+    }
+    let after = written.elapsed();
+    assert!(
+        after >= deadline - Duration::from_millis(500),
+        "an entry was taken away {after:?} after it was written, before the claim deadline ({deadline:?})"
+    );
+    // Renewed past several deadlines, the live entry stays (renew_live panics otherwise).
+    let until = Instant::now() + deadline * 3;
+    while Instant::now() < until {
+        renew_live().await;
+    }
+    println!(
+        "the gone gateway's entry was removed {after:?} after it was written (claim deadline {deadline:?})"
+    );
+    operator::stop(running).await;
+}

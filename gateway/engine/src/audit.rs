@@ -5,6 +5,7 @@
 use serde::Serialize;
 use serde_json::Value;
 use std::io::Write;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 #[derive(Debug, Serialize)]
@@ -209,21 +210,85 @@ impl AuditEvent {
     }
 }
 
-/// Where audit lines go. Writes are whole lines under a lock, so concurrent runs never interleave.
+/// Where audit lines go. Lines are whole: concurrent runs never interleave.
+///
+/// A file (or any sink given to `new`) is written in place. Standard output is a pipe that the
+/// node's log collector reads (containerd, the kubelet): when it stops reading, a write in place
+/// would block the run that makes it, then every run. So `to_stdout` writes from a thread of its
+/// own through a queue: while more than `QUEUE_ADMITS` lines wait, new runs are refused
+/// (`backlog`), so that a run's line is never dropped (runs already admitted finish and queue
+/// theirs); past `QUEUE_HOLDS`, refusals' lines are dropped and counted.
 #[derive(Clone)]
 pub struct Audit {
-    sink: Arc<Mutex<Box<dyn Write + Send>>>,
+    sink: Sink,
+}
+
+#[derive(Clone)]
+enum Sink {
+    Direct(Arc<Mutex<Box<dyn Write + Send>>>),
+    Queued(Arc<Queue>),
+}
+
+/// Lines waiting past which new runs are refused.
+const QUEUE_ADMITS: usize = 1024;
+/// Lines waiting past which a line is dropped (and counted): runs admitted below `QUEUE_ADMITS`
+/// finish within this margin, whatever the concurrency.
+const QUEUE_HOLDS: usize = 64 * 1024;
+
+struct Queue {
+    tx: std::sync::mpsc::Sender<Vec<u8>>,
+    waiting: Arc<AtomicUsize>,
+    dropped: AtomicU64,
+    admits: usize,
+    holds: usize,
 }
 
 impl Audit {
     pub fn new(sink: Box<dyn Write + Send>) -> Self {
         Self {
-            sink: Arc::new(Mutex::new(sink)),
+            sink: Sink::Direct(Arc::new(Mutex::new(sink))),
         }
     }
 
+    /// Lines to standard output, through a writer thread (see `Audit`).
     pub fn to_stdout() -> Self {
-        Self::new(Box::new(std::io::stdout()))
+        Self::queued(Box::new(std::io::stdout()), QUEUE_ADMITS, QUEUE_HOLDS)
+    }
+
+    /// Lines to `sink` from a thread of its own, refusing runs past `admits` lines waiting and
+    /// dropping lines past `holds`.
+    pub fn queued(mut sink: Box<dyn Write + Send>, admits: usize, holds: usize) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+        let waiting = Arc::new(AtomicUsize::new(0));
+        let left = waiting.clone();
+        let spawned = std::thread::Builder::new()
+            .name("sluice-audit".into())
+            .spawn(move || {
+                while let Ok(line) = rx.recv() {
+                    let mut result = sink.write_all(&line);
+                    left.fetch_sub(1, Ordering::Relaxed);
+                    // A burst is flushed once, when the queue is empty.
+                    while let Ok(line) = rx.try_recv() {
+                        result = result.and_then(|_| sink.write_all(&line));
+                        left.fetch_sub(1, Ordering::Relaxed);
+                    }
+                    if let Err(e) = result.and_then(|_| sink.flush()) {
+                        tracing::error!(error = %e, "audit write failed");
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "no thread for the audit writer: audit lines are written in place");
+        }
+        Self {
+            sink: Sink::Queued(Arc::new(Queue {
+                tx,
+                waiting,
+                dropped: AtomicU64::new(0),
+                admits,
+                holds,
+            })),
+        }
     }
 
     pub fn discard() -> Self {
@@ -238,6 +303,25 @@ impl Audit {
         Ok(Self::new(Box::new(f)))
     }
 
+    /// Lines waiting to be written, when more wait than a new run may be admitted beside.
+    pub fn backlog(&self) -> Option<usize> {
+        match &self.sink {
+            Sink::Direct(_) => None,
+            Sink::Queued(q) => {
+                let waiting = q.waiting.load(Ordering::Relaxed);
+                (waiting >= q.admits).then_some(waiting)
+            }
+        }
+    }
+
+    /// Lines dropped because too many waited.
+    pub fn dropped(&self) -> u64 {
+        match &self.sink {
+            Sink::Direct(_) => 0,
+            Sink::Queued(q) => q.dropped.load(Ordering::Relaxed),
+        }
+    }
+
     pub fn write(&self, event: &AuditEvent) {
         let mut line = match serde_json::to_vec(event) {
             Ok(l) => l,
@@ -247,9 +331,25 @@ impl Audit {
             }
         };
         line.push(b'\n');
-        let mut sink = self.sink.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = sink.write_all(&line).and_then(|_| sink.flush()) {
-            tracing::error!(error = %e, run_id = %event.run_id, "audit write failed");
+        match &self.sink {
+            Sink::Direct(sink) => {
+                let mut sink = sink.lock().unwrap_or_else(|p| p.into_inner());
+                if let Err(e) = sink.write_all(&line).and_then(|_| sink.flush()) {
+                    tracing::error!(error = %e, run_id = %event.run_id, "audit write failed");
+                }
+            }
+            Sink::Queued(q) => {
+                if q.waiting.load(Ordering::Relaxed) >= q.holds {
+                    let dropped = q.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                    tracing::error!(run_id = %event.run_id, dropped, waiting = q.holds, "audit line dropped: nobody reads the gateway's output");
+                    return;
+                }
+                q.waiting.fetch_add(1, Ordering::Relaxed);
+                if q.tx.send(line).is_err() {
+                    q.waiting.fetch_sub(1, Ordering::Relaxed);
+                    tracing::error!(run_id = %event.run_id, "audit line lost: the audit writer thread is gone");
+                }
+            }
         }
     }
 }
@@ -282,6 +382,70 @@ pub(crate) fn now_rfc3339() -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// Standard output nobody reads (a stopped containerd): writing never blocks the run, new runs
+    /// are refused past the backlog, no run's line is lost, and the lines arrive once it is read.
+    #[test]
+    fn a_pipe_nobody_reads_neither_blocks_runs_nor_loses_their_lines() {
+        let (mut reader, writer) = std::io::pipe().expect("a pipe");
+        let audit = Audit::queued(Box::new(writer), 8, 32);
+        let event = |i: usize| AuditEvent::new(&format!("run-{i}-{}", "x".repeat(70_000)), "run");
+        let began = std::time::Instant::now();
+        // 70 kB lines: the pipe (64 KiB) is full with the first.
+        let mut admitted = 0;
+        for i in 0..30 {
+            if audit.backlog().is_none() {
+                admitted += 1;
+            }
+            audit.write(&event(i));
+        }
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(5),
+            "writes blocked for {:?}",
+            began.elapsed()
+        );
+        assert!(
+            audit.backlog().is_some_and(|n| n >= 8),
+            "{:?}",
+            audit.backlog()
+        );
+        assert!(admitted < 30, "no run was refused while the lines piled up");
+        assert_eq!(audit.dropped(), 0);
+        // Past `holds`, lines are dropped and counted.
+        for i in 30..40 {
+            audit.write(&event(i));
+        }
+        assert_eq!(audit.dropped(), 8, "30 + 10 lines, 32 held");
+        let mut text = String::new();
+        let reading = std::thread::spawn(move || {
+            use std::io::Read;
+            let _ = reader.read_to_string(&mut text);
+            text
+        });
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while audit.backlog().is_some() {
+            assert!(
+                std::time::Instant::now() < until,
+                "the backlog never drained"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        drop(audit);
+        let text = reading.join().expect("the reader");
+        let ids: Vec<String> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).expect("a whole JSON line")["run_id"]
+                    .as_str()
+                    .unwrap()[..6]
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(ids.len(), 32, "every held line arrives once");
+        assert_eq!(ids[0], "run-0-");
+    }
+
     #[test]
     fn timestamps_are_rfc3339() {
         let ts = super::now_rfc3339();

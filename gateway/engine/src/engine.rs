@@ -89,6 +89,17 @@ impl Engine {
         &self.audit
     }
 
+    /// A new run is refused while its audit line could not be written soon (`Audit::backlog`):
+    /// the client tries another replica, and no served run goes unaudited.
+    pub(crate) fn audit_admits(&self) -> Result<(), EngineError> {
+        match self.audit.backlog() {
+            None => Ok(()),
+            Some(waiting) => Err(EngineError::Unavailable(format!(
+                "the audit log is not being written ({waiting} lines wait for the gateway's output to be read): runs are refused until it is"
+            ))),
+        }
+    }
+
     pub(crate) fn capabilities(&self) -> &dyn Capabilities {
         self.capabilities.as_ref()
     }

@@ -82,6 +82,7 @@ impl Engine {
             audit.caller = input.auth.name().map(str::to_string);
             audit.via = input.via.clone();
             let prepared = (|| {
+                self.audit_admits()?;
                 let target = Target::check(
                     self.limits(),
                     &input.auth,

@@ -261,6 +261,7 @@ async fn drive(engine: Arc<Engine>, mut inputs: Inputs, tx: Tx) {
     audit.caller = open.auth.name().map(str::to_string);
     let chunk_by_chunk = open.chunk_by_chunk;
     let prepared = (|| {
+        engine.audit_admits()?;
         let target = Target::check(
             engine.limits(),
             &open.auth,

@@ -195,7 +195,19 @@ pub struct RunningGateway {
     /// The proxies' ports, drained beside the gRPC server.
     proxies: Vec<crate::http_port::Running>,
     tasks: Vec<JoinHandle<()>>,
+    /// Tasks told to finish (not aborted) once the runs are drained.
+    farewells: Vec<Farewell>,
 }
+
+/// A task that has something to do before the gateway exits: told by `stop`, awaited a while.
+struct Farewell {
+    what: &'static str,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+/// How long a farewell task may take before the gateway exits without it.
+const FAREWELL_WITHIN: Duration = Duration::from_secs(5);
 
 impl RunningGateway {
     pub fn backend(&self) -> &Arc<dyn SandboxBackend> {
@@ -231,6 +243,18 @@ impl RunningGateway {
                 self.server.abort();
             }
             _ => {}
+        }
+        for f in std::mem::take(&mut self.farewells) {
+            let _ = f.stop.send(());
+            let abort = f.task.abort_handle();
+            if tokio::time::timeout(FAREWELL_WITHIN, f.task).await.is_err() {
+                abort.abort();
+                tracing::warn!(
+                    within_s = FAREWELL_WITHIN.as_secs(),
+                    "stopping without {}: it did not finish in time",
+                    f.what
+                );
+            }
         }
         for t in &self.tasks {
             t.abort();
@@ -434,22 +458,32 @@ pub async fn start_kube(mut opts: KubeOptions) -> anyhow::Result<RunningGateway>
     registry.log_summary();
     engine.set_registry(registry).await;
     let feed = tokio::spawn(source.feed(engine.clone()));
+    let (stop_shadows, stop) = oneshot::channel();
     let shadows = tokio::spawn(sluice_source_kube::publish_shadows(
         opts.client.clone(),
         opts.kube.identity.clone(),
-        opts.kube.shadow_status_every,
+        sluice_source_kube::ShadowTimes {
+            every: opts.kube.shadow_status_every,
+            renew: opts.kube.heartbeat,
+        },
         Arc::downgrade(&engine),
+        stop,
     ));
-    let running = serve(
+    let mut running = serve(
         engine,
         listener,
         secured,
         ports,
         opts.metrics,
         &limits,
-        vec![feed, shadows],
+        vec![feed],
     )
     .await?;
+    running.farewells.push(Farewell {
+        what: "taking this gateway's shadow comparisons out of the chains' status",
+        stop: stop_shadows,
+        task: shadows,
+    });
     tracing::info!(addr = %running.addr, identity = %opts.kube.identity, "sluice gateway listening (kube mode)");
     Ok(running)
 }
@@ -643,6 +677,7 @@ async fn serve(
         shutdown: Some(tx),
         server,
         tasks,
+        farewells: Vec::new(),
     })
 }
 

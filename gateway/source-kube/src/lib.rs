@@ -6,4 +6,4 @@
 
 mod source;
 
-pub use source::{AnnotateRollback, KubeSource, publish_shadows, reread_signers};
+pub use source::{AnnotateRollback, KubeSource, ShadowTimes, publish_shadows, reread_signers};

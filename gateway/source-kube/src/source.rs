@@ -508,47 +508,45 @@ impl sluice_engine::RolloutSink for AnnotateRollback {
     }
 }
 
+/// When this gateway writes its shadow comparisons (`publish_shadows`).
+#[derive(Clone, Copy, Debug)]
+pub struct ShadowTimes {
+    /// How often the numbers are looked at (and written when they changed).
+    pub every: Duration,
+    /// Most time between two writes of an unchanged entry: the entry's `updatedAt` is this
+    /// gateway's heartbeat, and the operator takes away an entry not renewed within its claim
+    /// deadline (the gateway is gone: crashed, or its node lost).
+    pub renew: Duration,
+}
+
 /// Writes this gateway's shadow comparisons into the chains' `status.rollout.shadow` (its own
-/// entry, by server-side apply under its own field manager) every `every` while a shadow candidate
-/// runs and the numbers changed, and takes its entry away when the shadow is over. Ends with the
-/// engine.
+/// entry, by server-side apply under its own field manager) every `times.every` while a shadow
+/// candidate runs and the numbers changed (and every `times.renew` even when they did not), and
+/// takes its entry away when the shadow is over. When `stop` fires (the gateway is stopping) or
+/// the engine is gone, it takes away every entry it wrote and ends: a gateway that stops leaves
+/// no comparison behind to be read as live.
 pub async fn publish_shadows(
     client: kube::Client,
     identity: String,
-    every: Duration,
+    times: ShadowTimes,
     engine: std::sync::Weak<Engine>,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
 ) {
     let manager = rollout::gateway_field_manager(&identity);
     let params = kube::api::PatchParams::apply(&manager).force();
-    // Per chain: what was written last (without its time).
-    let mut written: HashMap<String, rollout::GatewayShadow> = HashMap::new();
+    // Per chain: what was written last (without its time), and when.
+    let mut written: HashMap<String, (rollout::GatewayShadow, tokio::time::Instant)> =
+        HashMap::new();
     loop {
-        tokio::time::sleep(every).await;
-        let Some(engine) = engine.upgrade() else {
-            return;
+        let stopping = tokio::select! {
+            _ = tokio::time::sleep(times.every) => false,
+            _ = &mut stop => true,
         };
-        let mut now: HashMap<String, rollout::GatewayShadow> = HashMap::new();
-        for s in engine.rollouts() {
-            let (Some(shadow), Some(candidate)) = (s.shadow, s.candidate_revision) else {
-                continue;
-            };
-            now.insert(
-                s.chain,
-                rollout::GatewayShadow {
-                    gateway: identity.clone(),
-                    candidate_revision: candidate,
-                    runs: shadow.runs,
-                    agreed: shadow.agreed,
-                    action_differs: shadow.action_differs,
-                    output_differs: shadow.output_differs,
-                    errors: shadow.errors,
-                    dropped: shadow.dropped,
-                    disagreement_percent: format!("{:.1}", shadow.disagreement_percent),
-                    updated_at: String::new(),
-                },
-            );
-        }
-        drop(engine);
+        let now = match engine.upgrade() {
+            Some(engine) if !stopping => shadows_of(&engine, &identity),
+            // Stopping: every entry written goes.
+            _ => HashMap::new(),
+        };
         let gone: Vec<String> = written
             .keys()
             .filter(|k| !now.contains_key(*k))
@@ -564,8 +562,17 @@ pub async fn publish_shadows(
                 StatusWrite::Failed => {}
             }
         }
+        if now.is_empty() && (stopping || engine.strong_count() == 0) {
+            if !written.is_empty() {
+                tracing::warn!(chains = ?written.keys().collect::<Vec<_>>(), "stopping with shadow comparisons in the chains' status that could not be taken away; the operator removes them once they are older than its claim deadline");
+            }
+            return;
+        }
         for (chain, entry) in now {
-            if written.get(&chain) == Some(&entry) {
+            let renewed = written
+                .get(&chain)
+                .is_some_and(|(e, at)| e == &entry && at.elapsed() < times.renew);
+            if renewed {
                 continue;
             }
             let mut stamped = entry.clone();
@@ -575,12 +582,38 @@ pub async fn publish_shadows(
                 // A chain not (or no longer) in the API server counts as written until its numbers
                 // change: it is not retried every period for as long as the gateway runs.
                 StatusWrite::Written | StatusWrite::NoChain => {
-                    written.insert(chain, entry);
+                    written.insert(chain, (entry, tokio::time::Instant::now()));
                 }
                 StatusWrite::Failed => {}
             }
         }
     }
+}
+
+/// This gateway's shadow comparisons now, per chain (`namespace/name`).
+fn shadows_of(engine: &Engine, identity: &str) -> HashMap<String, rollout::GatewayShadow> {
+    let mut now = HashMap::new();
+    for s in engine.rollouts() {
+        let (Some(shadow), Some(candidate)) = (s.shadow, s.candidate_revision) else {
+            continue;
+        };
+        now.insert(
+            s.chain,
+            rollout::GatewayShadow {
+                gateway: identity.to_string(),
+                candidate_revision: candidate,
+                runs: shadow.runs,
+                agreed: shadow.agreed,
+                action_differs: shadow.action_differs,
+                output_differs: shadow.output_differs,
+                errors: shadow.errors,
+                dropped: shadow.dropped,
+                disagreement_percent: format!("{:.1}", shadow.disagreement_percent),
+                updated_at: String::new(),
+            },
+        );
+    }
+    now
 }
 
 /// How a write of this gateway's entry into a chain's status went.

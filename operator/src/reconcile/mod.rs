@@ -215,6 +215,7 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
     let rolled = rollout::rollout(chain, &read, &verdict, now, ctx).await;
     let status_due =
         status::write(chain, &read, &verdict, &applied, rolled.state, now, ctx).await?;
+    let shadows_due = status::shadows::prune(chain, &read.namespace, &read.name, now, ctx).await;
     let plan = &applied.plan;
 
     // Pod events requeue the chain; the timers cover what no event announces.
@@ -222,7 +223,7 @@ async fn reconcile_chain(chain: &HookChain, ctx: &Context) -> Result<Action, Err
     if let Some(step_ends) = rolled.next {
         next = next.min(step_ends);
     }
-    if let Some(due) = status_due {
+    for due in [status_due, shadows_due].into_iter().flatten() {
         next = next.min(due);
     }
     if read.pending.creates > 0 || !read.pending.deletes.is_empty() {

@@ -410,3 +410,122 @@ async fn a_fifo_in_the_chain_directory_never_stalls_start_runs_or_reloads() {
     sigterm(&gw.child);
     assert!(gw.child.wait().unwrap().success());
 }
+
+/// The audit on standard output, which nobody reads (in a cluster: the node's containerd stopped,
+/// and with it the reader of the container's output). The gateway once blocked in the write of an
+/// audit line as soon as the pipe was full: the run that wrote it, then every run, hung. Now every
+/// run is answered: served while its line can wait in the gateway, then refused (UNAVAILABLE, the
+/// client tries another replica); once the output is read, every served run's line is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_audit_nobody_reads_never_stalls_runs_and_loses_no_served_runs_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = tempfile::Builder::new()
+        .prefix("sluice-audit-pipe")
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::write(
+        dir.path().join("good.yaml"),
+        GOOD.replace("warm: 1, max: 4", "warm: 2, max: 4"),
+    )
+    .unwrap();
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice-gateway"))
+        .arg("--local")
+        .arg(dir.path())
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--state-dir")
+        .arg(state.path())
+        .arg("--audit")
+        .arg("-")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("gateway binary starts");
+    // Held, not read, until the end.
+    let mut stdout = child.stdout.take().unwrap();
+    let gw = Gateway {
+        child,
+        addr: format!("http://127.0.0.1:{port}"),
+        stderr_lines: std::sync::mpsc::channel().1,
+    };
+    let client = gw.client().await;
+    let (mut served, mut refused) = (Vec::new(), 0);
+    // Four callers at once; a pipe (64 KiB) holds about a hundred lines.
+    'calls: for round in 0..1000 {
+        let calls = (0..4).map(|i| {
+            let mut client = client.clone();
+            async move {
+                tokio::time::timeout(
+                    Duration::from_secs(10),
+                    run(&mut client, "bot", &format!("call {round} {i}")),
+                )
+                .await
+            }
+        });
+        for r in futures::future::join_all(calls).await {
+            match r {
+                Ok(Ok(r)) => {
+                    assert_eq!(text(&r), "v1");
+                    served.push(r.run_id);
+                }
+                Ok(Err(s)) if s.code() == tonic::Code::Unavailable => {
+                    assert!(
+                        s.message().contains("audit log is not being written"),
+                        "{s:?}"
+                    );
+                    refused += 1;
+                }
+                Ok(Err(s)) => panic!("a run failed: {s:?}"),
+                Err(_) => panic!(
+                    "a run was not answered within 10 s after {} runs",
+                    served.len()
+                ),
+            }
+        }
+        if refused >= 8 {
+            break 'calls;
+        }
+    }
+    assert!(refused >= 8, "never refused: {} runs served", served.len());
+    println!(
+        "{} runs served, then runs refused, with nobody reading the audit",
+        served.len()
+    );
+    let reading = std::thread::spawn(move || {
+        use std::io::Read;
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        text
+    });
+    // Being read, the gateway serves again.
+    let mut client = client.clone();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match run(&mut client, "bot", "after").await {
+            Ok(r) => {
+                served.push(r.run_id);
+                break;
+            }
+            Err(s) => assert!(Instant::now() < deadline, "never served again: {s:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    sigterm(&gw.child);
+    let mut gw = gw;
+    assert!(gw.child.wait().unwrap().success());
+    let audit = reading.join().unwrap();
+    let ids: std::collections::HashSet<String> = audit
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["run_id"].as_str().map(str::to_string))
+        .collect();
+    let missing: Vec<&String> = served.iter().filter(|id| !ids.contains(*id)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} served runs missing from the audit: {:?}",
+        missing.len(),
+        &missing[..missing.len().min(5)]
+    );
+}

@@ -9,6 +9,7 @@ use super::context::Context;
 use super::read::Snapshot;
 use crate::reconcile::build::FIELD_MANAGER;
 pub mod conditions;
+pub(crate) mod shadows;
 
 pub use conditions::*;
 
