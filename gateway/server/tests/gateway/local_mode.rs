@@ -84,6 +84,23 @@ fn start(dir: &Path, state: &Path) -> Gateway {
     }
 }
 
+/// A test that fails leaves no gateway behind: asked to stop (it removes its sandboxes), then killed.
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.child.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 impl Gateway {
     fn wait_for_log(&self, needle: &str, timeout: Duration) -> String {
         let deadline = Instant::now() + timeout;
@@ -515,6 +532,7 @@ async fn an_audit_nobody_reads_never_stalls_runs_and_loses_no_served_runs_line()
     sigterm(&gw.child);
     let mut gw = gw;
     assert!(gw.child.wait().unwrap().success());
+    drop(gw);
     let audit = reading.join().unwrap();
     let ids: std::collections::HashSet<String> = audit
         .lines()
