@@ -472,13 +472,34 @@ pod_cgroups() { # (node sets which)
 	done
 }
 
-run_kubelet() { # (node sets which)
-	pod_cgroups
+start_kubelet() { # (node sets which)
 	start "kubelet$SUFFIX" "$BIN/kubelet" --config "$STATE/kubelet$SUFFIX.yaml" \
 		--kubeconfig "$STATE/kubelet$SUFFIX.kubeconfig" --root-dir "$STATE/kubelet$SUFFIX" \
 		--hostname-override "$NODE_NAME" --node-ip "$NODE_IP" --v 1
-	wait_for "node $NODE_NAME to register" 120 kubectl_ get node "$NODE_NAME"
-	wait_for "the kubelet's health on $NODE_NAME" 60 curl -sf "http://$NODE_IP:10248/healthz"
+}
+
+# kubelet_up <what> <seconds> <command...>: waits as wait_for does, starting the kubelet again when
+# it has exited, as a node's service manager does (systemd's Restart=): a kubelet that finds the
+# runtime's CRI not initialized yet (containerd recovering a stopped node's containers) exits.
+kubelet_up() { # (node sets which)
+	local what=$1 seconds=$2 i
+	shift 2
+	for i in $(seq 1 "$seconds"); do
+		if "$@" >/dev/null 2>&1; then return 0; fi
+		if ! running "kubelet$SUFFIX"; then
+			log "the kubelet of $NODE_NAME exited ($(tail -n 1 "$LOGS/kubelet$SUFFIX.log" | cut -c1-200)); starting it again"
+			start_kubelet
+		fi
+		sleep 1
+	done
+	die "timed out after ${seconds}s waiting for $what (logs: $LOGS)"
+}
+
+run_kubelet() { # (node sets which)
+	pod_cgroups
+	start_kubelet
+	kubelet_up "node $NODE_NAME to register" 120 kubectl_ get node "$NODE_NAME"
+	kubelet_up "the kubelet's health on $NODE_NAME" 60 curl -sf "http://$NODE_IP:10248/healthz"
 }
 
 # The component names of a node's processes: `kubelet`, `containerd` on the first, `kubelet-b`...

@@ -328,26 +328,66 @@ async fn a_drain_under_traffic_fails_no_run_and_moves_the_pool() {
             ))
         })
         .collect();
-    // The node of a pod a gateway holds: what the drain must not cut off.
+    // The node of a pod a gateway on another node holds: what the drain must not cut off, and what
+    // only the operator's mark gives back (a gateway on the drained node is drained with it).
     let victim = poll(
         Duration::from_secs(60),
-        "a claimed pod of the chain on a node",
+        "a claimed pod of the chain on a node other than its gateway's",
         || async {
+            let gateway_node: HashMap<String, String> = release_pods(&c.client, "gateway")
+                .await
+                .iter()
+                .filter_map(|g| Some((g.metadata.name.clone()?, node_of(g)?.to_string())))
+                .collect();
             c.pool_pods("drained", "claimed")
                 .await
                 .iter()
-                .find_map(|p| node_of(p).map(str::to_string))
+                .find_map(|p| {
+                    let node = node_of(p)?;
+                    let by = p
+                        .metadata
+                        .annotations
+                        .as_ref()?
+                        .get(sluice_crds::sandbox_pod::ANNOTATION_CLAIMED_BY)?;
+                    (gateway_node.get(by).map(String::as_str) != Some(node))
+                        .then(|| node.to_string())
+                })
         },
     )
     .await;
-    let held_there: Vec<String> = c
+    let claimed_there: Vec<Pod> = c
         .pool_pods("drained", "claimed")
         .await
-        .iter()
+        .into_iter()
         .filter(|p| node_of(p) == Some(victim.as_str()))
+        .collect();
+    let held_there: Vec<String> = claimed_there
+        .iter()
         .filter_map(|p| p.metadata.name.clone())
         .collect();
-    println!("draining {victim}, where the gateways hold {held_there:?}");
+    // A gateway on the drained node is drained too: it gives back what it holds as it stops, with
+    // or without a mark. The pods held by gateways elsewhere are the ones the mark is for.
+    let gateways_there: HashSet<String> = release_pods(&c.client, "gateway")
+        .await
+        .iter()
+        .filter(|g| node_of(g) == Some(victim.as_str()))
+        .filter_map(|g| g.metadata.name.clone())
+        .collect();
+    let held_from_elsewhere: Vec<String> = claimed_there
+        .iter()
+        .filter(|p| {
+            let by = p
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(sluice_crds::sandbox_pod::ANNOTATION_CLAIMED_BY));
+            !by.is_some_and(|g| gateways_there.contains(g))
+        })
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    println!(
+        "draining {victim}, where the gateways hold {held_there:?} ({held_from_elsewhere:?} by gateways on other nodes; gateways on {victim}: {gateways_there:?})"
+    );
     let _uncordon = Uncordon(vec![victim.clone()]);
     let began = Instant::now();
     let node = victim.clone();
@@ -412,13 +452,14 @@ async fn a_drain_under_traffic_fails_no_run_and_moves_the_pool() {
         .filter(|e| e["reason"] == "Draining")
         .filter_map(|e| e["note"].as_str())
         .collect();
-    // The pods claimed there when the drain began (a gateway may have given one back just
-    // before the cordon: at least one is marked).
+    // The pods claimed there by gateways elsewhere when the drain began (a gateway may have given
+    // one back just before the cordon: at least one is marked). Pods held by a gateway that was
+    // on the node went with that gateway's stop (and are gone: no Sluice pod is left there).
     assert!(
-        held_there
+        held_from_elsewhere
             .iter()
             .any(|pod| draining.iter().any(|n| n.contains(pod.as_str()))),
-        "no Draining event names a pod held on {victim} ({held_there:?}): {draining:?}"
+        "no Draining event names a pod held on {victim} by a gateway elsewhere ({held_from_elsewhere:?}): {draining:?}"
     );
     let missing = logs.missing(&run_ids, Duration::from_secs(30)).await;
     assert!(
@@ -780,7 +821,8 @@ async fn two_gateways_claiming_at_once_never_share_a_pod() {
         "race",
         "race-bot",
         "input",
-        json!({"pool": {"warm": 3, "max": 10, "reuse": "None"}, "resources": {"cpu": "100m"}}),
+        // Each gateway takes a pod for its run and claims one ahead to hold: four claims a round.
+        json!({"pool": {"warm": 4, "max": 12, "reuse": "None"}, "resources": {"cpu": "100m"}}),
         &[("upper", "modify", UPPER)],
     )
     .await;

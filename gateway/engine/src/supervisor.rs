@@ -518,7 +518,8 @@ impl SupervisorConn {
                         .cell
                         .as_ref()
                         .is_some_and(|c| c.spec.failure_policy == sluice_crds::FailurePolicy::Open);
-                    let goes_on = matches!(h.action.as_str(), "pass" | "modify" | "detect")
+                    let goes_on = sluice_crds::Action::parse(&h.action)
+                        .is_some_and(|a| !a.is_terminal())
                         && (h.error.is_none() || open);
                     current = if goes_on {
                         hook_span(h.index + 1)

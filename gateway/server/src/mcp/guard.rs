@@ -417,7 +417,7 @@ async fn server_request(call: &Call, method: &str, mut message: Value) -> Result
             }
             let runs = texts
                 .iter()
-                .map(|(_, t)| call.run("input", method, t.clone()));
+                .map(|(_, t)| call.run(TriggerPoint::Input, method, t.clone()));
             let verdicts = join_all(runs).await;
             for ((pointer, _), verdict) in texts.into_iter().zip(verdicts) {
                 match verdict.map_err(Refused::engine)? {
@@ -563,7 +563,9 @@ async fn through_output(
         .iter()
         .filter_map(|p| value.pointer(p).cloned())
         .collect();
-    let runs = texts.into_iter().map(|t| call.run("output", method, t));
+    let runs = texts
+        .into_iter()
+        .map(|t| call.run(TriggerPoint::Output, method, t));
     let verdicts = join_all(runs).await;
     for (pointer, verdict) in pointers.iter().zip(verdicts) {
         match verdict.map_err(Refused::engine)? {
@@ -717,7 +719,7 @@ async fn tools_list(call: &Call, result: Value, first_page: bool) -> Result<Valu
             "turn": 0,
         });
         match call
-            .run("before_model", "tools/list", payload)
+            .run(TriggerPoint::BeforeModel, "tools/list", payload)
             .await
             .map_err(Refused::engine)?
         {
@@ -796,7 +798,7 @@ async fn before_tool(
     }
     let payload = json!({"name": name, "arguments": arguments});
     let (name, arguments) = match call
-        .run("before_tool", "tools/call", payload)
+        .run(TriggerPoint::BeforeTool, "tools/call", payload)
         .await
         .map_err(Refused::engine)?
     {
@@ -945,7 +947,7 @@ async fn tool_result(call: &Call, name: &str, result: Value) -> Result<Value, Re
         } else {
             json!({"name": name, "result": text, "error": null})
         };
-        call.run("after_tool", "tools/call", payload)
+        call.run(TriggerPoint::AfterTool, "tools/call", payload)
     });
     let verdicts = join_all(runs).await;
     for ((slot, _), verdict) in slots.into_iter().zip(verdicts) {

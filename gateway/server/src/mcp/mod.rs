@@ -23,6 +23,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::{Method, Request, Response, StatusCode};
 use rpc::Message;
+use sluice_crds::TriggerPoint;
 use sluice_engine::{CallerAuth, Engine, EngineError};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -356,14 +357,14 @@ impl Call {
     /// platform's baseline), with the MCP method in the context.
     pub(crate) async fn run(
         &self,
-        trigger_point: &str,
+        trigger_point: TriggerPoint,
         method: &str,
         payload: serde_json::Value,
     ) -> Result<guard::Verdict, EngineError> {
         let input = sluice_engine::RunInput {
             namespace: self.namespace.clone(),
             target: self.server.name.clone(),
-            trigger_point: trigger_point.to_string(),
+            trigger_point: trigger_point.as_str().to_string(),
             payload: Some(payload.clone()),
             context: BTreeMap::from([("mcp_method".to_string(), method.to_string())]),
             session_id: self.session_id.clone().unwrap_or_default(),

@@ -329,7 +329,7 @@ async fn walk_once(
     {
         return Ok(d);
     }
-    let checked = hooks.run_checked(tp.as_str(), payload.clone()).await?;
+    let checked = hooks.run_checked(tp, payload.clone()).await?;
     let decided = match checked.verdict {
         Verdict::Go(out) if out == payload => Decided::Same,
         Verdict::Go(out) => Decided::Rewritten(out),
@@ -485,7 +485,10 @@ async fn before_model(hooks: &Hooks, request: &mut ChatRequest) -> Result<Step, 
         "usage_so_far": {},
         "turn": turn,
     });
-    match hooks.run("before_model", payload.clone()).await? {
+    match hooks
+        .run(TriggerPoint::BeforeModel, payload.clone())
+        .await?
+    {
         Verdict::Block { message } => Ok(Step::Block(message)),
         Verdict::Skip(message) => Ok(Step::Answer(message)),
         Verdict::Go(out) if out == payload => Ok(Step::Go),
@@ -530,7 +533,7 @@ async fn reply(hooks: &Hooks, upstream: Value) -> Result<Value, ApiError> {
     let finish = allow::finish_reason(choice.get("finish_reason"));
     let mut message = match hooks
         .run(
-            "after_model",
+            TriggerPoint::AfterModel,
             json!({"message": message, "usage": usage.clone().unwrap_or(Value::Null)}),
         )
         .await?
@@ -552,7 +555,10 @@ async fn reply(hooks: &Hooks, upstream: Value) -> Result<Value, ApiError> {
         else {
             continue;
         };
-        match hooks.run("output", Value::String(text.to_string())).await? {
+        match hooks
+            .run(TriggerPoint::Output, Value::String(text.to_string()))
+            .await?
+        {
             Verdict::Go(Value::String(out)) => message[field] = Value::String(out),
             Verdict::Go(_) => {}
             Verdict::Block { message } => return Ok(refuse(head, usage, &message)),
@@ -610,7 +616,10 @@ pub(crate) async fn tool_calls(
             .and_then(|s| serde_json::from_str::<Value>(s).ok())
             .unwrap_or(raw.clone());
         match hooks
-            .run("before_tool", json!({"name": name, "arguments": arguments}))
+            .run(
+                TriggerPoint::BeforeTool,
+                json!({"name": name, "arguments": arguments}),
+            )
             .await?
         {
             Verdict::Go(p) => {

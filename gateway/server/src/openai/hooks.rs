@@ -47,7 +47,7 @@ impl Hooks {
     /// disconnects drops this future, never the run, which is finished and audited all the same.
     pub(crate) async fn run(
         &self,
-        trigger_point: &str,
+        trigger_point: TriggerPoint,
         payload: Value,
     ) -> Result<Verdict, ApiError> {
         Ok(self.run_checked(trigger_point, payload).await?.verdict)
@@ -56,13 +56,13 @@ impl Hooks {
     /// `run`, saying whether every hook answered.
     pub(crate) async fn run_checked(
         &self,
-        trigger_point: &str,
+        trigger_point: TriggerPoint,
         payload: Value,
     ) -> Result<Checked, ApiError> {
         let input = RunInput {
             namespace: self.namespace.clone(),
             target: self.target.clone(),
-            trigger_point: trigger_point.to_string(),
+            trigger_point: trigger_point.as_str().to_string(),
             payload: Some(payload.clone()),
             context: Default::default(),
             session_id: self.session.clone(),
@@ -166,7 +166,7 @@ impl Hooks {
         let open = StreamInput::Open(StreamOpen {
             namespace: self.namespace.clone(),
             target: self.target.clone(),
-            trigger_point: "output".into(),
+            trigger_point: TriggerPoint::Output.as_str().into(),
             context: Default::default(),
             session_id: self.session.clone(),
             chunk_by_chunk: false,

@@ -19,6 +19,7 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::Response;
 use hyper::body::Frame;
 use serde_json::{Value, json};
+use sluice_crds::TriggerPoint;
 use sluice_engine::{ClientStreamError, EngineError, StreamError, StreamInput, StreamOutput};
 use std::convert::Infallible;
 use std::time::Duration;
@@ -415,7 +416,10 @@ impl Relay {
         let usage = self.usage.clone().unwrap_or(Value::Null);
         let after = self
             .hooks
-            .run("after_model", json!({"message": message, "usage": usage}))
+            .run(
+                TriggerPoint::AfterModel,
+                json!({"message": message, "usage": usage}),
+            )
             .await;
         match after {
             Err(e) => {
@@ -454,7 +458,11 @@ impl Relay {
             .filter(|r| !r.is_empty())
             .map(str::to_string)
         {
-            match self.hooks.run("output", Value::String(text)).await {
+            match self
+                .hooks
+                .run(TriggerPoint::Output, Value::String(text))
+                .await
+            {
                 Err(e) => {
                     self.send(&e.body()).await?;
                     return self.done().await;
