@@ -50,6 +50,23 @@ async fn release_pods(client: &Client, component: &str) -> Vec<Pod> {
         .collect()
 }
 
+/// The release's gateway pods once two are Ready (the production shape), within two minutes.
+async fn two_ready_gateways(client: &Client) -> Vec<Pod> {
+    poll(
+        Duration::from_secs(120),
+        "two ready gateway replicas",
+        || async {
+            let pods: Vec<Pod> = release_pods(client, "gateway")
+                .await
+                .into_iter()
+                .filter(ready)
+                .collect();
+            (pods.len() >= 2).then_some(pods)
+        },
+    )
+    .await
+}
+
 /// The port named `name` of the pod's first container.
 fn port(pod: &Pod, name: &str) -> i32 {
     pod.spec.as_ref().unwrap().containers[0]
@@ -803,19 +820,7 @@ async fn two_gateways_claiming_at_once_never_share_a_pod() {
     let Some(c) = cluster("race").await else {
         return;
     };
-    let gateways = poll(
-        Duration::from_secs(120),
-        "two ready gateway replicas",
-        || async {
-            let pods: Vec<Pod> = release_pods(&c.client, "gateway")
-                .await
-                .into_iter()
-                .filter(ready)
-                .collect();
-            (pods.len() >= 2).then_some(pods)
-        },
-    )
-    .await;
+    let gateways = two_ready_gateways(&c.client).await;
     let logs = GatewayLogs::follow();
     c.apply_chain(
         "race",
@@ -1058,19 +1063,7 @@ async fn a_canary_judged_by_two_gateways_and_a_stopped_gateways_shadow_entry() {
     let Some(c) = cluster("canary2").await else {
         return;
     };
-    let gateways = poll(
-        Duration::from_secs(120),
-        "two ready gateway replicas",
-        || async {
-            let pods: Vec<Pod> = release_pods(&c.client, "gateway")
-                .await
-                .into_iter()
-                .filter(ready)
-                .collect();
-            (pods.len() >= 2).then_some(pods)
-        },
-    )
-    .await;
+    let gateways = two_ready_gateways(&c.client).await;
     let names: Vec<String> = gateways
         .iter()
         .map(|g| g.metadata.name.clone().unwrap())
@@ -1277,17 +1270,5 @@ async fn a_canary_judged_by_two_gateways_and_a_stopped_gateways_shadow_entry() {
         "a deleted gateway's shadow entry was gone {took:?} after the delete; the other's stayed"
     );
     // The Deployment's new replica, for the tests after this one.
-    poll(
-        Duration::from_secs(120),
-        "two ready gateway replicas again",
-        || async {
-            let pods: Vec<Pod> = release_pods(&c.client, "gateway")
-                .await
-                .into_iter()
-                .filter(ready)
-                .collect();
-            (pods.len() >= 2).then_some(())
-        },
-    )
-    .await;
+    two_ready_gateways(&c.client).await;
 }
