@@ -89,6 +89,12 @@ impl Engine {
         &self.audit
     }
 
+    /// Waits (at most `within`, blocking) until every audit line waiting is written; whether it
+    /// was. For the gateway's exit: lines still queued then would be lost.
+    pub fn drain_audit(&self, within: Duration) -> bool {
+        self.audit.drain(within)
+    }
+
     /// A new run is refused while its audit line could not be written soon (`Audit::backlog`):
     /// the client tries another replica, and no served run goes unaudited.
     pub(crate) fn audit_admits(&self) -> Result<(), EngineError> {

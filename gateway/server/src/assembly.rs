@@ -206,6 +206,9 @@ struct Farewell {
     task: JoinHandle<()>,
 }
 
+/// How long the gateway waits at exit for its queued audit lines to be written.
+const AUDIT_DRAIN_WITHIN: Duration = Duration::from_secs(10);
+
 /// How long a farewell task may take before the gateway exits without it.
 const FAREWELL_WITHIN: Duration = Duration::from_secs(5);
 
@@ -264,6 +267,16 @@ impl RunningGateway {
         let left = self.engine.pools().backend().clean_leftovers().await;
         if left > 0 {
             tracing::warn!(left, "removed sandboxes that outlived their teardown");
+        }
+        let engine = self.engine.clone();
+        let drained = tokio::task::spawn_blocking(move || engine.drain_audit(AUDIT_DRAIN_WITHIN))
+            .await
+            .unwrap_or(false);
+        if !drained {
+            tracing::error!(
+                within_s = AUDIT_DRAIN_WITHIN.as_secs(),
+                "exiting with audit lines not written: nobody reads the gateway's output"
+            );
         }
     }
 }
